@@ -1,0 +1,265 @@
+"""Counted communication: every collective and point-to-point call the engine makes.
+
+Each call goes through a ``Comm`` (one process group, named by its mesh dimension) and
+lands in a ``CommLog`` as a ``CommRecord``: the op, the dimension, the payload bytes,
+the bytes a ring algorithm puts on the wire from this rank, and when it started and
+ended. Runs report the log; the theory predicts it; the lessons show both.
+
+Wire bytes per rank for a group of N ranks and a payload of S bytes (ring algorithms,
+as NCCL and gloo use for large messages; Patarasuk & Yuan 2009):
+
+* all-reduce: 2 (N-1)/N * S   (a reduce-scatter then an all-gather)
+* all-gather: (N-1)/N * S     (S = the gathered output)
+* reduce-scatter: (N-1)/N * S (S = the full input)
+* broadcast: S (pipelined ring: every rank but the last forwards it once)
+* send: S; recv: 0
+
+The torch-version differences live here and nowhere else: torch 2.13 deprecates
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of ``*_single``,
+which torch 2.11 (on the GPU machines) does not have.
+
+Before each call the log tells the launcher which op this rank entered, so a hang is
+reported as "rank 3 waits in all_reduce on tp, shape (64, 64)" instead of silence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# --- the one place that knows torch versions -----------------------------------------
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = (getattr(dist, "reduce_scatter_single", None)
+                        or dist.reduce_scatter_tensor)
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _reduce_op(op: str):
+    try:
+        return REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduction {op!r}; use one of {list(REDUCE_OPS)} "
+                         "(average by dividing after a sum)") from None
+
+
+def wire_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends for ``op`` on ``n`` ranks with payload ``nbytes`` (ring)."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * nbytes // n
+    if op in ("broadcast", "send"):
+        return nbytes
+    return 0
+
+
+@dataclass
+class CommRecord:
+    op: str
+    dim: str
+    nbytes: int
+    wire_bytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    start: float
+    end: float = float("nan")
+    peer: int | None = None  # global rank on the other side of a send / recv
+
+    def describe(self) -> str:
+        peer = f" with rank {self.peer}" if self.peer is not None else ""
+        return f"{self.op} on {self.dim}{peer}, shape {tuple(self.shape)} {self.dtype}"
+
+
+@dataclass
+class CommLog:
+    """A rank's record of everything it communicated.
+
+    ``on_enter`` is called with each record before the op runs; the launcher uses it
+    to know where a rank is stuck. Set ``enabled=False`` to stop recording (for
+    benchmarks of the recording itself).
+    """
+
+    records: list[CommRecord] = field(default_factory=list)
+    on_enter: Callable[[CommRecord], None] | None = None
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.on_enter is None:
+            from minipar.launch import rank_status_reporter  # the launcher's hook, if any
+
+            self.on_enter = rank_status_reporter()
+
+    def enter(self, op: str, dim: str, t: torch.Tensor, n: int, nbytes: int | None = None,
+              peer: int | None = None) -> CommRecord:
+        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
+        rec = CommRecord(op, dim, nbytes, wire_bytes(op, nbytes, n), tuple(t.shape),
+                         str(t.dtype).replace("torch.", ""), time.time(), peer=peer)
+        if self.on_enter is not None:
+            self.on_enter(rec)
+        if self.enabled:
+            self.records.append(rec)
+        return rec
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def summary(self) -> dict[str, dict[str, dict[str, float]]]:
+        """{dim: {op: {"calls", "bytes", "wire_bytes", "seconds"}}}."""
+        out: dict = defaultdict(lambda: defaultdict(
+            lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0, "seconds": 0.0}))
+        for r in self.records:
+            s = out[r.dim][r.op]
+            s["calls"] += 1
+            s["bytes"] += r.nbytes
+            s["wire_bytes"] += r.wire_bytes
+            s["seconds"] += max(0.0, r.end - r.start) if r.end == r.end else 0.0
+        return {d: dict(ops) for d, ops in out.items()}
+
+    def total(self, key: str = "wire_bytes", dim: str | None = None,
+              op: str | None = None) -> int:
+        return sum(getattr(r, key) for r in self.records
+                   if (dim is None or r.dim == dim) and (op is None or r.op == op))
+
+    def to_dicts(self) -> list[dict]:
+        return [asdict(r) for r in self.records]
+
+
+class Pending:
+    """An asynchronous op in flight; ``wait()`` finishes it and stamps its end time."""
+
+    def __init__(self, work, record: CommRecord, then: Callable[[], None] | None = None):
+        self.work, self.record, self.then = work, record, then
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.record.end = time.time()
+            if self.then is not None:
+                self.then()
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+class Comm:
+    """Counted collectives on one process group, named by its mesh dimension."""
+
+    def __init__(self, group=None, dim: str = "world", log: CommLog | None = None,
+                 ranks: Sequence[int] | None = None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.dim = dim
+        self.log = CommLog() if log is None else log
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.ranks = list(ranks) if ranks is not None else dist.get_process_group_ranks(
+            self.group)
+
+    def __repr__(self) -> str:
+        return f"Comm({self.dim}, rank {self.rank} of {self.ranks})"
+
+    def _run(self, op, t, fn, async_op, nbytes=None, peer=None, then=None):
+        rec = self.log.enter(op, self.dim, t, self.size, nbytes, peer)
+        work = fn()
+        if async_op:
+            return Pending(work, rec, then)
+        rec.end = time.time()
+        if then is not None:
+            then()
+        return None
+
+    # --- collectives -------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """Reduce ``t`` in place across the group (sum, max or min)."""
+        if self.size == 1:
+            return Pending(None, None) if async_op else None
+        return self._run("all_reduce", t, lambda: dist.all_reduce(
+            t, _reduce_op(op), group=self.group, async_op=async_op), async_op)
+
+    def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along ``dim`` (rank order) and return it."""
+        if self.size == 1:
+            return t
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]) if dim == 0 else
+                          (self.size, *t.shape), dtype=t.dtype, device=t.device)
+        src = t.contiguous()
+        self._run("all_gather", out, lambda: _all_gather_flat(out, src, group=self.group),
+                  False)
+        if dim == 0:
+            return out
+        return torch.cat(out.unbind(0), dim=dim)
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor,
+                        async_op: bool = False):
+        """Gather flat shards into a preallocated flat ``out`` (ZeRO-3's hot path)."""
+        if self.size == 1:
+            out.copy_(t)
+            return Pending(None, None) if async_op else None
+        return self._run("all_gather", out, lambda: _all_gather_flat(
+            out, t, group=self.group, async_op=async_op), async_op)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tensor:
+        """Sum ``t`` across ranks and return this rank's equal slice along ``dim``."""
+        if self.size == 1:
+            return t
+        if t.shape[dim] % self.size:
+            raise ValueError(f"reduce_scatter: size {t.shape[dim]} of dim {dim} is not "
+                             f"divisible by the group size {self.size}")
+        chunks = t.chunk(self.size, dim=dim)
+        # The flat op scatters along dim 0, so lay the chunks one after another.
+        src = t.contiguous() if dim == 0 else torch.cat([c.reshape(-1) for c in chunks])
+        out = torch.empty(chunks[0].shape, dtype=t.dtype, device=t.device)
+        flat_out = out.view(-1) if dim else out
+        self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
+            flat_out, src, _reduce_op(op), group=self.group), False)
+        return out
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum",
+                            async_op: bool = False):
+        """Reduce-scatter a flat ``t`` into a preallocated flat ``out`` (ZeRO-2/3)."""
+        if self.size == 1:
+            out.copy_(t)
+            return Pending(None, None) if async_op else None
+        return self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
+            out, t, _reduce_op(op), group=self.group, async_op=async_op), async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy ``t`` from the group's local rank ``src`` to every rank, in place."""
+        if self.size > 1:
+            self._run("broadcast", t, lambda: dist.broadcast(
+                t, self.ranks[src], group=self.group), False)
+        return t
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            probe = torch.zeros(1)
+            self._run("barrier", probe, lambda: dist.barrier(group=self.group), False, 0)
+
+    # --- point to point (ranks are local to the group) ----------------------------
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        peer = self.ranks[dst]
+        self._run("send", t, lambda: dist.send(t.contiguous(), peer, group=self.group),
+                  False, peer=peer)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        peer = self.ranks[src]
+        self._run("recv", t, lambda: dist.recv(t, peer, group=self.group), False, peer=peer)
+        return t
+
+    def isend(self, t: torch.Tensor, dst: int) -> Pending:
+        peer = self.ranks[dst]
+        return self._run("send", t, lambda: dist.isend(t.contiguous(), peer, group=self.group),
+                         True, peer=peer)
+
+    def irecv(self, t: torch.Tensor, src: int) -> Pending:
+        peer = self.ranks[src]
+        return self._run("recv", t, lambda: dist.irecv(t, peer, group=self.group), True,
+                         peer=peer)

@@ -1,0 +1,350 @@
+"""Run a function on N ranks, from a script, from pytest or from a notebook cell.
+
+``launch(fn, world_size)`` starts one process per rank, joins them into a
+``torch.distributed`` job, calls ``fn(*args, **kwargs)`` on each and returns the list of
+their results (rank order). What makes it safe for a room of laptops:
+
+* **No fixed port.** The parent opens the rendezvous store on port 0 (the OS picks a free
+  one) and keeps it open for the whole run, so parallel launches can never collide.
+* **Notebook functions work.** The default start method on Linux and macOS is ``fork``: a
+  function defined in a notebook cell is inherited, not pickled. A forked child first
+  calls ``torch.set_num_threads(1)``: a fork of a process whose OpenMP pool already ran
+  hangs at its first parallel op otherwise. With ``start_method="spawn"`` (or CUDA
+  already initialised, where fork is broken) ``fn`` must live in an importable ``.py``
+  module; we check that before starting anything.
+* **Failures come back, fast, with the rank.** An exception on any rank stops every
+  rank and raises ``RankFailed`` with that rank's traceback. A rank that dies (a signal,
+  ``os._exit``) raises ``RankDied`` with its exit code. A run past ``timeout`` raises
+  ``RankTimeout`` naming, per rank, the last collective it entered (op, group, shape).
+  Ctrl-C or a kernel interrupt stops the children too.
+* **No orphans.** Children are terminated, then killed, on every exit path, and each
+  asks the kernel to kill it if the parent dies (Linux ``PR_SET_PDEATHSIG``).
+* **Quiet ranks.** A rank's stdout and stderr (warnings, gloo's C++ logs) go to a file,
+  never to the notebook; ``capture_output=True`` returns them, and error reports end
+  with their last lines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+# --- this process's rank status slot (set only inside a launched child) ------------
+_STATUS_SLOT = None  # a shared char array the parent reads when a run times out
+
+
+def rank_status_reporter() -> Callable | None:
+    """The hook comm.CommLog calls on entering an op; None outside a launched rank."""
+    slot = _STATUS_SLOT
+    if slot is None:
+        return None
+
+    def report(record) -> None:
+        _set_status(slot, f"last entered {record.describe()}")
+
+    return report
+
+
+def _set_status(slot, text: str) -> None:
+    data = text.encode()[: len(slot) - 1]
+    slot[: len(data) + 1] = data + b"\0"
+
+
+def _get_status(slot) -> str:
+    return bytes(slot[:]).split(b"\0", 1)[0].decode(errors="replace")
+
+
+class LaunchError(RuntimeError):
+    """A launched run failed; ``rank`` says which rank, the message says what it did."""
+
+    def __init__(self, message: str, rank: int | None = None, output: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.output = output
+
+
+class RankFailed(LaunchError):
+    """A rank raised an exception."""
+
+
+class RankDied(LaunchError):
+    """A rank's process ended without reporting (a signal, os._exit, out of memory)."""
+
+
+class RankTimeout(LaunchError):
+    """The run outlived its timeout; the message says where each rank was."""
+
+
+class Results(list):
+    """Per-rank return values (rank order), plus ``outputs`` when captured."""
+
+    outputs: list[str]
+    seconds: float
+
+
+def default_start_method() -> str:
+    """fork where it is safe (POSIX, CUDA not initialised in this process), else spawn."""
+    if "fork" not in mp.get_all_start_methods():
+        return "spawn"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "spawn"
+    return "fork"
+
+
+def _check_spawnable(fn: Callable) -> None:
+    main = sys.modules.get("__main__")
+    if fn.__module__ == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(
+            f"{fn.__qualname__} is defined in a notebook or an interactive session, so "
+            "spawned ranks cannot import it. Use start_method='fork' (the default on "
+            "Linux/macOS), or move the function into a .py module and import it."
+        )
+    try:
+        pickle.dumps(fn)
+    except Exception as e:  # lambdas, closures, local functions
+        raise ValueError(
+            f"{getattr(fn, '__qualname__', fn)!r} cannot be pickled for spawn ({e}); "
+            "define it at the top level of an importable module, or use start_method='fork'"
+        ) from None
+
+
+def _free_store(world_size: int, timeout: float):
+    """The parent's rendezvous store on a port the OS picks (never a fixed port)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no orphans)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, out_path,
+           threads, timeout, parent_pid):
+    global _STATUS_SLOT
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for us
+    out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    warnings.simplefilter("ignore")
+    _STATUS_SLOT = slot
+    _set_status(slot, "starting")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        _set_status(slot, "joining the process group")
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        _set_status(slot, "running (no collective entered yet)")
+        result = fn(*args, **kwargs)
+        payload = pickle.dumps(("ok", result))
+        _set_status(slot, "finished")
+    except BaseException as e:  # report everything, SystemExit included
+        tb = traceback.format_exc()
+        payload = pickle.dumps(("error", (type(e).__name__, str(e), tb,
+                                          _get_status(slot))))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send_bytes(payload)
+    conn.close()
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and payload.startswith(pickle.dumps(("ok",))[:8]):
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    backend: str = "gloo",
+    start_method: str | None = None,
+    timeout: float = 120.0,
+    capture_output: bool = False,
+    threads: int = 1,
+) -> Results:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results.
+
+    Inside ``fn``, ``torch.distributed`` is initialised (``dist.get_rank()`` says which
+    rank this is). Results must be picklable. Raises ``RankFailed``, ``RankDied`` or
+    ``RankTimeout`` (all ``LaunchError``) naming the rank; every child is gone when
+    this returns or raises.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    method = start_method or default_start_method()
+    if method == "spawn" or method == "forkserver":
+        _check_spawnable(fn)
+    ctx = mp.get_context(method)
+    kwargs = kwargs or {}
+    start = time.monotonic()
+    store = _free_store(world_size, timeout)
+    port = store.port
+    procs, conns, slots, paths = [], [], [], []
+    try:
+        for rank in range(world_size):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            slot = ctx.Array("c", 400, lock=False)
+            fd, path = tempfile.mkstemp(prefix=f"minipar-rank{rank}-", suffix=".log")
+            os.close(fd)
+            p = ctx.Process(
+                target=_child, name=f"minipar-rank{rank}", daemon=True,
+                args=(rank, world_size, backend, port, fn, args, kwargs, send_end, slot,
+                      path, threads, timeout, os.getpid()))
+            p.start()
+            send_end.close()
+            procs.append(p)
+            conns.append(recv_end)
+            slots.append(slot)
+            paths.append(path)
+        results = _collect(procs, conns, slots, paths, timeout, start)
+        results.outputs = ([_tail(p, 10**9) for p in paths] if capture_output
+                           else [""] * world_size)
+        results.seconds = time.monotonic() - start
+        return results
+    finally:
+        _stop(procs)
+        for c in conns:
+            c.close()
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        del store
+
+
+def _collect(procs, conns, slots, paths, timeout, start) -> Results:
+    n = len(procs)
+    results: list = [None] * n
+    waiting = set(range(n))
+    by_handle = {}
+    for r in range(n):
+        by_handle[conns[r]] = r
+        by_handle[procs[r].sentinel] = r
+    while waiting:
+        remaining = start + timeout - time.monotonic()
+        if remaining <= 0:
+            raise RankTimeout(_timeout_report(procs, slots, waiting, timeout))
+        handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
+        ready = mp.connection.wait(handles, timeout=min(remaining, 1.0))
+        # Results first: a rank that reported and then exited is not a death.
+        ready.sort(key=lambda h: 0 if isinstance(h, mp.connection.Connection) else 1)
+        for handle in ready:
+            rank = by_handle[handle]
+            if rank not in waiting:
+                continue
+            conn = conns[rank]
+            if conn.poll():
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    status, value = "died", None
+                if status == "ok":
+                    results[rank] = value
+                    waiting.discard(rank)
+                    continue
+                if status == "error":
+                    name, msg, tb, where = value
+                    raise RankFailed(
+                        f"rank {rank} raised {name}: {msg}\n  (rank {rank} was: {where})\n"
+                        f"--- traceback of rank {rank} ---\n{tb}", rank, _tail(paths[rank]))
+            if not procs[rank].is_alive():
+                procs[rank].join()
+                raise RankDied(_death_report(rank, procs[rank].exitcode, slots[rank],
+                                             paths[rank]), rank, _tail(paths[rank]))
+    out = Results(results)
+    return out
+
+
+def _death_report(rank, code, slot, path) -> str:
+    if code is not None and code < 0:
+        try:
+            how = f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    msg = f"rank {rank} {how} without reporting a result (it was: {_get_status(slot)})"
+    tail = _tail(path, 8).strip()
+    return msg + (f"\n--- last output of rank {rank} ---\n{tail}" if tail else "")
+
+
+def _timeout_report(procs, slots, waiting, timeout) -> str:
+    lines = [f"timed out after {timeout:g} s; where each rank was:"]
+    for r, slot in enumerate(slots):
+        state = _get_status(slot) if r in waiting else "finished"
+        lines.append(f"  rank {r}: {state}")
+    lines.append("A rank that skipped a collective its group entered leaves the others "
+                 "waiting; compare the ops above.")
+    return "\n".join(lines)
+
+
+def _stop(procs) -> None:
+    """Terminate, then kill, every child still alive, and reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
+def free_port() -> int:
+    """A port free right now (for torchrun-style commands in docs; launch never needs it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,180 @@
+"""The device mesh: which rank plays which role, and the process groups that follow.
+
+A run of ``dp * pp * tp`` ranks is a 3-D grid. Every rank has coordinates
+``(dp, pp, tp)`` and belongs to three groups, one per dimension: the ranks that differ
+from it in that coordinate only. Tensor-parallel partners exchange activations in every
+layer, so they must be neighbours (same node, fastest links): tp varies fastest in the
+rank numbering. What comes next is a convention:
+
+* ``order="megatron"`` (default, Megatron-LM and torchtitan): rank = (pp, dp, tp) with
+  tp fastest, then dp, pp outermost. Data-parallel replicas of one stage sit close.
+* ``order="pp-inside-dp"`` (picotron, some tutorials): rank = (dp, pp, tp). One whole
+  pipeline replica is a block of consecutive ranks.
+
+``Mesh`` is pure layout, usable without any process (the lessons draw it). Inside a run,
+``Mesh.connect(rank)`` creates the process groups and returns a ``RankMesh``. Nothing
+here is global: the mesh is passed to whatever needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from minipar.comm import Comm, CommLog
+
+DIMS = ("dp", "pp", "tp")
+ORDERS = {
+    # slowest -> fastest varying coordinate
+    "megatron": ("pp", "dp", "tp"),
+    "pp-inside-dp": ("dp", "pp", "tp"),
+}
+
+
+class Coords(NamedTuple):
+    dp: int
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A dp x pp x tp layout of ``world_size`` ranks."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    order: str = "megatron"
+
+    def __post_init__(self) -> None:
+        for name in DIMS:
+            size = getattr(self, name)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh size {name}={size!r} must be a positive integer")
+        if self.order not in ORDERS:
+            raise ValueError(f"unknown rank order {self.order!r}; choose one of {list(ORDERS)}")
+
+    @classmethod
+    def for_world(cls, world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1,
+                  order: str = "megatron") -> Mesh:
+        """A mesh filling ``world_size``; dp defaults to what pp and tp leave."""
+        if world_size % (pp * tp):
+            raise ValueError(f"world size {world_size} is not divisible by pp*tp={pp * tp}")
+        dp = world_size // (pp * tp) if dp is None else dp
+        mesh = cls(dp, pp, tp, order)
+        if mesh.world_size != world_size:
+            raise ValueError(
+                f"layout dp={dp} x pp={pp} x tp={tp} = {mesh.world_size} ranks "
+                f"does not match world size {world_size}"
+            )
+        return mesh
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in DIMS}
+
+    def coords(self, rank: int) -> Coords:
+        """Coordinates of a global rank (mixed-radix digits, fastest dimension last)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        digits = {}
+        for name in reversed(ORDERS[self.order]):
+            size = getattr(self, name)
+            digits[name] = rank % size
+            rank //= size
+        return Coords(**digits)
+
+    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        """The global rank at the given coordinates."""
+        coords = {"dp": dp, "pp": pp, "tp": tp}
+        rank = 0
+        for name in ORDERS[self.order]:
+            rank = rank * getattr(self, name) + coords[name]
+        return rank
+
+    def group_ranks(self, dim: str, rank: int) -> list[int]:
+        """The ranks that share every coordinate with ``rank`` except ``dim``."""
+        c = self.coords(rank)._asdict()
+        return [self.rank(**{**c, dim: i}) for i in range(getattr(self, dim))]
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of one dimension, each a list of global ranks, ordered."""
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(self.world_size):
+            seen.setdefault(tuple(self.group_ranks(dim, r)), None)
+        return [list(g) for g in seen]
+
+    def table(self) -> list[dict]:
+        """One row per rank: coordinates and the group (by its first rank) of each dim."""
+        rows = []
+        for r in range(self.world_size):
+            row = {"rank": r, **self.coords(r)._asdict()}
+            for d in DIMS:
+                row[f"{d}_group"] = self.group_ranks(d, r)
+            rows.append(row)
+        return rows
+
+    def describe(self) -> str:
+        """A printable table of the layout."""
+        head = f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3}  dp group     pp group     tp group"
+        lines = [head]
+        for row in self.table():
+            lines.append(
+                f"{row['rank']:>4} {row['dp']:>3} {row['pp']:>3} {row['tp']:>3}  "
+                + "  ".join(f"{str(row[d + '_group']):<11}" for d in DIMS)
+            )
+        return "\n".join(lines)
+
+    def connect(self, rank: int | None = None, log: CommLog | None = None) -> RankMesh:
+        """Create the process groups (collectively, on every rank) for this rank.
+
+        ``torch.distributed.new_group`` must be called by every rank for every group, in
+        the same order, even for groups the rank is not in; that is why we loop over all.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh.connect needs torch.distributed to be initialised "
+                               "(run inside minipar.launch or torchrun)")
+        world = dist.get_world_size()
+        if world != self.world_size:
+            raise ValueError(f"mesh {self.shape} needs {self.world_size} ranks, "
+                             f"the job has {world}")
+        rank = dist.get_rank() if rank is None else rank
+        log = CommLog() if log is None else log
+        comms = {}
+        for dim in DIMS:
+            for ranks in self.groups(dim):
+                group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+                if rank in ranks:
+                    comms[dim] = Comm(group, dim, log, ranks)
+        world_comm = Comm(dist.group.WORLD, "world", log, list(range(world)))
+        return RankMesh(self, rank, self.coords(rank), comms, world_comm, log)
+
+
+@dataclass
+class RankMesh:
+    """One rank's view of a connected mesh: its coordinates and a counted Comm per dim."""
+
+    mesh: Mesh
+    rank: int
+    coords: Coords
+    comms: dict[str, Comm]
+    world: Comm
+    log: CommLog = field(repr=False)
+
+    @property
+    def dp(self) -> Comm:
+        return self.comms["dp"]
+
+    @property
+    def pp(self) -> Comm:
+        return self.comms["pp"]
+
+    @property
+    def tp(self) -> Comm:
+        return self.comms["tp"]
