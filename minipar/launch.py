@@ -44,6 +44,7 @@ from typing import Any
 
 # --- this process's rank status slot (set only inside a launched child) ------------
 _STATUS_SLOT = None  # a shared char array the parent reads when a run times out
+_PROGRESS_SLOT = None  # a shared char array the parent passes to ``on_progress``
 
 
 def rank_status_reporter() -> Callable | None:
@@ -56,6 +57,15 @@ def rank_status_reporter() -> Callable | None:
         _set_status(slot, f"last entered {record.describe()}")
 
     return report
+
+
+def report_progress(text: str) -> None:
+    """Tell the launching process how this rank is doing (e.g. "step 3/50 loss 2.1").
+
+    The parent hands it to ``launch(on_progress=...)``; a no-op outside a launched rank.
+    """
+    if _PROGRESS_SLOT is not None:
+        _set_status(_PROGRESS_SLOT, text)
 
 
 def _set_status(slot, text: str) -> None:
@@ -140,9 +150,9 @@ def _die_with_parent() -> None:
             pass
 
 
-def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, out_path,
-           threads, timeout, parent_pid):
-    global _STATUS_SLOT
+def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, progress,
+           out_path, threads, timeout, parent_pid):
+    global _STATUS_SLOT, _PROGRESS_SLOT
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
@@ -153,7 +163,7 @@ def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, out_pa
     os.dup2(out, 1)
     os.dup2(out, 2)
     warnings.simplefilter("ignore")
-    _STATUS_SLOT = slot
+    _STATUS_SLOT, _PROGRESS_SLOT = slot, progress
     _set_status(slot, "starting")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -210,13 +220,15 @@ def launch(
     timeout: float = 120.0,
     capture_output: bool = False,
     threads: int = 1,
+    on_progress: Callable[[int, str], None] | None = None,
 ) -> Results:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results.
 
     Inside ``fn``, ``torch.distributed`` is initialised (``dist.get_rank()`` says which
     rank this is). Results must be picklable. Raises ``RankFailed``, ``RankDied`` or
     ``RankTimeout`` (all ``LaunchError``) naming the rank; every child is gone when
-    this returns or raises.
+    this returns or raises. ``on_progress(rank, text)`` is called in this process
+    whenever a rank's ``report_progress`` text changes (drive a progress bar with it).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -230,24 +242,26 @@ def launch(
     start = time.monotonic()
     store = _free_store(world_size, timeout)
     port = store.port
-    procs, conns, slots, paths = [], [], [], []
+    procs, conns, slots, paths, progress = [], [], [], [], []
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
             slot = ctx.Array("c", 400, lock=False)
+            progress.append(ctx.Array("c", 200, lock=False))
             fd, path = tempfile.mkstemp(prefix=f"minipar-rank{rank}-", suffix=".log")
             os.close(fd)
             p = ctx.Process(
                 target=_child, name=f"minipar-rank{rank}", daemon=True,
                 args=(rank, world_size, backend, port, fn, args, kwargs, send_end, slot,
-                      path, threads, timeout, os.getpid()))
+                      progress[rank], path, threads, timeout, os.getpid()))
             p.start()
             send_end.close()
             procs.append(p)
             conns.append(recv_end)
             slots.append(slot)
             paths.append(path)
-        results = _collect(procs, conns, slots, paths, timeout, start)
+        watch = _ProgressWatch(progress, on_progress)
+        results = _collect(procs, conns, slots, paths, timeout, start, watch)
         results.outputs = ([_tail(p, 10**9) for p in paths] if capture_output
                            else [""] * world_size)
         results.seconds = time.monotonic() - start
@@ -264,7 +278,25 @@ def launch(
         del store
 
 
-def _collect(procs, conns, slots, paths, timeout, start) -> Results:
+class _ProgressWatch:
+    """Calls ``on_progress`` with each rank's progress text when it changes."""
+
+    def __init__(self, slots, callback):
+        self.slots, self.callback = slots, callback
+        self.seen = [""] * len(slots)
+        self.poll = 0.2 if callback else 1.0
+
+    def __call__(self) -> None:
+        if self.callback is None:
+            return
+        for rank, slot in enumerate(self.slots):
+            text = _get_status(slot)
+            if text != self.seen[rank]:
+                self.seen[rank] = text
+                self.callback(rank, text)
+
+
+def _collect(procs, conns, slots, paths, timeout, start, watch) -> Results:
     n = len(procs)
     results: list = [None] * n
     waiting = set(range(n))
@@ -277,7 +309,8 @@ def _collect(procs, conns, slots, paths, timeout, start) -> Results:
         if remaining <= 0:
             raise RankTimeout(_timeout_report(procs, slots, waiting, timeout))
         handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
-        ready = mp.connection.wait(handles, timeout=min(remaining, 1.0))
+        ready = mp.connection.wait(handles, timeout=min(remaining, watch.poll))
+        watch()
         # Results first: a rank that reported and then exited is not a death.
         ready.sort(key=lambda h: 0 if isinstance(h, mp.connection.Connection) else 1)
         for handle in ready:
