@@ -91,7 +91,15 @@ class RankFailed(LaunchError):
 
 
 class RankDied(LaunchError):
-    """A rank's process ended without reporting (a signal, os._exit, out of memory)."""
+    """A rank's process ended without reporting (a signal, os._exit, out of memory).
+
+    ``exitcode`` is the process's exit status: negative for a signal (-9: SIGKILL).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, output: str = "",
+                 exitcode: int | None = None):
+        super().__init__(message, rank, output)
+        self.exitcode = exitcode
 
 
 class RankTimeout(LaunchError):
@@ -187,7 +195,7 @@ def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, progre
     except BaseException as e:  # report everything, SystemExit included
         tb = traceback.format_exc()
         payload = pickle.dumps(("error", (type(e).__name__, str(e), tb,
-                                          _get_status(slot))))
+                                          _get_status(slot), time.time())))
     sys.stdout.flush()
     sys.stderr.flush()
     conn.send_bytes(payload)
@@ -297,47 +305,55 @@ class _ProgressWatch:
 
 
 def _collect(procs, conns, slots, paths, timeout, start, watch) -> Results:
+    """Wait for every rank's result; raise for the first rank that failed.
+
+    When one rank fails, its peers soon fail too ("Connection closed by peer" from
+    gloo). On a busy machine the parent may see several failures at once, so it
+    reports the root cause: a death first (a dead rank reports nothing, so its peers'
+    errors can only be consequences), else the error raised earliest.
+    """
     n = len(procs)
     results: list = [None] * n
     waiting = set(range(n))
-    by_handle = {}
-    for r in range(n):
-        by_handle[conns[r]] = r
-        by_handle[procs[r].sentinel] = r
     while waiting:
         remaining = start + timeout - time.monotonic()
         if remaining <= 0:
             raise RankTimeout(_timeout_report(procs, slots, waiting, timeout))
         handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
-        ready = mp.connection.wait(handles, timeout=min(remaining, watch.poll))
+        ready = set(mp.connection.wait(handles, timeout=min(remaining, watch.poll)))
         watch()
-        # Results first: a rank that reported and then exited is not a death.
-        ready.sort(key=lambda h: 0 if isinstance(h, mp.connection.Connection) else 1)
-        for handle in ready:
-            rank = by_handle[handle]
-            if rank not in waiting:
-                continue
+        errors, dead = [], []
+        # Every waiting rank, not only the ready ones: a child forked by another
+        # thread's launch may hold our pipe ends open, hiding EOF and exit.
+        for rank in sorted(waiting):
             conn = conns[rank]
             if conn.poll():
                 try:
                     status, value = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    status, value = "died", None
-                if status == "ok":
+                except EOFError:  # exited without reporting; checked below
+                    status, value = "eof", None
+                if status == "ok":  # a rank that reported and then exited is not a death
                     results[rank] = value
                     waiting.discard(rank)
                     continue
                 if status == "error":
-                    name, msg, tb, where = value
-                    raise RankFailed(
-                        f"rank {rank} raised {name}: {msg}\n  (rank {rank} was: {where})\n"
-                        f"--- traceback of rank {rank} ---\n{tb}", rank, _tail(paths[rank]))
-            if not procs[rank].is_alive():
-                procs[rank].join()
-                raise RankDied(_death_report(rank, procs[rank].exitcode, slots[rank],
-                                             paths[rank]), rank, _tail(paths[rank]))
-    out = Results(results)
-    return out
+                    errors.append((value[4], rank, value))
+                    continue
+            if procs[rank].sentinel in ready or not procs[rank].is_alive():
+                procs[rank].join(1.0)  # a ready sentinel: it is exiting now
+                if procs[rank].exitcode is not None:
+                    dead.append(rank)
+        if dead:
+            rank = dead[0]
+            code = procs[rank].exitcode
+            raise RankDied(_death_report(rank, code, slots[rank], paths[rank]), rank,
+                           _tail(paths[rank]), exitcode=code)
+        if errors:
+            _, rank, (name, msg, tb, where, _) = min(errors)
+            raise RankFailed(
+                f"rank {rank} raised {name}: {msg}\n  (rank {rank} was: {where})\n"
+                f"--- traceback of rank {rank} ---\n{tb}", rank, _tail(paths[rank]))
+    return Results(results)
 
 
 def _death_report(rank, code, slot, path) -> str:
