@@ -184,10 +184,13 @@ def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, progre
         _set_status(slot, "joining the process group")
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        # The parent's deadline must come first: its RankTimeout says where every rank
+        # was, while gloo's own timeout would only name one rank's op.
+        late = timedelta(seconds=timeout + 30)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=timedelta(seconds=timeout))
+                              timeout=late)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=late)
         _set_status(slot, "running (no collective entered yet)")
         result = fn(*args, **kwargs)
         payload = pickle.dumps(("ok", result))
