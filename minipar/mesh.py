@@ -33,6 +33,11 @@ ORDERS = {
 }
 
 
+def _check_size(name: str, size: object) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"mesh size {name}={size!r} must be a positive integer")
+
+
 class Coords(NamedTuple):
     dp: int
     pp: int
@@ -50,9 +55,7 @@ class Mesh:
 
     def __post_init__(self) -> None:
         for name in DIMS:
-            size = getattr(self, name)
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh size {name}={size!r} must be a positive integer")
+            _check_size(name, getattr(self, name))
         if self.order not in ORDERS:
             raise ValueError(f"unknown rank order {self.order!r}; choose one of {list(ORDERS)}")
 
@@ -60,6 +63,8 @@ class Mesh:
     def for_world(cls, world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1,
                   order: str = "megatron") -> Mesh:
         """A mesh filling ``world_size``; dp defaults to what pp and tp leave."""
+        _check_size("pp", pp)
+        _check_size("tp", tp)
         if world_size % (pp * tp):
             raise ValueError(f"world size {world_size} is not divisible by pp*tp={pp * tp}")
         dp = world_size // (pp * tp) if dp is None else dp
@@ -93,6 +98,9 @@ class Mesh:
     def rank(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
         """The global rank at the given coordinates."""
         coords = {"dp": dp, "pp": pp, "tp": tp}
+        for name, c in coords.items():
+            if not 0 <= c < getattr(self, name):
+                raise ValueError(f"coordinate {name}={c} is outside 0..{getattr(self, name) - 1}")
         rank = 0
         for name in ORDERS[self.order]:
             rank = rank * getattr(self, name) + coords[name]
