@@ -188,14 +188,15 @@ class Comm:
         """Concatenate every rank's ``t`` along ``dim`` (rank order) and return it."""
         if self.size == 1:
             return t
-        out = torch.empty((self.size * t.shape[0], *t.shape[1:]) if dim == 0 else
-                          (self.size, *t.shape), dtype=t.dtype, device=t.device)
+        # The flat op gathers along dim 0 (and gloo wants exactly that output shape).
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
+                          device=t.device)
         src = t.contiguous()
         self._run("all_gather", out, lambda: _all_gather_flat(out, src, group=self.group),
                   False)
         if dim == 0:
             return out
-        return torch.cat(out.unbind(0), dim=dim)
+        return torch.cat(out.chunk(self.size, 0), dim=dim)
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor,
                         async_op: bool = False):
