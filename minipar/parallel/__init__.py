@@ -1,0 +1,1 @@
+"""Parallelism techniques applied from outside the model, one per file."""
