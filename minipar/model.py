@@ -118,10 +118,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split(width, dim=2)
         # (b, t, heads * hd) -> (b, heads, t, hd)
         q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        y = self.core(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, t, width))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd)) v, causal: the part selective recomputation redoes."""
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).reshape(b, t, width)
-        return self.proj(y)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class MLP(nn.Module):
