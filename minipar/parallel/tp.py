@@ -470,3 +470,26 @@ def grad_sq_sum(named_params: Iterable[tuple[str, nn.Parameter]],
     parts = [p.grad.detach().float().pow(2).sum() for name, p in named_params
              if p.grad is not None and (tp_rank == 0 or tp_shard_dim(name) is not None)]
     return torch.stack(parts).sum() if parts else torch.zeros(())
+
+
+def activation_elements_per_layer(cfg: GPTConfig, batch: int, tp: int,
+                                  sequence_parallel: bool) -> int:
+    """Elements one layer keeps for backward on one tp rank, as this file implements it
+    (dropout = 0, attention through SDPA), b = batch, s = seq_len, h, f = d_ff, a, t = tp:
+
+    * outside the tensor-parallel regions: the two layer-norm inputs and outputs (the
+      outputs are the qkv and fc inputs), 4sbh, and their mean and 1/std, 4sb;
+      divided by t only with sequence parallelism;
+    * inside (always divided by t): q, k, v (3sbh), the attention output (sbh, proj's
+      input), GELU's input and output (2sbf), SDPA's logsumexp (asb).
+
+    Korthikanti et al. (eqs. 2 and 4) count fp16 bytes: sbh(10 + 24/t + 5as/(ht))
+    without SP, sbh(34/t + 5as/(ht)) with. Ours, in elements: sbh(4 + 12/t) vs 16sbh/t
+    for f = 4h, plus the small sb terms. The differences: no dropout masks (the paper's
+    2sbh bytes; none at dropout 0), and no s x s scores (the 5as/(ht) term): fused
+    attention recomputes them in backward from the logsumexp.
+    """
+    b, s, h, f, a, t = batch, cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_head, tp
+    outside = 4 * s * b * h + 4 * s * b
+    inside = 4 * s * b * h + 2 * s * b * f + a * s * b
+    return (outside // t if sequence_parallel else outside) + inside // t
