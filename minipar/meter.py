@@ -1,0 +1,98 @@
+"""Measure what a rank holds: parameters, gradients, optimizer states, activations.
+
+The theory (``minipar.theory.memory``) predicts these numbers; a run measures them here
+so the two can be put side by side. Activations are measured as the tensors autograd
+saves for backward: a ``saved_tensors_hooks`` pair counts each saved tensor's bytes when
+it is packed and uncounts them when autograd lets it go, and the meter keeps the peak.
+A tensor saved twice (one storage) is counted once, as memory would be.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct storages among ``tensors`` (shared and tied ones counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    return tensor_bytes(v for s in opt.state.values() for v in s.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def module_bytes(modules: Iterable[nn.Module]) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes) held by ``modules``."""
+    params = [p for m in modules for p in m.parameters()]
+    return tensor_bytes(params), tensor_bytes(p.grad for p in params)
+
+
+class _Saved:
+    """What the pack hook hands autograd: the tensor, and a release when it is dropped."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class ActivationMeter:
+    """Peak bytes of tensors saved for backward while the context is active.
+
+    Parameters saved by a matmul are not activations: pass them as ``exclude`` (their
+    storages are skipped). Use one meter around a whole training step.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._live: dict[int, list] = {}  # storage ptr -> [bytes, refcount]
+        self.current = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._exclude or t.device.type == "meta":
+            return t
+        entry = self._live.get(ptr)
+        if entry is None:
+            entry = self._live[ptr] = [t.untyped_storage().nbytes(), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        saved = _Saved(t)
+        weakref.finalize(saved, self._release, ptr)
+        return saved
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._live[ptr]
+
+    def __enter__(self) -> ActivationMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
