@@ -1,0 +1,131 @@
+# Generated from solutions/checks/ring_allreduce.py by tools/make_exercises.py: edit that file, not this one.
+"""Cases for the ring all-reduce exercise (lesson 00).
+
+Every rank builds every rank's input from a seed, so each can compute the expected sum
+alone and report facts back; the parent turns the first wrong fact into a message.
+Ring sizes 2, 3 and 4 (2 hides index bugs: left and right are the same rank), tensor
+sizes that divide evenly, that do not, and that are smaller than the ring.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from minipar.comm import Comm, wire_bytes
+from minipar.launch import launch
+
+from ..check import expect
+
+WORLDS = (2, 3, 4)
+# Even sizes first, in their own run: an index bug there shows up as a wrong sum. With
+# uneven chunks the same bug may pair a send with a receive of another size, which
+# gloo answers by aborting the process (reported as such, with a hint).
+EVEN = ((12,), (3, 4))
+UNEVEN = ((10,), (2,), (3, 5))
+P2P = {"send", "recv"}
+
+
+def _inputs(shape: tuple[int, ...], n: int, case: int) -> list[torch.Tensor]:
+    """Every rank's input for one case: small integers, so sums are exact in float32."""
+    g = torch.Generator().manual_seed(1000 * n + case)
+    return [torch.randint(-8, 9, shape, generator=g).float() for _ in range(n)]
+
+
+def _ops(comm: Comm) -> dict[str, int]:
+    ops: dict[str, int] = {}
+    for r in comm.log.records:
+        ops[r.op] = ops.get(r.op, 0) + 1
+    return ops
+
+
+def _rank_cases(impl: str, shapes: tuple[tuple[int, ...], ...]) -> list[dict]:
+    """Run on every rank: each function on each shape; return facts, not verdicts."""
+    mod = importlib.import_module(f"{impl}.ring_allreduce")
+    comm = Comm()
+    n, rank = comm.size, comm.rank
+    facts = []
+    for case, shape in enumerate(shapes):
+        xs = _inputs(shape, n, case)
+        total = torch.stack(xs).sum(0)
+        want = list(torch.tensor_split(total.reshape(-1), n))
+
+        comm.log.clear()
+        chunks = list(torch.tensor_split(xs[rank].clone().reshape(-1), n))
+        owned = mod.ring_reduce_scatter(comm, chunks)
+        rs_ok = isinstance(owned, int) and 0 <= owned < n and torch.equal(chunks[owned],
+                                                                         want[owned])
+        rs_ops = _ops(comm)
+
+        comm.log.clear()
+        mine = (rank + 1) % n
+        chunks = [torch.full_like(w, float("nan")) for w in want]
+        chunks[mine] = want[mine].clone()
+        mod.ring_all_gather(comm, chunks, mine)
+        ag_ok = all(torch.equal(c, w) for c, w in zip(chunks, want))
+        ag_ops = _ops(comm)
+
+        comm.log.clear()
+        t = xs[rank].clone()
+        out = mod.ring_all_reduce(comm, t)
+        facts.append({
+            "shape": shape, "owned": owned, "rs_ok": rs_ok, "rs_ops": rs_ops,
+            "ag_ok": ag_ok, "ag_ops": ag_ops,
+            "ar_same": out is t, "ar_ok": torch.equal(t, total),
+            "ar_ops": _ops(comm), "ar_wire": comm.log.total("nbytes", op="send"),
+            "ar_expected_wire": wire_bytes("all_reduce", t.numel() * t.element_size(), n)})
+    return facts
+
+
+def _judge(n: int, rank: int, f: dict) -> None:
+    where = f"on {n} ranks, shape {f['shape']}, rank {rank}"
+    want_owned = (rank + 1) % n
+    expect(f["owned"] == want_owned,
+           f"ring_reduce_scatter returned {f['owned']!r} {where}; expected {want_owned}",
+           "return (rank + 1) % size: after size-1 steps that is the chunk that has "
+           "collected every rank's contribution")
+    expect(f["rs_ok"], f"ring_reduce_scatter: chunk {want_owned} is not the full sum {where}",
+           "at step s send chunk (rank - s) % size and add what arrives into chunk "
+           "(rank - s - 1) % size; receive into a fresh buffer, then add")
+    expect(set(f["rs_ops"]) <= P2P and f["rs_ops"].get("send", 0) == n - 1,
+           f"ring_reduce_scatter used {f['rs_ops'] or 'no counted ops'} {where}; "
+           f"expected exactly {n - 1} sends and receives",
+           "one exchange per step, size-1 steps, only through comm (send/recv/isend/"
+           "irecv); calling torch.distributed directly bypasses the count")
+    expect(f["ag_ok"], f"ring_all_gather left some chunks wrong {where}",
+           "at step s send chunk (owned - s) % size and receive into chunk "
+           "(owned - s - 1) % size; received chunks replace, never add")
+    expect(set(f["ag_ops"]) <= P2P and f["ag_ops"].get("send", 0) == n - 1,
+           f"ring_all_gather used {f['ag_ops'] or 'no counted ops'} {where}; "
+           f"expected exactly {n - 1} sends and receives",
+           "one exchange per step, size-1 steps, only through comm")
+    expect(f["ar_ok"], f"ring_all_reduce gave a wrong sum {where}",
+           "cut a flat view of t into size chunks (torch.tensor_split(t.view(-1), size)), "
+           "reduce-scatter them, then all-gather from the returned index")
+    expect(f["ar_same"], f"ring_all_reduce did not return its input tensor {where}",
+           "work in place on views of t and return t itself")
+    expect(set(f["ar_ops"]) <= P2P,
+           f"ring_all_reduce used {sorted(set(f['ar_ops']) - P2P)} {where}",
+           "build it from send/recv only; comm.all_reduce is what you are writing")
+    expect(f["ar_ops"].get("send", 0) == 2 * (n - 1),
+           f"ring_all_reduce sent {f['ar_ops'].get('send', 0)} messages {where}; the ring "
+           f"sends 2 * (size - 1) = {2 * (n - 1)}",
+           "size-1 steps of reduce-scatter, then size-1 steps of all-gather")
+    if f["shape"][0] % n == 0 and len(f["shape"]) == 1:
+        expect(f["ar_wire"] == f["ar_expected_wire"],
+               f"ring_all_reduce sent {f['ar_wire']} bytes {where}; a ring sends "
+               f"2 (N-1)/N * S = {f['ar_expected_wire']}",
+               "send one chunk (S/N bytes) per step, never the whole tensor")
+
+
+def run(impl: str, timeout: float) -> str:
+    """All cases on 2, 3 and 4 ranks; the first disagreement raises ``CheckFailure``."""
+    for n in WORLDS:
+        for shapes in (EVEN, UNEVEN):
+            per_rank = launch(_rank_cases, n, args=(impl, shapes), timeout=timeout)
+            for rank, facts in enumerate(per_rank):
+                for f in facts:
+                    _judge(n, rank, f)
+    return (f"{len(EVEN) + len(UNEVEN)} shapes on {', '.join(map(str, WORLDS))} ranks: "
+            "sums exact, only send/recv, 2(N-1) messages and 2(N-1)/N * S bytes per rank")

@@ -1,0 +1,176 @@
+"""The exercises: solutions pass, blanks fail cleanly, the checker catches mistakes,
+and exercises/ is exactly what tools/make_exercises.py makes from solutions/.
+
+    pytest tests/test_exercises.py                    # CI: the reference solutions
+    pytest tests/test_exercises.py --impl exercises   # a learner: your own code
+
+With ``--impl exercises`` each exercise passes only once you have filled it in, and the
+drift test checks that your files still define what the lessons import (instead of
+demanding they equal the generated blanks, which your answers no longer do).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `pytest tests/...` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from solutions.check import EXERCISES, check, run_one  # noqa: E402
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("make_exercises",
+                                                  ROOT / "tools" / "make_exercises.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_generator()
+
+
+@pytest.fixture
+def impl(request) -> str:
+    return request.config.getoption("--impl")
+
+
+def _package(root: Path, name: str, files: dict[str, str]) -> str:
+    """Write an importable package ``name`` under ``root`` (already on sys.path)."""
+    pkg = root / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    return name
+
+
+# --- every exercise, against the chosen package ------------------------------------
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_exercise_passes_its_check(name: str, impl: str, capsys) -> None:
+    report = check(name, impl=impl)
+    printed = capsys.readouterr().out
+    assert report.passed, printed
+    assert printed.startswith(f"PASS  {name}: ")
+
+
+# --- the generated blanks fail cleanly (built fresh from solutions/, not your copy) -
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_blank_reports_not_implemented(name: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    blank = gen.generate(ROOT / "solutions" / f"{name}.py", ROOT / "solutions")
+    pkg = _package(tmp_path, f"blank_{name}", {f"{name}.py": blank})
+    result = run_one(name, impl=pkg, timeout=30)
+    assert result.status == "todo", str(result)
+    assert str(result).startswith(f"TODO  {name}: not implemented yet (")
+    assert f"exercises/{name}.py" in result.message
+    assert result.hint, "a blank's hint must reach the learner"
+
+
+# --- the checker catches typical mistakes (mutants of the solution) ----------------
+RING_MUTANTS = {
+    # name: (text in solutions/ring_allreduce.py, replacement, words the report must say)
+    "deadlock": ("exchange(comm, chunks[send_i], right, incoming, left)",
+                 "comm.recv(incoming, left); comm.send(chunks[send_i], right)",
+                 ["FAIL", "hung", "recv on world"]),
+    "wrong_send_index": ("send_i, recv_i = (rank - step) % n, (rank - step - 1) % n",
+                         "send_i, recv_i = (rank + step) % n, (rank - step - 1) % n",
+                         ["FAIL", "on 3 ranks", "not the full sum", "hint:"]),
+    "adds_in_all_gather": ("exchange(comm, chunks[send_i], right, chunks[recv_i], left)",
+                           "buf = torch.empty_like(chunks[recv_i]); "
+                           "exchange(comm, chunks[send_i], right, buf, left); "
+                           "chunks[recv_i] += buf",
+                           ["FAIL", "ring_all_gather left some chunks wrong"]),
+    "copies_instead_of_views": ("torch.tensor_split(t.view(-1), comm.size)",
+                                "torch.tensor_split(t.reshape(-1).clone(), comm.size)",
+                                ["FAIL", "ring_all_reduce gave a wrong sum"]),
+    "calls_all_reduce": ("    owned = ring_reduce_scatter(comm, chunks)\n"
+                         "    ring_all_gather(comm, chunks, owned)\n",
+                         "    comm.all_reduce(t)\n",
+                         ["FAIL", "used ['all_reduce']", "send/recv only"]),
+    "raises": ("    owned = ring_reduce_scatter(comm, chunks)\n",
+               "    raise TypeError('boom')\n",
+               ["FAIL", "raised TypeError: boom", "ring_allreduce.py:",
+                "in ring_all_reduce"]),
+    "syntax_error": ("def ring_all_reduce(", "def ring_all_reduce((",
+                     ["FAIL", "SyntaxError"]),
+}
+
+
+@pytest.mark.parametrize("mutant", list(RING_MUTANTS))
+def test_checker_catches_ring_mistakes(mutant: str, tmp_path, monkeypatch) -> None:
+    old, new, words = RING_MUTANTS[mutant]
+    source = (ROOT / "solutions" / "ring_allreduce.py").read_text()
+    assert source.count(old) == 1, f"mutant {mutant} no longer matches the solution"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = _package(tmp_path, f"mut_{mutant}", {"ring_allreduce.py": source.replace(old, new)})
+    result = run_one("ring_allreduce", impl=pkg, timeout=6)
+    text = str(result)
+    assert result.status == "fail", text
+    for word in words:
+        assert word in text, f"{word!r} missing from the report:\n{text}"
+
+
+# --- exercises/ is what the generator makes --------------------------------------
+def test_exercises_match_the_generator(impl: str) -> None:
+    if impl == "solutions":
+        problems = gen.drift(ROOT)
+        assert not problems, "exercises/ drifted from solutions/ (run `make exercises`):\n" \
+            + "\n".join(problems)
+        return
+    # A learner's files differ by their answers; they must still define every name.
+    for path, text in gen.expected_files(ROOT).items():
+        assert path.exists(), f"{path.relative_to(ROOT)} is missing: `git checkout` it"
+        want = _top_level_names(text)
+        have = _top_level_names(path.read_text())
+        assert want <= have, f"{path.relative_to(ROOT)} lost {sorted(want - have)}"
+
+
+def _top_level_names(text: str) -> set[str]:
+    tree = ast.parse(text)
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+
+
+# --- the generator itself --------------------------------------------------------
+def test_generator_replaces_blocks_with_hinted_blanks() -> None:
+    src = ("def f(x):\n"
+           "    y = 1\n"
+           "    ### BEGIN SOLUTION\n"
+           "    # HINT: double it,\n"
+           "    # then add y.\n"
+           "    z = 2 * x\n"
+           "    return z + y\n"
+           "    ### END SOLUTION\n")
+    out = gen.strip_solutions(src, "exercises/m.py")
+    assert "2 * x" not in out and "BEGIN" not in out and "y = 1" in out
+    namespace: dict = {}
+    exec(compile(out, "m.py", "exec"), namespace)
+    with pytest.raises(NotImplementedError) as err:
+        namespace["f"](3)
+    assert str(err.value) == ("f in exercises/m.py is not implemented yet. "
+                              "Hint: double it, then add y.")
+
+
+@pytest.mark.parametrize("src", [
+    "### BEGIN SOLUTION\nx = 1\n",
+    "x = 1\n### END SOLUTION\n",
+    "### BEGIN SOLUTION\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n",
+])
+def test_generator_rejects_unbalanced_markers(src: str) -> None:
+    with pytest.raises(gen.MarkerError, match="exercises/m.py:"):
+        gen.strip_solutions(src, "exercises/m.py")
+
+
+def test_every_exercise_has_a_solution_block_and_a_checker() -> None:
+    for name, ex in EXERCISES.items():
+        text = (ROOT / "solutions" / f"{name}.py").read_text()
+        assert gen.BEGIN in text, f"solutions/{name}.py has no solution block"
+        assert (ROOT / "solutions" / "checks" / f"{name}.py").exists()
+        blank = gen.generate(ROOT / "solutions" / f"{name}.py", ROOT / "solutions")
+        assert _top_level_names(blank) >= set(ex.functions)

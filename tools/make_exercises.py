@@ -1,0 +1,187 @@
+"""Generate ``exercises/`` from ``solutions/``, the single source of every exercise.
+
+Every ``.py`` file under ``solutions/`` is copied to the same place under ``exercises/``.
+Inside it, each block between a ``### BEGIN SOLUTION`` line and a ``### END SOLUTION``
+line is replaced by a blank that raises ``NotImplementedError``. The blank keeps the
+block's ``# HINT:`` comment lines (a hint may run over several ``# HINT:`` lines, or
+continue on the ``#`` lines right after it) and puts the hint in the error message, so
+the checker can tell the learner what is missing and where to start:
+
+    def ring_all_reduce(comm, t):                 def ring_all_reduce(comm, t):
+        ### BEGIN SOLUTION                             # HINT: split t into comm.size ...
+        # HINT: split t into comm.size ...   ->        raise NotImplementedError(
+        chunks = ...                                       "ring_all_reduce is not ...")
+        ### END SOLUTION
+
+Files without markers (the checker, ``__init__.py``) are copied as they are. Every
+generated file starts with a comment naming its source, so nobody edits the wrong one.
+
+    python tools/make_exercises.py           # (re)write exercises/
+    python tools/make_exercises.py --check   # exit 1 if exercises/ differs (CI's drift test)
+
+Writing never silently destroys a learner's work: an exercise file that differs from
+what would be generated is first copied to ``<name>.py.bak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+HINT = "# HINT:"
+HEADER = ("# Your copy of this exercise, generated from {src} by tools/make_exercises.py.\n"
+          "# Fill in the blanks (each raises NotImplementedError), then check your work with\n"
+          "#     from exercises.check import check; check(\"{name}\")\n")
+PLAIN_HEADER = ("# Generated from {src} by tools/make_exercises.py: "
+                "edit that file, not this one.\n")
+_DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
+
+
+class MarkerError(ValueError):
+    """Unbalanced or nested solution markers; the message names the file and line."""
+
+
+def _enclosing_function(lines: list[str], index: int, indent: int) -> str | None:
+    """The name of the nearest ``def`` above ``index`` that is less indented."""
+    for line in reversed(lines[:index]):
+        m = _DEF.match(line)
+        if m and len(m.group(1)) < indent:
+            return m.group(2)
+    return None
+
+
+def _hints(block: list[str]) -> list[str]:
+    """The hint lines of a solution block: each ``# HINT:`` and the ``#`` lines after it."""
+    out: list[str] = []
+    taking = False
+    for line in block:
+        text = line.strip()
+        if text.startswith(HINT):
+            out.append(text[len(HINT):].strip())
+            taking = True
+        elif taking and text.startswith("#") and not text.startswith("###"):
+            out.append(text.lstrip("#").strip())
+        else:
+            taking = False
+    return out
+
+
+def _blank(indent: str, function: str | None, hints: list[str], path: str) -> list[str]:
+    """The lines that replace a solution block: its hints, and a raise that carries them."""
+    where = f"{function} in {path}" if function else path
+    message = f"{where} is not implemented yet."
+    if hints:
+        message += " Hint: " + " ".join(hints)
+    out = []
+    for k, hint in enumerate(hints):
+        out.append(f"{indent}{HINT if k == 0 else '#  '} {hint}\n")
+    out.append(f"{indent}# YOUR CODE HERE\n")
+    out.append(f"{indent}raise NotImplementedError(\n")
+    pieces = textwrap.wrap(message, 72, drop_whitespace=False)
+    for k, piece in enumerate(pieces):
+        end = ")" if k == len(pieces) - 1 else ""
+        out.append(f"{indent}    {piece!r}{end}\n")
+    return out
+
+
+def strip_solutions(text: str, exercise_path: str) -> str:
+    """The exercise version of a solution file's text (markers replaced by blanks)."""
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.strip() == END:
+            raise MarkerError(f"{exercise_path}:{i + 1}: {END} without {BEGIN}")
+        if line.strip() != BEGIN:
+            out.append(line)
+            i += 1
+            continue
+        start = i
+        indent = line[: len(line) - len(line.lstrip())]
+        i += 1
+        while i < len(lines) and lines[i].strip() not in (BEGIN, END):
+            i += 1
+        if i == len(lines) or lines[i].strip() == BEGIN:
+            raise MarkerError(f"{exercise_path}:{start + 1}: {BEGIN} is not closed by {END}")
+        block = lines[start + 1:i]
+        function = _enclosing_function(lines, start, len(indent))
+        out.extend(_blank(indent, function, _hints(block), exercise_path))
+        i += 1
+    return "".join(out)
+
+
+def generate(src: Path, solutions: Path) -> str:
+    """The generated text of ``exercises/<rel>`` for the solution file ``src``."""
+    rel = src.relative_to(solutions).as_posix()
+    text = src.read_text()
+    src_name = f"solutions/{rel}"
+    if BEGIN not in text and END not in text:
+        return PLAIN_HEADER.format(src=src_name) + text
+    body = strip_solutions(text, f"exercises/{rel}")
+    name = rel.removesuffix(".py").replace("/", ".")
+    return HEADER.format(src=src_name, name=name) + body
+
+
+def expected_files(root: Path = ROOT) -> dict[Path, str]:
+    """{path under exercises/: its generated text} for every solution file."""
+    solutions = root / "solutions"
+    return {root / "exercises" / src.relative_to(solutions): generate(src, solutions)
+            for src in sorted(solutions.rglob("*.py")) if "__pycache__" not in src.parts}
+
+
+def drift(root: Path = ROOT) -> list[str]:
+    """What differs between exercises/ and what the generator would write (empty: none)."""
+    expected = expected_files(root)
+    problems = []
+    for path, text in expected.items():
+        rel = path.relative_to(root)
+        if not path.exists():
+            problems.append(f"{rel} is missing")
+        elif path.read_text() != text:
+            problems.append(f"{rel} differs from its generated version")
+    for path in sorted((root / "exercises").rglob("*.py")):
+        if "__pycache__" not in path.parts and path not in expected:
+            problems.append(f"{path.relative_to(root)} has no source in solutions/")
+    return problems
+
+
+def write(root: Path = ROOT) -> list[str]:
+    """Write exercises/; back up any file that a learner changed. Returns what changed."""
+    changed = []
+    for path, text in expected_files(root).items():
+        if path.exists() and path.read_text() == text:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            path.with_name(path.name + ".bak").write_text(path.read_text())
+        path.write_text(text)
+        changed.append(str(path.relative_to(root)))
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="report drift and exit 1 instead of writing")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = drift()
+        for p in problems:
+            print(p)
+        if problems:
+            print("run `make exercises` to regenerate exercises/ from solutions/")
+        return 1 if problems else 0
+    changed = write()
+    print("\n".join(f"wrote {c}" for c in changed) or "exercises/ is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
