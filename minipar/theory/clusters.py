@@ -1,0 +1,126 @@
+"""Hardware presets for the planner: GPUs, and clusters built from them.
+
+Numbers are from the vendors' data sheets, rounded; they are what the planner assumes,
+not measurements:
+
+* memory: what ``nvidia-smi`` reports, in MiB, as bytes: an "80 GB" A100 has 81920
+  MiB, an H100 SXM 81559 MiB (80 GB of HBM3; one of the syllabus texts gives the H100
+  141 GB, which is the H200's HBM3e: 143771 MiB), a B200 183359 MiB (sold as 192 GB,
+  180 GB usable).
+* peak_flops: dense bf16 tensor-core FLOP/s (the sparse figures are twice that).
+* nvlink: NVLink bandwidth per GPU *per direction* (the data sheets quote both
+  directions together: A100 600 GB/s, H100/H200 900 GB/s, B200 1.8 TB/s). A ring
+  collective's time is its wire bytes over this.
+* network: inter-node bandwidth per GPU per direction, one InfiniBand NIC per GPU as in
+  DGX systems (HDR 200 Gb/s for A100, NDR 400 Gb/s for H100 and later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+MiB = 2**20
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator's capacity, as the planner models it."""
+
+    name: str
+    memory: int          # bytes
+    peak_flops: float    # dense bf16 FLOP/s
+    nvlink: float        # bytes/s per GPU per direction, inside a node
+    network: float       # bytes/s per GPU per direction, between nodes
+
+
+GPUS: dict[str, GPU] = {
+    "A100-40GB": GPU("A100-40GB", 40960 * MiB, 312e12, 300 * GB, 25 * GB),
+    "A100-80GB": GPU("A100-80GB", 81920 * MiB, 312e12, 300 * GB, 25 * GB),
+    "H100-80GB": GPU("H100-80GB", 81559 * MiB, 989e12, 450 * GB, 50 * GB),
+    "H200-141GB": GPU("H200-141GB", 143771 * MiB, 989e12, 450 * GB, 50 * GB),
+    "B200": GPU("B200", 183359 * MiB, 2250e12, 900 * GB, 50 * GB),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` GPUs of one kind, ``gpus_per_node`` per node (the NVLink domain).
+
+    ``latency`` is a per-collective start-up cost in seconds (the alpha of the
+    alpha-beta model); it matters for the many small tensor-parallel collectives.
+    """
+
+    name: str
+    gpus: int
+    gpu: GPU
+    gpus_per_node: int = 8
+    latency: float = 10e-6
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("a cluster needs at least one GPU and one GPU per node")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"{self.gpus} GPUs do not fill nodes of {self.gpus_per_node}")
+
+    @property
+    def gpu_memory(self) -> int:
+        return self.gpu.memory
+
+    @property
+    def peak_flops(self) -> float:
+        return self.gpu.peak_flops
+
+    @property
+    def intra_bw(self) -> float:
+        return self.gpu.nvlink
+
+    @property
+    def inter_bw(self) -> float:
+        return self.gpu.network
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def with_(self, **changes) -> Cluster:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "gpu": asdict(self.gpu)}
+
+    def describe(self) -> str:
+        g = self.gpu
+        return (f"{self.gpus} x {g.name} ({self.nodes} node(s) of {self.gpus_per_node}; "
+                f"{g.memory / GB:.0f} GB, {g.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+                f"NVLink {g.nvlink / GB:.0f} GB/s, network {g.network / GB:.0f} GB/s "
+                "per GPU and direction)")
+
+
+def cluster(gpus: int, gpu: str | GPU = "A100-80GB", gpus_per_node: int = 8,
+            name: str | None = None, **kw) -> Cluster:
+    """A cluster of ``gpus`` GPUs of a preset kind (see ``GPUS``)."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    return Cluster(name or f"{gpus}x{g.name}", gpus, g, min(gpus_per_node, gpus), **kw)
+
+
+CLUSTERS: dict[str, Cluster] = {
+    "dgx-a100": cluster(8, "A100-80GB", name="dgx-a100"),
+    "a100x64": cluster(64, "A100-80GB", name="a100x64"),
+    "a100x1024": cluster(1024, "A100-80GB", name="a100x1024"),
+    "a100x4096": cluster(4096, "A100-80GB", name="a100x4096"),
+    "dgx-h100": cluster(8, "H100-80GB", name="dgx-h100"),
+    "h100x64": cluster(64, "H100-80GB", name="h100x64"),
+    "h100x1024": cluster(1024, "H100-80GB", name="h100x1024"),
+    "h200x8": cluster(8, "H200-141GB", name="h200x8"),
+}
+
+
+def get_cluster(name_or_cluster: str | Cluster) -> Cluster:
+    if isinstance(name_or_cluster, Cluster):
+        return name_or_cluster
+    try:
+        return CLUSTERS[name_or_cluster]
+    except KeyError:
+        raise ValueError(f"unknown cluster {name_or_cluster!r}; choose one of "
+                         f"{sorted(CLUSTERS)} or build one with cluster(...)") from None

@@ -1,0 +1,141 @@
+"""Bytes one rank communicates per training step, per mesh dimension and op.
+
+The result has the shape of ``CommLog.summary()`` (``{dim: {op: {"calls", "bytes",
+"wire_bytes"}}}``), so a prediction and a measured run compare key by key. ``bytes``
+is the payload of each call as the log records it (an all-gather's gathered output, a
+reduce-scatter's full input); ``wire_bytes`` is what a ring algorithm sends from this
+rank, computed by the same ``minipar.comm.wire_bytes`` the log uses:
+all-reduce 2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S, send S, recv 0.
+
+What each dimension moves (b micro-batch, s sequence, h hidden, L layers, m
+micro-batches, e bytes per activation element):
+
+* dp, data parallel (Li et al. 2020, PyTorch DDP): one all-reduce of the gradients per
+  step. ZeRO stages 1 and 2 (Rajbhandari et al. 2019, Sec. 7) replace it by a
+  reduce-scatter of the gradients and an all-gather of the updated weights: the same
+  2(N-1)/N per parameter. Stage 3 all-gathers the weights again in the backward pass:
+  3(N-1)/N, 1.5x data parallel. Stages 2 and 3 keep only a shard of the gradient, so
+  with m > 1 micro-batches they reduce-scatter after every micro-batch's backward, and
+  stage 3 gathers the weights for every forward and backward (DeepSpeed and FSDP
+  without ``no_sync`` behave this way).
+* tp, tensor parallel (Shoeybi et al. 2019, Sec. 3): per layer two all-reduces of
+  b*s*h in the forward (after attention and after the MLP) and two in the backward (the
+  conjugate "f" operators at the qkv and fc inputs), plus one for the
+  vocabulary-parallel embedding (forward) and one at the head's input (backward), and
+  three small ones of b*s fp32 for the vocabulary-parallel cross-entropy (max, sum of
+  exponentials, target logit). Full recomputation repeats the forward collectives.
+  Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) turns each all-reduce
+  into a reduce-scatter plus an all-gather (the same bytes on the wire), and, as in the
+  paper and in ``minipar.parallel.tp``, a column-parallel linear keeps only its input's
+  sequence shard and all-gathers it again in the backward: one more all-gather per
+  column linear (qkv, fc, head). The replicated parameters (layer norms, row biases,
+  position embedding) then see only part of the sequence: one all-reduce of their
+  gradients per step completes them.
+* pp, pipeline parallel: per micro-batch and model chunk, the activation b*s*h is sent
+  to the next stage and its gradient back (divided by t with sequence parallelism,
+  where each tp rank owns a sequence shard). Tied embeddings with pp > 1 add one
+  all-reduce of the embedding gradient between the first and last stage (Megatron's
+  embedding group); we book it under pp.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from minipar.comm import wire_bytes
+from minipar.model import GPTConfig, get_config
+from minipar.theory.memory import _ALIASES, state_bytes
+from minipar.theory.params import check_divisible, param_table, stage_params
+
+
+def _add(out: dict, dim: str, op: str, calls: int, nbytes: int, n: int) -> None:
+    """Book ``calls`` calls of ``op`` with payload ``nbytes`` each, group of ``n``."""
+    if n <= 1 or calls == 0:
+        return  # minipar.comm logs nothing for a group of one
+    s = out[dim][op]
+    s["calls"] += calls
+    s["bytes"] += calls * nbytes
+    s["wire_bytes"] += calls * wire_bytes(op, nbytes, n)
+
+
+def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
+              microbatches: int = 1) -> dict:
+    """Data-parallel traffic of one rank holding ``n_params`` parameters (before ZeRO)."""
+    out: dict = defaultdict(lambda: defaultdict(lambda: {"calls": 0, "bytes": 0,
+                                                         "wire_bytes": 0}))
+    pw, pg, _ = state_bytes(dtype)
+    padded = math.ceil(n_params / dp) * dp  # flat buffers padded to a multiple of dp
+    if zero == 0:
+        _add(out, "dp", "all_reduce", 1, n_params * pg, dp)
+    elif zero == 1:
+        _add(out, "dp", "reduce_scatter", 1, padded * pg, dp)
+        _add(out, "dp", "all_gather", 1, padded * pw, dp)
+    elif zero == 2:
+        _add(out, "dp", "reduce_scatter", microbatches, padded * pg, dp)
+        _add(out, "dp", "all_gather", 1, padded * pw, dp)
+    elif zero == 3:
+        _add(out, "dp", "reduce_scatter", microbatches, padded * pg, dp)
+        _add(out, "dp", "all_gather", 2 * microbatches, padded * pw, dp)
+    else:
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+    return out
+
+
+def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
+                zero: int = 0, dtype: str = "bf16", microbatch_size: int = 1,
+                microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
+                recompute: str = "none", *, virtual: int = 1,
+                stage: int = 0) -> dict[str, dict[str, dict[str, int]]]:
+    """Predicted ``CommLog.summary()`` of one rank of pipeline stage ``stage`` for one
+    training step (``microbatches`` micro-batches of ``microbatch_size`` sequences).
+    ``schedule`` does not change the bytes, only when they move."""
+    cfg = get_config(cfg)
+    check_divisible(cfg, pp, tp, virtual)
+    if sp and tp == 1:
+        sp = False
+    m = microbatches
+    s, b, h, v = cfg.seq_len, microbatch_size, cfg.d_model, cfg.vocab_size
+    e = 2 if _ALIASES.get(dtype, dtype) == "bf16" else 4
+    first, last = stage == 0, stage == pp - 1
+
+    # data parallel, for the parameters this rank holds
+    out = dp_volume(stage_params(cfg, pp, tp, stage, virtual), dp, zero, dtype, m)
+
+    # tensor parallel, per micro-batch: collectives of b*s*h activations
+    layers = cfg.n_layer // pp
+    act = s * b * h * e
+    redo = 1 if recompute == "full" else 0  # the forward runs twice
+    if sp:
+        # per layer: 2 column linears (AG fwd, AG + RS bwd), 2 row linears (RS fwd, AG bwd)
+        gathers = layers * (6 + 2 * redo) + (1 if first else 0) + (2 if last else 0)
+        scatters = layers * (4 + 2 * redo) + (1 if first else 0) + (1 if last else 0)
+        _add(out, "tp", "all_gather", m * gathers, act, tp)
+        _add(out, "tp", "reduce_scatter", m * scatters, act, tp)
+    else:
+        n_coll = layers * (4 + 2 * redo) + (1 if first else 0) + (1 if last else 0)
+        _add(out, "tp", "all_reduce", m * n_coll, act, tp)
+    if last:  # vocabulary-parallel cross-entropy: max, sum-exp, target logit (fp32)
+        _add(out, "tp", "all_reduce", 3 * m, s * b * 4, tp)
+    if sp:  # gradients of the replicated parameters, summed over the sequence shards
+        replicated = layers * sum(p.numel for p in param_table(cfg)
+                                  if p.where == "layer" and not p.tp_split)
+        replicated += sum(p.numel for p in param_table(cfg) if not p.tp_split and (
+            (p.where == "first" and first) or (p.where == "last" and last)))
+        _add(out, "tp", "all_reduce", 1, replicated * state_bytes(dtype)[1], tp)
+
+    # pipeline: sends to the next chunk and gradients back, per micro-batch
+    boundary = act // (tp if sp else 1)
+    fwd_sends = virtual - (1 if last else 0)   # the model's last chunk sends nothing on
+    bwd_sends = virtual - (1 if first else 0)  # the model's first chunk sends no grad
+    _add(out, "pp", "send", m * (fwd_sends + bwd_sends), boundary, pp)
+    _add(out, "pp", "recv", m * (fwd_sends + bwd_sends), boundary, pp)
+    if cfg.tie_embeddings and pp > 1 and (first or last):
+        _add(out, "pp", "all_reduce", 1, v * h // tp * state_bytes(dtype)[1], 2)
+    return {d: {op: dict(x) for op, x in ops.items()} for d, ops in out.items()}
+
+
+def total_wire_bytes(volume: dict, dim: str | None = None) -> int:
+    """Sum of ``wire_bytes`` over ops (and over dims unless ``dim`` is given)."""
+    return sum(x["wire_bytes"] for d, ops in volume.items() if dim in (None, d)
+               for x in ops.values())

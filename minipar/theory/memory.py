@@ -1,0 +1,300 @@
+"""Memory per device: model states (parameters, gradients, optimizer) and activations.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2019, arXiv 1910.02054, Sec. 3.1
+and 5): mixed-precision Adam keeps, per parameter, 2 bytes of half-precision weights,
+2 bytes of half-precision gradients and K = 12 bytes of fp32 optimizer state (master
+weights, momentum, variance): "16 Psi" bytes for Psi parameters. ZeRO stage 1
+partitions the optimizer state over the N_d data-parallel ranks, stage 2 also the
+gradients, stage 3 also the parameters. Tensor and pipeline parallelism decide *which*
+parameters a rank has (``params.stage_params``); ZeRO then divides them by dp.
+
+Activations follow Korthikanti et al. 2022 (arXiv 2205.05198, Sec. 4, Table 2). We list
+every tensor one transformer layer keeps for its backward pass (``layer_activations``)
+rather than copy the closed forms, so the same list serves fp32 runs, runs without
+dropout and flash attention; with 2-byte activations and dropout the sums are exactly
+the paper's ``sbh(34 + 5as/h)`` and its tensor / sequence parallel variants (tests check
+all rows of Table 2). A pipeline stage keeps several micro-batches' activations at once:
+``inflight`` counts them per schedule (Sec. 4.2.3).
+"""
+
+from __future__ import annotations
+
+import math
+
+from minipar.model import GPTConfig, get_config
+from minipar.theory.params import check_divisible, stage_params
+
+# Bytes per parameter: (weights, gradients, optimizer state).
+# "bf16" is mixed precision as in the ZeRO paper (Sec. 3.1): 16-bit weights and grads,
+# fp32 master weights inside the optimizer state. "fp32" keeps everything in fp32.
+_OPTIMIZER_STATES = {  # fp32 values per parameter the optimizer keeps
+    "adam": 2,            # exp_avg, exp_avg_sq (Kingma & Ba 2015)
+    "sgd": 0,
+    "sgd-momentum": 1,    # momentum buffer
+}
+_ALIASES = {"adamw": "adam", "fp16": "bf16"}
+PRECISIONS = ("fp32", "bf16")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+ACCOUNTINGS = ("korthikanti", "fused")
+
+
+def _act_bytes(dtype: str) -> int:
+    """Bytes per activation element: 2 under bf16 mixed precision, else 4."""
+    return 2 if _ALIASES.get(dtype, dtype) == "bf16" else 4
+
+
+def state_bytes(dtype: str = "bf16", optimizer: str = "adam") -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter; bf16 Adam gives (2, 2, 12)."""
+    dtype, optimizer = _ALIASES.get(dtype, dtype), _ALIASES.get(optimizer, optimizer)
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {PRECISIONS} (or fp16), got {dtype!r}")
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {list(_OPTIMIZER_STATES)} or adamw, "
+                         f"got {optimizer!r}")
+    k = 4 * _OPTIMIZER_STATES[optimizer]
+    if dtype == "bf16":
+        return 2, 2, k + 4  # + the fp32 master copy of the weights
+    return 4, 4, k
+
+
+def model_states(n_params: int, dp: int = 1, zero: int = 0, dtype: str = "bf16",
+                 optimizer: str = "adam") -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer state on one data-parallel rank that
+    holds ``n_params`` parameters before ZeRO (ZeRO paper, Sec. 5, Fig. 1).
+
+    A partitioned state is split in dp equal shards of ceil(n / dp) elements (the
+    flat buffer is padded to a multiple of dp, as ZeRO implementations do).
+    Example (the paper's Fig. 1): 7.5B parameters, dp = 64, bf16 Adam: 120 GB with
+    stage 0, 31.4 GB with stage 1, 16.6 GB with stage 2, 1.9 GB with stage 3.
+    """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+    pw, pg, po = state_bytes(dtype, optimizer)
+    shard = math.ceil(n_params / dp)
+    return {
+        "params": (shard if zero >= 3 else n_params) * pw,
+        "grads": (shard if zero >= 2 else n_params) * pg,
+        "optimizer": (shard if zero >= 1 else n_params) * po,
+    }
+
+
+# --- activations -----------------------------------------------------------------------
+def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
+                      sp: bool = False, recompute: str = "none", dtype: str = "bf16",
+                      accounting: str = "korthikanti") -> dict[str, float]:
+    """Bytes one transformer layer stores for backward, per micro-batch, on one tp rank.
+
+    Korthikanti et al. 2022, Sec. 4.1 and Table 2 (s sequence, b micro-batch, h hidden,
+    a heads, t = tp; 2-byte activations, 1-byte dropout masks):
+
+        no parallelism             sbh (34 + 5as/h)
+        tensor parallel            sbh (10 + 24/t + 5as/(ht))
+        tensor + sequence parallel sbh (34/t + 5as/(ht))
+        + selective recompute      drop the 5as/h term: sbh (10 + 24/t), or sbh 34/t with sp
+        full recompute             2 sbh (the layer input only)
+
+    Tensor parallelism splits what lies between its two communication points (q, k,
+    v, attention scores, the MLP's wide tensors); the layer norms, their outputs and
+    the residual dropout masks stay whole on every tp rank ("replicated") unless
+    sequence parallelism splits them along the sequence. With full recomputation and
+    sp the stored layer input is the sequence shard, so it is divided by t too (the
+    paper, Sec. 5, only treats the case without sp: 2sbh).
+
+    ``accounting="korthikanti"`` is the paper's: dropout everywhere, the a*s^2*b
+    attention scores stored. ``accounting="fused"`` is what a run with fused attention
+    (SDPA, FlashAttention; Dao et al. 2022) keeps, as ``minipar.model`` runs: no score
+    matrices, only the softmax statistics (fp32, a*s*b); dropout masks only when
+    ``cfg.dropout > 0``; and the layer norms' saved mean and 1/std (fp32, 4sb), which
+    the paper leaves out.
+    """
+    cfg = get_config(cfg)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    if sp and tp == 1:
+        sp = False  # sequence parallelism splits over the tp group; nothing to split
+    s, b, h, f, a = cfg.seq_len, microbatch_size, cfg.d_model, cfg.d_ff, cfg.n_head
+    e = _act_bytes(dtype)
+    fused = accounting == "fused"
+    drop = cfg.dropout > 0 if fused else True
+    sbh = s * b * h
+    rep = tp if sp else 1  # what divides the "replicated" region
+    if recompute == "full":
+        return {"layer input (checkpoint)": sbh * e / rep}
+    items = {
+        "ln1 input": sbh * e / rep,
+        "qkv input (ln1 output)": sbh * e / rep,
+        "q, k (for Q K^T)": 2 * sbh * e / tp,
+        "v (for scores . V)": sbh * e / tp,
+    }
+    if fused:
+        items["softmax statistics (fused attention)"] = a * s * b * 4 / tp
+    elif recompute == "none":
+        scores = a * s * s * b
+        items["softmax output"] = scores * e / tp
+        items["attention dropout mask"] = scores * 1 / tp
+        items["attention dropout output"] = scores * e / tp
+    items["attention proj input"] = sbh * e / tp
+    if drop:
+        items["attention residual dropout mask"] = sbh * 1 / rep
+    items["ln2 input"] = sbh * e / rep
+    items["fc input (ln2 output)"] = sbh * e / rep
+    items["gelu input"] = s * b * f * e / tp
+    items["mlp proj input (gelu output)"] = s * b * f * e / tp
+    if drop:
+        items["mlp residual dropout mask"] = sbh * 1 / rep
+    if fused:
+        items["layer-norm mean and 1/std"] = 4 * s * b * 4 / rep
+    return items
+
+
+def edge_activations(cfg: GPTConfig | str, where: str, microbatch_size: int = 1,
+                     tp: int = 1, sp: bool = False, dtype: str = "bf16",
+                     accounting: str = "korthikanti") -> dict[str, float]:
+    """Bytes stored per micro-batch outside the transformer layers (Korthikanti Sec. 4.3).
+
+    ``where="first"``: the token ids (int64, for the embedding's backward; Megatron's
+    estimator counts them) and the embedding dropout mask (``sbh/t`` with sp).
+    ``where="last"``: the final layer norm's input, the head's input and the logits kept
+    in fp32 for the cross-entropy: ``4sbh/t (1 + v/h)`` in the paper (with sp; the
+    logits are split by the vocabulary-parallel head).
+    """
+    cfg = get_config(cfg)
+    if sp and tp == 1:
+        sp = False
+    s, b, h, v = cfg.seq_len, microbatch_size, cfg.d_model, cfg.vocab_size
+    e = _act_bytes(dtype)
+    drop = cfg.dropout > 0 if accounting == "fused" else True
+    rep = tp if sp else 1
+    if where == "first":
+        items = {"token ids": s * b * 8}
+        if drop:
+            items["embedding dropout mask"] = s * b * h / rep
+        return items
+    if where == "last":
+        return {"ln_f input": s * b * h * e / rep, "head input": s * b * h * e / rep,
+                "logits (fp32, for the loss)": s * b * v * 4 / tp}
+    raise ValueError(f"where must be 'first' or 'last', got {where!r}")
+
+
+def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
+             virtual: int = 1) -> int:
+    """Peak number of micro-batches (model chunks, when interleaved) whose forward has
+    run on ``stage`` and whose backward has not: the activations the stage holds.
+
+    * GPipe (Huang et al. 2019): all m forwards first, so m.
+    * 1F1B (PipeDream-Flush, Narayanan et al. 2021): stage s runs p - s warm-up
+      forwards, then alternates: min(m, p - s). The first stage holds p micro-batches,
+      each with L/p layers: L layers' worth, whatever p (Korthikanti Sec. 4.2.3).
+    * interleaved 1F1B with v chunks (Narayanan et al. 2021, Sec. 2.2; Megatron's
+      warm-up of 2(p - s - 1) + (v - 1)p chunk forwards, then one more before the first
+      backward): min(m v, 2(p - s - 1) + (v - 1)p + 1) chunks of L/(pv) layers. On the
+      first stage that is L (1 + (p-1)/(pv)) layers' worth, the paper's factor.
+    * ZB-H1 (Qi et al. 2023, arXiv 2401.10241, Sec. 3): an activation is held until
+      its weight-gradient pass W, and stage s defers s of them, so every stage holds
+      min(m, p): the first stage's 1F1B peak, now on all stages (the paper's "peak
+      memory no more than 1F1B's" is about the worst stage).
+
+    ``minipar.theory.bubble`` derives the same counts from the schedules' action lists
+    (a test checks they agree when that module is present).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
+    if virtual > 1 and schedule != "interleaved":
+        raise ValueError(f"virtual={virtual} chunks need the interleaved schedule")
+    m = microbatches
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(m * virtual, 2 * (pp - stage - 1) + (virtual - 1) * pp + 1)
+    if schedule == "zb":
+        return min(m, pp)
+    return min(m, pp - stage)
+
+
+def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
+                      microbatch_size: int = 1, microbatches: int = 1,
+                      schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
+                      recompute: str = "none", dtype: str = "bf16",
+                      accounting: str = "korthikanti") -> float:
+    """Peak activation bytes on one rank of pipeline stage ``stage``:
+    per-layer bytes x layers per chunk x chunks in flight, plus the embedding terms on
+    the first stage and the head terms on the last, each times its micro-batches in
+    flight (with interleaving, chunks in flight / v: the approximation Megatron's
+    estimator uses too)."""
+    cfg = get_config(cfg)
+    check_divisible(cfg, pp, tp, virtual)
+    per_layer = sum(layer_activations(cfg, microbatch_size, tp, sp, recompute, dtype,
+                                      accounting).values())
+    chunks = inflight(schedule, pp, microbatches, stage, virtual)
+    total = per_layer * cfg.n_layer / (pp * virtual) * chunks
+    whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
+    if stage == 0:
+        total += whole * sum(edge_activations(cfg, "first", microbatch_size, tp, sp, dtype,
+                                              accounting).values())
+    if stage == pp - 1:
+        total += whole * sum(edge_activations(cfg, "last", microbatch_size, tp, sp, dtype,
+                                              accounting).values())
+    return total
+
+
+# --- the whole picture -------------------------------------------------------------------
+def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
+                     tp: int = 1, zero: int = 0, dtype: str = "bf16",
+                     optimizer: str = "adam", microbatch_size: int = 1,
+                     microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
+                     recompute: str = "none", *, params: int | None = None,
+                     virtual: int = 1, accounting: str = "korthikanti",
+                     stages: list[int] | None = None) -> list[dict]:
+    """``memory_breakdown`` for each pipeline stage (or the listed ``stages``); every
+    data- and tensor-parallel rank of a stage holds the same (up to ZeRO padding)."""
+    if cfg is None and params is None:
+        raise ValueError("give a model config (or preset name) or params=N")
+    cfg = get_config(cfg) if cfg is not None else None
+    stages = list(range(pp)) if stages is None else stages
+    out = []
+    for s in stages:
+        if cfg is None:  # model states only, the parameters spread evenly
+            n = math.ceil(params / (pp * tp))
+            act = 0.0
+        else:
+            n = stage_params(cfg, pp, tp, s, virtual)
+            act = stage_activations(cfg, pp, tp, s, microbatch_size, microbatches, schedule,
+                                    virtual, sp, recompute, dtype, accounting)
+        row = {"stage": s, "n_params": n, **model_states(n, dp, zero, dtype, optimizer),
+               "activations": int(round(act))}
+        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
+        out.append(row)
+    return out
+
+
+def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
+                     tp: int = 1, zero: int = 0, dtype: str = "bf16",
+                     optimizer: str = "adam", microbatch_size: int = 1,
+                     microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
+                     recompute: str = "none", *, params: int | None = None,
+                     virtual: int = 1, accounting: str = "korthikanti",
+                     stage: int | None = None) -> dict:
+    """Bytes on the most loaded device (or on ``stage``): keys ``params``, ``grads``,
+    ``optimizer``, ``activations``, ``total``, plus ``stage`` and ``n_params``.
+
+    With ``params=N`` and no config: model states only, N / (pp * tp) per rank.
+    The most loaded stage is the first (most micro-batches in flight, the embedding)
+    or the last (the head and its logits); middle stages hold no more than the first.
+    Not counted: temporary buffers (ZeRO-3's gathered layer, communication buckets),
+    the CUDA context and allocator fragmentation; keep a margin for them.
+    """
+    if stage is not None:
+        return memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
+                                microbatches, schedule, sp, recompute, params=params,
+                                virtual=virtual, accounting=accounting,
+                                stages=[stage])[0]
+    rows = memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
+                            microbatches, schedule, sp, recompute, params=params,
+                            virtual=virtual, accounting=accounting,
+                            stages=sorted({0, pp - 1}))
+    return max(rows, key=lambda r: r["total"])

@@ -1,0 +1,227 @@
+"""How many parameters a GPT has, where they live, and how many FLOPs a token costs.
+
+Everything here is arithmetic on a ``GPTConfig``; nothing builds a model. The counts are
+exact for ``minipar.model.GPT`` (a test compares them with ``GPT(cfg).num_params()``
+and with every parameter's shape), so the memory theory built on them can be compared
+byte for byte with a real run.
+
+Parameters of one transformer layer (h = d_model, f = d_ff):
+
+    ln1, ln2            2 * 2h      (gain and bias)
+    attn.qkv            3h*h + 3h
+    attn.proj           h*h + h
+    mlp.fc              f*h + f
+    mlp.proj            h*f + h
+    total               4h^2 + 2hf + 9h + f   = 12h^2 + 13h when f = 4h
+
+which is the per-layer count of Narayanan et al. 2021 (arXiv 2104.04473, Sec. 5.1),
+``12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))`` for the whole model with a tied head.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053) splits the
+column-parallel ``qkv`` and ``fc`` (weight and bias) and the row-parallel ``proj``
+weights across ``tp`` ranks, and keeps layer norms and the row-parallel biases whole on
+every rank. The embedding and the head are split along the vocabulary; the position
+embedding is small and stays whole. Pipeline parallelism puts the embeddings on the
+first stage and the final norm and head on the last; a tied head then needs its own
+copy of the embedding on the last stage (Megatron keeps one and all-reduces its
+gradient with the first stage), so tying saves memory only when pp = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.model import GPTConfig, get_config
+
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter tensor: its name in ``GPT``, size, and how parallelism places it.
+
+    ``where`` is ``"layer"`` (one per transformer block), ``"first"`` (first pipeline
+    stage) or ``"last"`` (last stage). ``tp_split`` says whether tensor parallelism
+    divides it by ``tp`` (otherwise every tp rank keeps the whole tensor).
+    """
+
+    name: str
+    numel: int
+    tp_split: bool
+    where: str
+
+
+def param_table(cfg: GPTConfig | str) -> list[ParamInfo]:
+    """Every parameter of ``GPT(cfg)``: the layer's once, then embeddings and head."""
+    cfg = get_config(cfg)
+    h, f, v, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
+    layer = [
+        ("ln1.weight", h, False), ("ln1.bias", h, False),
+        ("attn.qkv.weight", 3 * h * h, True), ("attn.qkv.bias", 3 * h, True),
+        ("attn.proj.weight", h * h, True), ("attn.proj.bias", h, False),
+        ("ln2.weight", h, False), ("ln2.bias", h, False),
+        ("mlp.fc.weight", f * h, True), ("mlp.fc.bias", f, True),
+        ("mlp.proj.weight", h * f, True), ("mlp.proj.bias", h, False),
+    ]
+    table = [ParamInfo(n, k, split, "layer") for n, k, split in layer]
+    table += [
+        ParamInfo("tok_emb.weight", v * h, True, "first"),
+        ParamInfo("pos_emb.weight", s * h, False, "first"),
+        ParamInfo("ln_f.weight", h, False, "last"),
+        ParamInfo("ln_f.bias", h, False, "last"),
+        # With tied embeddings this is the same tensor as tok_emb on a single stage.
+        ParamInfo("head.weight", v * h, True, "last"),
+    ]
+    return table
+
+
+def layer_params(cfg: GPTConfig | str) -> int:
+    """Parameters of one transformer layer: 4h^2 + 2hf + 9h + f."""
+    return sum(p.numel for p in param_table(cfg) if p.where == "layer")
+
+
+def param_count(cfg: GPTConfig | str) -> int:
+    """Parameters of the whole model, a tied head counted once (= ``GPT.num_params()``)."""
+    cfg = get_config(cfg)
+    total = cfg.n_layer * layer_params(cfg)
+    total += sum(p.numel for p in param_table(cfg) if p.where != "layer")
+    if cfg.tie_embeddings:
+        total -= cfg.vocab_size * cfg.d_model
+    return total
+
+
+def check_divisible(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, virtual: int = 1) -> None:
+    """Raise ValueError unless the model splits evenly into ``pp * virtual`` chunks of
+    layers and ``tp`` slices (heads, FFN width and vocabulary divisible by tp)."""
+    cfg = get_config(cfg)
+    if cfg.n_layer % (pp * virtual):
+        raise ValueError(f"n_layer={cfg.n_layer} is not divisible by pp*virtual="
+                         f"{pp}*{virtual}")
+    for name in ("n_head", "d_ff", "vocab_size"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}")
+
+
+def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
+                 virtual: int = 1) -> int:
+    """Parameters held by one rank of pipeline stage ``stage`` after a tp-way split.
+
+    With ``virtual`` chunks per stage (interleaved schedule) a stage holds the same
+    number of layers, only not consecutive ones, so the count does not change.
+    """
+    cfg = get_config(cfg)
+    check_divisible(cfg, pp, tp, virtual)
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
+
+    def share(p: ParamInfo) -> int:
+        return p.numel // tp if p.tp_split else p.numel
+
+    table = param_table(cfg)
+    n = cfg.n_layer // pp * sum(share(p) for p in table if p.where == "layer")
+    if stage == 0:
+        n += sum(share(p) for p in table if p.where == "first")
+    if stage == pp - 1:
+        n += sum(share(p) for p in table if p.where == "last")
+        if cfg.tie_embeddings and pp == 1:
+            n -= cfg.vocab_size * cfg.d_model // tp  # the head is the embedding
+    return n
+
+
+# --- FLOPs ---------------------------------------------------------------------------
+def matmul_params(cfg: GPTConfig | str) -> int:
+    """Weights that take part in a matrix multiply: every layer's four weight matrices
+    and the head (V x h, tied or not). Embedding lookups, biases and norms cost no
+    matmul FLOPs. This is the N of "6N FLOPs per token" (Kaplan et al. 2020)."""
+    cfg = get_config(cfg)
+    h, f = cfg.d_model, cfg.d_ff
+    return cfg.n_layer * (4 * h * h + 2 * h * f) + cfg.vocab_size * h
+
+
+def attention_flops_per_token(cfg: GPTConfig | str, count: str = "full") -> float:
+    """Forward FLOPs per token of the two attention products (Q K^T and softmax . V).
+
+    ``count="full"``: 2 * 2 * s * h per layer, as Narayanan et al. (2104.04473, Sec. 5.1,
+    the 4 B s^2 h term) and PaLM (Chowdhery et al. 2022, App. B, ``12 L H Q T`` for
+    forward + backward) count it, ignoring the causal mask.
+    ``count="kaplan"``: half that, 2 * s * h per layer (Kaplan et al. 2020, arXiv
+    2001.08361, Table 1, "Attention: Mask" 2 n_layer n_ctx d_attn); numerically the same
+    as counting only the unmasked half of a causal attention.
+    """
+    cfg = get_config(cfg)
+    per_layer = {"full": 4, "kaplan": 2}
+    if count not in per_layer:
+        raise ValueError(f"count must be one of {list(per_layer)}, got {count!r}")
+    return per_layer[count] * cfg.n_layer * cfg.seq_len * cfg.d_model
+
+
+def model_flops_per_token(cfg: GPTConfig | str, attention: str = "full") -> float:
+    """Training FLOPs per token the model needs: forward + backward = 3 x forward.
+
+    ``6N + 12 L s h`` with N = ``matmul_params`` (PaLM, App. B; the no-recompute form of
+    Narayanan's count). This is the numerator of model FLOPs utilisation (MFU): it does
+    not grow when a run recomputes activations.
+    """
+    cfg = get_config(cfg)
+    return 6.0 * matmul_params(cfg) + 3.0 * attention_flops_per_token(cfg, attention)
+
+
+def hardware_flops_per_token(cfg: GPTConfig | str, recompute: str = "none",
+                             attention: str = "full") -> float:
+    """Training FLOPs per token the hardware executes, recomputation included.
+
+    ``full`` recomputation runs every layer's forward again in the backward pass (not the
+    head): + 2 N_layers + the attention forward. ``selective`` (Korthikanti et al. 2022,
+    arXiv 2205.05198, Sec. 5) recomputes only the attention products. With full
+    recomputation and d_ff = 4h this equals Narayanan's ``96 B s l h^2 (1 + s/(6h) +
+    V/(16 l h))`` per batch exactly (a test checks it).
+    """
+    cfg = get_config(cfg)
+    base = model_flops_per_token(cfg, attention)
+    attn = attention_flops_per_token(cfg, attention)
+    layers = matmul_params(cfg) - cfg.vocab_size * cfg.d_model
+    extra = {"none": 0.0, "selective": attn, "full": 2.0 * layers + attn}
+    if recompute not in extra:
+        raise ValueError(f"recompute must be one of {list(extra)}, got {recompute!r}")
+    return base + extra[recompute]
+
+
+def narayanan_flops(cfg: GPTConfig | str, batch: int, recompute: bool = True) -> float:
+    """FLOPs of one training iteration of ``batch`` sequences, Narayanan et al. 2021
+    (arXiv 2104.04473, Sec. 5.1, eq. for F):
+
+        with recomputation:     96 B s l h^2 (1 + s/(6h) + V/(16 l h))
+        without recomputation:  72 B s l h^2 (1 + s/(6h) + V/(12 l h))
+
+    The paper assumes d_ff = 4h and counts matmuls only (no biases or norms).
+    """
+    cfg = get_config(cfg)
+    b, s, l_, h, v = batch, cfg.seq_len, cfg.n_layer, cfg.d_model, cfg.vocab_size
+    if recompute:
+        return 96.0 * b * s * l_ * h * h * (1 + s / (6 * h) + v / (16 * l_ * h))
+    return 72.0 * b * s * l_ * h * h * (1 + s / (6 * h) + v / (12 * l_ * h))
+
+
+def training_days(n_params: float, tokens: float, gpus: int, flops_per_gpu: float,
+                  recompute: bool = True) -> float:
+    """End-to-end training time in days, ``8 T P / (n X)`` (Narayanan et al. 2021,
+    Sec. 5.1; 6 instead of 8 without recomputation): T tokens, P parameters, n GPUs
+    each sustaining X FLOP/s. Their examples: GPT-3 175B, 300B tokens, 1024 A100s at
+    140 TFLOP/s: 34 days; 1T, 450B tokens, 3072 A100s at 163 TFLOP/s: 84 days."""
+    factor = 8.0 if recompute else 6.0
+    return factor * tokens * n_params / (gpus * flops_per_gpu) / SECONDS_PER_DAY
+
+
+def mfu(tokens_per_second: float, cfg: GPTConfig | str, gpus: int,
+        peak_flops: float) -> float:
+    """Model FLOPs utilisation from a measured throughput (Chowdhery et al. 2022, PaLM,
+    App. B): the FLOPs the model needs per second over what the GPUs could do.
+    Recomputation does not count (use ``hfu`` for the hardware's view)."""
+    return tokens_per_second * model_flops_per_token(cfg) / (gpus * peak_flops)
+
+
+def hfu(tokens_per_second: float, cfg: GPTConfig | str, gpus: int, peak_flops: float,
+        recompute: str = "none") -> float:
+    """Hardware FLOPs utilisation: like ``mfu`` but counting recomputed FLOPs too."""
+    return (tokens_per_second * hardware_flops_per_token(cfg, recompute)
+            / (gpus * peak_flops))

@@ -1,0 +1,309 @@
+"""The planner: every layout of a model on a cluster, filtered, timed, ranked, explained.
+
+A layout is a choice of tensor (tp), pipeline (pp) and data (dp) parallel sizes with
+tp * pp * dp = GPUs, a ZeRO stage, a micro-batch size (which fixes the number of
+micro-batches m = global batch / (dp * b)), a pipeline schedule, sequence parallelism
+and activation recomputation. The planner enumerates them, drops the impossible ones
+(with the reason), estimates the step time of the rest and sorts them.
+
+The step-time model is deliberately simple, so that every term can be read and argued
+with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
+
+    compute  = FLOPs per GPU (recomputation included) / (peak * matmul_efficiency)
+    bubble   = compute * bubble ratio of the schedule ((p-1)/m for 1F1B, ...)
+    tp, pp   = wire bytes / bandwidth + calls * latency, all exposed (Megatron's tensor
+               parallel collectives sit on the critical path)
+    dp       = the same, minus what hides behind compute: gradient reduction overlaps the
+               backward of the last micro-batch; ZeRO-3's gathers prefetch during compute
+    step     = compute + bubble + tp + pp + exposed dp
+
+Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
+across nodes (network), read off the rank layout (``minipar.mesh.Mesh``).
+What it leaves out: kernel efficiency changing with matrix sizes, imbalance between
+the first/last stage and the others, network contention between groups. Use it to
+rank and to reason, not to promise a number.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+from minipar.mesh import Mesh
+from minipar.model import GPTConfig, get_config
+from minipar.theory.bubble import bubble_ratio_formula
+from minipar.theory.clusters import Cluster, get_cluster
+from minipar.theory.comm_volume import comm_volume
+from minipar.theory.memory import memory_breakdown
+from minipar.theory.params import hardware_flops_per_token, model_flops_per_token
+
+TIME_KEYS = ("compute", "bubble", "tp", "pp", "dp")
+
+
+@dataclass
+class Layout:
+    """One candidate layout with its memory (bytes) and step-time estimate (seconds)."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    microbatch_size: int
+    microbatches: int
+    schedule: str = "1f1b"
+    virtual: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    memory: dict = field(default_factory=dict)
+    time: dict = field(default_factory=dict)
+    traffic: dict = field(default_factory=dict)  # wire bytes per step, per dimension
+    mfu: float = 0.0
+    fits: bool = True
+
+    @property
+    def step_time(self) -> float:
+        return self.time.get("step", float("inf"))
+
+    def label(self) -> str:
+        sched = "" if self.pp == 1 else (
+            f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else ""))
+        extras = (" sp" if self.sp else "") + (
+            f" recompute={self.recompute}" if self.recompute != "none" else "")
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero} "
+                f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "step_time": self.step_time, "label": self.label()}
+
+
+@lru_cache(maxsize=4096)
+def _group_spans_nodes(dp: int, pp: int, tp: int, dim: str, order: str,
+                       gpus_per_node: int) -> bool:
+    """Does rank 0's group along ``dim`` cross a node boundary? (All groups of one
+    dimension have the same shape, so rank 0's answers for all.)"""
+    ranks = Mesh(dp, pp, tp, order).group_ranks(dim, 0)
+    return len({r // gpus_per_node for r in ranks}) > 1
+
+
+def _comm_seconds(volume: dict, dim: str, bandwidth: float, latency: float) -> float:
+    ops = volume.get(dim, {})
+    return sum(x["wire_bytes"] / bandwidth + x["calls"] * latency for x in ops.values())
+
+
+def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp: int,
+             zero: int = 0, microbatch_size: int = 1, global_batch: int | None = None,
+             schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
+             recompute: str = "none", *, dtype: str = "bf16", optimizer: str = "adam",
+             matmul_efficiency: float = 0.7, memory_fraction: float = 0.9,
+             accounting: str = "korthikanti", order: str = "megatron",
+             overlap: bool = True) -> Layout:
+    """Memory and step-time estimate of one layout (raises ValueError if it cannot be
+    built at all: sizes that do not divide). ``fits`` says whether it fits in
+    ``memory_fraction`` of a GPU's memory (the rest for the CUDA context, buffers and
+    fragmentation)."""
+    cfg, cluster = get_config(cfg), get_cluster(cluster)
+    if tp * pp * dp != cluster.gpus:
+        raise ValueError(f"tp*pp*dp = {tp * pp * dp} is not the cluster's {cluster.gpus} GPUs")
+    global_batch = cluster.gpus if global_batch is None else global_batch
+    if global_batch % (dp * microbatch_size):
+        raise ValueError(f"global batch {global_batch} is not divisible by dp*b = "
+                         f"{dp}*{microbatch_size}")
+    m = global_batch // (dp * microbatch_size)
+    sp = sp and tp > 1
+    common = dict(dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype, microbatch_size=microbatch_size,
+                  microbatches=m, schedule=schedule, sp=sp, recompute=recompute)
+    mem = memory_breakdown(cfg, optimizer=optimizer, virtual=virtual, accounting=accounting,
+                           **common)
+    # the busiest rank for communication: a stage with both neighbours when pp > 2
+    vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), **common)
+
+    tokens = global_batch * cfg.seq_len
+    peak = cluster.peak_flops
+    compute = hardware_flops_per_token(cfg, recompute) * tokens / cluster.gpus / (
+        peak * matmul_efficiency)
+    bubble = compute * bubble_ratio_formula(schedule, pp, m, virtual) if pp > 1 else 0.0
+
+    def bw(dim: str) -> float:
+        n = {"dp": dp, "pp": pp, "tp": tp}[dim]
+        spans = n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node)
+        return cluster.inter_bw if spans else cluster.intra_bw
+
+    t = {d: _comm_seconds(vol, d, bw(d), cluster.latency) for d in ("tp", "pp", "dp")}
+    if overlap:
+        window = compute if zero == 3 else compute / m * 2 / 3  # last backward only
+        t["dp"] = max(0.0, t["dp"] - window)
+    time = {"compute": compute, "bubble": bubble, **t}
+    time["step"] = sum(time[k] for k in TIME_KEYS)
+    achieved = model_flops_per_token(cfg) * tokens / time["step"]
+    traffic = {d: sum(x["wire_bytes"] for x in vol.get(d, {}).values())
+               for d in ("tp", "pp", "dp")}
+    return Layout(tp, pp, dp, zero, microbatch_size, m, schedule, virtual, sp, recompute,
+                  memory=mem, time=time, traffic=traffic, mfu=achieved / (cluster.gpus * peak),
+                  fits=mem["total"] <= memory_fraction * cluster.gpu_memory)
+
+
+@dataclass
+class Plan:
+    """Ranked feasible layouts (fastest first), and what was rejected and why."""
+
+    model: GPTConfig
+    cluster: Cluster
+    global_batch: int
+    layouts: list[Layout]
+    rejected: Counter
+    examples: dict[str, str]
+    smallest_misfit: Layout | None = None
+
+    def __len__(self) -> int:
+        return len(self.layouts)
+
+    def __iter__(self):
+        return iter(self.layouts)
+
+    def __getitem__(self, i):
+        return self.layouts[i]
+
+    @property
+    def best(self) -> Layout | None:
+        return self.layouts[0] if self.layouts else None
+
+    def why(self) -> str:
+        """A short text: the winner, its time budget, and why the alternatives lose."""
+        return explain(self)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None = None,
+         *, zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+         recomputes: tuple[str, ...] = ("none", "selective", "full"),
+         schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb"),
+         max_microbatch_size: int = 8, sp: bool = True, **settings) -> Plan:
+    """Enumerate, filter and rank the layouts of ``cfg`` on ``cluster``.
+
+    Rejected (and counted by reason): tp above the GPUs of one node (its collectives
+    would cross the network every layer), tp not dividing heads / FFN / vocabulary,
+    pp not dividing the layers, a batch that does not split over dp, and layouts that
+    do not fit in memory. ``sp=True`` turns on sequence parallelism wherever tp > 1
+    (same traffic, less memory). ``settings`` go to ``evaluate`` (dtype, optimizer,
+    matmul_efficiency, memory_fraction, accounting, order, overlap).
+    """
+    cfg, cluster = get_config(cfg), get_cluster(cluster)
+    gpus = cluster.gpus
+    global_batch = gpus if global_batch is None else global_batch
+    rejected: Counter = Counter()
+    examples: dict[str, str] = {}
+    layouts: list[Layout] = []
+    smallest: Layout | None = None
+
+    def reject(reason: str, example: str) -> None:
+        rejected[reason] += 1
+        examples.setdefault(reason, example)
+
+    for tp in _powers_of_two(min(gpus, 64)):
+        if gpus % tp:
+            continue
+        if tp > cluster.gpus_per_node:
+            reject("tp larger than a node", f"tp={tp} > {cluster.gpus_per_node} GPUs per node")
+            continue
+        bad = [n for n in ("n_head", "d_ff", "vocab_size") if getattr(cfg, n) % tp]
+        if bad:
+            reject("tp does not divide the model", f"tp={tp} does not divide {bad[0]}="
+                   f"{getattr(cfg, bad[0])}")
+            continue
+        for pp in range(1, cfg.n_layer + 1):
+            if (gpus // tp) % pp:
+                continue
+            if cfg.n_layer % pp:
+                reject("pp does not divide the layers", f"pp={pp}, {cfg.n_layer} layers")
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                reject("batch does not split over dp", f"batch {global_batch}, dp={dp}")
+                continue
+            local = global_batch // dp
+            for b in _powers_of_two(min(max_microbatch_size, local)):
+                if local % b:
+                    continue
+                m = local // b
+                for schedule, v in _schedules(schedules, cfg, pp, m):
+                    for zero in zero_stages:
+                        for rc in recomputes:
+                            lay = evaluate(cfg, cluster, tp, pp, dp, zero, b, global_batch,
+                                           schedule, v, sp and tp > 1, rc, **settings)
+                            if lay.fits:
+                                layouts.append(lay)
+                            else:
+                                reject("does not fit in memory", lay.label())
+                                if (smallest is None
+                                        or lay.memory["total"] < smallest.memory["total"]):
+                                    smallest = lay
+    # Ties (dp traffic fully hidden) go to the layout that moves fewer bytes, then to
+    # the one that needs less memory.
+    layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["total"]))
+    return Plan(cfg, cluster, global_batch, layouts, rejected, examples, smallest)
+
+
+def _schedules(names: tuple[str, ...], cfg: GPTConfig, pp: int, m: int):
+    """(schedule, virtual) pairs worth trying for this pp and m."""
+    if pp == 1:
+        yield "1f1b", 1  # no pipeline: m is plain gradient accumulation
+        return
+    for name in names:
+        if name == "interleaved":
+            if m % pp == 0 and cfg.n_layer % (2 * pp) == 0:
+                yield name, 2
+        else:
+            yield name, 1
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB"
+
+
+def explain(result: Plan) -> str:
+    """Why the best layout wins: its budget, what could not fit, what is slower and by
+    which term of the step time."""
+    if not result.layouts:
+        lines = [f"No layout of this model fits on {result.cluster.describe()}."]
+        if result.smallest_misfit is not None:
+            s = result.smallest_misfit
+            lines.append(f"The smallest needs {_gb(s.memory['total'])} per GPU "
+                         f"({s.label()}).")
+        lines += [f"  rejected, {r}: {n} (e.g. {result.examples[r]})"
+                  for r, n in result.rejected.most_common()]
+        return "\n".join(lines)
+    best = result.best
+    t = best.time
+    lines = [
+        f"Best: {best.label()}",
+        f"  {t['step']:.3g} s per step, estimated MFU {best.mfu:.0%}, "
+        f"{_gb(best.memory['total'])} of {_gb(result.cluster.gpu_memory)} per GPU.",
+        "  step = " + " + ".join(f"{k} {t[k]:.3g}" for k in TIME_KEYS) + " s",
+    ]
+    for reason, n in result.rejected.most_common():
+        lines.append(f"  Rejected {n} layouts: {reason} (e.g. {result.examples[reason]}).")
+    # the best layout of each other (tp, pp) shape, and what makes it slower
+    seen = {(best.tp, best.pp)}
+    for lay in result.layouts[1:]:
+        if (lay.tp, lay.pp) in seen:
+            continue
+        seen.add((lay.tp, lay.pp))
+        worst = max(TIME_KEYS, key=lambda k: lay.time[k] - best.time[k])
+        lines.append(f"  vs {lay.label()}: {lay.step_time / best.step_time - 1:+.1%} time, "
+                     f"mostly {worst} ({lay.time[worst]:.3g} s vs {best.time[worst]:.3g} s).")
+        if len(seen) > 3:
+            break
+    same = [x for x in result.layouts[1:] if (x.tp, x.pp) == (best.tp, best.pp)]
+    if same:
+        nxt = same[0]
+        lines.append(f"  Same shape, next best: {nxt.label()} "
+                     f"({nxt.step_time / best.step_time - 1:+.1%}).")
+    return "\n".join(lines)
