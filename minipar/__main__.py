@@ -82,16 +82,128 @@ def _cmd_doctor(args) -> int:
     return 0 if all(r["ok"] for r in results) else 1
 
 
+def _model_from_args(args):
+    """A preset, optionally with custom sizes (``--layers --hidden --heads ...``)."""
+    from minipar.model import get_config
+
+    if args.model is None and args.params is not None:
+        return None
+    cfg = get_config(args.model or "tiny")
+    sizes = {"n_layer": args.layers, "d_model": args.hidden, "n_head": args.heads,
+             "vocab_size": args.vocab, "seq_len": args.seq_len}
+    return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
+
+
+def _gb(x: float) -> str:
+    return f"{x / 2**30:9.2f} GiB"
+
+
+def _cmd_memory(args) -> int:
+    from minipar.theory.memory import memory_breakdown
+
+    cfg = _model_from_args(args)
+    mem = memory_breakdown(cfg, args.dp, args.pp, args.tp, args.zero, args.dtype,
+                           args.optimizer, args.microbatch_size, args.microbatches,
+                           args.schedule, args.sp, args.recompute, params=args.params,
+                           virtual=args.virtual)
+    what = f"{args.model or 'custom'}" if cfg is not None else f"{args.params:,} parameters"
+    print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp} "
+          f"zero={args.zero} {args.dtype} (stage {mem['stage']}, the most loaded)")
+    for key in ("params", "grads", "optimizer", "activations", "total"):
+        print(f"  {key:<12}{_gb(mem[key])}   {mem[key]:>18,} bytes")
+    _write_json(args.json, mem)
+    return 0
+
+
+def _cmd_bubble(args) -> int:
+    from minipar.theory.bubble import bubble_report
+
+    rep = bubble_report(args.schedule, args.pp, args.microbatches, args.virtual)
+    print(rep["table"])
+    print(f"bubble fraction (idle share of the step): {rep['bubble_fraction']:.4f}"
+          f"   formula {rep['bubble_fraction_formula']:.4f}")
+    print(f"bubble ratio (idle over ideal time):      {rep['bubble_ratio']:.4f}"
+          f"   formula {rep['bubble_ratio_formula']:.4f}")
+    print(f"peak micro-batches in flight per rank: {rep['peak_in_flight']}")
+    _write_json(args.json, rep)
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    from minipar.theory.clusters import cluster, get_cluster
+    from minipar.theory.planner import plan
+
+    cfg = _model_from_args(args)
+    if args.gpus:
+        where = cluster(args.gpus, args.gpu, args.gpus_per_node)
+    else:
+        where = get_cluster(args.cluster)
+    result = plan(cfg, where, args.batch)
+    print(f"{'#':>3}  {'layout':<60} {'step s':>9} {'MFU':>6} {'GiB/GPU':>8}")
+    for i, lay in enumerate(result.layouts[: args.top]):
+        print(f"{i + 1:>3}  {lay.label():<60} {lay.step_time:>9.3g} {lay.mfu:>6.1%} "
+              f"{lay.memory['total'] / 2**30:>8.1f}")
+    print()
+    print(result.why())
+    _write_json(args.json, {"best": result.best.to_dict() if result.best else None,
+                            "layouts": [x.to_dict() for x in result.layouts[: args.top]],
+                            "rejected": dict(result.rejected), "why": result.why()})
+    return 0
+
+
+def _add_model_args(p, default: str | None) -> None:
+    p.add_argument("--model", default=default, help="preset name (minipar.model.PRESETS)")
+    p.add_argument("--layers", type=int, help="override n_layer")
+    p.add_argument("--hidden", type=int, help="override d_model")
+    p.add_argument("--heads", type=int, help="override n_head")
+    p.add_argument("--vocab", type=int, help="override vocab_size")
+    p.add_argument("--seq-len", type=int, help="override seq_len")
+    p.add_argument("--json")
+
+
+def _add_theory(sub) -> None:
+    m = sub.add_parser("memory", help="per-device memory breakdown (theory)")
+    _add_model_args(m, None)
+    m.add_argument("--params", type=int, help="parameter count alone: model states only")
+    for dim in ("dp", "pp", "tp"):
+        m.add_argument(f"--{dim}", type=int, default=1)
+    m.add_argument("--zero", type=int, default=0, choices=range(4))
+    m.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
+    m.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    m.add_argument("--microbatch-size", type=int, default=1)
+    m.add_argument("--microbatches", type=int, default=1)
+    m.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
+    m.add_argument("--virtual", type=int, default=1)
+    m.add_argument("--sp", action="store_true")
+    m.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    b = sub.add_parser("bubble", help="pipeline schedule table and bubble figures")
+    b.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
+    b.add_argument("--pp", type=int, default=4)
+    b.add_argument("--microbatches", type=int, default=8)
+    b.add_argument("--virtual", type=int, default=1)
+    b.add_argument("--json")
+    p = sub.add_parser("plan", help="rank layouts of a model on a cluster")
+    _add_model_args(p, "gpt-1.3b")
+    p.add_argument("--cluster", default="dgx-a100", help="cluster preset")
+    p.add_argument("--gpus", type=int, help="custom cluster: number of GPUs")
+    p.add_argument("--gpu", default="A100-80GB", help="custom cluster: GPU kind")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--batch", type=int, help="global batch (sequences); default = GPUs")
+    p.add_argument("--top", type=int, default=10)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minipar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_theory(sub)
     d = sub.add_parser("doctor", help="check this machine for the course")
     d.add_argument("--json")
     return parser
 
 
-COMMANDS = {"train": _cmd_train, "doctor": _cmd_doctor}
+COMMANDS = {"train": _cmd_train, "memory": _cmd_memory, "bubble": _cmd_bubble,
+            "plan": _cmd_plan, "doctor": _cmd_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:
