@@ -1,0 +1,365 @@
+"""Pipeline parallelism: cut the GPT into stages, and run any schedule over them.
+
+**Stages.** ``build_stage(model, pp_rank, pp, virtual)`` splits the ``n_layer`` blocks
+into ``pp * virtual`` chunks of consecutive layers (uneven counts: the first chunks take
+one more), and keeps on rank ``r`` the chunks ``r, r + pp, ...`` (Megatron's virtual
+stages, arXiv 2104.04473). Chunk 0 also runs ``model.embed``; the last chunk runs
+``model.logits`` and ``model.loss``. Those, and ``model.blocks``, are the only entry
+points used, so a model whose layers tensor parallelism already swapped works as is.
+Whatever this rank does not run is dropped from the model.
+
+**Executor.** ``PipelineExecutor(chunks, comm, actions).step(microbatches)`` walks this
+rank's action list (``minipar.parallel.schedules``) and does what it says:
+
+* ``RECV_*`` posts a non-blocking ``irecv``; the compute that needs the data waits for
+  it (the wait is recorded). ``SEND_*`` posts an ``isend`` and moves on; sends are
+  completed at the end of the step. The lists are valid under *blocking* sends and
+  receives (``validate``), so this gentler execution cannot deadlock either.
+* ``F`` calls the chunk module (``__call__``: wrappers' hooks fire) and keeps its
+  input and output for the backward.
+* ``B`` back-propagates the output gradient. If the list also has a ``W`` for that
+  micro-batch and chunk (zero-bubble, arXiv 2401.10241), ``B`` computes only the input
+  gradient and the gradients of every parameter-owning module's output; ``W`` later
+  turns those into weight gradients, one module at a time (``autograd.backward`` with
+  ``inputs=`` the module's own parameters, so only the weight products run and
+  gradient hooks fire). The sum is the same gradient a plain backward gives.
+* The loss of each micro-batch is multiplied by ``loss_scale`` (default 1/m) before the
+  backward, so the gradients equal those of the mean loss of the whole batch on one
+  device. (Forgetting the 1/m scales the gradient by m; picotron has that bug.)
+
+Activation shapes are never assumed: the first time a boundary carries a new input
+shape, the sender sends a small header (dtype and shape) before the tensor. Gradient
+shapes are known (those of the rank's own outputs). So sequence parallelism's
+[b, s/tp, h] crosses stages like anything else.
+
+Every rank records when each action ran and how long it waited on communication;
+``minipar.theory.bubble.bubble_stats`` turns those records into the measured bubble.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from minipar.comm import Comm, Pending
+from minipar.parallel.schedules import Action, Schedule, rank_of, schedule_shape, validate
+from minipar.theory.bubble import UNIT_COST, action_cost
+
+# --- stages --------------------------------------------------------------------------
+
+
+def partition_layers(n_layer: int, n_chunks: int) -> list[range]:
+    """Consecutive layer ranges for ``n_chunks`` chunks; the first chunks take the rest."""
+    if n_chunks < 1:
+        raise ValueError(f"need at least one chunk, got {n_chunks}")
+    base, extra = divmod(n_layer, n_chunks)
+    out, start = [], 0
+    for i in range(n_chunks):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def split_report(n_layer: int, pp: int, virtual: int = 1) -> str:
+    """Which layers each rank holds, e.g. ``rank 0: chunk 0 = embed + layers 0-2``."""
+    ranges = partition_layers(n_layer, pp * virtual)
+    last = pp * virtual - 1
+    lines = []
+    for r in range(pp):
+        parts = []
+        for c in range(r, pp * virtual, pp):
+            layers = ranges[c]
+            what = [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else
+                    f"layer {layers.start}" if layers else "no layers"]
+            if c == 0:
+                what.insert(0, "embed")
+            if c == last:
+                what.append("head + loss")
+            parts.append(f"chunk {c} = " + " + ".join(what))
+        lines.append(f"rank {r}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+class StageChunk(nn.Module):
+    """Chunk ``index`` of ``n_chunks``: its blocks, plus embed (first) or head+loss (last).
+
+    ``forward(x, targets=None)``: token ids in for the first chunk, hidden states
+    otherwise; the mean loss out of the last chunk, hidden states otherwise.
+    """
+
+    def __init__(self, model: nn.Module, index: int, n_chunks: int, layers: range) -> None:
+        super().__init__()
+        self.index, self.n_chunks, self.layers = index, n_chunks, layers
+        self.is_first, self.is_last = index == 0, index == n_chunks - 1
+        self.__dict__["_gpt"] = model  # call its methods; do not own all its parameters
+        if self.is_first:
+            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
+        if self.is_last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = self._gpt.embed(x) if self.is_first else x
+        for block in self.blocks:
+            h = block(h)
+        if self.is_last:
+            if targets is None:
+                raise ValueError("the last pipeline chunk needs the targets")
+            return self._gpt.loss(self._gpt.logits(h), targets)
+        return h
+
+    def extra_repr(self) -> str:
+        return f"chunk {self.index} of {self.n_chunks}, layers {list(self.layers)}"
+
+
+def build_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[StageChunk]:
+    """This rank's chunks (local order), dropping every other layer from ``model``.
+
+    Tied input/output embeddings would live on the first and the last rank at once;
+    that needs an extra gradient all-reduce which minipar leaves out, so it is refused.
+    """
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp - 1}")
+    if virtual < 1:
+        raise ValueError(f"virtual must be >= 1, got {virtual}")
+    if pp > 1 and getattr(model.cfg, "tie_embeddings", False):
+        raise ValueError("tied embeddings are not supported with pp > 1 (the first and last "
+                         "stages would share a weight); use tie_embeddings=False")
+    n_chunks = pp * virtual
+    ranges = partition_layers(len(model.blocks), n_chunks)
+    mine = [c for c in range(n_chunks) if rank_of(c, pp) == pp_rank]
+    chunks = [StageChunk(model, c, n_chunks, ranges[c]) for c in mine]
+    kept = {i for c in mine for i in ranges[c]}
+    for i in range(len(model.blocks)):
+        if i not in kept:
+            model.blocks[i] = nn.Identity()
+    if 0 not in mine:
+        model.tok_emb = model.pos_emb = None
+    if n_chunks - 1 not in mine:
+        model.ln_f = model.head = None
+    return chunks
+
+
+# --- the executor ----------------------------------------------------------------------
+
+
+class ActionRecord(NamedTuple):
+    """When one action ran on one rank (``time.time()`` seconds) and how long the rank
+    waited for its incoming data before starting it."""
+
+    rank: int
+    kind: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
+    wait: float
+
+
+class StepResult(NamedTuple):
+    loss: float | None  # mean micro-batch loss (last stage, or everywhere if broadcast)
+    timeline: list[ActionRecord]
+    peak_in_flight: int  # most (micro-batch, chunk) activations held at once
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 10  # dtype code, ndim, up to 8 sizes
+
+
+class PipelineExecutor:
+    """Runs this rank's part of ``actions`` over ``chunks`` (local order, as
+    ``build_stage`` returns them), talking to the other stages through ``comm``.
+
+    ``sleep_per_unit`` adds ``cost * sleep_per_unit`` seconds of sleep to every compute
+    action (F 1, B 2 or 1 + W 1): a stand-in for a bigger model, so that measured
+    timelines are comparable with theory on a small, busy CPU.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], comm: Comm, actions: Schedule, *,
+                 sleep_per_unit: float = 0.0, synchronize: bool | None = None) -> None:
+        if len(actions) != comm.size:
+            raise ValueError(f"schedule is for pp={len(actions)}, the pipeline group has "
+                             f"{comm.size} ranks")
+        validate(actions, virtual=len(chunks))
+        self.comm, self.pp, self.rank = comm, comm.size, comm.rank
+        self.n_chunks = self.pp * len(chunks)
+        self.chunks = {self.rank + k * self.pp: c for k, c in enumerate(chunks)}
+        self.actions = list(actions[self.rank])
+        self.microbatches = schedule_shape(actions)[1]
+        self.split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
+        self.sleep_per_unit = sleep_per_unit
+        params = [p for c in chunks for p in c.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        self.synchronize = self.device.type == "cuda" if synchronize is None else synchronize
+        self._shapes_sent: set = set()
+        self._shapes_known: dict = {}
+        self._capture: list | None = None
+        self._hooks = []
+        if self.split:  # remember each parameter-owning module's output for W
+            for chunk in chunks:
+                for module in chunk.modules():
+                    if next(module.parameters(recurse=False), None) is not None:
+                        self._hooks.append(module.register_forward_hook(self._capture_output))
+
+    def close(self) -> None:
+        """Remove the forward hooks this executor put on the chunks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _capture_output(self, module: nn.Module, inputs, output) -> None:
+        if self._capture is None:
+            return
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} returns {type(output).__name__}; the "
+                            "split backward (W actions) needs modules that return a tensor")
+        if output.requires_grad:
+            self._capture.append((module, output))
+
+    # --- point to point, with a shape header the first time ----------------------
+    def _send_activation(self, t: torch.Tensor, chunk: int, key: tuple) -> list[Pending]:
+        peer, out = rank_of(chunk + 1, self.pp), []
+        if (chunk + 1, key) not in self._shapes_sent:
+            self._shapes_sent.add((chunk + 1, key))
+            header = torch.zeros(_HEADER, dtype=torch.long, device=t.device)
+            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+            header[2:2 + t.dim()] = torch.tensor(t.shape)
+            out.append(self.comm.isend(header, peer))
+        out.append(self.comm.isend(t, peer))
+        return out
+
+    def _recv_activation(self, chunk: int, key: tuple) -> tuple[Pending, torch.Tensor]:
+        peer = rank_of(chunk - 1, self.pp)
+        if (chunk, key) not in self._shapes_known:
+            header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
+            self.comm.irecv(header, peer).wait()
+            h = header.tolist()
+            self._shapes_known[(chunk, key)] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
+        shape, dtype = self._shapes_known[(chunk, key)]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return self.comm.irecv(buf, peer), buf
+
+    # --- one training step ---------------------------------------------------------
+    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             loss_scale: float | None = None, broadcast_loss: bool = False) -> StepResult:
+        """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
+
+        Every rank passes the same list of (inputs, targets) micro-batches (only the
+        first stage reads inputs, only the last reads targets). Returns the mean
+        micro-batch loss on the last stage (on every stage with ``broadcast_loss``).
+        """
+        m = len(microbatches)
+        if m != self.microbatches:
+            raise ValueError(f"schedule is for {self.microbatches} micro-batches, got {m}")
+        scale = 1.0 / m if loss_scale is None else loss_scale
+        last = self.n_chunks - 1
+        inputs: dict = {}  # (mb, chunk) -> tensor, or (pending, buffer) until it arrives
+        out_grads: dict = {}  # (mb, chunk) -> gradient of the chunk's output, likewise
+        saved: dict = {}  # (mb, chunk) -> (input, output) kept for the backward
+        weight_work: dict = {}  # (mb, chunk) -> [(module, output, grad)] for W
+        input_grads: dict = {}  # (mb, chunk) -> gradient of the chunk's input, to send
+        sends: list[Pending] = []
+        records: list[ActionRecord] = []
+        losses: list[torch.Tensor] = []
+        peak = 0
+
+        def take(store: dict, key) -> tuple[torch.Tensor, float]:
+            value = store.pop(key)
+            if not isinstance(value, tuple):
+                return value, 0.0
+            t0 = time.time()
+            value[0].wait()
+            return value[1], time.time() - t0
+
+        for a in self.actions:
+            key, wait, t0 = (a.mb, a.chunk), 0.0, time.time()
+            shape_key = tuple(microbatches[a.mb][0].shape)
+            if a.kind == "RECV_F":
+                inputs[key] = self._recv_activation(a.chunk, shape_key)
+            elif a.kind == "RECV_B":
+                buf = torch.empty_like(saved[key][1])
+                out_grads[key] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)), buf)
+            elif a.kind == "SEND_F":
+                sends += self._send_activation(saved[key][1].detach(), a.chunk, shape_key)
+            elif a.kind == "SEND_B":
+                sends.append(self.comm.isend(input_grads.pop(key),
+                                             rank_of(a.chunk - 1, self.pp)))
+            else:
+                if a.kind == "F":
+                    x, y = microbatches[a.mb]
+                    if a.chunk > 0:
+                        x, wait = take(inputs, key)
+                        x = x.detach().requires_grad_(x.is_floating_point())
+                    t0 = time.time()
+                    self._capture = [] if key in self.split else None
+                    out = self.chunks[a.chunk](x, y) if a.chunk == last else \
+                        self.chunks[a.chunk](x)
+                    if self._capture is not None:
+                        weight_work[key] = self._capture
+                    self._capture = None
+                    saved[key] = (x, out)
+                    if a.chunk == last:
+                        losses.append(out.detach())
+                    elif rank_of(a.chunk + 1, self.pp) == self.rank:  # next chunk is here
+                        inputs[(a.mb, a.chunk + 1)] = out.detach()
+                    peak = max(peak, len(saved) + len(weight_work) - len(
+                        saved.keys() & weight_work.keys()))
+                elif a.kind == "B":
+                    grad = None
+                    if a.chunk < last:
+                        grad, wait = take(out_grads, key)
+                    t0 = time.time()
+                    self._backward(a, saved.pop(key), grad, scale, weight_work, input_grads)
+                    if a.chunk > 0 and rank_of(a.chunk - 1, self.pp) == self.rank:
+                        out_grads[(a.mb, a.chunk - 1)] = input_grads.pop(key)
+                else:  # W
+                    for module, output, grad in weight_work.pop(key):
+                        params = [p for p in module.parameters(False) if p.requires_grad]
+                        if grad is not None and params:
+                            torch.autograd.backward(output, grad, inputs=params)
+                self._pretend_compute(a)
+            records.append(ActionRecord(self.rank, a.kind, a.mb, a.chunk, t0, time.time(),
+                                        wait))
+            for s in [s for s in sends if s.is_completed()]:
+                s.wait()  # stamps its end in the comm log
+                sends.remove(s)
+        for s in sends:
+            s.wait()
+        loss = torch.stack(losses).mean() if losses else None
+        if broadcast_loss:
+            loss = self.comm.broadcast(torch.zeros((), device=self.device) if loss is None
+                                       else loss.to(self.device).float(),
+                                       src=rank_of(last, self.pp))
+        return StepResult(None if loss is None else float(loss), records, peak)
+
+    def _backward(self, a: Action, saved: tuple, grad: torch.Tensor | None, scale: float,
+                  weight_work: dict, input_grads: dict) -> None:
+        """B: the input gradient; also the weight gradients unless a W will do them."""
+        x, out = saved
+        key = (a.mb, a.chunk)
+        if grad is None:  # the last chunk's output is the loss
+            out, grad = out * scale, None
+        needs_dx = a.chunk > 0 and x.requires_grad
+        if key not in self.split:
+            torch.autograd.backward(out, grad)
+            if needs_dx:
+                input_grads[key] = x.grad
+            return
+        work = weight_work[key]
+        wrt = ([x] if needs_dx else []) + [o for _, o in work]
+        grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+        if needs_dx:
+            input_grads[key], grads = grads[0], grads[1:]
+        weight_work[key] = [(mod, o, g) for (mod, o), g in zip(work, grads)]
+
+    def _pretend_compute(self, a: Action) -> None:
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
+        if self.sleep_per_unit > 0:
+            split = (a.mb, a.chunk) in self.split
+            time.sleep(self.sleep_per_unit * action_cost(a.kind, split, UNIT_COST))

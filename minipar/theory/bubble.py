@@ -1,0 +1,222 @@
+"""The pipeline bubble: closed forms, and the timeline a schedule implies.
+
+A pipeline step is over when the last rank finishes; until then a rank that waits for
+its neighbour idles. That idle time is the *bubble*. Two ways to quote it:
+
+* ``bubble_fraction``: idle share of the step, idle / (p * step time).
+  For GPipe and 1F1B with t_B = 2 t_F: (p-1)/(m+p-1) (Huang et al., arXiv 1811.06965).
+* ``bubble_ratio``: idle over useful work, the form Megatron-LM quotes:
+  (p-1)/m for 1F1B, (p-1)/(v m) for interleaved 1F1B with v chunks per rank
+  (Narayanan et al., arXiv 2104.04473, section 2.2), and (p-1)/(3m) for ZB-H1 with
+  t_F = t_B = t_W (Qi et al., arXiv 2401.10241, section 3: (p-1)(t_F + t_B - t_W)).
+
+The closed forms assume a clean pipeline; ``simulate`` makes no assumption: it runs the
+schedule's own action lists (``minipar.parallel.schedules``) on unit times (forward 1,
+backward 2, or input-gradient 1 + weight-gradient 1 when the backward is split), each
+action starting when its rank is free and its inputs have arrived. The lessons plot
+that timeline beside the one the executor measures; the tests check both against the
+closed forms. Everything here is a pure function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from minipar.parallel.schedules import (
+    COMPUTE,
+    Action,
+    Schedule,
+    data_deps,
+    make_schedule,
+    partner,
+    rank_of,
+    schedule_shape,
+)
+
+UNIT_COST: dict[str, float] = {"F": 1.0, "B": 2.0, "W": 1.0}
+
+
+class Span(NamedTuple):
+    """One compute action on one rank, from ``start`` to ``end`` (any time unit)."""
+
+    rank: int
+    kind: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
+
+
+def split_backwards(actions: Schedule) -> set[tuple[int, int]]:
+    """(mb, chunk) pairs whose weight gradient is a separate W action."""
+    return {(a.mb, a.chunk) for acts in actions for a in acts if a.kind == "W"}
+
+
+def action_cost(kind: str, split: bool, cost: Mapping[str, float] = UNIT_COST) -> float:
+    """Time of a compute action. A B whose W runs separately does only its input part."""
+    if kind == "B" and split:
+        return cost["B"] - cost["W"]
+    return cost[kind]
+
+
+def simulate(actions: Schedule, cost: Mapping[str, float] = UNIT_COST,
+             p2p: float = 0.0) -> list[list[Span]]:
+    """The timeline of ``actions``: per rank, the spans of its compute actions.
+
+    Ranks run their lists in order. A compute starts when the rank is free and its
+    inputs exist: a local result, or a message, which arrives ``p2p`` after the
+    sender reaches its ``SEND`` (sends never hold the sender up; receives cost nothing
+    by themselves). Raises ``ValueError`` if the lists cannot finish (validate them).
+    """
+    pp, _, v = schedule_shape(actions)
+    n_chunks = pp * v
+    split = split_backwards(actions)
+    clock = [0.0] * pp
+    pos = [0] * pp
+    end: dict[Action, float] = {}  # finish time of compute actions
+    sent: dict[Action, float] = {}  # arrival time of messages, keyed by their RECV
+    spans: list[list[Span]] = [[] for _ in range(pp)]
+
+    def ready(a: Action) -> float | None:
+        times = []
+        for d in data_deps(a, n_chunks):
+            if rank_of(d.chunk, pp) == rank_of(a.chunk, pp):
+                times.append(end[d])
+            else:
+                recv = Action("RECV_F" if d.kind == "F" else "RECV_B", a.mb, a.chunk)
+                if recv not in sent:
+                    return None
+                times.append(sent[recv])
+        return max(times, default=0.0)
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(actions[r]):
+                a = actions[r][pos[r]]
+                if a.kind in COMPUTE:
+                    t = ready(a)
+                    if t is None:
+                        break
+                    start = max(clock[r], t)
+                    clock[r] = start + action_cost(a.kind, (a.mb, a.chunk) in split, cost)
+                    end[a] = clock[r]
+                    spans[r].append(Span(r, a.kind, a.mb, a.chunk, start, clock[r]))
+                elif a.kind.startswith("SEND"):
+                    sent[partner(a)] = clock[r] + p2p
+                pos[r] += 1
+                progressed = True
+    if any(pos[r] < len(actions[r]) for r in range(pp)):
+        stuck = [f"rank {r} at {actions[r][pos[r]]}" for r in range(pp)
+                 if pos[r] < len(actions[r])]
+        raise ValueError("schedule cannot finish: " + ", ".join(stuck))
+    return spans
+
+
+# --- bubble figures from any timeline (simulated or measured) -------------------------
+def bubble_stats(timeline: Sequence[Sequence]) -> dict[str, float]:
+    """Step time, busy time, bubble fraction and ratio of per-rank compute spans.
+
+    Anything with ``.kind``, ``.start`` and ``.end`` works, so the executor's measured
+    records go through the same function as the simulated spans. The step runs from
+    the earliest start to the latest end over all ranks.
+    """
+    spans = [s for row in timeline for s in row if s.kind in COMPUTE]
+    if not spans:
+        return {"step_time": 0.0, "busy": 0.0, "bubble_fraction": 0.0, "bubble_ratio": 0.0}
+    step = max(s.end for s in spans) - min(s.start for s in spans)
+    busy = sum(s.end - s.start for s in spans)
+    idle = len(timeline) * step - busy
+    return {"step_time": step, "busy": busy,
+            "bubble_fraction": idle / (len(timeline) * step) if step > 0 else 0.0,
+            "bubble_ratio": idle / busy if busy > 0 else 0.0}
+
+
+def bubble_ratio_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle over ideal time in closed form, for unit costs F=1, B=2 (ZB: B=W=1)."""
+    p, m, v = pp, microbatches, virtual
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if schedule == "interleaved":
+        return (p - 1) / (v * m)
+    if schedule == "zb":
+        return (p - 1) / (3 * m)
+    raise ValueError(f"no closed form for schedule {schedule!r}")
+
+
+def bubble_fraction_formula(schedule: str, pp: int, microbatches: int,
+                            virtual: int = 1) -> float:
+    """Idle share of the step in closed form: ratio / (1 + ratio)."""
+    ratio = bubble_ratio_formula(schedule, pp, microbatches, virtual)
+    return ratio / (1 + ratio)
+
+
+# --- activation memory ---------------------------------------------------------------
+def peak_in_flight(actions: Schedule) -> list[int]:
+    """Per rank, the most (micro-batch, chunk) activations held at once.
+
+    An activation is held from its F until its backward is over: the B, or the W when
+    the weight gradient is split off (W still needs the layer inputs). With one chunk
+    per rank this counts micro-batches: GPipe holds ``m``, 1F1B at most ``p - r``.
+    With v chunks each activation is 1/v of a stage's.
+    """
+    split = split_backwards(actions)
+    peaks = []
+    for acts in actions:
+        held = peak = 0
+        for a in acts:
+            if a.kind == "F":
+                held += 1
+            elif (a.kind == "B" and (a.mb, a.chunk) not in split) or a.kind == "W":
+                held -= 1
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+# --- text for the command line ---------------------------------------------------------
+def timeline_table(timeline: Sequence[Sequence[Span]], virtual: int = 1,
+                   unit: float = 1.0) -> str:
+    """A text Gantt chart: one row per rank, one cell per time unit, ``.`` for idle."""
+    width = 4 if virtual == 1 else 6
+    step = max((s.end for row in timeline for s in row), default=0.0)
+    cols = int(round(step / unit))
+    lines = []
+    for r, row in enumerate(timeline):
+        cells = ["." * 1] * cols
+        for s in row:
+            label = Action(s.kind, s.mb, s.chunk).short(virtual)
+            for c in range(int(round(s.start / unit)), int(round(s.end / unit))):
+                cells[c] = label
+        lines.append(f"rank {r} | " + "".join(c.ljust(width) for c in cells).rstrip())
+    return "\n".join(lines)
+
+
+def bubble_report(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> dict:
+    """What ``python -m minipar bubble`` prints: figures, table and memory of a schedule.
+
+    Keys: schedule, pp, microbatches, virtual, bubble_fraction, bubble_ratio (from the
+    simulated timeline), the closed forms (``*_formula``), step_time and ideal_time in
+    units of one chunk forward, peak_in_flight (per rank), table (text Gantt chart),
+    actions (per rank, the compute order as text) and timeline (spans as dicts).
+    """
+    actions = make_schedule(schedule, pp, microbatches, virtual)
+    timeline = simulate(actions)
+    stats = bubble_stats(timeline)
+    return {
+        "schedule": schedule, "pp": pp, "microbatches": microbatches, "virtual": virtual,
+        "bubble_fraction": stats["bubble_fraction"],
+        "bubble_ratio": stats["bubble_ratio"],
+        "bubble_fraction_formula": bubble_fraction_formula(schedule, pp, microbatches,
+                                                           virtual),
+        "bubble_ratio_formula": bubble_ratio_formula(schedule, pp, microbatches, virtual),
+        "step_time": stats["step_time"],
+        "ideal_time": stats["busy"] / pp,
+        "peak_in_flight": peak_in_flight(actions),
+        "table": timeline_table(timeline, virtual),
+        "actions": [" ".join(a.short(virtual) for a in acts if a.kind in COMPUTE)
+                    for acts in actions],
+        "timeline": [s._asdict() for row in timeline for s in row],
+    }
