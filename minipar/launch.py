@@ -170,6 +170,10 @@ def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, progre
     sys.stderr.flush()
     os.dup2(out, 1)
     os.dup2(out, 2)
+    # The Python-level streams too: in a notebook they are the kernel's (which forwards a
+    # forked child's prints into the notebook, unordered), not file descriptors 1 and 2.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
     warnings.simplefilter("ignore")
     _STATUS_SLOT, _PROGRESS_SLOT = slot, progress
     _set_status(slot, "starting")
