@@ -26,6 +26,7 @@ from minipar.parallel.tp import (
     check_tp,
     gather_tensor,
     grad_sq_sum,
+    saved_tensor_elements,
     shard_tensor,
     sync_sequence_parallel_grads,
     tp_shard_dim,
@@ -252,22 +253,6 @@ def test_collectives_match_theory(tp, sp):
 
 # --- activation memory: measured saved tensors against the derived formula ------------------
 
-def _saved_elements(fn, params):
-    """Elements autograd saves while ``fn`` runs: each storage once, parameters excluded."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes() // t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 def _memory_rank(cfg, b):
     comm, out = Comm(), {}
     for sp in (False, True):
@@ -275,7 +260,7 @@ def _memory_rank(cfg, b):
         model = apply_tensor_parallel(GPT(cfg), comm, sp)
         s = cfg.seq_len // comm.size if sp else cfg.seq_len
         x = torch.randn(b, s, cfg.d_model, requires_grad=True)  # the block's input
-        out[sp] = _saved_elements(lambda m=model, x=x: m.blocks[0](x), model.parameters())
+        out[sp] = saved_tensor_elements(lambda m=model, x=x: m.blocks[0](x), model.parameters())
     return out
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -148,15 +148,19 @@ class _GatherLinear(torch.autograd.Function):
 
 # --- layers --------------------------------------------------------------------------
 
-class ColumnParallelLinear(nn.Module):
-    """y[..., local outputs] = x W_local^T + b_local. Input: full [b, s, h] (replicated)
-    or, with SP, the sequence shard [b, s/tp, h]. Output: this rank's output columns."""
+class _ParallelLinear(nn.Module):
+    """A linear layer holding this rank's part of the weight (and bias, if any)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm,
                  sequence_parallel: bool) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.comm, self.sequence_parallel = comm, sequence_parallel
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y[..., local outputs] = x W_local^T + b_local. Input: full [b, s, h] (replicated)
+    or, with SP, the sequence shard [b, s/tp, h]. Output: this rank's output columns."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -164,16 +168,10 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(_CopyToTP.apply(x, self.comm), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Input: this rank's slice of the features. Each rank's x W_local^T is a partial sum;
     all-reduce it (or reduce-scatter it along the sequence with SP), then add the bias
     (replicated: added once, after the sum)."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm,
-                 sequence_parallel: bool) -> None:
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        self.comm, self.sequence_parallel = comm, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
@@ -493,3 +491,21 @@ def activation_elements_per_layer(cfg: GPTConfig, batch: int, tp: int,
     outside = 4 * s * b * h + 4 * s * b
     inside = 4 * s * b * h + 2 * s * b * f + a * s * b
     return (outside // t if sequence_parallel else outside) + inside // t
+
+
+def saved_tensor_elements(fn: Callable[[], object], params: Iterable[torch.Tensor]) -> int:
+    """Run ``fn`` and count the elements autograd saves for backward meanwhile: each
+    storage once (q, k and v are views of one qkv output), ``params`` excluded. The
+    measured counterpart of ``activation_elements_per_layer``."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
