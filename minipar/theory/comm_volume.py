@@ -35,7 +35,9 @@ micro-batches, e bytes per activation element):
   to the next stage and its gradient back (divided by t with sequence parallelism,
   where each tp rank owns a sequence shard). Tied embeddings with pp > 1 add one
   all-reduce of the embedding gradient between the first and last stage (Megatron's
-  embedding group); we book it under pp.
+  embedding group); we book it under pp (minipar refuses tied embeddings with pp > 1).
+  Not predicted: ``minipar.parallel.pp``'s one small shape header per boundary the
+  first time a shape crosses it, and its optional broadcast of the loss.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from collections import defaultdict
 from minipar.comm import wire_bytes
 from minipar.model import GPTConfig, get_config
 from minipar.theory.memory import _ALIASES, state_bytes
-from minipar.theory.params import check_divisible, param_table, stage_params
+from minipar.theory.params import check_divisible, param_table, stage_layers, stage_params
 
 
 def _add(out: dict, dim: str, op: str, calls: int, nbytes: int, n: int) -> None:
@@ -91,7 +93,7 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
     training step (``microbatches`` micro-batches of ``microbatch_size`` sequences).
     ``schedule`` does not change the bytes, only when they move."""
     cfg = get_config(cfg)
-    check_divisible(cfg, pp, tp, virtual)
+    check_divisible(cfg, tp)
     if sp and tp == 1:
         sp = False
     m = microbatches
@@ -103,7 +105,7 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
     out = dp_volume(stage_params(cfg, pp, tp, stage, virtual), dp, zero, dtype, m)
 
     # tensor parallel, per micro-batch: collectives of b*s*h activations
-    layers = cfg.n_layer // pp
+    layers = stage_layers(cfg.n_layer, pp, stage, virtual)
     act = s * b * h * e
     redo = 1 if recompute == "full" else 0  # the forward runs twice
     if sp:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from minipar.model import GPTConfig, get_config
-from minipar.theory.params import check_divisible, stage_params
+from minipar.theory.params import check_divisible, stage_layers, stage_params
 
 # Bytes per parameter: (weights, gradients, optimizer state).
 # "bf16" is mixed precision as in the ZeRO paper (Sec. 3.1): 16-bit weights and grads,
@@ -225,13 +225,13 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
     per-layer bytes x layers per chunk x chunks in flight, plus the embedding terms on
     the first stage and the head terms on the last, each times its micro-batches in
     flight (with interleaving, chunks in flight / v: the approximation Megatron's
-    estimator uses too)."""
+    estimator uses too; with uneven chunks, their mean size)."""
     cfg = get_config(cfg)
-    check_divisible(cfg, pp, tp, virtual)
+    check_divisible(cfg, tp)
     per_layer = sum(layer_activations(cfg, microbatch_size, tp, sp, recompute, dtype,
                                       accounting).values())
     chunks = inflight(schedule, pp, microbatches, stage, virtual)
-    total = per_layer * cfg.n_layer / (pp * virtual) * chunks
+    total = per_layer * stage_layers(cfg.n_layer, pp, stage, virtual) / virtual * chunks
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
         total += whole * sum(edge_activations(cfg, "first", microbatch_size, tp, sp, dtype,

@@ -90,35 +90,42 @@ def param_count(cfg: GPTConfig | str) -> int:
     return total
 
 
-def check_divisible(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, virtual: int = 1) -> None:
-    """Raise ValueError unless the model splits evenly into ``pp * virtual`` chunks of
-    layers and ``tp`` slices (heads, FFN width and vocabulary divisible by tp)."""
+def check_divisible(cfg: GPTConfig | str, tp: int = 1) -> None:
+    """Raise ValueError unless tensor parallelism can split the model ``tp`` ways: heads,
+    FFN width and vocabulary divisible by tp (``minipar.parallel.tp.check_tp``'s rule)."""
     cfg = get_config(cfg)
-    if cfg.n_layer % (pp * virtual):
-        raise ValueError(f"n_layer={cfg.n_layer} is not divisible by pp*virtual="
-                         f"{pp}*{virtual}")
     for name in ("n_head", "d_ff", "vocab_size"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}")
+
+
+def stage_layers(n_layer: int, pp: int = 1, stage: int = 0, virtual: int = 1) -> int:
+    """Transformer layers held by pipeline ``stage``: it holds chunks stage, stage + pp,
+    ... of ``pp * virtual`` chunks of consecutive layers, and when the layers do not
+    divide evenly the first chunks take one more (``minipar.parallel.pp``'s rule; a
+    test keeps the two in step)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
+    base, extra = divmod(n_layer, pp * virtual)
+    return sum(base + (1 if c < extra else 0) for c in range(stage, pp * virtual, pp))
 
 
 def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
                  virtual: int = 1) -> int:
     """Parameters held by one rank of pipeline stage ``stage`` after a tp-way split.
 
-    With ``virtual`` chunks per stage (interleaved schedule) a stage holds the same
-    number of layers, only not consecutive ones, so the count does not change.
+    With ``virtual`` chunks per stage (interleaved schedule) a stage holds about the
+    same number of layers, only not consecutive ones.
     """
     cfg = get_config(cfg)
-    check_divisible(cfg, pp, tp, virtual)
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
+    check_divisible(cfg, tp)
+    layers = stage_layers(cfg.n_layer, pp, stage, virtual)
 
     def share(p: ParamInfo) -> int:
         return p.numel // tp if p.tp_split else p.numel
 
     table = param_table(cfg)
-    n = cfg.n_layer // pp * sum(share(p) for p in table if p.where == "layer")
+    n = layers * sum(share(p) for p in table if p.where == "layer")
     if stage == 0:
         n += sum(share(p) for p in table if p.where == "first")
     if stage == pp - 1:
