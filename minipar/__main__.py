@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from minipar.engine import SCHEDULE_NAMES, TrainConfig
+from minipar.config import SCHEDULE_NAMES, TrainConfig
 
 
 def _write_json(path: str | None, payload: dict) -> None:
@@ -43,19 +43,24 @@ def _add_train(sub) -> None:
     p.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     p.add_argument("--json", help="write the run's record as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--compare", action="store_true",
+                   help="also train the single-process reference and print both")
+    p.add_argument("--ddp", default="overlapped", choices=("naive", "bucketed", "overlapped"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 
 
 def _cmd_train(args) -> int:
     from tqdm.auto import tqdm
 
-    from minipar.engine import train_single, validate
+    from minipar.engine import train, train_reference, validate
 
     cfg = TrainConfig(
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
         schedule=args.schedule, virtual=args.virtual, microbatches=args.microbatches,
         sp=args.sp, recompute=args.recompute, dtype=args.dtype, steps=args.steps,
         seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
-        order=args.order, save=args.save, resume=args.resume, trace=args.trace)
+        order=args.order, save=args.save, resume=args.resume, trace=args.trace,
+        ddp=args.ddp, device=args.device)
     validate(cfg)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
 
@@ -63,13 +68,41 @@ def _cmd_train(args) -> int:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
 
-    record = train_single(cfg, progress)
+    record = train(cfg, progress)
     bar.close()
-    print(f"{'step':>5}  {'loss':>8}")
-    for i, loss in enumerate(record["losses"]):
-        print(f"{i:>5}  {loss:>8.4f}")
+    if record is None:  # a torchrun rank other than 0
+        return 0
+    ref = None
+    if args.compare:
+        ref = train_reference(cfg)["losses"]
+        record["reference_losses"] = ref
+    _print_run(cfg, record, ref)
     _write_json(args.json, record)
     return 0
+
+
+def _print_run(cfg, record: dict, ref: list | None) -> None:
+    head = f"{'step':>5}  {'loss':>9}" + (f"  {'1 process':>9}  {'diff':>8}" if ref else "")
+    print(f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={cfg.zero} "
+          f"{'schedule=' + cfg.schedule + ' ' if cfg.pp > 1 else ''}"
+          f"microbatches={cfg.microbatches} {cfg.dtype}: {record['world_size']} ranks")
+    print(head)
+    for i, loss in enumerate(record["losses"]):
+        line = f"{i:>5}  {loss:>9.5f}"
+        if ref:
+            line += f"  {ref[i]:>9.5f}  {abs(loss - ref[i]):>8.1e}"
+        print(line)
+    print()
+    print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} "
+          f"{'optim':>9} {'activ':>9}  {'sent/step':>10}  busiest group")
+    for r in record["ranks"]:
+        m, c = r["memory"], r["coords"]
+        kib = [f"{m[k] / 1024:>8.0f}K" for k in ("params", "grads", "optimizer", "activations")]
+        per_dim = {d: sum(o["wire_bytes"] for o in ops.values())
+                   for d, ops in r["comm"].items()}
+        busiest = max(per_dim, key=per_dim.get) if per_dim else "-"
+        print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {' '.join(kib)}  "
+              f"{r['comm_bytes_per_step'] / 1024:>9.1f}K  {busiest}")
 
 
 def _cmd_doctor(args) -> int:
