@@ -1,0 +1,124 @@
+"""The planner: what it keeps is possible, what it drops says why, and it ranks sensibly.
+
+The syllabus's worked examples are the inputs. Where a text's layout is impossible
+(the 1T model with tp = 16 on 8-GPU nodes) the planner must say so.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from minipar.theory.clusters import CLUSTERS, cluster
+from minipar.theory.examples import EXAMPLES, get_model
+from minipar.theory.memory import memory_breakdown
+from minipar.theory.planner import TIME_KEYS, evaluate, plan
+from minipar.theory.tables import render_plan
+
+
+@pytest.fixture(scope="module")
+def gpt3_plan():
+    ex = EXAMPLES["175b-on-1024"]
+    return plan(ex.model, ex.cluster, ex.global_batch)
+
+
+def test_every_kept_layout_is_possible(gpt3_plan):
+    cfg, cl = gpt3_plan.model, gpt3_plan.cluster
+    assert len(gpt3_plan) > 10
+    for lay in gpt3_plan:
+        assert lay.tp * lay.pp * lay.dp == cl.gpus
+        assert lay.tp <= cl.gpus_per_node
+        assert cfg.n_head % lay.tp == 0 and cfg.n_layer % lay.pp == 0
+        assert lay.dp * lay.microbatch_size * lay.microbatches == gpt3_plan.global_batch
+        assert lay.memory["total"] <= 0.9 * cl.gpu_memory
+        assert lay.time["step"] == pytest.approx(sum(lay.time[k] for k in TIME_KEYS))
+        assert 0 < lay.mfu <= 0.7 + 1e-9  # cannot beat the assumed matmul efficiency
+    times = [lay.step_time for lay in gpt3_plan]
+    assert times == sorted(times)
+
+
+def test_memory_is_the_theory(gpt3_plan):
+    lay = gpt3_plan.best
+    again = memory_breakdown(gpt3_plan.model, lay.dp, lay.pp, lay.tp, lay.zero, "bf16", "adam",
+                             lay.microbatch_size, lay.microbatches, lay.schedule, lay.sp,
+                             lay.recompute, virtual=lay.virtual)
+    assert again == lay.memory
+
+
+def test_rejections_are_counted_with_reasons(gpt3_plan):
+    assert gpt3_plan.rejected["does not fit in memory"] > 0
+    assert gpt3_plan.rejected["tp larger than a node"] > 0
+    why = gpt3_plan.why()
+    assert gpt3_plan.best.label() in why and "does not fit in memory" in why
+    assert "mostly" in why  # names the term that makes the runner-up slower
+
+
+def test_plain_tp8_pp16_without_recompute_does_not_fit():
+    """The syllabus's GPT-3 layout fits only with help: without sequence parallelism and
+    recomputation the first stage's activations alone (~56 GB, Korthikanti's formula)
+    plus 16 bytes/param of model states overflow 80 GB."""
+    ex = EXAMPLES["175b-on-1024"]
+    bare = evaluate(ex.model, ex.cluster, 8, 16, 8, 0, 1, ex.global_batch)
+    helped = evaluate(ex.model, ex.cluster, 8, 16, 8, 1, 1, ex.global_batch, sp=True,
+                      recompute="selective")
+    assert not bare.fits and helped.fits
+
+
+def test_one_point_three_b_on_8_gpus_is_data_parallel():
+    # the syllabus's answer: the model fits on one GPU, so use all 8 for data
+    ex = EXAMPLES["1.3b-on-8"]
+    best = plan(ex.model, ex.cluster, ex.global_batch).best
+    assert (best.tp, best.pp, best.dp) == (1, 1, 8)
+
+
+def test_syllabus_1t_layout_is_rejected():
+    ex = EXAMPLES["1t-on-4096"]
+    assert ex.layout["tp"] > ex.cluster.gpus_per_node
+    result = plan(ex.model, ex.cluster, ex.global_batch, zero_stages=(1,),
+                  recomputes=("selective",), schedules=("1f1b",))
+    assert "tp=16 > 8" in result.examples["tp larger than a node"]
+    assert result.best.tp <= 8
+
+
+def test_nothing_fits_is_explained():
+    result = plan("gpt-1t", cluster(8, "A100-80GB"), 8)
+    assert len(result) == 0 and result.best is None
+    assert "No layout" in result.why() and "smallest needs" in result.why()
+
+
+def test_faster_network_never_slows_a_layout():
+    ex = EXAMPLES["13b-on-64"]
+    slow = evaluate(ex.model, ex.cluster, 2, 4, 8, 1, 1, ex.global_batch)
+    gpu = ex.cluster.gpu.__class__(**{**ex.cluster.gpu.__dict__, "network": 100e9})
+    fast = evaluate(ex.model, ex.cluster.with_(gpu=gpu), 2, 4, 8, 1, 1, ex.global_batch)
+    assert fast.step_time < slow.step_time
+    assert fast.time["compute"] == slow.time["compute"]
+
+
+def test_more_microbatches_shrink_the_bubble():
+    ex = EXAMPLES["13b-on-64"]
+    few = evaluate(ex.model, ex.cluster, 4, 4, 4, 1, 8, ex.global_batch)   # m = 32
+    many = evaluate(ex.model, ex.cluster, 4, 4, 4, 1, 1, ex.global_batch)  # m = 256
+    assert many.time["bubble"] < few.time["bubble"]
+    assert few.time["bubble"] == pytest.approx(few.time["compute"] * 3 / 32)
+
+
+def test_tensor_parallel_inside_a_node_uses_nvlink():
+    cl = CLUSTERS["a100x64"]
+    inside = evaluate("gpt-13b", cl, 8, 1, 8, 3, 1, 64)
+    assert inside.traffic["tp"] > 0
+    assert inside.time["tp"] < inside.traffic["tp"] / cl.inter_bw  # NVLink, not network
+    with pytest.raises(ValueError, match="GPUs"):
+        evaluate("gpt-13b", cl, 8, 1, 4, 0, 1, 64)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-on-8", "llama3-70b-on-64", "13b-on-64"])
+def test_modern_and_syllabus_examples_plan_quickly(name):
+    ex = EXAMPLES[name]
+    t0 = time.perf_counter()
+    result = plan(get_model(ex.model), ex.cluster, ex.global_batch)
+    assert time.perf_counter() - t0 < 5
+    assert result.best is not None
+    table = render_plan(result, top=3)
+    assert result.best.label() in table and "Best:" in table
