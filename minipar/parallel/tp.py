@@ -255,11 +255,14 @@ class ParallelAttention(nn.Module):
         width = self.n_head * self.head_dim
         q, k, v = (z.view(b, s, self.n_head, self.head_dim).transpose(1, 2)
                    for z in qkv.split(width, dim=2))
-        if self.training and self.dropout > 0:
-            y = self._explicit(q, k, v)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, width))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention on our heads; the part selective recomputation redoes."""
+        if self.training and self.dropout > 0:
+            return self._explicit(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def _explicit(self, q, k, v):
         """softmax(q k^T / sqrt(d)) with the single device's dropout mask, our heads."""
