@@ -4,8 +4,10 @@
 ``torch.distributed`` job, calls ``fn(*args, **kwargs)`` on each and returns the list of
 their results (rank order). What makes it safe for a room of laptops:
 
-* **No fixed port.** The parent opens the rendezvous store on port 0 (the OS picks a free
-  one) and keeps it open for the whole run, so parallel launches can never collide.
+* **No fixed port.** The ranks meet through a ``FileStore`` in a fresh temporary file,
+  so parallel launches can never collide (gloo's own connections bind ports the OS
+  picks). A ``TCPStore`` on port 0 would do too, but its clients stall for 5 s on about
+  one connection in ten on our machines: a notebook cell that should take 0.1 s.
 * **Notebook functions work.** The default start method on Linux and macOS is ``fork``: a
   function defined in a notebook cell is inherited, not pickled. A forked child first
   calls ``torch.set_num_threads(1)``: a fork of a process whose OpenMP pool already ran
@@ -140,12 +142,11 @@ def _check_spawnable(fn: Callable) -> None:
         ) from None
 
 
-def _free_store(world_size: int, timeout: float):
-    """The parent's rendezvous store on a port the OS picks (never a fixed port)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+def _rendezvous_file() -> str:
+    """A fresh empty file for this launch's ``FileStore`` (no port, nothing to collide)."""
+    fd, path = tempfile.mkstemp(prefix="minipar-store-")
+    os.close(fd)
+    return path
 
 
 def _die_with_parent() -> None:
@@ -158,7 +159,7 @@ def _die_with_parent() -> None:
             pass
 
 
-def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, progress,
+def _child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress,
            out_path, threads, timeout, parent_pid):
     global _STATUS_SLOT, _PROGRESS_SLOT
     _die_with_parent()
@@ -178,8 +179,7 @@ def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, progre
     _STATUS_SLOT, _PROGRESS_SLOT = slot, progress
     _set_status(slot, "starting")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
     try:
         import torch
         import torch.distributed as dist
@@ -191,8 +191,8 @@ def _child(rank, world_size, backend, port, fn, args, kwargs, conn, slot, progre
         # The parent's deadline must come first: its RankTimeout says where every rank
         # was, while gloo's own timeout would only name one rank's op.
         late = timedelta(seconds=timeout + 30)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=late)
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(late)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=late)
         _set_status(slot, "running (no collective entered yet)")
@@ -255,8 +255,7 @@ def launch(
     ctx = mp.get_context(method)
     kwargs = kwargs or {}
     start = time.monotonic()
-    store = _free_store(world_size, timeout)
-    port = store.port
+    store_path = _rendezvous_file()
     procs, conns, slots, paths, progress = [], [], [], [], []
     try:
         for rank in range(world_size):
@@ -267,7 +266,7 @@ def launch(
             os.close(fd)
             p = ctx.Process(
                 target=_child, name=f"minipar-rank{rank}", daemon=True,
-                args=(rank, world_size, backend, port, fn, args, kwargs, send_end, slot,
+                args=(rank, world_size, backend, store_path, fn, args, kwargs, send_end, slot,
                       progress[rank], path, threads, timeout, os.getpid()))
             p.start()
             send_end.close()
@@ -285,12 +284,11 @@ def launch(
         _stop(procs)
         for c in conns:
             c.close()
-        for path in paths:
+        for path in [*paths, store_path]:
             try:
                 os.unlink(path)
             except OSError:
                 pass
-        del store
 
 
 class _ProgressWatch:
