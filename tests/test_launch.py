@@ -1,0 +1,314 @@
+"""The launcher's promises, one test each (minipar/launch.py).
+
+Every test here also checks that no process outlives its launch (the ``no_orphans``
+fixture): a leaked rank on a learner's laptop keeps a port and a core busy until reboot.
+Several tests make the parent deliberately slow (``slow_parent``): on a busy 2-core
+laptop the launcher often sees a failure and its consequences (peers losing their
+connection, gloo's own timeout) in one go, and must still name the rank that started it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+import types
+import warnings
+
+import _launch_helpers as helpers
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from minipar.comm import Comm
+from minipar.launch import (
+    LaunchError,
+    RankDied,
+    RankFailed,
+    RankTimeout,
+    default_start_method,
+    launch,
+)
+
+# --- process bookkeeping --------------------------------------------------------------
+
+
+def _descendants() -> dict[int, str]:
+    """Live descendants of this test process, minus multiprocessing's own helpers."""
+    alive = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "resource_tracker" in cmd or "forkserver" in cmd:  # shared, long-lived helpers
+            continue
+        alive[p.pid] = cmd
+    return alive
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    before = _descendants()
+    yield
+    left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+    assert not left, f"processes left behind by launch: {left}"
+
+
+@pytest.fixture
+def slow_parent(monkeypatch):
+    """Make the parent notice events 0.3 s late, as on a loaded machine."""
+    real_wait = multiprocessing.connection.wait
+
+    def late_wait(handles, timeout=None):
+        ready = real_wait(handles, timeout)
+        time.sleep(0.3)
+        return ready
+
+    monkeypatch.setattr(multiprocessing.connection, "wait", late_wait)
+
+
+# --- notebook functions: fork inherits them, spawn refuses them up front ---------------
+
+NOTEBOOK_CELL = """
+import torch
+import torch.distributed as dist
+
+def cell_fn(x):
+    t = torch.tensor([float(dist.get_rank() + x)])
+    dist.all_reduce(t)
+    return t.item()
+"""
+
+
+@pytest.fixture
+def notebook_fn(monkeypatch):
+    """A function defined in a notebook cell: ``__main__`` is a module without a file."""
+    main = types.ModuleType("__main__")
+    exec(NOTEBOOK_CELL, main.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert main.cell_fn.__module__ == "__main__" and not hasattr(main, "__file__")
+    return main.cell_fn
+
+
+def test_notebook_function_runs_under_fork(notebook_fn):
+    assert default_start_method() == "fork"  # Linux, no CUDA: the notebook-friendly one
+    assert launch(notebook_fn, 2, args=(1,), timeout=60) == [3.0, 3.0]
+
+
+def test_notebook_function_under_spawn_is_refused_before_starting(notebook_fn):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="notebook") as info:
+        launch(notebook_fn, 2, start_method="spawn", timeout=60)
+    assert "start_method='fork'" in str(info.value)
+    assert time.monotonic() - start < 1.0  # no rank was started
+
+
+def test_unpicklable_function_under_spawn_is_refused():
+    with pytest.raises(ValueError, match="cannot be pickled"):
+        launch(lambda: 0, 2, start_method="spawn", timeout=60)
+
+
+def test_module_function_runs_under_spawn():
+    res = launch(helpers.token_sum, 2, args=(7,), start_method="spawn", timeout=120)
+    assert res == [(14.0, 1.0)] * 2
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="world_size"):
+        launch(helpers.token_sum, 0)
+    with pytest.raises(ValueError, match="backend"):
+        launch(helpers.token_sum, 2, backend="mpi")
+
+
+# --- a rendezvous of its own per launch (no fixed port) -----------------------------------
+
+
+def test_fifty_launches_in_a_row():
+    start = time.monotonic()
+    for token in range(50):
+        assert launch(helpers.token_sum, 2, args=(token,), timeout=60) == [(2.0 * token, 1.0)] * 2
+    # No launch may stall on its rendezvous (a TCPStore client sometimes waits 5 s).
+    assert time.monotonic() - start < 30
+
+
+def _token_then_linger(token: int) -> tuple[float, float]:
+    out = helpers.token_sum(token)
+    time.sleep(0.5)  # keep this job alive while the others start
+    return out
+
+
+def test_four_launches_at_the_same_time():
+    start_together = threading.Barrier(4)
+    results: dict[int, object] = {}
+
+    def one(token: int) -> None:
+        start_together.wait()
+        try:
+            results[token] = launch(_token_then_linger, 2, args=(token,), timeout=60)
+        except Exception as e:  # surfaced by the asserts below
+            results[token] = e
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for token in range(1, 5):
+        res = results[token]
+        assert not isinstance(res, Exception), f"launch {token} failed: {res}"
+        assert res == [(2.0 * token, 1.0)] * 2
+
+
+# --- failures: the rank, the cause, fast, nothing left running -------------------------
+
+
+def _fail_while_others_hang() -> None:
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])  # every rank takes part in creating a group
+    if rank == 2:
+        raise ValueError("boom on rank 2")
+    if rank == 1:
+        time.sleep(120)  # alive, never joins: rank 0 is stuck in its all_reduce
+    Comm(pair, "pair").all_reduce(torch.ones(4))
+
+
+def test_exception_on_one_rank_stops_all_fast():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        launch(_fail_while_others_hang, 3, timeout=60)
+    assert time.monotonic() - start < 10
+    err = info.value
+    assert err.rank == 2 and isinstance(err, LaunchError)
+    assert "rank 2 raised ValueError: boom on rank 2" in str(err)
+    assert "_fail_while_others_hang" in str(err)  # the rank's own traceback
+    assert 'raise ValueError("boom on rank 2")' in str(err)
+
+
+def _fail_while_peer_waits() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(0.2)  # let rank 0 enter the all_reduce first
+        raise KeyError("the root cause")
+    Comm().all_reduce(torch.ones(4))  # then fails: "Connection closed by peer"
+
+
+def test_root_cause_wins_over_peers_errors(slow_parent):
+    with pytest.raises(RankFailed) as info:
+        launch(_fail_while_peer_waits, 2, timeout=60)
+    assert info.value.rank == 1 and "the root cause" in str(info.value)
+
+
+def _die(how: str) -> None:
+    if dist.get_rank() == 1:
+        time.sleep(0.2)
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    Comm().all_reduce(torch.ones(4))  # rank 1 never joins
+
+
+@pytest.mark.parametrize("how, code, text", [("exit", 3, "exited with code 3"),
+                                             ("kill", -9, "killed by signal SIGKILL")])
+def test_dead_rank_is_reported(slow_parent, how, code, text):
+    start = time.monotonic()
+    with pytest.raises(RankDied) as info:
+        launch(_die, 3, args=(how,), timeout=60)
+    assert time.monotonic() - start < 10
+    assert info.value.rank == 1 and info.value.exitcode == code
+    assert f"rank 1 {text}" in str(info.value)
+
+
+def _skip_a_collective() -> None:
+    comm = Comm(dim="tp")
+    comm.all_reduce(torch.ones(3))
+    if comm.rank == 1:
+        time.sleep(120)  # the bug: rank 1 skips the next collective
+    comm.all_reduce(torch.ones(2, 5))
+
+
+def test_hang_names_each_ranks_last_collective(slow_parent):
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        launch(_skip_a_collective, 2, timeout=3)
+    assert time.monotonic() - start < 10
+    report = str(info.value)
+    assert "rank 0: last entered all_reduce on tp, shape (2, 5) float32" in report
+    assert "rank 1: last entered all_reduce on tp, shape (3,) float32" in report
+
+
+def _sleep_forever() -> None:
+    time.sleep(600)
+
+
+def test_interrupt_stops_children_and_propagates():
+    """A kernel interrupt is a SIGINT to the kernel process; Python raises it in main."""
+    seen: list[int] = []
+
+    def interrupt_when_ranks_run() -> None:
+        deadline = time.monotonic() + 30
+        while len(seen) < 2 and time.monotonic() < deadline:
+            seen[:] = list(_descendants())
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    watcher = threading.Thread(target=interrupt_when_ranks_run)
+    watcher.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_sleep_forever, 2, timeout=60)
+    finally:
+        watcher.join()
+    assert time.monotonic() - start < 15
+    assert len(seen) == 2
+    assert not any(psutil.pid_exists(pid) for pid in seen)
+
+
+# --- quiet ranks, captured output, results ---------------------------------------------
+
+
+def _chatty() -> int:
+    rank = dist.get_rank()
+    print(f"stdout of rank {rank}")
+    print(f"stderr of rank {rank}", file=sys.stderr)
+    warnings.warn(f"warning from rank {rank}", stacklevel=1)
+    os.write(2, f"C-level write of rank {rank}\n".encode())
+    return rank
+
+
+def test_ranks_are_quiet_by_default(capfd):
+    res = launch(_chatty, 2, timeout=60)
+    assert res == [0, 1] and res.outputs == ["", ""]
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+
+
+def test_capture_output_returns_each_ranks_output(capfd):
+    res = launch(_chatty, 2, timeout=60, capture_output=True)
+    for rank, text in enumerate(res.outputs):
+        for line in (f"stdout of rank {rank}", f"stderr of rank {rank}",
+                     f"C-level write of rank {rank}"):
+            assert line in text
+        assert f"of rank {1 - rank}" not in text
+    assert capfd.readouterr() == ("", "")
+
+
+def _finish_in_reverse_order() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    time.sleep(0.1 * (world - 1 - rank))  # rank 0 reports last
+    return {"rank": rank, "t": torch.arange(rank + 1, dtype=torch.float32) * rank}
+
+
+def test_results_come_back_in_rank_order_with_tensors():
+    res = launch(_finish_in_reverse_order, 4, timeout=60)
+    assert [r["rank"] for r in res] == [0, 1, 2, 3]
+    for rank, r in enumerate(res):
+        assert torch.equal(r["t"], torch.arange(rank + 1, dtype=torch.float32) * rank)
+    assert res.seconds > 0
