@@ -179,10 +179,11 @@ class Comm:
     # --- collectives -------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
         """Reduce ``t`` in place across the group (sum, max or min)."""
+        rop = _reduce_op(op)  # a bad name fails on one rank too, and before logging
         if self.size == 1:
             return Pending(None, None) if async_op else None
         return self._run("all_reduce", t, lambda: dist.all_reduce(
-            t, _reduce_op(op), group=self.group, async_op=async_op), async_op)
+            t, rop, group=self.group, async_op=async_op), async_op)
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (rank order) and return it."""
@@ -209,6 +210,7 @@ class Comm:
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tensor:
         """Sum ``t`` across ranks and return this rank's equal slice along ``dim``."""
+        rop = _reduce_op(op)
         if self.size == 1:
             return t
         if t.shape[dim] % self.size:
@@ -220,17 +222,18 @@ class Comm:
         out = torch.empty(chunks[0].shape, dtype=t.dtype, device=t.device)
         flat_out = out.view(-1) if dim else out
         self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
-            flat_out, src, _reduce_op(op), group=self.group), False)
+            flat_out, src, rop, group=self.group), False)
         return out
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum",
                             async_op: bool = False):
         """Reduce-scatter a flat ``t`` into a preallocated flat ``out`` (ZeRO-2/3)."""
+        rop = _reduce_op(op)
         if self.size == 1:
             out.copy_(t)
             return Pending(None, None) if async_op else None
         return self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
-            out, t, _reduce_op(op), group=self.group, async_op=async_op), async_op)
+            out, t, rop, group=self.group, async_op=async_op), async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy ``t`` from the group's local rank ``src`` to every rank, in place."""
