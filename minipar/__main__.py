@@ -41,6 +41,7 @@ def _add_train(sub) -> None:
     p.add_argument("--save", help="checkpoint directory to write at the end")
     p.add_argument("--resume", help="checkpoint directory to start from")
     p.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
+    p.add_argument("--stop-at", type=int, help="stop (and --save) after this step")
     p.add_argument("--json", help="write the run's record as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--compare", action="store_true",
@@ -60,7 +61,7 @@ def _cmd_train(args) -> int:
         sp=args.sp, recompute=args.recompute, dtype=args.dtype, steps=args.steps,
         seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
-        ddp=args.ddp, device=args.device)
+        ddp=args.ddp, device=args.device, stop_at=args.stop_at)
     validate(cfg)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
 

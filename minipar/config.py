@@ -49,6 +49,7 @@ class TrainConfig:
     save: str | None = None
     resume: str | None = None
     trace: str | None = None
+    stop_at: int | None = None  # end (and save) after this step, as if interrupted
     timeout: float = 600.0
     overrides: dict = field(default_factory=dict)  # model config fields to change
 
@@ -112,6 +113,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"model {cfg.model!r} ties its embeddings, which pp > 1 does not "
                          "support (the first and last stage would share a weight)")
     check_batch_split(cfg.batch_size, cfg.dp, cfg.microbatches)
+    if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
+        raise ValueError(f"--stop-at must be between 1 and --steps ({cfg.steps}), "
+                         f"got {cfg.stop_at}")
     if cfg.lr <= 0 or not math.isfinite(cfg.lr):
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
     _check_device(cfg)

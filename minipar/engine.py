@@ -216,7 +216,8 @@ def rank_main(cfg: TrainConfig) -> dict:
     reports_loss = rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
     losses, norms, timeline, step_times, act_peak = [], [], [], [], 0
     param_storages = [p for p in parts.model.parameters()]
-    for step in range(start, cfg.steps):
+    end = cfg.steps if cfg.stop_at is None else cfg.stop_at
+    for step in range(start, end):
         t0 = time.time()
         with ActivationMeter(exclude=param_storages) as meter:
             out = train_step(cfg, rm, parts, data, step)
@@ -230,15 +231,15 @@ def rank_main(cfg: TrainConfig) -> dict:
         if reports_loss:
             report_progress(f"{step + 1} {out['loss']:.6f}")
     if cfg.save:
-        checkpoint.save(cfg.save, cfg.steps, cfg, rm, parts)
-    last_step = [e for e in timeline if e["step"] == cfg.steps - 1]
+        checkpoint.save(cfg.save, end, cfg, rm, parts)
+    last_step = [e for e in timeline if e["step"] == end - 1]
     return {
         "rank": rm.rank, "coords": rm.coords._asdict(), "losses": losses,
         "grad_norms": norms, "step_seconds": step_times,
         "memory": _with_total({**out["memory"], "activations": act_peak}),
-        "peak_in_flight": out["peak_in_flight"] if cfg.steps > start else 0,
+        "peak_in_flight": out["peak_in_flight"] if end > start else 0,
         "comm": rm.log.summary(),
-        "comm_bytes_per_step": rm.log.total("wire_bytes") / max(1, cfg.steps - start),
+        "comm_bytes_per_step": rm.log.total("wire_bytes") / max(1, end - start),
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
