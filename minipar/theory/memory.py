@@ -298,3 +298,19 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                             virtual=virtual, accounting=accounting,
                             stages=sorted({0, pp - 1}))
     return max(rows, key=lambda r: r["total"])
+
+
+def memory_per_rank(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
+                    tp: int = 1, *, order: str = "megatron", **kw) -> list[dict]:
+    """``memory_per_stage`` laid out over the ranks of a ``Mesh(dp, pp, tp, order)``:
+    one row per global rank, with its ``rank`` and mesh coordinates added (the shape
+    the memory figure takes, beside what each rank of a run measures)."""
+    from minipar.mesh import Mesh  # layout only; no process groups
+
+    mesh = Mesh(dp, pp, tp, order)
+    stages = memory_per_stage(cfg, dp, pp, tp, **kw)
+    rows = []
+    for r in range(mesh.world_size):
+        c = mesh.coords(r)
+        rows.append({"rank": r, "dp": c.dp, "pp": c.pp, "tp": c.tp, **stages[c.pp]})
+    return rows

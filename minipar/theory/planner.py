@@ -289,7 +289,8 @@ def explain(result: Plan) -> str:
         "  step = " + " + ".join(f"{k} {t[k]:.3g}" for k in TIME_KEYS) + " s",
     ]
     for reason, n in result.rejected.most_common():
-        lines.append(f"  Rejected {n} layouts: {reason} (e.g. {result.examples[reason]}).")
+        lines.append(f"  Rejected {n} layout{'s' if n != 1 else ''}: {reason} "
+                     f"(e.g. {result.examples[reason]}).")
     # the best layout of each other (tp, pp) shape, and what makes it slower
     seen = {(best.tp, best.pp)}
     for lay in result.layouts[1:]:

@@ -1,0 +1,26 @@
+"""Figures (pure functions returning ``plotly.graph_objects.Figure``) and thin dashboards.
+
+* ``mesh_figure``      the dp x pp x tp mesh in 3-D, both rank orders
+* ``timeline_figure``  pipeline timelines, theory beside measurement, bubbles shaded
+* ``memory_figure``    memory per rank by part, theory beside measurement
+* ``comm_figure``      bytes per dimension and op, measured beside predicted
+* ``plan_figure``      the planner's ranking: step-time terms and memory
+* ``widgets``          ipywidgets dashboards over these (import it in a notebook)
+
+Figures are deterministic: the same arguments give the same JSON (no random ids), so
+saved notebooks do not change between runs.
+"""
+
+from minipar.viz.comm import comm_figure
+from minipar.viz.memory import memory_figure
+from minipar.viz.mesh import mesh_figure, mesh_traces
+from minipar.viz.planner import plan_figure
+from minipar.viz.timeline import (
+    bubble_curve_figure,
+    normalise,
+    schedule_timeline,
+    timeline_figure,
+)
+
+__all__ = ["comm_figure", "memory_figure", "mesh_figure", "mesh_traces", "plan_figure",
+           "bubble_curve_figure", "normalise", "schedule_timeline", "timeline_figure"]

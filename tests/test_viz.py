@@ -1,0 +1,188 @@
+"""Figures: their contents equal the theory and the inputs, not only that they build."""
+
+from __future__ import annotations
+
+import time
+
+import ipywidgets as W
+import pytest
+
+from minipar.mesh import Mesh
+from minipar.theory.bubble import bubble_fraction_formula
+from minipar.theory.comm_volume import comm_volume, total_wire_bytes
+from minipar.theory.examples import EXAMPLES, gpt3_memory_claims
+from minipar.theory.memory import memory_per_rank
+from minipar.theory.planner import TIME_KEYS, plan
+from minipar.viz import (
+    bubble_curve_figure,
+    comm_figure,
+    memory_figure,
+    mesh_figure,
+    plan_figure,
+    schedule_timeline,
+    timeline_figure,
+)
+from minipar.viz.widgets import (
+    memory_dashboard,
+    mesh_dashboard,
+    pipeline_dashboard,
+    plan_dashboard,
+)
+
+
+def _scene_points(fig, scene):
+    return [(int(t), x, y, z, h) for tr in fig.data if tr.scene == scene
+            for t, x, y, z, h in zip(tr.text, tr.x, tr.y, tr.z, tr.hovertext)]
+
+
+@pytest.mark.parametrize("dp, pp, tp", [(2, 2, 2), (1, 4, 2), (3, 2, 1)])
+def test_mesh_figure_places_every_rank_in_both_orders(dp, pp, tp):
+    fig = mesh_figure(dp, pp, tp, color_by="tp")
+    for scene, order in (("scene", "megatron"), ("scene2", "pp-inside-dp")):
+        mesh = Mesh(dp, pp, tp, order)
+        points = _scene_points(fig, scene)
+        assert sorted(p[0] for p in points) == list(range(mesh.world_size))
+        for rank, x, y, z, hover in points:  # the label sits at the rank's coordinates
+            assert mesh.rank(dp=y, pp=z, tp=x) == rank
+            assert f"rank {rank}<br>" in hover
+            assert f"tp group {mesh.group_ranks('tp', rank)}" in hover
+        traces = [tr for tr in fig.data if tr.scene == scene]
+        assert len(traces) == len(mesh.groups("tp"))  # one colour per tp group
+
+
+def test_mesh_orders_differ_and_nodes_colour():
+    fig = mesh_figure(2, 2, 2, color_by="node", gpus_per_node=4)
+    a, b = _scene_points(fig, "scene"), _scene_points(fig, "scene2")
+    assert {p[1:4]: p[0] for p in a} != {p[1:4]: p[0] for p in b}
+    assert len([t for t in fig.data if t.scene == "scene"]) == 2  # two nodes of 4
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        mesh_figure(2, 2, 2, color_by="node")
+
+
+def _bars(fig, name, axis="y"):
+    return [(y, b, w) for tr in fig.data if tr.name == name and tr.yaxis == axis
+            for y, b, w in zip(tr.y, tr.base, tr.x)]
+
+
+@pytest.mark.parametrize("schedule, pp, m, v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
+                                                ("zb", 3, 6, 1), ("gpipe", 2, 3, 1)])
+def test_timeline_tracks_and_bubbles(schedule, pp, m, v):
+    fig = timeline_figure(schedule_timeline(schedule, pp, m, v), virtual=v)
+    work = [b for kind in ("forward", "backward", "weight gradient") for b in _bars(fig, kind)]
+    idle = _bars(fig, "idle (bubble)")
+    assert {y for y, _, _ in work} == {f"rank {r}" for r in range(pp)}  # a track per rank
+    assert len(_bars(fig, "forward")) == pp * m * v
+    step = max(b + w for _, b, w in work)
+    for r in range(pp):  # busy + shaded idle fill each track exactly
+        busy = sum(w for y, _, w in work if y == f"rank {r}")
+        gaps = sum(w for y, _, w in idle if y == f"rank {r}")
+        assert busy + gaps == pytest.approx(step)
+    shaded = sum(w for _, _, w in idle) / (pp * step)
+    if schedule in ("1f1b", "gpipe"):  # unit costs F = 1, B = 2: the closed form holds
+        assert shaded == pytest.approx(bubble_fraction_formula(schedule, pp, m, v))
+
+
+def test_timeline_theory_beside_measured_records():
+    theory = schedule_timeline("1f1b", 2, 2)
+    # records as a run writes them: dicts, absolute clock times, other actions mixed in
+    measured = [[{"action": s.kind, "microbatch": s.mb, "chunk": s.chunk,
+                  "start": 1000 + 0.01 * s.start, "end": 1000 + 0.01 * s.end} for s in row]
+                + [{"action": "SEND_F", "microbatch": 0, "chunk": 0, "start": 1000,
+                    "end": 1000.5}] for row in theory]
+    fig = timeline_figure({"theory": theory, "measured": measured})
+    assert [a.text for a in fig.layout.annotations] == ["theory", "measured"]
+    low = _bars(fig, "forward", "y2")
+    assert len(low) == len(_bars(fig, "forward")) == 4
+    assert min(b for _, b, _ in low) == pytest.approx(0.0)  # shifted to start at 0
+    ends = [b + w for kind in ("forward", "backward") for _, b, w in _bars(fig, kind, "y2")]
+    assert max(ends) == pytest.approx(0.01 * max(s.end for row in theory for s in row))
+
+
+def _stacks(fig):
+    """Height of each stacked bar: x position -> sum over traces."""
+    out = {}
+    for tr in fig.data:
+        for key, y in zip(zip(*tr.x), tr.y):
+            out[key] = out.get(key, 0) + y
+    return out
+
+
+def test_memory_bars_equal_the_theory():
+    rows = memory_per_rank("tiny", 2, 2, 2, zero=1, microbatches=4, sp=True)
+    measured = [{**r, "activations": r["activations"] * 1.1} for r in rows]
+    fig = memory_figure(rows, measured, unit="B", capacity=3e6)
+    stacks = _stacks(fig)
+    assert len(stacks) == 2 * len(rows)  # theory and measured for every rank
+    for r in rows:
+        assert stacks[(f"rank {r['rank']}", "theory")] == pytest.approx(r["total"])
+        assert stacks[(f"rank {r['rank']}", "measured")] > r["total"]
+    assert [t.name for t in fig.data] == ["parameters", "gradients", "optimizer states",
+                                          "activations"]
+
+
+def test_memory_figure_of_the_gpt3_claims():
+    claims = gpt3_memory_claims()
+    fig = memory_figure(claims, labels=[c["source"] for c in claims])
+    stacks = _stacks(fig)
+    for c in claims:
+        assert stacks[(c["source"], "theory")] == pytest.approx(c["total"] / 1e9)
+
+
+def test_comm_bars_equal_the_summaries():
+    kw = dict(cfg="tiny", dp=2, pp=2, tp=2, zero=1, microbatches=4, sp=True, dtype="fp32")
+    per_rank = [comm_volume(stage=s, **{k: v for k, v in kw.items() if k != "cfg"},
+                            cfg=kw["cfg"]) for s in (0, 1)]
+    fig = comm_figure({0: per_rank[0], 1: per_rank[1]}, theory=per_rank, unit="B")
+    measured = next(t for t in fig.data if t.name == "measured")
+    theory = next(t for t in fig.data if t.name == "theory")
+    assert sum(measured.y) == sum(total_wire_bytes(v) for v in per_rank)
+    assert list(measured.y) == list(theory.y)
+    calls = comm_figure(per_rank, key="calls")
+    assert sum(calls.data[0].y) == sum(x["calls"] for v in per_rank
+                                       for ops in v.values() for x in ops.values())
+
+
+def test_plan_figure_bars_equal_the_layouts():
+    ex = EXAMPLES["13b-on-64"]
+    result = plan(ex.model, ex.cluster, ex.global_batch)
+    fig = plan_figure(result, top=5)
+    for i, lay in enumerate(result.layouts[:5]):
+        time_sum = sum(tr.x[i] for tr in fig.data if tr.name in TIME_KEYS)
+        assert time_sum == pytest.approx(lay.step_time)
+        mem = sum(tr.x[i] for tr in fig.data if tr.legendgroup == "memory")
+        assert mem == pytest.approx(lay.memory["total"] / 1e9)
+
+
+def test_figures_are_deterministic():
+    builders = [lambda: mesh_figure(2, 2, 2),
+                lambda: timeline_figure(schedule_timeline("interleaved", 2, 4, 2), 2),
+                lambda: memory_figure(memory_per_rank("tiny", 2, 2, 1)),
+                lambda: comm_figure([comm_volume("tiny", dp=2)] * 2),
+                lambda: bubble_curve_figure(4, 8)]
+    for build in builders:
+        a, b = build().to_json(), build().to_json()
+        assert a == b and '"uid"' not in a
+
+
+def test_dashboards_redraw_from_their_controls():
+    for make in (mesh_dashboard, pipeline_dashboard, memory_dashboard):
+        dash = make()
+        assert isinstance(dash.widget, W.VBox) and dash.last is not None
+        for c in dash.controls.values():
+            if isinstance(c, W.IntSlider):
+                assert c.continuous_update is False
+    dash = memory_dashboard()
+    before = dash.last
+    t0 = time.perf_counter()
+    dash.controls["pp"].value = 4
+    assert time.perf_counter() - t0 < 0.5  # analytic figures redraw well under a second
+    assert dash.last is not before
+    assert len(dash.last.data[0].x[0]) == 2 * 4 * 1  # dp * pp * tp ranks
+    dash.controls["model"].value = "gpt2-125m"
+    dash.controls["tp"].value = 8  # 12 heads do not split 8 ways
+    assert "n_head" in dash.note.value and dash.last.data  # message, old figure kept
+
+
+def test_plan_dashboard_explains():
+    dash = plan_dashboard("gpt-1.3b", "dgx-a100")
+    assert "Best:" in dash.note.value and dash.last.data
