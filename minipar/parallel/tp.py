@@ -17,10 +17,11 @@ Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2):
 the tensor-parallel regions (layer norms, dropout, residual adds) every rank would
 otherwise hold and compute the same full [b, s, h] activations. Instead each rank keeps
 a slice of the sequence: the all-reduce "g" becomes a reduce-scatter along the sequence,
-"f" becomes an all-gather, and the backward passes swap them. Same bytes on the wire as an
-all-reduce (an all-reduce *is* a reduce-scatter plus an all-gather), but the replicated
-activations shrink by ``tp``. Like the paper we store the column linears' *sharded*
-input and all-gather it again in backward (one extra all-gather per column linear).
+"f" becomes an all-gather, and the backward passes swap them: the same bytes (an
+all-reduce *is* a reduce-scatter plus an all-gather), while the replicated activations
+shrink by ``tp``. Like the paper we keep each column linear's *sharded* input and
+all-gather it again in backward, rather than keep the full one: one extra all-gather per
+column linear, 5/4 of plain TP's bytes per layer.
 
 How it is applied. ``apply_tensor_parallel(model, comm)`` slices the weights of an
 already-initialised single-device ``GPT`` in place, so the parallel run starts from
@@ -39,6 +40,9 @@ generator state, as the single device does, and keeps its slice (heads for atten
 sequence for SP). Megatron instead gives each tp rank its own RNG stream, which is
 cheaper but cannot be compared with one device. With dropout > 0 attention is computed
 explicitly (the fused kernel's mask cannot be sliced); with dropout = 0 it uses SDPA.
+The price: every rank draws full-size masks, and the dropout path stores the s x s scores.
+Exact on CPU; a GPU reference's fused attention dropout draws its own way, so compare
+GPU runs at dropout 0.
 """
 
 from __future__ import annotations
@@ -318,7 +322,8 @@ class TensorParallelGPT(GPT):
 
     ``apply_tensor_parallel`` sets an existing model's class to this one (its modules
     and parameters stay where they are), so ``forward``, ``embed``, ``logits`` and
-    pipeline stages that call ``loss`` all pick up the sharded loss.
+    pipeline stages that call ``loss`` all pick up the sharded loss. ``forward(idx)``
+    without targets returns this rank's logits shard [b, s, V/tp].
     """
 
     tp_comm: Comm
@@ -410,6 +415,7 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sequence_parallel: bool = Fals
     if sp:
         model.pos_emb = SequenceShardedEmbedding(model.pos_emb.weight, comm)
         model.drop = ShardedDropout(cfg.dropout, comm)
+
     def linear(kind: type, old: nn.Linear, name: str) -> nn.Module:
         return kind(part(f"{name}.weight", old.weight), part(f"{name}.bias", old.bias),
                     comm, sp)
