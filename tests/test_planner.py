@@ -117,7 +117,7 @@ def test_tensor_parallel_inside_a_node_uses_nvlink():
 def test_modern_and_syllabus_examples_plan_quickly(name):
     ex = EXAMPLES[name]
     t0 = time.perf_counter()
-    result = plan(get_model(ex.model), ex.cluster, ex.global_batch)
+    result = plan(get_model(ex.model), ex.cluster, ex.global_batch, **ex.settings)
     assert time.perf_counter() - t0 < 5
     assert result.best is not None
     table = render_plan(result, top=3)

@@ -8,14 +8,16 @@ the papers' own numbers and against what a real minipar run holds and sends:
 * ``comm_volume``  bytes per step per mesh dimension, shaped like ``CommLog.summary()``
 * ``bubble``       pipeline bubble formulas and simulated timelines
 * ``clusters``     GPU and cluster presets; ``planner`` ranks layouts on them
-* ``examples``     the syllabus's worked examples and Llama-like configs
+* ``models``       model configs by name (presets plus Llama-like ones)
+* ``examples``     the syllabus's worked examples and its GPT-3 memory claims
 * ``tables``       text renderers for the command line
 """
 
 from minipar.theory.clusters import CLUSTERS, GPUS, Cluster, cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
-from minipar.theory.examples import EXAMPLES, MODELS, get_model
+from minipar.theory.examples import EXAMPLES
 from minipar.theory.memory import memory_breakdown, memory_per_stage
+from minipar.theory.models import MODELS, get_model
 from minipar.theory.params import (
     hardware_flops_per_token,
     mfu,

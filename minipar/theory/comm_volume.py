@@ -46,8 +46,9 @@ import math
 from collections import defaultdict
 
 from minipar.comm import wire_bytes
-from minipar.model import GPTConfig, get_config
+from minipar.model import GPTConfig
 from minipar.theory.memory import _ALIASES, state_bytes
+from minipar.theory.models import get_model
 from minipar.theory.params import check_divisible, param_table, stage_layers, stage_params
 
 
@@ -92,7 +93,7 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
     """Predicted ``CommLog.summary()`` of one rank of pipeline stage ``stage`` for one
     training step (``microbatches`` micro-batches of ``microbatch_size`` sequences).
     ``schedule`` does not change the bytes, only when they move."""
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     check_divisible(cfg, tp)
     if sp and tp == 1:
         sp = False

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 
-from minipar.model import GPTConfig, get_config
+from minipar.model import GPTConfig
+from minipar.theory.models import get_model
 from minipar.theory.params import check_divisible, stage_layers, stage_params
 
 # Bytes per parameter: (weights, gradients, optimizer state).
@@ -108,7 +109,7 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
     ``cfg.dropout > 0``; and the layer norms' saved mean and 1/std (fp32, 4sb), which
     the paper leaves out.
     """
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if accounting not in ACCOUNTINGS:
@@ -161,7 +162,7 @@ def edge_activations(cfg: GPTConfig | str, where: str, microbatch_size: int = 1,
     in fp32 for the cross-entropy: ``4sbh/t (1 + v/h)`` in the paper (with sp; the
     logits are split by the vocabulary-parallel head).
     """
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     if sp and tp == 1:
         sp = False
     s, b, h, v = cfg.seq_len, microbatch_size, cfg.d_model, cfg.vocab_size
@@ -226,7 +227,7 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
     the first stage and the head terms on the last, each times its micro-batches in
     flight (with interleaving, chunks in flight / v: the approximation Megatron's
     estimator uses too; with uneven chunks, their mean size)."""
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     check_divisible(cfg, tp)
     per_layer = sum(layer_activations(cfg, microbatch_size, tp, sp, recompute, dtype,
                                       accounting).values())
@@ -254,7 +255,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     data- and tensor-parallel rank of a stage holds the same (up to ZeRO padding)."""
     if cfg is None and params is None:
         raise ValueError("give a model config (or preset name) or params=N")
-    cfg = get_config(cfg) if cfg is not None else None
+    cfg = get_model(cfg) if cfg is not None else None
     stages = list(range(pp)) if stages is None else stages
     out = []
     for s in stages:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.model import GPTConfig, get_config
+from minipar.model import GPTConfig
+from minipar.theory.models import get_model
 
 SECONDS_PER_DAY = 86400.0
 
@@ -53,7 +54,7 @@ class ParamInfo:
 
 def param_table(cfg: GPTConfig | str) -> list[ParamInfo]:
     """Every parameter of ``GPT(cfg)``: the layer's once, then embeddings and head."""
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     h, f, v, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
     layer = [
         ("ln1.weight", h, False), ("ln1.bias", h, False),
@@ -82,7 +83,7 @@ def layer_params(cfg: GPTConfig | str) -> int:
 
 def param_count(cfg: GPTConfig | str) -> int:
     """Parameters of the whole model, a tied head counted once (= ``GPT.num_params()``)."""
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     total = cfg.n_layer * layer_params(cfg)
     total += sum(p.numel for p in param_table(cfg) if p.where != "layer")
     if cfg.tie_embeddings:
@@ -93,7 +94,7 @@ def param_count(cfg: GPTConfig | str) -> int:
 def check_divisible(cfg: GPTConfig | str, tp: int = 1) -> None:
     """Raise ValueError unless tensor parallelism can split the model ``tp`` ways: heads,
     FFN width and vocabulary divisible by tp (``minipar.parallel.tp.check_tp``'s rule)."""
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     for name in ("n_head", "d_ff", "vocab_size"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}")
@@ -117,7 +118,7 @@ def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
     With ``virtual`` chunks per stage (interleaved schedule) a stage holds about the
     same number of layers, only not consecutive ones.
     """
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     check_divisible(cfg, tp)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual)
 
@@ -140,7 +141,7 @@ def matmul_params(cfg: GPTConfig | str) -> int:
     """Weights that take part in a matrix multiply: every layer's four weight matrices
     and the head (V x h, tied or not). Embedding lookups, biases and norms cost no
     matmul FLOPs. This is the N of "6N FLOPs per token" (Kaplan et al. 2020)."""
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     h, f = cfg.d_model, cfg.d_ff
     return cfg.n_layer * (4 * h * h + 2 * h * f) + cfg.vocab_size * h
 
@@ -155,7 +156,7 @@ def attention_flops_per_token(cfg: GPTConfig | str, count: str = "full") -> floa
     2001.08361, Table 1, "Attention: Mask" 2 n_layer n_ctx d_attn); numerically the same
     as counting only the unmasked half of a causal attention.
     """
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     per_layer = {"full": 4, "kaplan": 2}
     if count not in per_layer:
         raise ValueError(f"count must be one of {list(per_layer)}, got {count!r}")
@@ -169,7 +170,7 @@ def model_flops_per_token(cfg: GPTConfig | str, attention: str = "full") -> floa
     Narayanan's count). This is the numerator of model FLOPs utilisation (MFU): it does
     not grow when a run recomputes activations.
     """
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     return 6.0 * matmul_params(cfg) + 3.0 * attention_flops_per_token(cfg, attention)
 
 
@@ -183,7 +184,7 @@ def hardware_flops_per_token(cfg: GPTConfig | str, recompute: str = "none",
     recomputation and d_ff = 4h this equals Narayanan's ``96 B s l h^2 (1 + s/(6h) +
     V/(16 l h))`` per batch exactly (a test checks it).
     """
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     base = model_flops_per_token(cfg, attention)
     attn = attention_flops_per_token(cfg, attention)
     layers = matmul_params(cfg) - cfg.vocab_size * cfg.d_model
@@ -202,7 +203,7 @@ def narayanan_flops(cfg: GPTConfig | str, batch: int, recompute: bool = True) ->
 
     The paper assumes d_ff = 4h and counts matmuls only (no biases or norms).
     """
-    cfg = get_config(cfg)
+    cfg = get_model(cfg)
     b, s, l_, h, v = batch, cfg.seq_len, cfg.n_layer, cfg.d_model, cfg.vocab_size
     if recompute:
         return 96.0 * b * s * l_ * h * h * (1 + s / (6 * h) + v / (16 * l_ * h))

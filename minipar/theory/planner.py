@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from minipar.mesh import Mesh
-from minipar.model import GPTConfig, get_config
+from minipar.model import GPTConfig
 from minipar.theory.bubble import bubble_ratio_formula
 from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.memory import memory_breakdown
+from minipar.theory.models import get_model
 from minipar.theory.params import hardware_flops_per_token, model_flops_per_token
 
 TIME_KEYS = ("compute", "bubble", "tp", "pp", "dp")
@@ -102,7 +103,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     built at all: sizes that do not divide). ``fits`` says whether it fits in
     ``memory_fraction`` of a GPU's memory (the rest for the CUDA context, buffers and
     fragmentation)."""
-    cfg, cluster = get_config(cfg), get_cluster(cluster)
+    cfg, cluster = get_model(cfg), get_cluster(cluster)
     if tp * pp * dp != cluster.gpus:
         raise ValueError(f"tp*pp*dp = {tp * pp * dp} is not the cluster's {cluster.gpus} GPUs")
     global_batch = cluster.gpus if global_batch is None else global_batch
@@ -195,7 +196,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     (same traffic, less memory). ``settings`` go to ``evaluate`` (dtype, optimizer,
     matmul_efficiency, memory_fraction, accounting, order, overlap).
     """
-    cfg, cluster = get_config(cfg), get_cluster(cluster)
+    cfg, cluster = get_model(cfg), get_cluster(cluster)
     gpus = cluster.gpus
     global_batch = gpus if global_batch is None else global_batch
     rejected: Counter = Counter()

@@ -20,8 +20,8 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from minipar.theory.clusters import CLUSTERS
-from minipar.theory.examples import MODELS, get_model
 from minipar.theory.memory import memory_per_rank
+from minipar.theory.models import MODELS, get_model
 from minipar.theory.planner import plan
 from minipar.viz.memory import memory_figure
 from minipar.viz.mesh import mesh_figure
