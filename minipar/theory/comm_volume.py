@@ -64,7 +64,9 @@ def _add(out: dict, dim: str, op: str, calls: int, nbytes: int, n: int) -> None:
 
 def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
               microbatches: int = 1) -> dict:
-    """Data-parallel traffic of one rank holding ``n_params`` parameters (before ZeRO)."""
+    """Data-parallel traffic of one rank holding ``n_params`` parameters (before ZeRO):
+    an all-reduce of the gradients (stage 0), or reduce-scatter + all-gather (ZeRO
+    paper, Sec. 7.2: the same 2 Psi per rank for stages 1 and 2, 3 Psi for stage 3)."""
     out: dict = defaultdict(lambda: defaultdict(lambda: {"calls": 0, "bytes": 0,
                                                          "wire_bytes": 0}))
     pw, pg, _ = state_bytes(dtype)

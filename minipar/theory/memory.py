@@ -10,8 +10,9 @@ parameters a rank has (``params.stage_params``); ZeRO then divides them by dp.
 
 Activations follow Korthikanti et al. 2022 (arXiv 2205.05198, Sec. 4, Table 2). We list
 every tensor one transformer layer keeps for its backward pass (``layer_activations``)
-rather than copy the closed forms, so the same list serves fp32 runs, runs without
-dropout and flash attention; with 2-byte activations and dropout the sums are exactly
+rather than copy the closed forms, so the same list serves fp32 runs and runs with
+fused attention and no dropout (``accounting="fused"``, what ``minipar.model`` keeps);
+with the paper's accounting and 2-byte activations the sums are exactly
 the paper's ``sbh(34 + 5as/h)`` and its tensor / sequence parallel variants (tests check
 all rows of Table 2). A pipeline stage keeps several micro-batches' activations at once:
 ``inflight`` counts them per schedule (Sec. 4.2.3).
@@ -66,6 +67,9 @@ def model_states(n_params: int, dp: int = 1, zero: int = 0, dtype: str = "bf16",
 
     A partitioned state is split in dp equal shards of ceil(n / dp) elements (the
     flat buffer is padded to a multiple of dp, as ZeRO implementations do).
+    ``minipar.parallel.zero`` differs in two details a measurement will show: it pads
+    each bucket (a few elements more per bucket), and it keeps the gradient shard in
+    fp32 (4 bytes, not the paper's 2, under bf16 with stage 2 or 3).
     Example (the paper's Fig. 1): 7.5B parameters, dp = 64, bf16 Adam: 120 GB with
     stage 0, 31.4 GB with stage 1, 16.6 GB with stage 2, 1.9 GB with stage 3.
     """
