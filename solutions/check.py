@@ -47,6 +47,11 @@ EXERCISES: dict[str, Exercise] = {
     "ring_allreduce": Exercise(
         "00", "ring all-reduce from send/recv",
         ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")),
+    "pipeline_1f1b": Exercise(
+        "04", "the 1F1B schedule as data", ("one_f_one_b_compute", "peak_in_flight")),
+    "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
+    "memory_formula": Exercise(
+        "06", "memory per device with the pipeline term", ("in_flight", "device_memory")),
 }
 
 

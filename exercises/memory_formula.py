@@ -1,0 +1,116 @@
+# Your copy of this exercise, generated from solutions/memory_formula.py by tools/make_exercises.py.
+# Fill in the blanks (each raises NotImplementedError), then check your work with
+#     from exercises.check import check; check("memory_formula")
+"""Lesson 06 exercise: the memory of one device, with the pipeline term.
+
+Everything a training step keeps on a GPU falls in two families.
+
+**Model states** (ZeRO paper, Rajbhandari et al., arXiv 1910.02054, Sec. 3.1 and 5). With
+bf16 mixed-precision Adam every parameter costs 2 bytes of weights, 2 of gradients and
+12 of optimizer state (fp32 master copy, momentum, variance); in plain fp32, 4 + 4 + 8.
+ZeRO splits them over the dp data-parallel ranks: stage 1 the optimizer state, stage 2
+the gradients too, stage 3 the weights too. A split state is ceil(n / dp) elements.
+
+**Activations** (Korthikanti et al., arXiv 2205.05198). One transformer layer keeps a
+fixed number of bytes per micro-batch for its backward (``layer_activations``, given).
+A pipeline stage holds ``L / p`` layers, and it holds them for *several* micro-batches
+at once: those whose forward has run on this stage and whose backward has not. That
+count depends on the schedule: GPipe m; 1F1B min(m, p - s) on stage s; ZB-H1 min(m, p).
+The first stage also keeps the embedding's inputs, the last stage the head's and the
+logits (``edge_bytes``, given), once per micro-batch in flight.
+
+So, on stage s:  memory = model states(params of stage s)
+                        + per-layer bytes x layers of s x micro-batches in flight on s
+                        + edge bytes x micro-batches in flight on s.
+
+The device that needs the most is the first stage or the last one. You write the three
+pieces and the whole; the checker compares them with
+``minipar.theory.memory.memory_breakdown`` on several layouts of several models.
+"""
+
+from __future__ import annotations
+
+import math
+
+from minipar.model import GPTConfig, get_config
+from minipar.theory.memory import edge_activations, layer_activations
+from minipar.theory.params import stage_layers, stage_params
+
+BYTES_PER_PARAM = {  # (weights, gradients, optimizer state) with Adam
+    "bf16": (2, 2, 12),
+    "fp32": (4, 4, 8),
+}
+
+
+def edge_bytes(cfg: GPTConfig, pp: int, stage: int, tp: int = 1, sp: bool = False,
+               dtype: str = "bf16") -> float:
+    """Bytes per micro-batch kept outside the transformer layers on ``stage`` (given)."""
+    total = 0.0
+    if stage == 0:
+        total += sum(edge_activations(cfg, "first", 1, tp, sp, dtype).values())
+    if stage == pp - 1:
+        total += sum(edge_activations(cfg, "last", 1, tp, sp, dtype).values())
+    return total
+
+
+def model_state_bytes(n_params: int, dp: int, zero: int, dtype: str = "bf16") -> dict:
+    """{"params", "grads", "optimizer"}: bytes on one rank holding ``n_params`` before
+    ZeRO, with ZeRO ``zero`` (0-3) over ``dp`` ranks."""
+    w, g, o = BYTES_PER_PARAM[dtype]
+    # HINT: shard = math.ceil(n_params / dp). The optimizer state is sharded from stage 1
+    #   on, the gradients from stage 2, the weights from stage 3; unsharded states count
+    #   n_params. Multiply by the bytes per parameter w, g, o.
+    # YOUR CODE HERE
+    raise NotImplementedError(
+        'model_state_bytes in exercises/memory_formula.py is not implemented yet.'
+        ' Hint: shard = math.ceil(n_params / dp). The optimizer state is sharded '
+        'from stage 1 on, the gradients from stage 2, the weights from stage 3; '
+        'unsharded states count n_params. Multiply by the bytes per parameter w, '
+        'g, o.')
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
+    """Micro-batches whose activations ``stage`` holds at its peak: "gpipe", "1f1b" or
+    "zb" (one chunk per stage)."""
+    # HINT: gpipe: every forward before any backward, so m. 1f1b: stage s runs p - s - 1
+    #   warm-up forwards plus one, so min(m, p - s). zb (ZB-H1) holds each activation until
+    #   its late weight pass: min(m, p) on every stage.
+    # YOUR CODE HERE
+    raise NotImplementedError(
+        'in_flight in exercises/memory_formula.py is not implemented yet. Hint: '
+        'gpipe: every forward before any backward, so m. 1f1b: stage s runs p - s'
+        ' - 1 warm-up forwards plus one, so min(m, p - s). zb (ZB-H1) holds each '
+        'activation until its late weight pass: min(m, p) on every stage.')
+
+
+def stage_memory(cfg: GPTConfig | str, stage: int, dp: int = 1, pp: int = 1, tp: int = 1,
+                 zero: int = 0, dtype: str = "bf16", microbatches: int = 1,
+                 schedule: str = "1f1b", sp: bool = False,
+                 recompute: str = "none") -> dict:
+    """{"params", "grads", "optimizer", "activations", "total"} in bytes on one rank of
+    pipeline ``stage`` (micro-batch size 1; activations rounded to an int)."""
+    cfg = get_config(cfg)
+    n_params = stage_params(cfg, pp, tp, stage)  # this rank's parameters after tp and pp
+    per_layer = sum(layer_activations(cfg, 1, tp, sp, recompute, dtype).values())
+    # HINT: k = in_flight(...) for this stage; activations = (per_layer * layers on this
+    #   stage (stage_layers(cfg.n_layer, pp, stage)) + edge_bytes(...)) * k, rounded with
+    #   int(round(...)); add model_state_bytes(n_params, dp, zero, dtype) and a "total".
+    # YOUR CODE HERE
+    raise NotImplementedError(
+        'stage_memory in exercises/memory_formula.py is not implemented yet. '
+        'Hint: k = in_flight(...) for this stage; activations = (per_layer * '
+        'layers on this stage (stage_layers(cfg.n_layer, pp, stage)) + '
+        'edge_bytes(...)) * k, rounded with int(round(...)); add '
+        'model_state_bytes(n_params, dp, zero, dtype) and a "total".')
+
+
+def device_memory(cfg: GPTConfig | str, **layout) -> dict:
+    """``stage_memory`` of the most loaded stage (the first or the last), plus "stage"."""
+    pp = layout.get("pp", 1)
+    # HINT: compute stage_memory for stage 0 and stage pp - 1 and return the one with the
+    #   larger "total", with its stage number added as "stage".
+    # YOUR CODE HERE
+    raise NotImplementedError(
+        'device_memory in exercises/memory_formula.py is not implemented yet. '
+        'Hint: compute stage_memory for stage 0 and stage pp - 1 and return the '
+        'one with the larger "total", with its stage number added as "stage".')
