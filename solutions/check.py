@@ -47,6 +47,14 @@ EXERCISES: dict[str, Exercise] = {
     "ring_allreduce": Exercise(
         "00", "ring all-reduce from send/recv",
         ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")),
+    "ddp_buckets": Exercise(
+        "01", "bucketed, overlapped gradient all-reduce",
+        ("bucket_params", "BucketedDDP")),
+    "zero1": Exercise(
+        "02", "a ZeRO-1 optimizer step", ("shard_range", "Zero1")),
+    "tp_linear": Exercise(
+        "03", "column- and row-parallel linear layers",
+        ("CopyToTP", "ReduceFromTP", "ColumnParallelLinear", "RowParallelLinear")),
     "pipeline_1f1b": Exercise(
         "04", "the 1F1B schedule as data", ("one_f_one_b_compute", "peak_in_flight")),
     "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),

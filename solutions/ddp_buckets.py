@@ -1,0 +1,153 @@
+"""Lesson 01 exercise: data parallelism with gradient buckets and overlapped all-reduce.
+
+Every rank holds the whole model and runs forward and backward on its own slice of the
+batch. Their gradients differ; the mean of them is the gradient of the whole batch. So
+after backward each rank all-reduces its gradients and divides by N, and the identical
+optimizer step keeps the replicas identical.
+
+Two ideas make that fast (Li et al., "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training", VLDB 2020, arXiv 2006.15704, section 3.2):
+
+* Buckets. A model has hundreds of small parameters; one all-reduce each pays a fixed
+  start-up cost hundreds of times. Instead we pack gradients into a few flat buffers of
+  about ``bucket_bytes`` and all-reduce each buffer with one call.
+* Overlap. Backward produces gradients from the last layer to the first. As soon as all
+  gradients of a bucket are final, its all-reduce can start, asynchronously, while
+  backward still works on earlier layers. So the buckets are filled in *reverse*
+  parameter order: the first bucket to fill is the first one to send.
+
+One rule keeps the ranks from deadlocking: every rank must start the same collectives
+in the same order. We therefore start bucket i only after buckets 0 .. i-1 have
+started, even if bucket i happened to be complete first.
+
+You write ``bucket_params``, ``BucketedDDP._on_grad``, ``BucketedDDP._launch`` and
+``BucketedDDP.finish_gradient_sync``. Communicate only through ``self.comm``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minipar.comm import Comm, Pending
+
+
+def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Group ``params`` into buckets, in *reverse* order, of at most ``bucket_bytes``.
+
+    Walk the parameters from last to first, adding each to the current bucket; when
+    adding one would make the bucket's gradient bytes exceed ``bucket_bytes``, close the
+    bucket and start a new one. A parameter larger than ``bucket_bytes`` gets a bucket of
+    its own (a bucket is never empty). Bytes of a parameter: ``p.numel() *
+    p.element_size()``.
+    """
+    ### BEGIN SOLUTION
+    # HINT: loop over reversed(params) keeping a current list and its byte count; close
+    # the current list (append it to the result) when it is non-empty and the next
+    # parameter would overflow it. Do not forget the last bucket.
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+    ### END SOLUTION
+
+
+class BucketedDDP:
+    """Wrap ``module``; after ``loss.backward()`` call ``finish_gradient_sync()``.
+
+    Afterwards every parameter's ``.grad`` is the mean over the ranks of ``comm``.
+    ``overlap=True`` starts each bucket's all-reduce from a gradient hook during
+    backward; ``overlap=False`` starts them all in ``finish_gradient_sync``.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm | None = None,
+                 bucket_bytes: int = 25 * 2**20, overlap: bool = True):
+        self.module, self.comm, self.overlap = module, comm or Comm(), overlap
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        with torch.no_grad():  # replicas must start identical: copy rank 0's weights
+            for p in module.parameters():
+                self.comm.broadcast(p.data, src=0)
+        self.buckets = bucket_params(self.params, bucket_bytes)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.reset()
+        # Called by autograd once p.grad holds this backward's final gradient.
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                      for p in self.params]
+
+    def reset(self) -> None:
+        """Forget the last backward: nothing ready, nothing started."""
+        self.ready: list[set[int]] = [set() for _ in self.buckets]  # ids of final grads
+        self.next_to_launch = 0  # buckets start strictly in index order
+        self.flat: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.pending: list[Pending | None] = [None] * len(self.buckets)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        """Hook: ``p.grad`` is final. Mark it; launch every bucket that may now start."""
+        ### BEGIN SOLUTION
+        # HINT: add id(p) to self.ready[its bucket]. If self.overlap, then while bucket
+        # self.next_to_launch exists and all its parameters are ready, self._launch it
+        # (and move self.next_to_launch on).
+        self.ready[self.bucket_of[id(p)]].add(id(p))
+        if not self.overlap:
+            return
+        while (self.next_to_launch < len(self.buckets)
+               and len(self.ready[self.next_to_launch])
+               == len(self.buckets[self.next_to_launch])):
+            self._launch(self.next_to_launch)
+            self.next_to_launch += 1
+        ### END SOLUTION
+
+    def _launch(self, i: int) -> None:
+        """Start the asynchronous all-reduce of bucket ``i``.
+
+        Copy the bucket's gradients into one flat tensor (a parameter without a
+        gradient contributes zeros), keep it in ``self.flat[i]``, and keep the
+        ``Pending`` that ``comm.all_reduce(flat, async_op=True)`` returns in
+        ``self.pending[i]``.
+        """
+        ### BEGIN SOLUTION
+        # HINT: torch.cat([ (p.grad if p.grad is not None else torch.zeros_like(p))
+        # .reshape(-1) for p in self.buckets[i] ]) makes the flat copy; then
+        # self.pending[i] = self.comm.all_reduce(flat, async_op=True).
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.buckets[i]])
+        self.flat[i] = flat
+        self.pending[i] = self.comm.all_reduce(flat, async_op=True)
+        ### END SOLUTION
+
+    def finish_gradient_sync(self) -> None:
+        """Launch the buckets not started yet (in order), wait for all, then write
+        each bucket's sum divided by ``comm.size`` back into its parameters' ``.grad``."""
+        ### BEGIN SOLUTION
+        # HINT: launch buckets self.next_to_launch .. len-1; then for each bucket: wait
+        # on its Pending, divide the flat tensor by self.comm.size, and copy consecutive
+        # slices of it back, p.grad = flat[offset:offset + p.numel()].view_as(p).clone().
+        # End with self.reset() so the next backward starts clean.
+        for i in range(self.next_to_launch, len(self.buckets)):
+            self._launch(i)
+        for i, bucket in enumerate(self.buckets):
+            self.pending[i].wait()
+            flat = self.flat[i] / self.comm.size
+            offset = 0
+            for p in bucket:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        self.reset()
+        ### END SOLUTION
+
+    def remove(self) -> None:
+        """Take the hooks off the module's parameters."""
+        for h in self.hooks:
+            h.remove()
