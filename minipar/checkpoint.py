@@ -43,8 +43,11 @@ def _unique_named_params(model):
 def local_state(rm: RankMesh, parts) -> tuple[dict, dict]:
     """This rank's fp32 weights and optimizer states by name, in tp-shard shapes."""
     weights, states = {}, {}
-    if getattr(parts.optimizer, "full_state_by_name", None) is not None:  # ZeRO
-        return parts.optimizer.full_state_by_name(dict(_unique_named_params(parts.model)))
+    if hasattr(parts.optimizer, "full_state_by_name"):  # ZeRO: gathers over dp
+        weights, states = parts.optimizer.full_state_by_name(
+            dict(_unique_named_params(parts.model)))
+        return weights, {n: {k: v for k, v in st.items() if k in STATE_KEYS}
+                         for n, st in states.items()}
     for name, p in _unique_named_params(parts.model):
         holder = parts.precision.master(p) if parts.precision is not None else p
         weights[name] = holder.detach().float().cpu().clone()
@@ -138,8 +141,10 @@ def load(directory: str) -> tuple[dict, int]:
     return {"model": model, "optimizer": optimizer}, meta["step"]
 
 
-def load_optimizer_state(rm: RankMesh, model, optimizer, precision, full: dict) -> None:
-    """Put full optimizer states (by name) into this rank's optimizer, resharded."""
+def load_optimizer_state(rm: RankMesh, model, optimizer, precision, full: dict,
+                         weights: dict | None = None) -> None:
+    """Put full optimizer states (by name) into this rank's optimizer, resharded.
+    ``weights``: the full fp32 weights, which ZeRO's masters are loaded from."""
     from minipar.parallel.tp import shard_tensor, tp_shard_dim
 
     def mine(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -147,10 +152,11 @@ def load_optimizer_state(rm: RankMesh, model, optimizer, precision, full: dict) 
             return t.clone()
         return shard_tensor(name, t, rm.coords.tp, rm.mesh.tp).clone()
 
-    if getattr(optimizer, "load_full_state_by_name", None) is not None:  # ZeRO
+    if hasattr(optimizer, "load_full_state_by_name"):  # ZeRO keeps its shard of it
         named = dict(_unique_named_params(model))
         optimizer.load_full_state_by_name(
-            {n: {k: mine(n, v) for k, v in full[n].items()} for n in named if n in full})
+            {n: {k: mine(n, v) for k, v in full[n].items()} for n in named if n in full},
+            {n: mine(n, weights[n]).float() for n in named if n in weights})
         return
     for name, p in _unique_named_params(model):
         if name not in full or not full[name]:

@@ -86,7 +86,8 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
     if full_state is not None and full_state.get("optimizer") is not None:
         from minipar.checkpoint import load_optimizer_state
 
-        load_optimizer_state(rm, model, optimizer, precision, full_state["optimizer"])
+        load_optimizer_state(rm, model, optimizer, precision, full_state["optimizer"],
+                             full_state["model"])
     return Parts(model, stage, optimizer, executor, wrappers, precision)
 
 
@@ -114,13 +115,15 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> float:
                     and p.requires_grad else p.grad)
             if grad is not None and (rm.coords.tp == 0 or tp_shard_dim(name) is not None):
                 local += grad.detach().float().pow(2).sum().cpu()
-    else:
-        local = parts.optimizer.grad_norm_sq(
-            count=lambda name: rm.coords.tp == 0 or tp_shard_dim(name) is not None).cpu()
+    else:  # this rank's fp32 gradient shard, parameter by parameter
+        local = torch.zeros((), dtype=torch.float32)
+        for name, g in _zero_grad_slices(parts.optimizer):
+            if rm.coords.tp == 0 or tp_shard_dim(name) is not None:
+                local += g.float().pow(2).sum().cpu()
     total = local.to(device_for(cfg))
     rm.tp.all_reduce(total)
     rm.pp.all_reduce(total)
-    if cfg.zero >= 2:
+    if cfg.zero >= 1:  # ZeRO's gradient shards are disjoint over dp
         rm.dp.all_reduce(total)
     norm = float(total.sqrt())
     if cfg.grad_clip > 0:
@@ -128,6 +131,38 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> float:
         if coef < 1.0:
             _scale_grads(cfg, parts, coef)
     return norm
+
+
+def _zero_grad_slices(opt):
+    """(name, this rank's slice of that parameter's fp32 gradient) for a ZeroOptimizer:
+    the flat buffer holds parameters end to end, the rank owns [lo, hi) of it."""
+    for f in opt.flats:
+        g = f.master.grad
+        if g is None:
+            continue
+        for name, offset, numel in zip(f.names, f.offsets, f.numels):
+            a, b = max(offset, f.lo), min(offset + numel, f.hi)
+            if a < b:
+                yield name, g[a - f.lo:b - f.lo]
+
+
+def _sync_sp_shards(rm: RankMesh, parts: Parts) -> None:
+    """Sequence parallelism under ZeRO: sum the layer-norm gradient shards over tp.
+
+    Every tp rank has the same flat layout (tp shards have equal shapes), so the slices
+    line up; the sum commutes with ZeRO's reduce-scatter over dp.
+    """
+    marked = {n for n, p in parts.model.named_parameters()
+              if getattr(p, "sequence_parallel", False)}
+    slices = [g for name, g in _zero_grad_slices(parts.optimizer) if name in marked]
+    if rm.tp.size == 1 or not slices:
+        return
+    flat = torch.cat([g.reshape(-1) for g in slices])
+    rm.tp.all_reduce(flat)
+    offset = 0
+    for g in slices:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _scale_grads(cfg: TrainConfig, parts: Parts, factor: float) -> None:
@@ -154,7 +189,7 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
     micro = [(a.to(device), b.to(device))
              for a, b in split_batch(x, y, rm.coords.dp, cfg.dp, cfg.microbatches)]
     with ExitStack() as stack:  # accumulate over all micro-batches; sync once below
-        for w in parts.dp_wrappers:
+        for w in parts.dp_wrappers or [parts.optimizer]:  # DataParallel's, or ZeRO's
             stack.enter_context(w.no_sync())
         result = parts.executor.step(micro, loss_scale=1.0 / (cfg.dp * cfg.microbatches))
     if cfg.zero == 0:
@@ -164,8 +199,8 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
         if parts.precision is not None:
             parts.precision.unscale_grads()
     else:
-        parts.optimizer.finish_gradient_sync(after_reduce=lambda: sync_sequence_parallel_grads(
-            parts.model, rm.tp))
+        parts.optimizer.finish_gradient_sync()
+        _sync_sp_shards(rm, parts)
     norm = clip_gradients(cfg, rm, parts)
     held = _model_state_bytes(cfg, parts)  # measured while the gradients exist
     if cfg.zero == 0 and parts.precision is not None:
