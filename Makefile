@@ -59,8 +59,10 @@ exercises: setup
 lint: setup
 	$(BIN)/ruff check .
 
+# An 8-rank 2 x 2 x 2 run (dp x pp x tp, ZeRO-1, 1F1B) beside the single-process run.
 demo: setup
-	$(BIN)/python -m minipar train --steps 30
+	$(BIN)/python -m minipar train --dp 2 --pp 2 --tp 2 --zero 1 --microbatches 2 \
+	  --steps 20 --compare --trace demo.trace.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

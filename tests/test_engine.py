@@ -11,7 +11,7 @@ schedule.
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -23,7 +23,7 @@ FP32_TOL = 1e-4
 BF16_TOL = 3e-2
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference(steps: int = STEPS, batch_size: int = 16) -> tuple[float, ...]:
     cfg = TrainConfig(steps=steps, batch_size=batch_size)
     return tuple(train_reference(cfg)["losses"])
