@@ -94,16 +94,18 @@ def _print_run(cfg, record: dict, ref: list | None) -> None:
             line += f"  {ref[i]:>9.5f}  {abs(loss - ref[i]):>8.1e}"
         print(line)
     print()
+    steps = max(1, len(record["losses"]))
     print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} "
-          f"{'optim':>9} {'activ':>9}  {'sent/step':>10}  busiest group")
+          f"{'optim':>9} {'activ':>9}   sent per step on:  {'dp':>9} {'pp':>9} {'tp':>9}")
     for r in record["ranks"]:
         m, c = r["memory"], r["coords"]
         kib = [f"{m[k] / 1024:>8.0f}K" for k in ("params", "grads", "optimizer", "activations")]
-        per_dim = {d: sum(o["wire_bytes"] for o in ops.values())
-                   for d, ops in r["comm"].items()}
-        busiest = max(per_dim, key=per_dim.get) if per_dim else "-"
-        print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {' '.join(kib)}  "
-              f"{r['comm_bytes_per_step'] / 1024:>9.1f}K  {busiest}")
+        sent = [sum(o["wire_bytes"] for o in r["comm"].get(d, {}).values()) / steps / 1024
+                for d in ("dp", "pp", "tp")]
+        print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {' '.join(kib)}"
+              f"{'':>20}{sent[0]:>8.1f}K {sent[1]:>8.1f}K {sent[2]:>8.1f}K")
+    print("(bytes held by this rank at the end of a step, activations at their peak; "
+          "bytes sent as a ring algorithm puts them on the wire)")
 
 
 def _cmd_doctor(args) -> int:
