@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -256,106 +257,100 @@ class PipelineExecutor:
         m = len(microbatches)
         if m != self.microbatches:
             raise ValueError(f"schedule is for {self.microbatches} micro-batches, got {m}")
-        scale = 1.0 / m if loss_scale is None else loss_scale
-        last = self.n_chunks - 1
-        inputs: dict = {}  # (mb, chunk) -> tensor, or (pending, buffer) until it arrives
-        out_grads: dict = {}  # (mb, chunk) -> gradient of the chunk's output, likewise
-        saved: dict = {}  # (mb, chunk) -> (input, output) kept for the backward
-        weight_work: dict = {}  # (mb, chunk) -> [(module, output, grad)] for W
-        input_grads: dict = {}  # (mb, chunk) -> gradient of the chunk's input, to send
-        sends: list[Pending] = []
-        records: list[ActionRecord] = []
-        losses: list[torch.Tensor] = []
-        peak = 0
-
-        def take(store: dict, key) -> tuple[torch.Tensor, float]:
-            value = store.pop(key)
-            if not isinstance(value, tuple):
-                return value, 0.0
-            t0 = time.time()
-            value[0].wait()
-            return value[1], time.time() - t0
-
+        st = _StepState(microbatches, 1.0 / m if loss_scale is None else loss_scale)
+        run = {"F": self._forward, "B": self._backward, "W": self._weight_grad,
+               "RECV_F": self._recv_f, "RECV_B": self._recv_b,
+               "SEND_F": self._send_f, "SEND_B": self._send_b}
+        records = []
         for a in self.actions:
-            key, wait, t0 = (a.mb, a.chunk), 0.0, time.time()
-            shape_key = tuple(microbatches[a.mb][0].shape)
-            if a.kind == "RECV_F":
-                inputs[key] = self._recv_activation(a.chunk, shape_key)
-            elif a.kind == "RECV_B":
-                buf = torch.empty_like(saved[key][1])
-                out_grads[key] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)), buf)
-            elif a.kind == "SEND_F":
-                sends += self._send_activation(saved[key][1].detach(), a.chunk, shape_key)
-            elif a.kind == "SEND_B":
-                sends.append(self.comm.isend(input_grads.pop(key),
-                                             rank_of(a.chunk - 1, self.pp)))
-            else:
-                if a.kind == "F":
-                    x, y = microbatches[a.mb]
-                    if a.chunk > 0:
-                        x, wait = take(inputs, key)
-                        x = x.detach().requires_grad_(x.is_floating_point())
-                    t0 = time.time()
-                    self._capture = [] if key in self.split else None
-                    out = self.chunks[a.chunk](x, y) if a.chunk == last else \
-                        self.chunks[a.chunk](x)
-                    if self._capture is not None:
-                        weight_work[key] = self._capture
-                    self._capture = None
-                    saved[key] = (x, out)
-                    if a.chunk == last:
-                        losses.append(out.detach())
-                    elif rank_of(a.chunk + 1, self.pp) == self.rank:  # next chunk is here
-                        inputs[(a.mb, a.chunk + 1)] = out.detach()
-                    peak = max(peak, len(saved) + len(weight_work) - len(
-                        saved.keys() & weight_work.keys()))
-                elif a.kind == "B":
-                    grad = None
-                    if a.chunk < last:
-                        grad, wait = take(out_grads, key)
-                    t0 = time.time()
-                    self._backward(a, saved.pop(key), grad, scale, weight_work, input_grads)
-                    if a.chunk > 0 and rank_of(a.chunk - 1, self.pp) == self.rank:
-                        out_grads[(a.mb, a.chunk - 1)] = input_grads.pop(key)
-                else:  # W
-                    for module, output, grad in weight_work.pop(key):
-                        params = [p for p in module.parameters(False) if p.requires_grad]
-                        if grad is not None and params:
-                            torch.autograd.backward(output, grad, inputs=params)
+            st.start = time.time()  # compute actions move it past their wait for inputs
+            wait = run[a.kind](a, st) or 0.0
+            if a.kind in ("F", "B", "W"):
                 self._pretend_compute(a)
-            records.append(ActionRecord(self.rank, a.kind, a.mb, a.chunk, t0, time.time(),
-                                        wait))
-            for s in [s for s in sends if s.is_completed()]:
+            records.append(ActionRecord(self.rank, a.kind, a.mb, a.chunk, st.start,
+                                        time.time(), wait))
+            for s in [s for s in st.sends if s.is_completed()]:
                 s.wait()  # stamps its end in the comm log
-                sends.remove(s)
-        for s in sends:
+                st.sends.remove(s)
+        for s in st.sends:
             s.wait()
-        loss = torch.stack(losses).mean() if losses else None
+        loss = torch.stack(st.losses).mean() if st.losses else None
         if broadcast_loss:
             loss = self.comm.broadcast(torch.zeros((), device=self.device) if loss is None
                                        else loss.to(self.device).float(),
-                                       src=rank_of(last, self.pp))
-        return StepResult(None if loss is None else float(loss), records, peak)
+                                       src=rank_of(self.n_chunks - 1, self.pp))
+        return StepResult(None if loss is None else float(loss), records, st.peak)
 
-    def _backward(self, a: Action, saved: tuple, grad: torch.Tensor | None, scale: float,
-                  weight_work: dict, input_grads: dict) -> None:
+    # each action: returns the seconds it waited for incoming data (or None)
+    def _recv_f(self, a: Action, st: _StepState) -> None:
+        st.inputs[(a.mb, a.chunk)] = self._recv_activation(a.chunk, st.shape_key(a.mb))
+
+    def _recv_b(self, a: Action, st: _StepState) -> None:
+        buf = torch.empty_like(st.saved[(a.mb, a.chunk)][1])
+        st.out_grads[(a.mb, a.chunk)] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)),
+                                         buf)
+
+    def _send_f(self, a: Action, st: _StepState) -> None:
+        out = st.saved[(a.mb, a.chunk)][1].detach()
+        st.sends += self._send_activation(out, a.chunk, st.shape_key(a.mb))
+
+    def _send_b(self, a: Action, st: _StepState) -> None:
+        grad = st.input_grads.pop((a.mb, a.chunk))
+        st.sends.append(self.comm.isend(grad, rank_of(a.chunk - 1, self.pp)))
+
+    def _forward(self, a: Action, st: _StepState) -> float:
+        key, last = (a.mb, a.chunk), a.chunk == self.n_chunks - 1
+        x, y = st.microbatches[a.mb]
+        wait = 0.0
+        if a.chunk > 0:
+            x, wait = st.take(st.inputs, key)
+            x = x.detach().requires_grad_(x.is_floating_point())
+            st.start = time.time()
+        self._capture = [] if key in self.split else None
+        out = self.chunks[a.chunk](x, y) if last else self.chunks[a.chunk](x)
+        if self._capture is not None:
+            st.weight_work[key] = self._capture
+        self._capture = None
+        st.saved[key] = (x, out)
+        if last:
+            st.losses.append(out.detach())
+        elif rank_of(a.chunk + 1, self.pp) == self.rank:  # the next chunk is here too
+            st.inputs[(a.mb, a.chunk + 1)] = out.detach()
+        st.peak = max(st.peak, len(st.saved.keys() | st.weight_work.keys()))
+        return wait
+
+    def _backward(self, a: Action, st: _StepState) -> float:
         """B: the input gradient; also the weight gradients unless a W will do them."""
-        x, out = saved
-        key = (a.mb, a.chunk)
-        if grad is None:  # the last chunk's output is the loss
-            out, grad = out * scale, None
+        key, wait, grad = (a.mb, a.chunk), 0.0, None
+        x, out = st.saved.pop(key)
+        if a.chunk == self.n_chunks - 1:  # the output is the loss
+            out = out * st.scale
+        else:
+            grad, wait = st.take(st.out_grads, key)
+            st.start = time.time()
         needs_dx = a.chunk > 0 and x.requires_grad
         if key not in self.split:
             torch.autograd.backward(out, grad)
-            if needs_dx:
-                input_grads[key] = x.grad
-            return
-        work = weight_work[key]
-        wrt = ([x] if needs_dx else []) + [o for _, o in work]
-        grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
-        if needs_dx:
-            input_grads[key], grads = grads[0], grads[1:]
-        weight_work[key] = [(mod, o, g) for (mod, o), g in zip(work, grads)]
+            dx = x.grad if needs_dx else None
+        else:  # gradients of the input and of every parameter-owning module's output
+            work = st.weight_work[key]
+            wrt = ([x] if needs_dx else []) + [o for _, o in work]
+            grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+            dx, grads = (grads[0], grads[1:]) if needs_dx else (None, grads)
+            st.weight_work[key] = [(mod, o, g) for (mod, o), g in zip(work, grads)]
+        if dx is not None:
+            if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
+                st.out_grads[(a.mb, a.chunk - 1)] = dx
+            else:
+                st.input_grads[key] = dx
+        return wait
+
+    def _weight_grad(self, a: Action, st: _StepState) -> None:
+        """W: each module's weight gradient from its saved output gradient."""
+        for module, output, grad in st.weight_work.pop((a.mb, a.chunk)):
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if grad is not None and params:
+                torch.autograd.backward(output, grad, inputs=params)
 
     def _pretend_compute(self, a: Action) -> None:
         if self.synchronize:
@@ -363,3 +358,33 @@ class PipelineExecutor:
         if self.sleep_per_unit > 0:
             split = (a.mb, a.chunk) in self.split
             time.sleep(self.sleep_per_unit * action_cost(a.kind, split, UNIT_COST))
+
+
+@dataclass
+class _StepState:
+    """What one step keeps between actions, keyed by (micro-batch, chunk)."""
+
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+    inputs: dict = field(default_factory=dict)  # chunk input, or (pending, buffer)
+    out_grads: dict = field(default_factory=dict)  # grad of chunk output, likewise
+    saved: dict = field(default_factory=dict)  # (input, output) until the backward
+    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)] until W
+    input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
+    sends: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    peak: int = 0
+    start: float = 0.0  # when the current action started (after its inputs arrived)
+
+    def shape_key(self, mb: int) -> tuple:
+        return tuple(self.microbatches[mb][0].shape)
+
+    @staticmethod
+    def take(store: dict, key) -> tuple[torch.Tensor, float]:
+        """Pop a tensor; if it is still arriving, wait and report how long."""
+        value = store.pop(key)
+        if not isinstance(value, tuple):
+            return value, 0.0
+        t0 = time.time()
+        value[0].wait()
+        return value[1], time.time() - t0
