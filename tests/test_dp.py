@@ -100,21 +100,22 @@ def optimizer_kwargs(opt: str) -> tuple[type, dict]:
 
 
 def reference(name: str, opt: str, dtype: str, world: int, steps: int = STEPS,
-              zero_unused: bool = False) -> dict[str, torch.Tensor]:
+              zero_unused: bool = False, clip: float | None = None) -> dict[str, torch.Tensor]:
     """One process, the global batch as the mean of the dp shards' losses. ``zero_unused``:
     a parameter no rank used gets a zero gradient (what ZeRO and DDP without
-    ``find_unused`` do) instead of staying None (skipped by the optimizer). One thread,
+    ``find_unused`` do) instead of staying None (skipped by the optimizer). ``clip``: by
+    the global gradient norm (fp32 only). One thread,
     like the ranks, so that one rank reproduces it exactly."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference(name, opt, dtype, world, steps, zero_unused)
+        return _reference(name, opt, dtype, world, steps, zero_unused, clip)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference(name: str, opt: str, dtype: str, world: int, steps: int,
-               zero_unused: bool) -> dict[str, torch.Tensor]:
+               zero_unused: bool, clip: float | None) -> dict[str, torch.Tensor]:
     model = make_model(name)
     mp = MixedPrecision(model, torch.bfloat16) if dtype == "bf16" else None
     optimizer = make_optimizer(opt, mp.parameters() if mp else model.parameters())
@@ -124,6 +125,8 @@ def _reference(name: str, opt: str, dtype: str, world: int, steps: int,
         for p in model.parameters():
             if zero_unused and p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if mp:
             mp.step(optimizer)
             mp.zero_grad()

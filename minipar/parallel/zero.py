@@ -105,7 +105,8 @@ class _Unit:
 
     def __init__(self, modules: list[nn.Module], flats: list[FlatParams]):
         self.modules, self.flats = modules, flats
-        self.param_ids = {id(p) for f in flats for p in f.params}
+        self.params = [p for f in flats for p in f.params]
+        self.param_ids = {id(p) for p in self.params}
         self.state = "free"  # free -> gathering (in flight) -> gathered
         self.pending: list[Pending] = []
         self.in_backward = False
@@ -175,6 +176,7 @@ class ZeroOptimizer:
         self._sync_initial_values(broadcast)
 
         self.units: list[_Unit] = []
+        self._hooks: list = []
         self._triggers: list[nn.Module] = []  # stage 3: modules whose forward gathers
         if stage < 3:
             self.flats = self._bucket_flats(bucket_mb * MB, len(groups))
@@ -196,8 +198,8 @@ class ZeroOptimizer:
                                 self._complete, max_inflight)
         self._sync, self._synced, self._end_queued = True, True, False
         self.skipped_steps = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for p in self.params]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad)
+                        for p in self.params]
         for m in self._triggers:
             self._hooks += [m.register_forward_pre_hook(self._pre_forward),
                             m.register_forward_hook(self._post_forward)]
@@ -275,6 +277,9 @@ class ZeroOptimizer:
             flats = [self._flat(mine, g) for g in range(n_groups)
                      if (mine := [p for p in params if self._group_of[id(p)] == g])]
             self.units.append(_Unit(triggers[id(params[0])], flats))
+            self._hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                self.units[-1].params, partial(self._unit_grads_computed, self.units[-1]),
+                mode="all"))
         for u in self.units:  # keep the shard, free the full buffer
             for f in u.flats:
                 f.shard = f.full[f.lo:f.hi].clone()
@@ -378,6 +383,10 @@ class ZeroOptimizer:
         o, n = f.offsets[k], f.numels[k]
         f.grad[o:o + n].add_(p.grad.reshape(-1))
         p.grad = None
+        self._arrived(p)
+
+    def _arrived(self, p: nn.Parameter) -> None:
+        """The gradient of ``p`` for this backward is in the buffer (or p was unused)."""
         self._synced = False
         if self.units:
             u = self._unit_of[id(p)]
@@ -386,7 +395,18 @@ class ZeroOptimizer:
                 u.in_backward = False
                 self._free(u)
         if self._sync:
-            self._reducer.mark_ready(i, id(p))
+            self._reducer.mark_ready(self._where[id(p)][0], id(p))
+
+    def _unit_grads_computed(self, u: _Unit, grads: list[torch.Tensor | None]) -> None:
+        """Stage 3, once per backward: the last gradient this backward computes for the
+        unit is ready. A parameter with none was not used: it counts as arrived (a zero
+        gradient), so the unit's reduce-scatter starts at the same point of the backward
+        on every rank, even where ranks used different parameters. (Counting arrivals
+        alone would leave it to the end on some ranks only, and the ranks would then
+        enter the next unit's all-gather and this reduce-scatter in different orders.)"""
+        for p, g in zip(u.params, grads):
+            if g is None:
+                self._arrived(p)
 
     def _start(self, i: int) -> Pending:
         f = self.flats[i]
@@ -619,7 +639,7 @@ class ZeroOptimizer:
                        "padded": f.padded, "lo": f.lo, "hi": f.hi,
                        "index": self._index[id(f.master)]} for f in self.flats],
             "masters": [f.master.detach().clone() for f in self.flats],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": _cloned(self.optimizer.state_dict()),  # a snapshot, not aliases
             "loss_scale": self.precision.scale if self.precision else None,
         }
 
@@ -635,10 +655,18 @@ class ZeroOptimizer:
         with torch.no_grad():
             for f, m in zip(self.flats, sd["masters"]):
                 f.master.copy_(m)
-        self.optimizer.load_state_dict(sd["optimizer"])
+        self.optimizer.load_state_dict(_cloned(sd["optimizer"]))  # torch would alias it
         if self.precision is not None and sd.get("loss_scale"):
             self.precision.scale = sd["loss_scale"]
         self._publish()
+
+
+def _cloned(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _cloned(v) for k, v in x.items()}
+    return [_cloned(v) for v in x] if isinstance(x, list) else x
 
 
 def _elementwise(v) -> bool:
