@@ -5,9 +5,9 @@ holds chunks ``r, r + pp, r + 2 pp, ...`` (Megatron's virtual stages; with ``vir
 chunk ``r`` is simply stage ``r``). A *schedule* says, for every rank, in which order to
 run the work of every micro-batch on every chunk it holds. Here it is plain data:
 
-    make_schedule("1f1b", pp=2, microbatches=3) ->
-      rank 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 F2 SEND_F2 RECV_B1 B1 RECV_B2 B2
-      rank 1: RECV_F0 F0 B0 SEND_B0 ...
+    make_schedule("1f1b", pp=2, microbatches=3), micro-batch numbers only:
+      rank 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 F2 RECV_B1 SEND_F2 B1 RECV_B2 B2
+      rank 1: RECV_F0 F0 RECV_F1 B0 SEND_B0 F1 B1 SEND_B1 RECV_F2 F2 B2 SEND_B2
 
 Each ``Action(kind, mb, chunk)`` names the micro-batch and the (global) chunk:
 
