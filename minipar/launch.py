@@ -7,7 +7,8 @@ their results (rank order). What makes it safe for a room of laptops:
 * **No fixed port.** The ranks meet through a ``FileStore`` in a fresh temporary file,
   so parallel launches can never collide (gloo's own connections bind ports the OS
   picks). A ``TCPStore`` on port 0 would do too, but its clients stall for 5 s on about
-  one connection in ten on our machines: a notebook cell that should take 0.1 s.
+  one connection in ten on our machines, and its server thread, busy while the parent
+  forks the later ranks, can leave a child deadlocked at birth. A file has neither.
 * **Notebook functions work.** The default start method on Linux and macOS is ``fork``: a
   function defined in a notebook cell is inherited, not pickled. A forked child first
   calls ``torch.set_num_threads(1)``: a fork of a process whose OpenMP pool already ran
