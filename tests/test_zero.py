@@ -90,6 +90,8 @@ def train_zero(spec: dict) -> dict:
         if step == 0:
             memory = opt.memory_bytes()  # while the gradients exist
         if spec.get("clip"):
+            shares = (float(opt.grad_norm_sq()),
+                      float(opt.grad_norm_sq(count=lambda name: "blocks" in name)))
             norms.append(opt.clip_grad_norm_(spec["clip"]))
         opt.step()
         opt.zero_grad()
@@ -98,6 +100,7 @@ def train_zero(spec: dict) -> dict:
             memory["optimizer"] = opt.memory_bytes()["optimizer"]  # Adam's state exists now
     return {"params": opt.full_parameters(), "comm": summary, "memory": memory,
             "flats": len(opt.flats), "norm": norms[0] if norms else None,
+            "shares": shares if norms else None,
             "unit_modules": [len(u.modules) for u in opt.units],
             "unit_bytes": [sum(f.padded * f.full.element_size() for f in u.flats)
                            for u in opt.units]}
@@ -160,9 +163,15 @@ def test_clipping_by_the_global_norm():
     model = make_model("gpt")
     loss = sum(shard_loss(model, "gpt", 0, r, 2) for r in range(2)) / 2
     loss.backward()
+    blocks = sum(float(p.grad.pow(2).sum()) for n, p in model.named_parameters()
+                 if "blocks" in n)
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
-    for res in results[0]:
-        assert res["norm"] == pytest.approx(norm, rel=1e-5)
+    for i in range(len(specs)):
+        assert results[0][i]["norm"] == pytest.approx(norm, rel=1e-5)
+        # grad_norm_sq: each rank's share; summed over dp, every element counted once
+        shares = [r[i]["shares"] for r in results]
+        assert sum(s[0] for s in shares) == pytest.approx(norm**2, rel=1e-5)
+        assert sum(s[1] for s in shares) == pytest.approx(blocks, rel=1e-5)
     refs = reference("gpt", "sgd", "fp32", 2, clip=0.05)
     for spec, res in zip(specs, results[0]):
         assert_close(res["params"], refs, initial("gpt"), "sgd", "fp32", str(spec))

@@ -508,15 +508,14 @@ class ZeroOptimizer:
                 yield k, a - f.lo, b - f.lo
 
     def grad_norm_sq(self, count: Callable[[str], bool] | None = None,
-                     reduce_dp: bool | None = None) -> torch.Tensor:
-        """Squared L2 norm of the synchronised gradient this rank holds (fp32).
+                     reduce_dp: bool = False) -> torch.Tensor:
+        """This rank's share of the squared L2 norm of the synchronised gradient (fp32).
 
-        The elements counted are those of this rank's shard (everything in stage 0),
-        restricted to parameters whose name passes ``count`` (an engine skips replicated
-        tensor-parallel weights on all but one tp rank). ``reduce_dp`` sums over the dp
-        group; by default it does so in stage 1 only, so the result is what the paper's
-        rank holds: the whole gradient in stages 0-1, its shard in stages 2-3 (an engine
-        sums those over dp itself, and over its pipeline and tensor dimensions).
+        The share is the elements of this rank's shard (stage 0: all of them, counted on
+        dp rank 0 only), so summing over the dp group counts every element once;
+        ``reduce_dp=True`` does that sum here. ``count`` keeps only parameters whose name
+        passes it (an engine skips replicated tensor-parallel weights on all but one tp
+        rank, then sums the result over its pipeline and tensor dimensions too).
         """
         device = self.flats[0].master.device if self.flats else None
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -528,7 +527,11 @@ class ZeroOptimizer:
                 for k, a, b in self._owned(f):
                     if count(f.names[k]):
                         total += g[a:b].pow(2).sum()
-        if self.stage >= 1 and (self.stage == 1 if reduce_dp is None else reduce_dp):
+        if self.stage == 0 and (reduce_dp or self.comm.rank == 0):
+            return total
+        if self.stage == 0:
+            return total.zero_()
+        if reduce_dp:
             self.comm.all_reduce(total)
         return total
 
