@@ -251,8 +251,11 @@ class PipelineExecutor:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
 
         Every rank passes the same list of (inputs, targets) micro-batches (only the
-        first stage reads inputs, only the last reads targets). Returns the mean
-        micro-batch loss on the last stage (on every stage with ``broadcast_loss``).
+        first stage reads inputs, only the last reads targets). Each micro-batch's
+        loss is multiplied by ``loss_scale`` before its backward: 1/m by default (the
+        batch mean); pass 1/(dp*m) if data parallelism sums gradients instead of
+        averaging them. Returns the mean micro-batch loss (unscaled) on the last stage,
+        on every stage with ``broadcast_loss``.
         """
         m = len(microbatches)
         if m != self.microbatches:

@@ -185,7 +185,7 @@ def timeline_table(timeline: Sequence[Sequence[Span]], virtual: int = 1,
     cols = int(round(step / unit))
     lines = []
     for r, row in enumerate(timeline):
-        cells = ["." * 1] * cols
+        cells = ["."] * cols
         for s in row:
             label = Action(s.kind, s.mb, s.chunk).short(virtual)
             for c in range(int(round(s.start / unit)), int(round(s.end / unit))):
