@@ -89,9 +89,10 @@ def train_zero(spec: dict) -> dict:
             opt.finish_gradient_sync()
         if step == 0:
             memory = opt.memory_bytes()  # while the gradients exist
-        if spec.get("clip"):
+        if spec.get("clip") and step == 0:
             shares = (float(opt.grad_norm_sq()),
                       float(opt.grad_norm_sq(count=lambda name: "blocks" in name)))
+        if spec.get("clip"):
             norms.append(opt.clip_grad_norm_(spec["clip"]))
         opt.step()
         opt.zero_grad()
