@@ -135,7 +135,7 @@ def test_fifty_launches_in_a_row():
     for token in range(50):
         assert launch(helpers.token_sum, 2, args=(token,), timeout=60) == [(2.0 * token, 1.0)] * 2
     # No launch may stall on its rendezvous (a TCPStore client sometimes waits 5 s).
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 45
 
 
 def _token_then_linger(token: int) -> tuple[float, float]:
