@@ -160,10 +160,20 @@ def _die_with_parent() -> None:
             pass
 
 
+def _set_process_name(name: str) -> None:
+    """Show ``minipar-rank3`` in ps, top and psutil, not a copy of the parent's name."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15])  # PR_SET_NAME
+        except OSError:
+            pass
+
+
 def _child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress,
            out_path, threads, timeout, parent_pid):
     global _STATUS_SLOT, _PROGRESS_SLOT
     _die_with_parent()
+    _set_process_name(f"minipar-rank{rank}")
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for us
