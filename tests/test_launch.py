@@ -38,27 +38,35 @@ from minipar.launch import (
 
 
 def _descendants() -> dict[int, str]:
-    """Live descendants of this test process, minus multiprocessing's own helpers."""
+    """Live descendants of this test process (pid: name), minus multiprocessing's helpers."""
     alive = {}
     for p in psutil.Process().children(recursive=True):
         try:
             if p.status() == psutil.STATUS_ZOMBIE:
                 continue
             cmd = " ".join(p.cmdline())
+            alive[p.pid] = p.name()
         except psutil.NoSuchProcess:
             continue
         if "resource_tracker" in cmd or "forkserver" in cmd:  # shared, long-lived helpers
-            continue
-        alive[p.pid] = cmd
+            del alive[p.pid]
     return alive
+
+
+def _orphaned_ranks(since: float) -> list[int]:
+    """Ranks (by their process name) adopted by init since ``since``: true orphans."""
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "name", "ppid", "create_time"])
+            if (p.info["name"] or "").startswith("minipar-rank") and p.info["ppid"] == 1
+            and p.info["create_time"] >= since]
 
 
 @pytest.fixture(autouse=True)
 def no_orphans():
-    before = _descendants()
+    before, start = _descendants(), time.time() - 1
     yield
-    left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+    left = {pid: name for pid, name in _descendants().items() if pid not in before}
     assert not left, f"processes left behind by launch: {left}"
+    assert not _orphaned_ranks(start)
 
 
 @pytest.fixture
@@ -248,14 +256,15 @@ def _sleep_forever() -> None:
 
 def test_interrupt_stops_children_and_propagates():
     """A kernel interrupt is a SIGINT to the kernel process; Python raises it in main."""
-    seen: list[int] = []
+    seen: dict[int, str] = {}
 
     def interrupt_when_ranks_run() -> None:
         deadline = time.monotonic() + 30
         while len(seen) < 2 and time.monotonic() < deadline:
-            seen[:] = list(_descendants())
+            seen.update(_descendants())
             time.sleep(0.05)
         time.sleep(0.3)
+        seen.update(_descendants())  # named by now (a rank names itself first thing)
         os.kill(os.getpid(), signal.SIGINT)
 
     watcher = threading.Thread(target=interrupt_when_ranks_run)
@@ -267,7 +276,7 @@ def test_interrupt_stops_children_and_propagates():
     finally:
         watcher.join()
     assert time.monotonic() - start < 15
-    assert len(seen) == 2
+    assert sorted(seen.values()) == ["minipar-rank0", "minipar-rank1"]
     assert not any(psutil.pid_exists(pid) for pid in seen)
 
 
