@@ -20,6 +20,12 @@ which torch 2.11 (on the GPU machines) does not have.
 
 Before each call the log tells the launcher which op this rank entered, so a hang is
 reported as "rank 3 waits in all_reduce on tp, shape (64, 64)" instead of silence.
+
+Several ranks on one GPU (``--backend gloo --device cuda``; NCCL refuses two ranks on
+one device): gloo moves host memory, and handles CUDA tensors only in all_reduce and
+broadcast (torch.distributed's backend table; all_gather and send of a CUDA tensor kill
+the rank). So under gloo every CUDA tensor is *staged*: copied to the host, sent, and
+the result copied back (when an async op is waited on). Counted bytes are unchanged.
 """
 
 from __future__ import annotations
@@ -162,9 +168,19 @@ class Comm:
         self.rank = dist.get_rank(self.group)
         self.ranks = list(ranks) if ranks is not None else dist.get_process_group_ranks(
             self.group)
+        self._staged = dist.get_backend(self.group) == "gloo"  # see the module docstring
 
     def __repr__(self) -> str:
         return f"Comm({self.dim}, rank {self.rank} of {self.ranks})"
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself, or a host copy of it if gloo would have to move a CUDA tensor."""
+        return t.detach().cpu() if self._staged and t.is_cuda else t
+
+    @staticmethod
+    def _back(t: torch.Tensor, h: torch.Tensor):
+        """Copy a staged result ``h`` back into ``t`` (None if nothing was staged)."""
+        return None if h is t else (lambda: t.copy_(h))
 
     def _run(self, op, t, fn, async_op, nbytes=None, peer=None, then=None):
         rec = self.log.enter(op, self.dim, t, self.size, nbytes, peer)
@@ -182,19 +198,21 @@ class Comm:
         rop = _reduce_op(op)  # a bad name fails on one rank too, and before logging
         if self.size == 1:
             return Pending(None, None) if async_op else None
+        h = self._host(t)
         return self._run("all_reduce", t, lambda: dist.all_reduce(
-            t, rop, group=self.group, async_op=async_op), async_op)
+            h, rop, group=self.group, async_op=async_op), async_op, then=self._back(t, h))
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (rank order) and return it."""
         if self.size == 1:
             return t
         # The flat op gathers along dim 0 (and gloo wants exactly that output shape).
+        src = self._host(t.contiguous())
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
-                          device=t.device)
-        src = t.contiguous()
+                          device=src.device)
         self._run("all_gather", out, lambda: _all_gather_flat(out, src, group=self.group),
                   False)
+        out = out.to(t.device)
         if dim == 0:
             return out
         return torch.cat(out.chunk(self.size, 0), dim=dim)
@@ -205,8 +223,10 @@ class Comm:
         if self.size == 1:
             out.copy_(t)
             return Pending(None, None) if async_op else None
+        h_out, h_in = self._host(out), self._host(t)
         return self._run("all_gather", out, lambda: _all_gather_flat(
-            out, t, group=self.group, async_op=async_op), async_op)
+            h_out, h_in, group=self.group, async_op=async_op), async_op,
+            then=self._back(out, h_out))
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tensor:
         """Sum ``t`` across ranks and return this rank's equal slice along ``dim``."""
@@ -219,11 +239,12 @@ class Comm:
         chunks = t.chunk(self.size, dim=dim)
         # The flat op scatters along dim 0, so lay the chunks one after another.
         src = t.contiguous() if dim == 0 else torch.cat([c.reshape(-1) for c in chunks])
-        out = torch.empty(chunks[0].shape, dtype=t.dtype, device=t.device)
+        src = self._host(src)
+        out = torch.empty(chunks[0].shape, dtype=t.dtype, device=src.device)
         flat_out = out.view(-1) if dim else out
         self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
             flat_out, src, rop, group=self.group), False)
-        return out
+        return out.to(t.device)
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum",
                             async_op: bool = False):
@@ -232,14 +253,17 @@ class Comm:
         if self.size == 1:
             out.copy_(t)
             return Pending(None, None) if async_op else None
+        h_out, h_in = self._host(out), self._host(t)
         return self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
-            out, t, rop, group=self.group, async_op=async_op), async_op)
+            h_out, h_in, rop, group=self.group, async_op=async_op), async_op,
+            then=self._back(out, h_out))
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy ``t`` from the group's local rank ``src`` to every rank, in place."""
         if self.size > 1:
+            h = self._host(t)
             self._run("broadcast", t, lambda: dist.broadcast(
-                t, self.ranks[src], group=self.group), False)
+                h, self.ranks[src], group=self.group), False, then=self._back(t, h))
         return t
 
     def barrier(self) -> None:
@@ -249,21 +273,21 @@ class Comm:
 
     # --- point to point (ranks are local to the group) ----------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
-        peer = self.ranks[dst]
-        self._run("send", t, lambda: dist.send(t.contiguous(), peer, group=self.group),
-                  False, peer=peer)
+        peer, h = self.ranks[dst], self._host(t.contiguous())
+        self._run("send", t, lambda: dist.send(h, peer, group=self.group), False, peer=peer)
 
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        peer = self.ranks[src]
-        self._run("recv", t, lambda: dist.recv(t, peer, group=self.group), False, peer=peer)
+        peer, h = self.ranks[src], self._host(t)
+        self._run("recv", t, lambda: dist.recv(h, peer, group=self.group), False, peer=peer,
+                  then=self._back(t, h))
         return t
 
     def isend(self, t: torch.Tensor, dst: int) -> Pending:
-        peer = self.ranks[dst]
-        return self._run("send", t, lambda: dist.isend(t.contiguous(), peer, group=self.group),
-                         True, peer=peer)
+        peer, h = self.ranks[dst], self._host(t.contiguous())
+        return self._run("send", t, lambda: dist.isend(h, peer, group=self.group), True,
+                         peer=peer)
 
     def irecv(self, t: torch.Tensor, src: int) -> Pending:
-        peer = self.ranks[src]
-        return self._run("recv", t, lambda: dist.irecv(t, peer, group=self.group), True,
-                         peer=peer)
+        peer, h = self.ranks[src], self._host(t)
+        return self._run("recv", t, lambda: dist.irecv(h, peer, group=self.group), True,
+                         peer=peer, then=self._back(t, h))
