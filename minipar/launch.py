@@ -209,8 +209,10 @@ def _child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, 
         _set_status(slot, "running (no collective entered yet)")
         result = fn(*args, **kwargs)
         payload = pickle.dumps(("ok", result))
+        ok = True
         _set_status(slot, "finished")
     except BaseException as e:  # report everything, SystemExit included
+        ok = False
         tb = traceback.format_exc()
         payload = pickle.dumps(("error", (type(e).__name__, str(e), tb,
                                           _get_status(slot), time.time())))
@@ -221,7 +223,11 @@ def _child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, 
     try:
         import torch.distributed as dist
 
-        if dist.is_initialized() and payload.startswith(pickle.dumps(("ok",))[:8]):
+        if ok and dist.is_initialized():
+            # Leave together: a rank that closes its sockets while a slower peer is still
+            # in init_process_group makes that peer fail ("connectFullMesh failed ...
+            # Connection closed by peer"), e.g. when fn returns without communicating.
+            dist.barrier()
             dist.destroy_process_group()
     except Exception:
         pass
