@@ -221,7 +221,7 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
 
 def _model_state_bytes(cfg: TrainConfig, parts: Parts) -> dict:
     """Bytes of parameters, gradients and optimizer states this rank holds now."""
-    from minipar.meter import module_bytes, optimizer_state_bytes, tensor_bytes
+    from minipar.meter import module_bytes, optimizer_state_bytes, storage_bytes
 
     if cfg.zero:
         return parts.optimizer.memory_bytes()
@@ -229,7 +229,7 @@ def _model_state_bytes(cfg: TrainConfig, parts: Parts) -> dict:
     opt = optimizer_state_bytes(parts.optimizer)
     if parts.precision is not None:  # fp32 masters count as optimizer state (ZeRO paper)
         opt += parts.precision.master_bytes()
-        grads += tensor_bytes(m.grad for m in parts.precision.parameters())
+        grads += storage_bytes(m.grad for m in parts.precision.parameters())
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
@@ -317,8 +317,12 @@ def train(cfg: TrainConfig, progress=None) -> dict:
             step, loss = text.split()
             progress(int(step) - 1, float(loss))
 
+    # On a CUDA build, forking a process whose autograd already ran (a reference run, a
+    # notebook cell) fails in the child ("Unable to handle autograd's threading in
+    # combination with fork-based multiprocessing"): spawn there; rank_main is importable.
+    method = "spawn" if torch.cuda.is_available() else None
     ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
-                   timeout=cfg.timeout, on_progress=on_progress)
+                   timeout=cfg.timeout, on_progress=on_progress, start_method=method)
     return _assemble(cfg, list(ranks), time.time() - t0)
 
 
