@@ -45,6 +45,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     ddp: str = "overlapped"  # naive, bucketed, overlapped (ZeRO 0)
+    fused: bool = False  # torch's fused AdamW kernel (one launch for all parameters; GPUs)
     order: str = "megatron"
     save: str | None = None
     resume: str | None = None
