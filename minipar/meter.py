@@ -15,29 +15,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+# The byte counters live with data parallelism, their first user; re-exported here.
+from minipar.parallel.dp import optimizer_state_bytes, storage_bytes
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of distinct storages among ``tensors`` (shared and tied ones counted once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        key = (t.untyped_storage().data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    return tensor_bytes(v for s in opt.state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+__all__ = ["ActivationMeter", "module_bytes", "optimizer_state_bytes", "storage_bytes"]
 
 
 def module_bytes(modules: Iterable[nn.Module]) -> tuple[int, int]:
     """(parameter bytes, gradient bytes) held by ``modules``."""
     params = [p for m in modules for p in m.parameters()]
-    return tensor_bytes(params), tensor_bytes(p.grad for p in params)
+    return storage_bytes(params), storage_bytes(p.grad for p in params)
 
 
 class _Saved:
