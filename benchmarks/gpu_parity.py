@@ -54,7 +54,7 @@ def layout_config(name: str, device: str, steps: int) -> TrainConfig:
     if fields.get("backend") == "nccl" and device == "cpu":
         fields["backend"] = "gloo"
     fields.setdefault("device", device if fields.get("backend", "gloo") == "gloo" else "auto")
-    return TrainConfig(model="tiny", steps=steps, batch_size=16, timeout=300, **fields)
+    return TrainConfig(model="tiny", steps=steps, batch_size=16, timeout=90, **fields)
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:
