@@ -136,6 +136,20 @@ def _reference(name: str, opt: str, dtype: str, world: int, steps: int,
     return named_fp32(model, mp)
 
 
+def references(keys: list[tuple]) -> dict[tuple, dict[str, torch.Tensor]]:
+    """``reference(*key)`` for each key, computed in a launched child process. A test
+    process must not run autograd itself: with a CUDA build of torch its autograd threads
+    would not survive the fork of the ranks launched after it (torch's "autograd and
+    fork" limitation). Keys: (model, optimizer, dtype, world[, zero_unused[, clip]])."""
+    keys = list(dict.fromkeys(keys))
+    return dict(zip(keys, launch(_references, 1, args=(keys,), timeout=120)[0]))
+
+
+def _references(keys: list[tuple]) -> list[dict[str, torch.Tensor]]:
+    return [reference(*key[:4], zero_unused=len(key) > 4 and key[4],
+                      clip=key[5] if len(key) > 5 else None) for key in keys]
+
+
 def named_fp32(model: nn.Module, mp: MixedPrecision | None) -> dict[str, torch.Tensor]:
     return {n: (mp.master(p) if mp else p).detach().float().clone()
             for n, p in model.named_parameters() if p.requires_grad}
@@ -205,11 +219,9 @@ def run_all(fn, specs: list[dict]) -> list[dict]:
 
 
 def check(specs: list[dict], results: list[list[dict]], zero_unused) -> None:
-    refs: dict = {}
-    for spec, res in zip(specs, results[0]):
-        key = (spec["model"], spec["opt"], spec["dtype"], spec["world"], zero_unused(spec))
-        if key not in refs:
-            refs[key] = reference(*key[:4], zero_unused=key[4])
+    keys = [(s["model"], s["opt"], s["dtype"], s["world"], zero_unused(s)) for s in specs]
+    refs = references(keys)
+    for spec, key, res in zip(specs, keys, results[0]):
         assert_close(res["params"], refs[key], initial(spec["model"]), spec["opt"],
                      spec["dtype"], str(spec))
     for i, spec in enumerate(specs):  # the replicas are identical on every rank
@@ -320,6 +332,10 @@ def test_second_synchronised_backward_is_refused():
 
 
 def test_mixed_precision_masters_and_loss_scaling():
+    launch(_mixed_precision, 1, args=(None,), timeout=60)  # (autograd only in children)
+
+
+def _mixed_precision(_: None) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     exact = model.weight.detach().clone()

@@ -23,7 +23,7 @@ from test_dp import (
     initial,
     make_model,
     optimizer_kwargs,
-    reference,
+    references,
     run_all,
     shard_loss,
 )
@@ -108,11 +108,9 @@ def train_zero(spec: dict) -> dict:
 
 
 def check(specs: list[dict], results: list[list[dict]]) -> None:
-    refs: dict = {}
-    for spec, res in zip(specs, results[0]):
-        key = (spec["model"], spec["opt"], spec["dtype"], spec["world"])
-        if key not in refs:
-            refs[key] = reference(*key, zero_unused=True)
+    keys = [(s["model"], s["opt"], s["dtype"], s["world"], True) for s in specs]
+    refs = references(keys)
+    for spec, key, res in zip(specs, keys, results[0]):
         assert_close(res["params"], refs[key], initial(spec["model"]), spec["opt"],
                      spec["dtype"], str(spec))
 
@@ -161,21 +159,26 @@ def test_clipping_by_the_global_norm():
     specs = [dict(stage=s, model="gpt", opt="sgd", dtype="fp32", world=2, clip=0.05)
              for s in (0, 2, 3)]
     results = launch(run_all, 2, args=(train_zero, specs), timeout=120)
-    model = make_model("gpt")
-    loss = sum(shard_loss(model, "gpt", 0, r, 2) for r in range(2)) / 2
-    loss.backward()
-    blocks = sum(float(p.grad.pow(2).sum()) for n, p in model.named_parameters()
-                 if "blocks" in n)
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    norm, blocks = launch(_first_norms, 1, args=(None,), timeout=60)[0]
     for i in range(len(specs)):
         assert results[0][i]["norm"] == pytest.approx(norm, rel=1e-5)
         # grad_norm_sq: each rank's share; summed over dp, every element counted once
         shares = [r[i]["shares"] for r in results]
         assert sum(s[0] for s in shares) == pytest.approx(norm**2, rel=1e-5)
         assert sum(s[1] for s in shares) == pytest.approx(blocks, rel=1e-5)
-    refs = reference("gpt", "sgd", "fp32", 2, clip=0.05)
+    key = ("gpt", "sgd", "fp32", 2, False, 0.05)
+    refs = references([key])[key]
     for spec, res in zip(specs, results[0]):
         assert_close(res["params"], refs, initial("gpt"), "sgd", "fp32", str(spec))
+
+
+def _first_norms(_: None) -> tuple[float, float]:
+    """The reference's first gradient norm, and the squared norm of its blocks' part."""
+    model = make_model("gpt")
+    (sum(shard_loss(model, "gpt", 0, r, 2) for r in range(2)) / 2).backward()
+    blocks = sum(float(p.grad.pow(2).sum()) for n, p in model.named_parameters()
+                 if "blocks" in n)
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)), blocks
 
 
 # --- memory and communication against the paper -------------------------------------------
@@ -251,7 +254,8 @@ def save_and_resume(spec: dict, full: dict | None) -> dict:
 def test_sharded_state_dict_reshards_to_another_layout():
     save = dict(stage=2, model="gpt", opt="adamw", dtype="fp32", world=2, bucket_mb=0.005)
     saved = launch(save_and_resume, 2, args=(save, None), timeout=120)
-    ref = reference("gpt", "adamw", "fp32", 2)
+    key = ("gpt", "adamw", "fp32", 2)
+    ref = references([key])[key]
     assert_close(saved[0]["params"], ref, initial("gpt"), "adamw", "fp32", "reload")
     full = consolidate([r["shard"] for r in saved])
     assert full["params"].keys() == saved[0]["weights"].keys()
@@ -308,9 +312,10 @@ def tp_style_sum(spec: dict) -> dict:
 def test_all_reduce_grads_over_another_group():
     spec = dict(stage=1, model="gpt", opt="sgd", dtype="fp32", world=2)
     results = launch(tp_style_sum, 2, args=(spec,), timeout=60)
+    key = ("gpt", "sgd", "fp32", 2)
+    ref = references([key])[key]
     for r in results:
-        assert_close(r["params"], reference("gpt", "sgd", "fp32", 2), initial("gpt"), "sgd",
-                     "fp32", "tp-style sum")
+        assert_close(r["params"], ref, initial("gpt"), "sgd", "fp32", "tp-style sum")
 
 
 # --- the full cross product (run with --full) -----------------------------------------------
