@@ -1,11 +1,10 @@
-# Your copy of this exercise, generated from solutions/__init__.py by tools/make_exercises.py.
-# Fill in the blanks (each raises NotImplementedError), then check your work with
-#     from exercises.check import check; check("__init__")
-"""Reference solutions: the single source of every exercise.
+# Generated from solutions/__init__.py by tools/make_exercises.py: edit that file, not this one.
+"""The course's exercises, one module per lesson, importable so that launched ranks can
+run them.
 
-Each module here is a lesson's exercise with the answers between ``### BEGIN SOLUTION``
-and ``### END SOLUTION`` markers. ``tools/make_exercises.py`` (``make exercises``)
-turns this package into ``exercises/``, where the marked blocks become blanks that
-raise ``NotImplementedError`` with a hint. Edit solutions here, never in exercises/.
-``check.py`` and ``checks/`` hold the checker, copied unchanged.
+``solutions/`` holds them with the answers in place, between ``### BEGIN SOLUTION`` and
+``### END SOLUTION`` markers; it is the single source. ``tools/make_exercises.py`` (``make
+exercises``) generates ``exercises/`` from it, where each marked block becomes a blank
+that raises ``NotImplementedError`` with a hint. Learners fill in ``exercises/``; authors
+edit ``solutions/`` only. ``check.py`` and ``checks/`` (the checker) are copied as they are.
 """

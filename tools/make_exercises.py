@@ -19,8 +19,8 @@ generated file starts with a comment naming its source, so nobody edits the wron
     python tools/make_exercises.py           # (re)write exercises/
     python tools/make_exercises.py --check   # exit 1 if exercises/ differs (CI's drift test)
 
-Writing never silently destroys a learner's work: an exercise file that differs from
-what would be generated is first copied to ``<name>.py.bak``.
+Writing never silently destroys a learner's work: an exercise file with answers in it
+(fewer blanks than the generated version) is first copied to ``<name>.py.bak``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 HINT = "# HINT:"
+BLANK_MARK = "# YOUR CODE HERE"
 HEADER = ("# Your copy of this exercise, generated from {src} by tools/make_exercises.py.\n"
           "# Fill in the blanks (each raises NotImplementedError), then check your work with\n"
           "#     from exercises.check import check; check(\"{name}\")\n")
@@ -81,7 +82,7 @@ def _blank(indent: str, function: str | None, hints: list[str], path: str) -> li
     out = []
     for k, hint in enumerate(hints):
         out.append(f"{indent}{HINT if k == 0 else '#  '} {hint}\n")
-    out.append(f"{indent}# YOUR CODE HERE\n")
+    out.append(f"{indent}{BLANK_MARK}\n")
     out.append(f"{indent}raise NotImplementedError(\n")
     pieces = textwrap.wrap(message, 72, drop_whitespace=False)
     for k, piece in enumerate(pieces):
@@ -122,7 +123,7 @@ def generate(src: Path, solutions: Path) -> str:
     rel = src.relative_to(solutions).as_posix()
     text = src.read_text()
     src_name = f"solutions/{rel}"
-    if BEGIN not in text and END not in text:
+    if not any(line.strip() in (BEGIN, END) for line in text.splitlines()):
         return PLAIN_HEADER.format(src=src_name) + text
     body = strip_solutions(text, f"exercises/{rel}")
     name = rel.removesuffix(".py").replace("/", ".")
@@ -152,15 +153,26 @@ def drift(root: Path = ROOT) -> list[str]:
     return problems
 
 
+def _has_learner_work(old: str, new: str) -> bool:
+    """Whether ``old`` (a file about to be overwritten) holds answers ``new`` would lose.
+
+    A file that still has at least as many blanks as the new version is taken to be an
+    older generated copy (the solutions changed); one with fewer blanks has answers.
+    """
+    return BLANK_MARK in new and old.count(BLANK_MARK) < new.count(BLANK_MARK)
+
+
 def write(root: Path = ROOT) -> list[str]:
-    """Write exercises/; back up any file that a learner changed. Returns what changed."""
+    """Write exercises/, keeping a learner's answers as ``.bak``. Returns what changed."""
     changed = []
     for path, text in expected_files(root).items():
-        if path.exists() and path.read_text() == text:
+        old = path.read_text() if path.exists() else None
+        if old == text:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            path.with_name(path.name + ".bak").write_text(path.read_text())
+        if old is not None and _has_learner_work(old, text):
+            path.with_name(path.name + ".bak").write_text(old)
+            print(f"kept your answers in {path.relative_to(root)}.bak")
         path.write_text(text)
         changed.append(str(path.relative_to(root)))
     return changed
