@@ -35,12 +35,16 @@ test-full: setup
 	$(BIN)/python -m pytest -q tests --full
 
 # Every notebook top to bottom under strict nbval (flags explained in notebooks/README.md).
-# The committed notebooks carry no outputs, so each is first executed into build/nbref/;
+# Committed notebooks carry no outputs (checked first), so each is executed into build/nbref/;
 # nbval then re-runs those copies and requires every output to come out the same
 # (after notebooks/sanitize.cfg) and no cell to fail.
 NBREF := build/nbref
 notebooks: setup
 	@if ! ls notebooks/*.ipynb >/dev/null 2>&1; then echo "no notebooks yet"; exit 0; fi; \
+	$(BIN)/python -c "import json, sys; bad = [f for f in sys.argv[1:] if any(\
+	  c.get('outputs') or c.get('execution_count') for c in json.load(open(f))['cells'])]; \
+	  sys.exit('commit notebooks stripped; these carry outputs: ' + ' '.join(bad) \
+	  if bad else 0)" notebooks/*.ipynb || exit 1; \
 	rm -rf $(NBREF) && mkdir -p $(NBREF) || exit 1; \
 	for nb in notebooks/*.ipynb; do \
 	  start=$$(date +%s); \
