@@ -56,6 +56,21 @@ notebooks: setup
 	  --nbval-cell-timeout=180 --nbval-sanitize-with notebooks/sanitize.cfg \
 	  --durations=0 --durations-min=5 $(NBREF)
 
+# The course in a real JupyterLab, driven by headless Chromium (tests_browser/test_lab.py):
+# every lesson run from the Run menu, no error output and no undrawn widget or figure on the
+# page, the mesh/timeline/memory dashboards redraw when a control moves, and every request
+# that leaves 127.0.0.1 is blocked (plotly and widgets render offline). Installs Debian's
+# chromium through apt and Playwright into .venv when missing (never `playwright install`);
+# screenshots go to build/screenshots/. Bounded: about 5 minutes at most.
+.PHONY: test-browser
+test-browser: setup
+	@command -v chromium >/dev/null || { s=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$s apt-get update -q && \
+	  $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+	@$(BIN)/python -c "import playwright" 2>/dev/null || \
+	  $(PIP) install -c constraints.txt playwright
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests_browser
+
 # Regenerate exercises/ from solutions/ (a learner's changed file is first kept as .bak).
 exercises: setup
 	$(BIN)/python tools/make_exercises.py
