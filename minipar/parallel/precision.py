@@ -130,9 +130,9 @@ class MixedPrecision:
                    torch.zeros((), dtype=self.master_dtype))
 
     def scale_grads(self, factor: float) -> None:
-        for m in self.parameters():
-            if m.grad is not None:
-                m.grad.mul_(factor)
+        # One foreach call, not a kernel launch per tensor (GPU speed; same values).
+        torch._foreach_mul_([m.grad for m in self.parameters() if m.grad is not None],
+                            factor)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """One update on the masters, copied into the model. False if skipped (overflow).
@@ -157,8 +157,8 @@ class MixedPrecision:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the fp32 masters into the model's 16-bit weights."""
-        for p in self.params:
-            p.copy_(self.master(p))
+        # One foreach call, not a kernel launch per tensor (GPU speed; same values).
+        torch._foreach_copy_(self.params, self.parameters())
 
     def zero_grad(self) -> None:
         for p in self.params:
