@@ -206,7 +206,7 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
     else:
         parts.optimizer.finish_gradient_sync()
         _sync_sp_shards(rm, parts)
-    held = _model_state_bytes(cfg, parts)  # while the gradients exist (and the GPU works)
+    grads_held = _model_state_bytes(cfg, parts)["grads"]  # while the gradients exist
     norm = clip_gradients(cfg, rm, parts)
     if cfg.zero == 0 and parts.precision is not None:
         parts.precision.step(parts.optimizer)
@@ -214,6 +214,7 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
     else:
         parts.optimizer.step()
         parts.optimizer.zero_grad(set_to_none=True)
+    held = _held_after_step(cfg, parts, grads_held)
     loss = None
     if result.loss is not None:  # last stage: the mean over the dp replicas
         t = torch.tensor([result.loss], dtype=torch.float64, device=device)
@@ -221,6 +222,12 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
         loss = float(t) / cfg.dp
     return {"loss": loss, "grad_norm": norm, "lr": lr, "timeline": result.timeline,
             "peak_in_flight": result.peak_in_flight, "memory": held}
+
+
+def _held_after_step(cfg: TrainConfig, parts: Parts, grads_held: int) -> dict:
+    """Parameters and optimizer states after the update (Adam's moments exist from the
+    first step on), gradients as they were before it."""
+    return {**_model_state_bytes(cfg, parts), "grads": grads_held}
 
 
 def _model_state_bytes(cfg: TrainConfig, parts: Parts) -> dict:
