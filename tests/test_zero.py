@@ -131,7 +131,9 @@ def test_parity_every_stage_two_ranks():
 
 
 def test_parity_four_ranks_and_one():
-    for world, specs in ((4, specs_for(4, (1, 2, 3))), (1, specs_for(1, (3,)))):
+    for world, cases in ((4, ((1, "edge", "adamw"), (2, "gpt", "sgd"), (3, "edge", "sgd"),
+                              (3, "gpt", "adamw"))), (1, ((3, "edge", "adamw"),))):
+        specs = [dict(stage=s, model=m, opt=o, dtype="fp32", world=world) for s, m, o in cases]
         check(specs, launch(run_all, world, args=(train_zero, specs), timeout=120))
 
 
@@ -185,7 +187,8 @@ def _first_norms(_: None) -> tuple[float, float]:
 def test_memory_and_communication_match_theory():
     world = 4
     specs = [dict(stage=s, model=m, opt="adamw", dtype=d, world=world)
-             for s in (0, 1, 2, 3) for m in ("gpt", "edge") for d in ("fp32", "bf16")]
+             for s in (0, 1, 2, 3) for m, d in (("gpt", "fp32"), ("gpt", "bf16"),
+                                                ("edge", "fp32"))]
     results = launch(run_all, world, args=(train_zero, specs), timeout=120)[0]
     wire = {}
     for spec, res in zip(specs, results):
