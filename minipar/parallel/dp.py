@@ -140,13 +140,17 @@ class Reducer:
     def started(self, bucket: int) -> bool:
         return bucket < self._next
 
-    def mark_ready(self, bucket: int, key: int) -> None:
-        """Gradient ``key`` of ``bucket`` is final; start every bucket that can start."""
+    def check_open(self, bucket: int) -> None:
+        """Refuse a gradient for a bucket already being reduced."""
         if self.started(bucket):
             raise RuntimeError(
                 "a gradient arrived for a bucket already being reduced: call "
                 "finish_gradient_sync() after each synchronised backward, and run "
                 "accumulation backwards inside no_sync()")
+
+    def mark_ready(self, bucket: int, key: int) -> None:
+        """Gradient ``key`` of ``bucket`` is final; start every bucket that can start."""
+        self.check_open(bucket)
         self._ready[bucket].add(key)
         while self._next < len(self.sizes) and \
                 len(self._ready[self._next]) == self.sizes[self._next]:
@@ -254,8 +258,7 @@ class DataParallel:
         if self.mode == "naive":
             return
         bucket, view = self._bucket_of[id(p)], self._views[id(p)]
-        if self._reducer.started(bucket):
-            self._reducer.mark_ready(bucket, id(p))  # raises: reduced already
+        self._reducer.check_open(bucket)
         if p.grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none) dropped the view
             view.copy_(p.grad)
             p.grad = view

@@ -12,12 +12,18 @@ one N-th of that state and communicates instead:
   A reduce-scatter plus an all-gather moves exactly what one all-reduce moves: 2(N-1)/N.
 * stage 2 (P_os+g): the full-size gradient buffer of a bucket is freed as soon as it has
   been reduce-scattered, during backward; a rank keeps the gradient of its shard only.
-* stage 3 (P_os+g+p): the weights are sharded too. A *unit* (a transformer block, or the
-  module's remaining parameters) is all-gathered just before its forward, freed after,
-  gathered again before its backward and freed once its gradients are out: 3(N-1)/N,
-  1.5x data parallelism, for a per-rank model state of 16 Psi / N.
+* stage 3 (P_os+g+p): the weights are sharded too. A *unit* (a transformer block, say)
+  is all-gathered just before its forward, freed after, gathered again before its
+  backward and freed once its gradients are out: 3(N-1)/N, 1.5x data parallelism, for a
+  per-rank model state of 16 Psi / N.
 * stage 0 is plain data parallelism in the same machinery (all-reduce, no shards), so
   one optimizer object covers every stage.
+
+Stage 3's units. A parameter is gathered when the module using it runs: the innermost
+of the given ``units`` (by default every module in an ``nn.ModuleList``: a GPT's blocks)
+around the module that registers it, or else that module itself (an embedding, the final
+norm, the head; they need not be called through the root's forward, so a pipeline stage
+that runs its own pieces works). A tied weight is gathered by each module that uses it.
 
 Layout. The parameters of a bucket (stages 0-2) or unit (stage 3) are laid end to end in
 one flat buffer, padded with zeros to a multiple of N; rank r owns the contiguous shard
@@ -125,7 +131,7 @@ def _tensors(x) -> Iterator[torch.Tensor]:
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
-    """Every module held in an ``nn.ModuleList`` (a GPT's blocks); the rest is the root."""
+    """Every module held in an ``nn.ModuleList`` (a GPT's blocks)."""
     return [m for ml in module.modules() if isinstance(ml, nn.ModuleList) for m in ml]
 
 
@@ -269,6 +275,9 @@ class ZeroOptimizer:
                 walk(child, unit)
 
         walk(self.module, None)
+        if any(not triggers.get(id(p)) for p in self.params):
+            raise ValueError("ZeRO-3 shards the module's own parameters; some given "
+                             "parameters are not in the module")
         by_set: dict[tuple[int, ...], list[nn.Parameter]] = {}
         for p in sorted(self.params, key=lambda p: self._pos[id(p)]):
             by_set.setdefault(tuple(sorted(map(id, triggers[id(p)]))), []).append(p)
@@ -376,8 +385,7 @@ class ZeroOptimizer:
     def _on_grad(self, p: nn.Parameter) -> None:
         i, k = self._where[id(p)]
         f = self.flats[i]
-        if self._reducer.started(i):
-            self._reducer.mark_ready(i, id(p))  # raises: this bucket is being reduced
+        self._reducer.check_open(i)
         if f.grad is None:
             f.grad = torch.zeros(f.padded, dtype=p.grad.dtype, device=p.grad.device)
         o, n = f.offsets[k], f.numels[k]
@@ -458,7 +466,7 @@ class ZeroOptimizer:
         if not self._synced:
             self.finish_gradient_sync()
         if self.precision is not None and self.precision.scaling:
-            bad = torch.zeros(())
+            bad = torch.zeros((), device=self.flats[0].master.device)
             for f in self.flats:
                 if f.master.grad is not None and not torch.isfinite(f.master.grad).all():
                     bad.fill_(1.0)
