@@ -88,6 +88,9 @@ RING_MUTANTS = {
                            "exchange(comm, chunks[send_i], right, buf, left); "
                            "chunks[recv_i] += buf",
                            ["FAIL", "ring_all_gather left some chunks wrong"]),
+    "receive_buffer_too_small": ("exchange(comm, chunks[send_i], right, chunks[recv_i], left)",
+                                 "exchange(comm, chunks[send_i], right, chunks[recv_i][1:], left)",
+                                 ["FAIL", "did not fit its receive buffer", "arrived for a"]),
     "copies_instead_of_views": ("torch.tensor_split(t.view(-1), comm.size)",
                                 "torch.tensor_split(t.reshape(-1).clone(), comm.size)",
                                 ["FAIL", "ring_all_reduce gave a wrong sum"]),
