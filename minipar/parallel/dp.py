@@ -207,18 +207,18 @@ class DataParallel:
         self._used: set[int] = set()  # ids of parameters that got a gradient since the sync
         self._views: dict[int, torch.Tensor] = {}
         self._bucket_of: dict[int, int] = {}
-        self._buckets: list[torch.Tensor] = []
+        self._buckets: list[torch.Tensor] = []  # flat gradient buffers
         self._wire: dict[int, torch.Tensor] = {}  # bucket -> tensor on the wire, if cast
-        if mode != "naive":
-            self._make_buckets(bucket_mb * MB)
-        self._reducer = Reducer([len(b) for b in self._bucket_params], self._start,
-                                self._complete)
+        sizes = self._make_buckets(bucket_mb * MB) if mode != "naive" else []
+        self._reducer = Reducer(sizes, self._start, self._complete)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for p in self.params]
 
-    def _make_buckets(self, bucket_bytes: float) -> None:
-        """One flat gradient buffer per bucket; each parameter's .grad is a view into it."""
-        for i, bucket in enumerate(bucket_params(self.params, bucket_bytes)):
+    def _make_buckets(self, bucket_bytes: float) -> list[int]:
+        """One flat gradient buffer per bucket; each parameter's .grad is a view into it.
+        Returns the number of parameters of each bucket."""
+        buckets = bucket_params(self.params, bucket_bytes)
+        for i, bucket in enumerate(buckets):
             p0 = bucket[0]
             flat = torch.zeros(sum(p.numel() for p in bucket), dtype=p0.dtype,
                                device=p0.device)
@@ -231,14 +231,7 @@ class DataParallel:
                 self._views[id(p)], self._bucket_of[id(p)] = view, i
                 offset += p.numel()
             self._buckets.append(flat)
-
-    @property
-    def _bucket_params(self) -> list[list[nn.Parameter]]:
-        by_bucket: list[list[nn.Parameter]] = [[] for _ in self._buckets]
-        for p in self.params:
-            if id(p) in self._bucket_of:
-                by_bucket[self._bucket_of[id(p)]].append(p)
-        return by_bucket
+        return [len(b) for b in buckets]
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
