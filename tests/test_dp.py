@@ -289,6 +289,20 @@ def test_communication_and_memory_match_theory():
                                  "optimizer": 8 * n_train + master}, spec
 
 
+def _different_start(_: None) -> list[torch.Tensor]:
+    torch.manual_seed(Comm().rank)  # every rank starts from other weights
+    model = Edge()
+    DataParallel(model, Comm())
+    return [p.detach().clone() for p in model.parameters()] + [torch.tensor(0.0)]
+
+
+def test_parameters_broadcast_from_rank_zero_when_wrapped():
+    torch.manual_seed(0)
+    rank0 = list(Edge().parameters())
+    for result in launch(_different_start, 2, args=(None,), timeout=60):
+        assert all(torch.equal(a, b) for a, b in zip(result, rank0))  # frozen ones too
+
+
 def test_buckets_are_reverse_order_and_capped():
     params = [nn.Parameter(torch.zeros(n)) for n in (10, 20, 30, 5, 5)]
     buckets = bucket_params(params, bucket_bytes=4 * 30)

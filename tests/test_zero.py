@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_dp import (
+    GPT_CFG,
     STEPS,
     assert_close,
     initial,
@@ -31,6 +32,7 @@ from test_dp import (
 from minipar.comm import Comm, CommLog
 from minipar.launch import launch
 from minipar.mesh import Mesh
+from minipar.model import GPT
 from minipar.parallel.precision import MixedPrecision
 from minipar.parallel.zero import ZeroOptimizer, consolidate
 
@@ -296,6 +298,23 @@ def test_fp16_loss_scaling_skips_overflowing_steps():
     for r in launch(fp16_overflow, 2, args=(None,), timeout=60):
         assert r == {"skipped": True, "scale": 2.0**39, "applied": True, "unchanged": True,
                      "finite": True}
+
+
+def _different_start(stage: int) -> dict[str, torch.Tensor]:
+    comm = Comm()
+    torch.manual_seed(comm.rank)  # every rank starts from other weights
+    model = GPT(GPT_CFG)
+    mp = MixedPrecision(model, torch.bfloat16)
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=stage, comm=comm, precision=mp, lr=0.1)
+    return opt.full_parameters()
+
+
+def test_masters_broadcast_from_rank_zero():
+    torch.manual_seed(0)
+    rank0 = dict(GPT(GPT_CFG).named_parameters())
+    for stage in (1, 3):
+        for result in launch(_different_start, 2, args=(stage,), timeout=60):
+            assert all(torch.equal(result[n], rank0[n]) for n in result)  # the fp32 values
 
 
 def tp_style_sum(spec: dict) -> dict:

@@ -64,6 +64,7 @@ from minipar.comm import Comm, Pending
 from minipar.parallel.dp import (
     MB,
     Reducer,
+    broadcast_module,
     bucket_params,
     optimizer_state_bytes,
     storage_bytes,
@@ -128,6 +129,10 @@ def _tensors(x) -> Iterator[torch.Tensor]:
     elif isinstance(x, dict):
         for y in x.values():
             yield from _tensors(y)
+
+
+def _value_to_share(source, trainable: set[int], p: nn.Parameter) -> torch.Tensor:
+    return source(p) if id(p) in trainable else p.data
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -221,17 +226,16 @@ class ZeroOptimizer:
 
     def _sync_initial_values(self, broadcast: bool) -> None:
         """Every rank starts from rank 0's weights (the masters, with mixed precision)."""
-        trainable = set(self._group_of)
-        if broadcast:
-            tensors = [self._source(p) if id(p) in trainable else p.data
-                       for p in (self.module.parameters() if self.module else self.params)]
-            tensors += list(self.module.buffers()) if self.module else []
-            with torch.no_grad():
-                for t in tensors:
-                    self.comm.broadcast(t, src=0)
-                if self.precision:
-                    for p in self.params:
-                        p.copy_(self._source(p))
+        if not broadcast:
+            return
+        values = partial(_value_to_share, self._source, set(self._group_of))
+        if self.module is not None:
+            broadcast_module(self.module, self.comm, values)
+        for p in [] if self.module is not None else self.params:
+            self.comm.broadcast(values(p), src=0)
+        with torch.no_grad():
+            for p in self.params if self.precision else []:
+                p.copy_(self._source(p))  # the 16-bit weights follow the shared masters
 
     def _flat(self, params: list[nn.Parameter], group: int) -> FlatParams:
         parts = self.comm.size if self.stage >= 1 else 1
