@@ -30,6 +30,7 @@ their results (rank order). What makes it safe for a room of laptops:
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -186,6 +187,9 @@ def _child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, 
     # forked child's prints into the notebook, unordered), not file descriptors 1 and 2.
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    # An inherited faulthandler (pytest enables one) writes a crash's Python stack to the
+    # parent's terminal; the death report's log tail (gloo's own message) says more.
+    faulthandler.disable()
     warnings.simplefilter("ignore")
     _STATUS_SLOT, _PROGRESS_SLOT = slot, progress
     _set_status(slot, "starting")
