@@ -185,6 +185,7 @@ def train_ddp(spec: dict) -> dict:
     model = make_model(name)
     mp = MixedPrecision(model, torch.bfloat16) if spec["dtype"] == "bf16" else None
     ddp = DataParallel(model, comm, mode=spec["mode"], bucket_mb=spec.get("bucket_mb", 0.002),
+                       precision=mp,
                        average=spec.get("average", True), find_unused=spec.get("find_unused",
                                                                                 False),
                        reduce_dtype=spec.get("reduce_dtype"))
@@ -289,18 +290,21 @@ def test_communication_and_memory_match_theory():
                                  "optimizer": 8 * n_train + master}, spec
 
 
-def _different_start(_: None) -> list[torch.Tensor]:
+def _different_start(dtype: str) -> list[torch.Tensor]:
     torch.manual_seed(Comm().rank)  # every rank starts from other weights
     model = Edge()
-    DataParallel(model, Comm())
-    return [p.detach().clone() for p in model.parameters()] + [torch.tensor(0.0)]
+    mp = MixedPrecision(model, torch.bfloat16) if dtype == "bf16" else None
+    DataParallel(model, Comm(), precision=mp)
+    return [(mp.master(p) if mp and p.requires_grad else p).detach().clone()
+            for p in model.parameters()]
 
 
 def test_parameters_broadcast_from_rank_zero_when_wrapped():
     torch.manual_seed(0)
     rank0 = list(Edge().parameters())
-    for result in launch(_different_start, 2, args=(None,), timeout=60):
-        assert all(torch.equal(a, b) for a, b in zip(result, rank0))  # frozen ones too
+    for dtype in ("fp32", "bf16"):  # bf16: the fp32 masters are what is shared
+        for result in launch(_different_start, 2, args=(dtype,), timeout=60):
+            assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(result, rank0))
 
 
 def test_buckets_are_reverse_order_and_capped():

@@ -44,11 +44,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from minipar.comm import Comm, Pending
+
+if TYPE_CHECKING:
+    from minipar.parallel.precision import MixedPrecision
 
 MODES = ("naive", "bucketed", "overlapped")
 MB = 2**20
@@ -190,18 +194,25 @@ class DataParallel:
     micro-batch loss by 1 / (dp * microbatches). ``reduce_dtype`` is the dtype on the
     wire (default: the gradients' own); the result is stored back in the gradients'
     dtype. ``bucket_mb`` is the bucket size in MiB (PyTorch DDP's default is 25).
+    ``precision``: the model's ``MixedPrecision``, so that its fp32 masters are the ones
+    broadcast from rank 0 (the 16-bit weights are then rounded from them).
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, *,
                  mode: str = "overlapped", bucket_mb: float = 25.0, average: bool = True,
                  reduce_dtype: torch.dtype | None = None, find_unused: bool = False,
-                 broadcast: bool = True):
+                 broadcast: bool = True, precision: MixedPrecision | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.module, self.comm, self.mode = module, comm or Comm(), mode
         self.average, self.reduce_dtype, self.find_unused = average, reduce_dtype, find_unused
         self.params = trainable_params(module)
-        if broadcast:
+        if broadcast and precision is not None:  # share the fp32 masters, then round
+            trainable = {id(p) for p in self.params}
+            broadcast_module(module, self.comm, lambda p: precision.master(p).data
+                             if id(p) in trainable else p.data)
+            precision.copy_to_model()
+        elif broadcast:
             broadcast_module(module, self.comm)
         self._sync = True
         self._used: set[int] = set()  # ids of parameters that got a gradient since the sync
