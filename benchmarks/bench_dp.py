@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps of each")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps of each")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     cfg = GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=8,
