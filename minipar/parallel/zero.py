@@ -148,7 +148,8 @@ class ZeroOptimizer:
     for names and stage 3). ``average``: divide the gradient sum by the dp size.
     ``units``: stage 3's gather units (default ``default_units``); ``prefetch``: start
     gathering the next unit (forward) or the previous one (backward) while this one
-    computes. ``max_inflight``: buckets reduced at once (bounds stage 2's buffers).
+    computes. ``max_inflight``: buckets being reduced at once in stages 2-3 (each holds
+    its full-size buffer until done; stages 0-1 keep those buffers anyway).
     """
 
     def __init__(self, params: nn.Module | Iterable, optimizer_cls: type =
@@ -206,7 +207,7 @@ class ZeroOptimizer:
             p for g in self.optimizer.param_groups for p in g["params"])}
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._reducer = Reducer([len(f.params) for f in self.flats], self._start,
-                                self._complete, max_inflight)
+                                self._complete, max_inflight if stage >= 2 else None)
         self._sync, self._synced, self._end_queued = True, True, False
         self.skipped_steps = 0
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad)
