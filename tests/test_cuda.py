@@ -1,7 +1,7 @@
 """The GPU code paths, checked where they can be: on the CPU.
 
 The CUDA runs themselves are scripts (``benchmarks/gpu_parity.py``, ``benchmarks/gpu.py``)
-run on a GPU machine, their results in ``docs/benchmarks/gpu.md``; CI has no GPU, and
+run on a GPU machine, their results in ``docs/benchmarks.md``; CI has no GPU, and
 a test that skips there would check nothing. What these tests pin down on the CPU:
 
 * the GPU benchmark compares like with like: its plain PyTorch loop (bf16 weights,
