@@ -106,68 +106,35 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> float:
 
     The true global norm counts every parameter once: tensor-parallel shards are summed
     over tp (replicated parameters counted on tp rank 0 only), stages over pp, and with
-    ZeRO 2-3 the gradient shards over dp. Returns the norm before clipping.
+    ZeRO the gradient shards over dp. Returns the norm before clipping.
     """
     from minipar.parallel.tp import tp_shard_dim
 
-    mine = []  # the gradients (or ZeRO gradient slices) this rank counts
+    def counted(name: str) -> bool:  # replicated across tp: counted on tp rank 0 only
+        return rm.coords.tp == 0 or tp_shard_dim(name) is not None
+
+    total = torch.zeros((), dtype=torch.float32, device=device_for(cfg))
     if cfg.zero == 0:
+        mine = []
         for name, p in _named_unique_params(parts.model):
             grad = (parts.precision.master(p).grad if parts.precision is not None
                     and p.requires_grad else p.grad)
-            if grad is not None and (rm.coords.tp == 0 or tp_shard_dim(name) is not None):
+            if grad is not None and counted(name):
                 mine.append(grad.detach().float())
-    else:  # this rank's fp32 gradient shard, parameter by parameter
-        for name, g in _zero_grad_slices(parts.optimizer):
-            if rm.coords.tp == 0 or tp_shard_dim(name) is not None:
-                mine.append(g.float())
-    # On the compute device, with torch's fused (foreach) norm as clip_grad_norm_ uses it:
-    # three kernels and a .cpu() per parameter cost a GPU ~15 ms a step on GPT-2 350M.
-    total = torch.zeros((), dtype=torch.float32, device=device_for(cfg))
-    if mine:
-        total += torch.nn.utils.get_total_norm(mine, 2.0).to(total.device).square()
+        # on the compute device, fused, as clip_grad_norm_ does (no .cpu() per tensor)
+        if mine:
+            total += torch.nn.utils.get_total_norm(mine, 2.0).to(total.device).square()
+    else:  # this rank's share of ZeRO's fp32 gradient shards; disjoint over dp
+        total += parts.optimizer.grad_norm_sq(count=counted).to(total.device)
+        rm.dp.all_reduce(total)
     rm.tp.all_reduce(total)
     rm.pp.all_reduce(total)
-    if cfg.zero >= 1:  # ZeRO's gradient shards are disjoint over dp
-        rm.dp.all_reduce(total)
     norm = float(total.sqrt())
     if cfg.grad_clip > 0:
         coef = cfg.grad_clip / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
             _scale_grads(cfg, parts, coef)
     return norm
-
-
-def _zero_grad_slices(opt):
-    """(name, this rank's slice of that parameter's fp32 gradient) for a ZeroOptimizer:
-    the flat buffer holds parameters end to end, the rank owns [lo, hi) of it."""
-    for f in opt.flats:
-        g = f.master.grad
-        if g is None:
-            continue
-        for name, offset, numel in zip(f.names, f.offsets, f.numels):
-            a, b = max(offset, f.lo), min(offset + numel, f.hi)
-            if a < b:
-                yield name, g[a - f.lo:b - f.lo]
-
-
-def _sync_sp_shards(rm: RankMesh, parts: Parts) -> None:
-    """Sequence parallelism under ZeRO: sum the layer-norm gradient shards over tp.
-
-    Every tp rank has the same flat layout (tp shards have equal shapes), so the slices
-    line up; the sum commutes with ZeRO's reduce-scatter over dp.
-    """
-    marked = {n for n, p in parts.model.named_parameters()
-              if getattr(p, "sequence_parallel", False)}
-    slices = [g for name, g in _zero_grad_slices(parts.optimizer) if name in marked]
-    if rm.tp.size == 1 or not slices:
-        return
-    flat = torch.cat([g.reshape(-1) for g in slices])
-    rm.tp.all_reduce(flat)
-    offset = 0
-    for g in slices:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _scale_grads(cfg: TrainConfig, parts: Parts, factor: float) -> None:
@@ -205,7 +172,10 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
             parts.precision.unscale_grads()
     else:
         parts.optimizer.finish_gradient_sync()
-        _sync_sp_shards(rm, parts)
+        # sequence parallelism: layer-norm gradients summed over tp, on ZeRO's shards
+        parts.optimizer.all_reduce_grads(
+            [p for p in parts.model.parameters() if getattr(p, "sequence_parallel", False)],
+            rm.tp)
     grads_held = _model_state_bytes(cfg, parts)["grads"]  # while the gradients exist
     norm = clip_gradients(cfg, rm, parts)
     if cfg.zero == 0 and parts.precision is not None:
