@@ -104,3 +104,12 @@ def _all_layouts():
                          ids=lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
 def test_full_parity_matrix(layout: dict) -> None:
     assert_parity(**layout)
+
+
+def test_recomputation_saves_measured_activation_memory() -> None:
+    """Full recomputation keeps only each block's input (Chen et al. 2016); with fused
+    attention selective recomputation saves little (no s x s scores are stored anyway)."""
+    peak = {mode: assert_parity(recompute=mode)["ranks"][0]["memory"]["activations"]
+            for mode in ("none", "selective", "full")}
+    assert peak["full"] < 0.25 * peak["none"]
+    assert peak["full"] < peak["selective"] <= peak["none"]
