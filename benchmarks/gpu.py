@@ -3,10 +3,10 @@
 For each GPT preset, in one process and on the same GPU, two training loops run the
 same model (``minipar.model.GPT``, same initial weights) on the same tokens:
 
-* **minipar**: ``minipar.engine.build`` + ``train_step`` at world size 1, exactly what
-  every rank of a real run executes (pipeline executor, DataParallel hooks, mixed
-  precision with fp32 masters, global-norm clipping), inside a process group of one
-  this script opens itself (``engine.train`` would add a launcher and a process).
+  every rank of a real run executes (pipeline executor, DataParallel hooks when dp > 1,
+  mixed precision with fp32 masters, global-norm clipping on the device), inside a
+  process group of one this script opens itself (``engine.train`` would add a
+  launcher and a process).
 * **plain**: the loop anyone would write: bf16 weights, fp32 master copies, fused
   AdamW on the masters, ``clip_grad_norm_``, copy back. The same arithmetic as
   minipar's ``MixedPrecision`` (Micikevicius et al. 2018), without the machinery.

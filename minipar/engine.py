@@ -73,7 +73,10 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
         opt_kwargs["fused"] = True
     wrappers: list = []
     if cfg.zero == 0:
-        wrappers = [DataParallel(c, rm.dp, mode=cfg.ddp, average=False) for c in stage]
+        # With one replica there is nothing to reduce: no wrapper, no gradient buckets
+        # (they would cost a copy per gradient and 2 bytes per parameter held all run).
+        if rm.dp.size > 1:
+            wrappers = [DataParallel(c, rm.dp, mode=cfg.ddp, average=False) for c in stage]
         params = precision.parameters() if precision else list(model.parameters())
         optimizer = torch.optim.AdamW(params, **opt_kwargs)
     else:
@@ -83,8 +86,11 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
                                   precision=precision, average=False,
                                   units=[b for c in stage for b in c.blocks], **opt_kwargs)
     actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
-    # DataParallel works through gradient hooks, so the executor runs the chunks directly
-    executor = PipelineExecutor(stage, rm.pp, actions)
+    # DataParallel works through gradient hooks, so the executor runs the chunks directly.
+    # A synchronize after every action makes the GPU timeline true but stalls the host
+    # (a few % of a small model's step): only when a trace is asked for.
+    executor = PipelineExecutor(stage, rm.pp, actions,
+                                synchronize=bool(cfg.trace) and device_for(cfg).type == "cuda")
     if full_state is not None and full_state.get("optimizer") is not None:
         from minipar.checkpoint import load_optimizer_state
 
@@ -101,12 +107,15 @@ def _named_unique_params(model: GPT):
             yield name, p
 
 
-def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> float:
+def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor:
     """Scale the gradients so their global L2 norm is at most ``cfg.grad_clip``.
 
     The true global norm counts every parameter once: tensor-parallel shards are summed
     over tp (replicated parameters counted on tp rank 0 only), stages over pp, and with
-    ZeRO the gradient shards over dp. Returns the norm before clipping.
+    ZeRO the gradient shards over dp. Returns the norm before clipping, as a 0-dim
+    tensor on the compute device: the clip factor ``min(1, clip / norm)`` is computed
+    and applied there too, as ``torch.nn.utils.clip_grad_norm_`` does, so the host never
+    waits for the GPU in the middle of a step (read the norm after the update).
     """
     from minipar.parallel.tp import tp_shard_dim
 
@@ -129,15 +138,13 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> float:
         rm.dp.all_reduce(total)
     rm.tp.all_reduce(total)
     rm.pp.all_reduce(total)
-    norm = float(total.sqrt())
-    if cfg.grad_clip > 0:
-        coef = cfg.grad_clip / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-        if coef < 1.0:
-            _scale_grads(cfg, parts, coef)
+    norm = total.sqrt()
+    if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by 1.0 if below
+        _scale_grads(cfg, parts, (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0))
     return norm
 
 
-def _scale_grads(cfg: TrainConfig, parts: Parts, factor: float) -> None:
+def _scale_grads(cfg: TrainConfig, parts: Parts, factor: torch.Tensor) -> None:
     if cfg.zero:
         parts.optimizer.scale_grads(factor)
     elif parts.precision is not None:
@@ -161,9 +168,10 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
     micro = [(a.to(device), b.to(device))
              for a, b in split_batch(x, y, rm.coords.dp, cfg.dp, cfg.microbatches)]
     with ExitStack() as stack:  # accumulate over all micro-batches; sync once below
-        for w in parts.dp_wrappers or [parts.optimizer]:  # DataParallel's, or ZeRO's
+        for w in parts.dp_wrappers if cfg.zero == 0 else [parts.optimizer]:
             stack.enter_context(w.no_sync())
-        result = parts.executor.step(micro, loss_scale=1.0 / (cfg.dp * cfg.microbatches))
+        result = parts.executor.step(micro, loss_scale=1.0 / (cfg.dp * cfg.microbatches),
+                                     loss_as_tensor=True)  # read at the end of the step
     if cfg.zero == 0:
         for w in parts.dp_wrappers:
             w.finish_gradient_sync()
@@ -187,10 +195,10 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
     held = _held_after_step(cfg, parts, grads_held)
     loss = None
     if result.loss is not None:  # last stage: the mean over the dp replicas
-        t = torch.tensor([result.loss], dtype=torch.float64, device=device)
+        t = result.loss.detach().to(torch.float64).reshape(1)
         rm.dp.all_reduce(t)
-        loss = float(t) / cfg.dp
-    return {"loss": loss, "grad_norm": norm, "lr": lr, "timeline": result.timeline,
+        loss = float(t) / cfg.dp  # the step's one wait for the GPU (norm: already done)
+    return {"loss": loss, "grad_norm": float(norm), "lr": lr, "timeline": result.timeline,
             "peak_in_flight": result.peak_in_flight, "memory": held}
 
 

@@ -163,7 +163,8 @@ class ActionRecord(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    loss: float | None  # mean micro-batch loss (last stage, or everywhere if broadcast)
+    loss: float | torch.Tensor | None  # mean micro-batch loss (last stage, or everywhere
+    # if broadcast); a 0-dim tensor if asked for
     timeline: list[ActionRecord]
     peak_in_flight: int  # most (micro-batch, chunk) activations held at once
 
@@ -179,10 +180,16 @@ class PipelineExecutor:
     ``sleep_per_unit`` adds ``cost * sleep_per_unit`` seconds of sleep to every compute
     action (F 1, B 2 or 1 + W 1): a stand-in for a bigger model, so that measured
     timelines are comparable with theory on a small, busy CPU.
+
+    ``synchronize=True`` waits for the GPU after every compute action, so that each
+    record's start and end are when the GPU ran it (a true timeline). Off by default:
+    each wait stalls the host, which then cannot queue the next kernels while the GPU
+    works, and costs a few per cent of a small model's step. Without it, on a GPU the
+    records say when the host *queued* the work (the step's total stays true).
     """
 
     def __init__(self, chunks: Sequence[nn.Module], comm: Comm, actions: Schedule, *,
-                 sleep_per_unit: float = 0.0, synchronize: bool | None = None) -> None:
+                 sleep_per_unit: float = 0.0, synchronize: bool = False) -> None:
         if len(actions) != comm.size:
             raise ValueError(f"schedule is for pp={len(actions)}, the pipeline group has "
                              f"{comm.size} ranks")
@@ -196,7 +203,7 @@ class PipelineExecutor:
         self.sleep_per_unit = sleep_per_unit
         params = [p for c in chunks for p in c.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
-        self.synchronize = self.device.type == "cuda" if synchronize is None else synchronize
+        self.synchronize = synchronize and self.device.type == "cuda"
         self._shapes_sent: set = set()
         self._shapes_known: dict = {}
         self._capture: list | None = None
@@ -247,7 +254,8 @@ class PipelineExecutor:
 
     # --- one training step ---------------------------------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-             loss_scale: float | None = None, broadcast_loss: bool = False) -> StepResult:
+             loss_scale: float | None = None, broadcast_loss: bool = False,
+             loss_as_tensor: bool = False) -> StepResult:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
 
         Every rank passes the same list of (inputs, targets) micro-batches (only the
@@ -255,7 +263,9 @@ class PipelineExecutor:
         loss is multiplied by ``loss_scale`` before its backward: 1/m by default (the
         batch mean); pass 1/(dp*m) if data parallelism sums gradients instead of
         averaging them. Returns the mean micro-batch loss (unscaled) on the last stage,
-        on every stage with ``broadcast_loss``.
+        on every stage with ``broadcast_loss``; as a 0-dim tensor with
+        ``loss_as_tensor`` (reading a float waits for the GPU to finish the backward,
+        and the host could queue the optimizer step meanwhile).
         """
         m = len(microbatches)
         if m != self.microbatches:
@@ -282,7 +292,9 @@ class PipelineExecutor:
             loss = self.comm.broadcast(torch.zeros((), device=self.device) if loss is None
                                        else loss.to(self.device).float(),
                                        src=rank_of(self.n_chunks - 1, self.pp))
-        return StepResult(None if loss is None else float(loss), records, st.peak)
+        if loss is not None and not loss_as_tensor:
+            loss = float(loss)
+        return StepResult(loss, records, st.peak)
 
     # each action: returns the seconds it waited for incoming data (or None)
     def _recv_f(self, a: Action, st: _StepState) -> None:
