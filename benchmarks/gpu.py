@@ -3,6 +3,7 @@
 For each GPT preset, in one process and on the same GPU, two training loops run the
 same model (``minipar.model.GPT``, same initial weights) on the same tokens:
 
+* **minipar**: ``minipar.engine.build`` + ``train_step`` at world size 1, exactly what
   every rank of a real run executes (pipeline executor, DataParallel hooks when dp > 1,
   mixed precision with fp32 masters, global-norm clipping on the device), inside a
   process group of one this script opens itself (``engine.train`` would add a
