@@ -142,12 +142,13 @@ def _cmd_memory(args) -> int:
     mem = memory_breakdown(cfg, args.dp, args.pp, args.tp, args.zero, args.dtype,
                            args.optimizer, args.microbatch_size, args.microbatches,
                            args.schedule, args.sp, args.recompute, params=args.params,
-                           virtual=args.virtual)
+                           virtual=args.virtual, accounting=args.accounting)
     what = f"{args.model or 'custom'}" if cfg is not None else f"{args.params:,} parameters"
     print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp} "
           f"zero={args.zero} {args.dtype} (stage {mem['stage']}, the most loaded)")
-    for key in ("params", "grads", "optimizer", "activations", "total"):
-        print(f"  {key:<12}{_gb(mem[key])}   {mem[key]:>18,} bytes")
+    for key in ("params", "grads", "optimizer", "activations", "loss_workspace", "total"):
+        if key in mem:
+            print(f"  {key:<12}{_gb(mem[key])}   {mem[key]:>18,} bytes")
     _write_json(args.json, mem)
     return 0
 
@@ -213,6 +214,9 @@ def _add_theory(sub) -> None:
     m.add_argument("--virtual", type=int, default=1)
     m.add_argument("--sp", action="store_true")
     m.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    m.add_argument("--accounting", default="korthikanti", choices=("korthikanti", "fused"),
+                   help="activations: the paper's (attention scores stored) or a fused-"
+                   "attention run's (what minipar's GPT keeps, plus the loss's workspace)")
     b = sub.add_parser("bubble", help="pipeline schedule table and bubble figures")
     b.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
     b.add_argument("--pp", type=int, default=4)

@@ -404,3 +404,17 @@ def test_gpt3_per_gpu_memory_two_ways():
     # without sp and recomputation the first stage's activations alone nearly fill 80 GB
     assert rows["minipar (tp only, no recompute)"]["activations"] > 50 * GB
     assert rows["minipar (sp + selective, ZeRO-1)"]["total"] < ours["total"]
+
+
+def test_fused_accounting_adds_the_loss_backward_workspace_on_the_last_stage():
+    """Cross-entropy's backward holds two fp32 s x b x V gradients beside the stored
+    log-softmax; the fused accounting counts them in the total, the paper's does not."""
+    cfg = PRESETS["tiny"]
+    rows = memory_per_stage("tiny", pp=2, microbatch_size=3, microbatches=2,
+                            accounting="fused")
+    assert rows[0]["loss_workspace"] == 0
+    assert rows[1]["loss_workspace"] == 2 * 4 * cfg.seq_len * 3 * cfg.vocab_size
+    for r in rows:
+        assert r["total"] == sum(r[k] for k in ("params", "grads", "optimizer",
+                                                "activations", "loss_workspace"))
+    assert "loss_workspace" not in memory_breakdown("tiny", microbatch_size=3)

@@ -16,6 +16,13 @@ with the paper's accounting and 2-byte activations the sums are exactly
 the paper's ``sbh(34 + 5as/h)`` and its tensor / sequence parallel variants (tests check
 all rows of Table 2). A pipeline stage keeps several micro-batches' activations at once:
 ``inflight`` counts them per schedule (Sec. 4.2.3).
+
+What is stored for backward is not the whole peak. Under ``accounting="fused"`` the
+last stage's rows also carry ``loss_workspace``: the cross-entropy's backward holds the
+fp32 gradients of the log-probabilities and of the logits (``2 x 4 s b V`` bytes) beside
+the stored log-softmax output, while every activation is still alive. With GPT-2's
+50k vocabulary that is the largest single term for models up to ~1B parameters
+(``loss_workspace``).
 """
 
 from __future__ import annotations
@@ -184,6 +191,28 @@ def edge_activations(cfg: GPTConfig | str, where: str, microbatch_size: int = 1,
     raise ValueError(f"where must be 'first' or 'last', got {where!r}")
 
 
+def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
+                   accounting: str = "korthikanti") -> float:
+    """Bytes the loss's backward allocates on the last stage while all activations live.
+
+    ``minipar.model.GPT.loss`` is ``cross_entropy(logits.float())``: its forward stores
+    the fp32 log-softmax (``edge_activations``' logits term), and its backward first
+    makes the fp32 gradient of the log-probabilities (nll_loss's backward, dense), then
+    from it the fp32 gradient of the logits: 3 x 4 s b V bytes exist at once, at the
+    very start of the backward, when no activation has been freed yet. A transient
+    (an activation meter that counts saved tensors does not see it), but it sets the
+    peak: ``accounting="fused"`` counts the two gradients, 8 s b V / t bytes (the logits
+    are split over tp by a vocabulary-parallel head). The paper's accounting stops at
+    what is stored: 0 there.
+    """
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    if accounting != "fused":
+        return 0.0
+    cfg = get_model(cfg)
+    return 2 * cfg.seq_len * microbatch_size * cfg.vocab_size * 4 / tp
+
+
 def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
              virtual: int = 1) -> int:
     """Peak number of micro-batches (model chunks, when interleaved) whose forward has
@@ -273,6 +302,10 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         row = {"stage": s, "n_params": n, **model_states(n, dp, zero, dtype, optimizer),
                "activations": int(round(act))}
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
+        if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
+            ws = loss_workspace(cfg, microbatch_size, tp, accounting) if s == pp - 1 else 0
+            row["loss_workspace"] = int(round(ws))
+            row["total"] += row["loss_workspace"]
         out.append(row)
     return out
 
@@ -285,7 +318,8 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      virtual: int = 1, accounting: str = "korthikanti",
                      stage: int | None = None) -> dict:
     """Bytes on the most loaded device (or on ``stage``): keys ``params``, ``grads``,
-    ``optimizer``, ``activations``, ``total``, plus ``stage`` and ``n_params``.
+    ``optimizer``, ``activations``, ``total``, plus ``stage`` and ``n_params``
+    (and ``loss_workspace`` with ``accounting="fused"``, counted in ``total``).
 
     With ``params=N`` and no config: model states only, N / (pp * tp) per rank.
     The most loaded stage is the first (most micro-batches in flight, the embedding)
