@@ -13,8 +13,11 @@ the checker can tell the learner what is missing and where to start:
         chunks = ...                                       "ring_all_reduce is not ...")
         ### END SOLUTION
 
-Files without markers (the checker, ``__init__.py``) are copied as they are. Every
-generated file starts with a comment naming its source, so nobody edits the wrong one.
+Files without markers are copied as they are (``__init__.py``), except the checker: its
+cases (``checks/``) stay in ``solutions/`` and run from there, and ``exercises/check.py``
+is a few lines that call ``solutions/check.py`` on the ``exercises`` package, so the
+checker exists once. Every generated file starts with a comment naming its source, so
+nobody edits the wrong one.
 
     python tools/make_exercises.py           # (re)write exercises/
     python tools/make_exercises.py --check   # exit 1 if exercises/ differs (CI's drift test)
@@ -118,11 +121,46 @@ def strip_solutions(text: str, exercise_path: str) -> str:
     return "".join(out)
 
 
+CHECK_SHIM = '''"""Check your exercises: ``check("ring_allreduce")``, or ``check()`` for all.
+
+The checker and its cases live once, in ``solutions/check.py`` and ``solutions/checks/``;
+these functions run them on your code in ``exercises/`` (``impl="solutions"`` checks the
+reference instead).
+"""
+
+from solutions import check as _checker
+from solutions.check import EXERCISES, CheckResult, Report  # noqa: F401
+
+
+def load(name, impl="exercises"):
+    return _checker.load(name, impl)
+
+
+def run_one(name, impl="exercises", timeout=None, raise_errors=False):
+    return _checker.run_one(name, impl, timeout, raise_errors)
+
+
+def check(name=None, impl="exercises", timeout=None, raise_errors=False):
+    return _checker.check(name, impl, timeout, raise_errors)
+
+
+def overview(impl="exercises"):
+    return _checker.overview(impl)
+'''
+
+
+def _generated(rel: str) -> bool:
+    """Whether ``solutions/<rel>`` has a counterpart in exercises/ (the cases do not)."""
+    return not rel.startswith("checks/")
+
+
 def generate(src: Path, solutions: Path) -> str:
     """The generated text of ``exercises/<rel>`` for the solution file ``src``."""
     rel = src.relative_to(solutions).as_posix()
     text = src.read_text()
     src_name = f"solutions/{rel}"
+    if rel == "check.py":
+        return PLAIN_HEADER.format(src=src_name) + CHECK_SHIM
     if not any(line.strip() in (BEGIN, END) for line in text.splitlines()):
         return PLAIN_HEADER.format(src=src_name) + text
     body = strip_solutions(text, f"exercises/{rel}")
@@ -134,7 +172,9 @@ def expected_files(root: Path = ROOT) -> dict[Path, str]:
     """{path under exercises/: its generated text} for every solution file."""
     solutions = root / "solutions"
     return {root / "exercises" / src.relative_to(solutions): generate(src, solutions)
-            for src in sorted(solutions.rglob("*.py")) if "__pycache__" not in src.parts}
+            for src in sorted(solutions.rglob("*.py"))
+            if "__pycache__" not in src.parts
+            and _generated(src.relative_to(solutions).as_posix())}
 
 
 def drift(root: Path = ROOT) -> list[str]:
