@@ -32,23 +32,15 @@ from minipar.mesh import RankMesh
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
-def _unique_named_params(model):
-    seen = set()
-    for name, p in model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield name, p
-
-
 def local_state(rm: RankMesh, parts) -> tuple[dict, dict]:
     """This rank's fp32 weights and optimizer states by name, in tp-shard shapes."""
     weights, states = {}, {}
     if hasattr(parts.optimizer, "full_state_by_name"):  # ZeRO: gathers over dp
         weights, states = parts.optimizer.full_state_by_name(
-            dict(_unique_named_params(parts.model)))
+            dict(parts.model.named_parameters()))
         return weights, {n: {k: v for k, v in st.items() if k in STATE_KEYS}
                          for n, st in states.items()}
-    for name, p in _unique_named_params(parts.model):
+    for name, p in parts.model.named_parameters():
         holder = parts.precision.master(p) if parts.precision is not None else p
         weights[name] = holder.detach().float().cpu().clone()
         st = parts.optimizer.state.get(holder, {})
@@ -153,12 +145,12 @@ def load_optimizer_state(rm: RankMesh, model, optimizer, precision, full: dict,
         return shard_tensor(name, t, rm.coords.tp, rm.mesh.tp).clone()
 
     if hasattr(optimizer, "load_full_state_by_name"):  # ZeRO keeps its shard of it
-        named = dict(_unique_named_params(model))
+        named = dict(model.named_parameters())
         optimizer.load_full_state_by_name(
             {n: {k: mine(n, v) for k, v in full[n].items()} for n in named if n in full},
             {n: mine(n, weights[n]).float() for n in named if n in weights})
         return
-    for name, p in _unique_named_params(model):
+    for name, p in model.named_parameters():
         if name not in full or not full[name]:
             continue
         holder = precision.master(p) if precision is not None else p

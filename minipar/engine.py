@@ -99,14 +99,6 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
     return Parts(model, stage, optimizer, executor, wrappers, precision)
 
 
-def _named_unique_params(model: GPT):
-    seen = set()
-    for name, p in model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield name, p
-
-
 def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor:
     """Scale the gradients so their global L2 norm is at most ``cfg.grad_clip``.
 
@@ -125,7 +117,7 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor
     total = torch.zeros((), dtype=torch.float32, device=device_for(cfg))
     if cfg.zero == 0:
         mine = []
-        for name, p in _named_unique_params(parts.model):
+        for name, p in parts.model.named_parameters():  # a tied weight once
             grad = (parts.precision.master(p).grad if parts.precision is not None
                     and p.requires_grad else p.grad)
             if grad is not None and counted(name):
@@ -192,7 +184,9 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
     else:
         parts.optimizer.step()
         parts.optimizer.zero_grad(set_to_none=True)
-    held = _held_after_step(cfg, parts, grads_held)
+    # parameters and optimizer states after the update (Adam's moments exist from the
+    # first step on), gradients as they were before it
+    held = {**_model_state_bytes(cfg, parts), "grads": grads_held}
     loss = None
     if result.loss is not None:  # last stage: the mean over the dp replicas
         t = result.loss.detach().to(torch.float64).reshape(1)
@@ -200,12 +194,6 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
         loss = float(t) / cfg.dp  # the step's one wait for the GPU (norm: already done)
     return {"loss": loss, "grad_norm": float(norm), "lr": lr, "timeline": result.timeline,
             "peak_in_flight": result.peak_in_flight, "memory": held}
-
-
-def _held_after_step(cfg: TrainConfig, parts: Parts, grads_held: int) -> dict:
-    """Parameters and optimizer states after the update (Adam's moments exist from the
-    first step on), gradients as they were before it."""
-    return {**_model_state_bytes(cfg, parts), "grads": grads_held}
 
 
 def _model_state_bytes(cfg: TrainConfig, parts: Parts) -> dict:
