@@ -36,7 +36,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -416,10 +415,3 @@ def _stop(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join(2.0)
-
-
-def free_port() -> int:
-    """A port free right now (for torchrun-style commands in docs; launch never needs it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
