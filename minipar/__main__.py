@@ -49,6 +49,8 @@ def _add_train(sub) -> None:
     p.add_argument("--ddp", default="overlapped", choices=("naive", "bucketed", "overlapped"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--fused", action="store_true", help="fused AdamW kernel (GPU speed)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                   help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
 
 
 def _cmd_train(args) -> int:
@@ -62,7 +64,8 @@ def _cmd_train(args) -> int:
         sp=args.sp, recompute=args.recompute, dtype=args.dtype, steps=args.steps,
         seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
-        ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused)
+        ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
+        optimizer=args.optimizer)
     validate(cfg)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
 

@@ -18,6 +18,7 @@ from minipar.model import GPTConfig, get_config
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
@@ -46,6 +47,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     ddp: str = "overlapped"  # naive, bucketed, overlapped (ZeRO 0)
     fused: bool = False  # torch's fused AdamW kernel (one launch for all parameters; GPUs)
+    optimizer: str = "adamw"  # adamw, or sgd (plain, no momentum: a scale error cannot hide)
     order: str = "megatron"
     save: str | None = None
     resume: str | None = None
@@ -89,6 +91,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _choice("order", cfg.order, ("megatron", "pp-inside-dp"))
     _choice("ddp", cfg.ddp, ("naive", "bucketed", "overlapped"))
+    _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     if world_size is not None and world_size != cfg.world_size:
         raise ValueError(f"layout dp={cfg.dp} x pp={cfg.pp} x tp={cfg.tp} = {cfg.world_size} "
                          f"ranks does not match the job's world size {world_size}")
@@ -151,6 +154,25 @@ def device_for(cfg: TrainConfig):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def optimizer_class(cfg: TrainConfig) -> type:
+    """The torch optimizer every layout (and the reference) steps with.
+
+    Plain SGD (no momentum) is in the parity set because it has no normalisation: a
+    gradient 2x too large moves the weights 2x too far, where AdamW would divide it away.
+    """
+    import torch
+
+    return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
+
+
+def optimizer_kwargs(cfg: TrainConfig) -> dict:
+    """Keyword arguments for ``optimizer_class(cfg)`` (the learning rate is set per step)."""
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if cfg.fused:  # only when asked: the default path stays exactly what it was
+        kwargs["fused"] = True
+    return kwargs
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

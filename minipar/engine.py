@@ -27,7 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from minipar.config import TrainConfig, device_for, lr_at, validate
+from minipar.config import (
+    TrainConfig,
+    device_for,
+    lr_at,
+    optimizer_class,
+    optimizer_kwargs,
+    validate,
+)
 from minipar.data import MarkovData, split_batch
 from minipar.launch import launch, report_progress
 from minipar.mesh import Mesh, RankMesh
@@ -68,9 +75,7 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
     apply_recompute([b for c in stage for b in c.blocks], cfg.recompute)
     model.to(device_for(cfg))
     precision = MixedPrecision(model, torch.bfloat16) if cfg.dtype == "bf16" else None
-    opt_kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    if cfg.fused:  # only when asked: the default path stays exactly what it was
-        opt_kwargs["fused"] = True
+    opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
     wrappers: list = []
     if cfg.zero == 0:
         # With one replica there is nothing to reduce: no wrapper, no gradient buckets
@@ -78,11 +83,11 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
         if rm.dp.size > 1:
             wrappers = [DataParallel(c, rm.dp, mode=cfg.ddp, average=False) for c in stage]
         params = precision.parameters() if precision else list(model.parameters())
-        optimizer = torch.optim.AdamW(params, **opt_kwargs)
+        optimizer = opt_cls(params, **opt_kwargs)
     else:
         from minipar.parallel.zero import ZeroOptimizer
 
-        optimizer = ZeroOptimizer(model, torch.optim.AdamW, comm=rm.dp, stage=cfg.zero,
+        optimizer = ZeroOptimizer(model, opt_cls, comm=rm.dp, stage=cfg.zero,
                                   precision=precision, average=False,
                                   units=[b for c in stage for b in c.blocks], **opt_kwargs)
     actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
@@ -330,7 +335,7 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
     data = MarkovData(model.cfg.vocab_size, model.cfg.seq_len, seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = optimizer_class(cfg)(model.parameters(), **optimizer_kwargs(cfg))
     losses = []
     for step in range(cfg.steps):
         for group in opt.param_groups:
