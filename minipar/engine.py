@@ -20,6 +20,7 @@ gradient is exactly that of the global batch's mean loss on one device.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import ExitStack
@@ -336,18 +337,20 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
     model = GPT(cfg.model_config())
     data = MarkovData(model.cfg.vocab_size, model.cfg.seq_len, seed=cfg.seed)
     opt = optimizer_class(cfg)(model.parameters(), **optimizer_kwargs(cfg))
-    losses = []
+    losses, norms = [], []
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = data.batch(step, cfg.batch_size)
         loss = model(x, y)
         loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        # the global gradient norm before clipping: what every layout must reproduce
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                              cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        norms.append(float(norm))
         if progress is not None:
             progress(step, losses[-1])
-    return {"config": cfg.to_dict(), "losses": losses, "model": model}
+    return {"config": cfg.to_dict(), "losses": losses, "grad_norms": norms, "model": model}

@@ -17,25 +17,30 @@ import pytest
 
 from minipar.config import TrainConfig
 from minipar.engine import train, train_reference
+from minipar.parity import compare, run_grad_norms
 
 STEPS = 5
 FP32_TOL = 1e-4
-BF16_TOL = 3e-2
+BF16_TOL = 4e-3  # seen 1.4e-3 (dp2 tp2 zero1)
+BF16_GRAD_RTOL = 2e-2  # seen 6.2e-3
 
 
 @cache
-def reference(steps: int = STEPS, batch_size: int = 16) -> tuple[float, ...]:
-    cfg = TrainConfig(steps=steps, batch_size=batch_size)
-    return tuple(train_reference(cfg)["losses"])
+def reference(steps: int = STEPS, batch_size: int = 16, **knobs) -> dict:
+    cfg = TrainConfig(steps=steps, batch_size=batch_size, **knobs)
+    ref = train_reference(cfg)
+    return {"losses": ref["losses"], "grad_norms": ref["grad_norms"]}
 
 
-def assert_parity(tol: float = FP32_TOL, **layout) -> dict:
+def assert_parity(tol: float = FP32_TOL, grad_rtol: float = FP32_TOL, **layout) -> dict:
     cfg = TrainConfig(steps=STEPS, timeout=240, **layout)
     run = train(cfg)
     ref = reference()
     assert len(run["losses"]) == STEPS
-    diffs = [abs(a - b) for a, b in zip(run["losses"], ref)]
-    assert max(diffs) < tol, f"{layout}: losses {run['losses']} vs reference {list(ref)}"
+    parity = compare(run, ref)
+    assert parity.ok(tol, grad_rtol), (
+        f"{layout}: {parity.describe()}; losses {run['losses']} vs {ref['losses']}; "
+        f"grad norms {run_grad_norms(run)} vs {ref['grad_norms']}")
     assert run["losses"][-1] < run["losses"][0] - 0.3, "the loss must fall"
     return run
 
@@ -69,7 +74,7 @@ def test_layout_matches_single_device(layout: dict) -> None:
 
 
 def test_bf16_mixed_precision_tracks_fp32() -> None:
-    assert_parity(BF16_TOL, dp=2, tp=2, dtype="bf16", zero=1)
+    assert_parity(BF16_TOL, BF16_GRAD_RTOL, dp=2, tp=2, dtype="bf16", zero=1)
 
 
 def test_run_reports_memory_comm_and_timeline() -> None:
