@@ -56,7 +56,7 @@ def _add_train(sub) -> None:
 def _cmd_train(args) -> int:
     from tqdm.auto import tqdm
 
-    from minipar.engine import train, train_reference, validate
+    from minipar.engine import train, validate
 
     cfg = TrainConfig(
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
@@ -77,26 +77,37 @@ def _cmd_train(args) -> int:
     bar.close()
     if record is None:  # a torchrun rank other than 0
         return 0
-    ref = None
     if args.compare:
-        ref = train_reference(cfg)["losses"]
-        record["reference_losses"] = ref
-    _print_run(cfg, record, ref)
+        from minipar.parity import check_run
+
+        record.update(check_run(cfg, record))
+    _print_run(cfg, record)
     _write_json(args.json, record)
     return 0
 
 
-def _print_run(cfg, record: dict, ref: list | None) -> None:
-    head = f"{'step':>5}  {'loss':>9}" + (f"  {'1 process':>9}  {'diff':>8}" if ref else "")
+def _print_run(cfg, record: dict) -> None:
+    ref, ref_norms = record.get("reference_losses"), record.get("reference_grad_norms")
+    norms = record["ranks"][0]["grad_norms"]
+    head = f"{'step':>5}  {'loss':>9}  {'grad norm':>9}"
+    if ref:
+        head += f"  {'1 process':>9}  {'diff':>8}  {'grad norm':>9}  {'rel diff':>8}"
     print(f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={cfg.zero} "
           f"{'schedule=' + cfg.schedule + ' ' if cfg.pp > 1 else ''}"
           f"microbatches={cfg.microbatches} {cfg.dtype}: {record['world_size']} ranks")
     print(head)
     for i, loss in enumerate(record["losses"]):
-        line = f"{i:>5}  {loss:>9.5f}"
+        line = f"{i:>5}  {loss:>9.5f}  {norms[i]:>9.4f}"
         if ref:
-            line += f"  {ref[i]:>9.5f}  {abs(loss - ref[i]):>8.1e}"
+            rel = abs(norms[i] / ref_norms[i] - 1) if ref_norms[i] else abs(norms[i])
+            line += (f"  {ref[i]:>9.5f}  {abs(loss - ref[i]):>8.1e}  {ref_norms[i]:>9.4f}"
+                     f"  {rel:>8.1e}")
         print(line)
+    if ref and record["parity"]["param_diff"] is not None:
+        print(f"final parameters: max |diff| {record['parity']['param_diff']:.1e} "
+              "against one process")
+    if record.get("audit"):
+        print(record["audit"])
     print()
     steps = max(1, len(record["losses"]))
     print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} "

@@ -1,0 +1,83 @@
+"""Measure how far each layout drifts from the single-device reference.
+
+The parity tests' tolerances come from this table: for every covering layout of
+``tests/test_engine.py`` (and its bf16 twin), the worst loss difference, the worst
+relative gradient-norm difference and the worst final-parameter difference against
+``train_reference``, grouped by family. A tolerance is set at about 3x the family's
+worst observed drift, so a real bug (a factor of 2 at least) cannot hide under it.
+
+    .venv/bin/python benchmarks/parity_drift.py [--dtype fp32|bf16|both] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import tempfile
+
+from minipar.config import TrainConfig
+from minipar.engine import train, train_reference
+from minipar.parity import compare, final_parameters
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def covering() -> list[dict]:
+    spec = importlib.util.spec_from_file_location("test_engine", ROOT / "tests/test_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [dict(d) for d in module.COVERING]
+
+
+def family(layout: dict) -> str:
+    axes = [k for k in ("dp", "pp", "tp") if layout.get(k, 1) > 1]
+    name = " x ".join(axes) or "1"
+    if layout.get("zero"):
+        name += f" zero{layout['zero']}"
+    return name
+
+
+def drift(layout: dict, dtype: str, steps: int = 5) -> dict:
+    knobs = {k: layout.pop(k) for k in ("optimizer", "grad_clip", "lr") if k in layout}
+    with tempfile.TemporaryDirectory() as save:
+        cfg = TrainConfig(steps=steps, dtype=dtype, save=save, **layout, **knobs)
+        run = train(cfg)
+        params = final_parameters(save)
+    ref = train_reference(TrainConfig(steps=steps, **knobs))
+    ref_params = {k: v.detach().float() for k, v in ref["model"].state_dict().items()}
+    p = compare(run, ref, params, ref_params)
+    return {"loss": p.loss_diff, "grad_rel": p.grad_norm_rel, "param": p.param_diff}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="both", choices=("fp32", "bf16", "both"))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dtypes = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
+    rows = []
+    for dtype in dtypes:
+        for layout in covering():
+            name = " ".join(f"{k}={v}" for k, v in layout.items())
+            d = drift(dict(layout), dtype)
+            rows.append({"dtype": dtype, "layout": name, "family": family(layout), **d})
+            print(f"{dtype}  {name:<70} loss {d['loss']:.1e}  grad {d['grad_rel']:.1e}  "
+                  f"param {d['param']:.1e}", flush=True)
+    print("\nworst per family")
+    worst: dict = {}
+    for r in rows:
+        w = worst.setdefault((r["dtype"], r["family"]), {"loss": 0, "grad_rel": 0, "param": 0})
+        for k in w:
+            w[k] = max(w[k], r[k])
+    for (dtype, fam), w in sorted(worst.items()):
+        print(f"{dtype}  {fam:<24} loss {w['loss']:.1e}  grad {w['grad_rel']:.1e}  "
+              f"param {w['param']:.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
