@@ -33,16 +33,25 @@ from minipar.parity import (
 STEPS = 5
 FP32, BF16 = TOLERANCES["fp32"], TOLERANCES["bf16"]  # measured drift x ~3 (see there)
 # what the reference run must share with the layout (the rest is layout)
-REFERENCE_KNOBS = ("optimizer", "grad_clip", "lr", "warmup", "dropout", "weight_decay")
+REFERENCE_KNOBS = ("optimizer", "grad_clip", "lr", "warmup", "dropout", "weight_decay",
+                   "overrides", "batch_size")
 LOSS_DROP = {"adamw": 0.3, "sgd": 0.02}  # the loss must visibly fall in 5 steps
+# Plain SGD, no clipping, no warm-up: nothing normalises a gradient's scale away.
+SGD = dict(optimizer="sgd", grad_clip=0.0, lr=0.5, warmup=1)
 
 
 @cache
-def reference(steps: int = STEPS, batch_size: int = 16, **knobs) -> dict:
-    cfg = TrainConfig(steps=steps, batch_size=batch_size, **knobs)
+def _reference(knobs: tuple) -> dict:
+    cfg = TrainConfig(steps=STEPS, **{k: dict(v) if k == "overrides" else v for k, v in knobs})
     ref = train_reference(cfg)
     return {"losses": ref["losses"], "grad_norms": ref["grad_norms"],
             "params": {k: v.detach().float() for k, v in ref["model"].state_dict().items()}}
+
+
+def reference(**knobs) -> dict:
+    """The single-device run with the same model, data and optimizer knobs (cached)."""
+    return _reference(tuple(sorted((k, tuple(sorted(v.items())) if k == "overrides" else v)
+                                   for k, v in knobs.items())))
 
 
 def assert_parity(tol: Tolerance = FP32, **layout) -> dict:
@@ -91,8 +100,6 @@ def test_layout_matches_single_device(layout: dict) -> None:
     assert_parity(**layout)
 
 
-# Plain SGD, no clipping, no warm-up: nothing normalises a gradient's scale away.
-SGD = dict(optimizer="sgd", grad_clip=0.0, lr=0.5, warmup=1)
 SGD_COVERING = [
     dict(dp=2, microbatches=2),
     dict(dp=2, zero=1),
@@ -130,19 +137,37 @@ def test_run_reports_memory_comm_and_timeline() -> None:
 
 
 def _all_layouts():
+    """Every dp x pp x tp of 1-8 ranks x ZeRO 0-3 x every schedule (at pp = 1 too), then
+    tied embeddings, dropout and plain SGD on the 3-D layouts. Only what ``validate``
+    refuses before launch is left out (each refusal is tried in tests/test_errors.py)."""
+    from minipar.config import validate
+
+    def accepted(layout: dict) -> bool:
+        try:
+            validate(TrainConfig(**layout))
+        except ValueError:
+            return False
+        return True
+
+    base = []
     for world in (1, 2, 4, 8):
         for tp, pp in itertools.product((1, 2, 4, 8), repeat=2):
             if world % (tp * pp):
                 continue
-            dp = world // (tp * pp)
             for zero in (0, 1, 2, 3):
-                schedules = ["1f1b"] if pp == 1 else ["gpipe", "1f1b", "interleaved", "zb"]
-                for sched in schedules:
-                    virtual = 2 if sched == "interleaved" else 1
-                    if pp * virtual > 8 or (zero == 3 and sched == "zb"):
-                        continue  # refused before launch (tests/test_errors.py)
-                    yield dict(dp=dp, pp=pp, tp=tp, zero=zero, schedule=sched,
-                               virtual=virtual, microbatches=2 * pp if pp > 1 else 1)
+                for sched in ("gpipe", "1f1b", "interleaved", "zb"):
+                    virtual = 2 if sched == "interleaved" and pp > 1 else 1
+                    base.append(dict(dp=world // (tp * pp), pp=pp, tp=tp, zero=zero,
+                                     schedule=sched, virtual=virtual,
+                                     microbatches=2 * pp if pp > 1 else 2))
+    extras = [dict(overrides={"tie_embeddings": True}), dict(overrides={"dropout": 0.1}), SGD]
+    for layout in base:
+        if accepted(layout):
+            yield layout
+    for layout, extra in itertools.product(base, extras):
+        if layout["dp"] * layout["pp"] * layout["tp"] == 8 or layout["pp"] == 2:
+            if accepted({**layout, **extra}):
+                yield {**layout, **extra}
 
 
 @pytest.mark.slow
