@@ -246,8 +246,9 @@ def test_hang_names_each_ranks_last_collective(slow_parent):
         launch(_skip_a_collective, 2, timeout=3)
     assert time.monotonic() - start < 10
     report = str(info.value)
-    assert "rank 0: last entered all_reduce on tp, shape (2, 5) float32" in report
-    assert "rank 1: last entered all_reduce on tp, shape (3,) float32" in report
+    assert "rank 0: inside all_reduce on tp, shape (2, 5) float32" in report
+    assert ("rank 1: after all_reduce on tp, shape (3,) float32, then running code outside "
+            "minipar's counted calls") in report
 
 
 def _sleep_forever() -> None:
