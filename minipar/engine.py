@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 
@@ -287,7 +286,6 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
             write_chrome_trace(cfg.trace, [{**r, **r["trace"]} for r in ranks])
         except OSError as e:
             record["trace_error"] = f"--trace {cfg.trace}: not written ({e.strerror or e})"
-            warnings.warn(record["trace_error"], stacklevel=2)
     for r in ranks:
         r.pop("trace", None)
     return record
@@ -298,7 +296,9 @@ def train(cfg: TrainConfig, progress=None) -> dict:
 
     ``progress(step, loss)`` is called in this process as steps finish. Returns the
     run's record: ``losses`` (one per step, mean over the global batch), the config, and
-    per rank its coordinates, memory, communication and last step's timeline.
+    per rank its coordinates, memory, communication and last step's timeline;
+    ``first_step`` (not 0 after ``resume``); ``trace_error`` when ``cfg.trace`` could not
+    be written (the record is returned all the same: a trace must not cost the run).
     """
     t0 = time.time()
     if _under_torchrun():
