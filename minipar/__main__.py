@@ -324,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _without_traceback(report: str) -> str:
-    """A rank's report up to its traceback (the first line says what it raised)."""
-    return report.split("\n--- ", 1)[0].rstrip()
+    """A rank's report up to its traceback or log tail, its "(rank 1 was: ...)" on the
+    same line; a timeout keeps its line per rank (where each one was)."""
+    return report.split("\n--- ", 1)[0].rstrip().replace("\n  (", " (")
 
 
 if __name__ == "__main__":
