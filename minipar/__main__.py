@@ -315,12 +315,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{say} {_without_traceback(str(e))}", file=sys.stderr)
         return 1
     except OSError as e:  # a disk full, a file gone: the path and the reason
-        where = f" {e.filename}" if e.filename else ""
+        where = f" {e.filename}:" if e.filename else ""
         print(f"{say}{where} {e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # the launcher has stopped every rank by now
         print(f"minipar {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug of ours: still one line, and how to see more
+        print(f"{say} {type(e).__name__}: {e} (an internal error: call minipar from Python "
+              "to see its traceback, and please report it)", file=sys.stderr)
+        return 1
 
 
 def _without_traceback(report: str) -> str:

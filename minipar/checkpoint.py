@@ -243,6 +243,7 @@ def _load_shard(path: str) -> dict:
 
 # --- checks before a run starts, and the lock of a --save directory ----------------------
 LOCK = ".minipar.lock"
+SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "tie_embeddings")
 
 
 def check_resume(directory: str, cfg) -> None:
@@ -256,7 +257,8 @@ def check_resume(directory: str, cfg) -> None:
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{meta['path']}/meta.json names a model this minipar does "
                               f"not know ({e})") from None
-    if theirs != cfg.model_config():
+    ours = cfg.model_config()
+    if any(getattr(theirs, k) != getattr(ours, k) for k in SHAPE):
         raise CheckpointError(
             f"--resume {directory} holds model {saved['model']!r} ({_shape(theirs)}), not "
             f"this run's {cfg.model!r} ({_shape(cfg.model_config())}): pass the same "
@@ -282,7 +284,8 @@ def check_save(directory: str, resume: str | None) -> None:
     if owner is not None:
         raise _in_use(directory, owner)
     same = resume is not None and os.path.realpath(resume) == os.path.realpath(directory)
-    theirs = sorted(n for n in os.listdir(directory) if n == "latest" or n.startswith("step-"))
+    theirs = sorted(n for n in os.listdir(directory) if n == "latest" or (
+        n.startswith("step-") and not n.endswith((".tmp", ".old"))))  # not a killed save's
     if theirs and not same:
         raise CheckpointError(f"--save {directory} already holds another run's checkpoints "
                               f"({', '.join(theirs[:2])}); resume it with --resume "
