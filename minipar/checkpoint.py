@@ -64,6 +64,11 @@ def save(directory: str, step: int, cfg, rm: RankMesh, parts) -> str:
     final = os.path.join(directory, f"step-{step:06d}")
     tmp = final + ".tmp"
     if rm.rank == 0:
+        if _latest_name(directory) == os.path.basename(tmp):  # a re-save killed mid-way:
+            if os.path.isdir(tmp):  # finish it (tmp is complete), do not delete it below
+                _publish(directory, tmp, final)
+            else:  # killed after its last rename
+                _point_latest(directory, os.path.basename(final))
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     rm.world.barrier()
@@ -138,12 +143,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _latest_name(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "latest"), errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def resolve(directory: str) -> str:
     """The checkpoint a directory means: its ``latest``, or the directory itself."""
     pointer = os.path.join(directory, "latest")
-    if os.path.exists(pointer):
-        with open(pointer, errors="replace") as f:
-            name = f.read().strip()
+    name = _latest_name(directory)
+    if name is not None:
         path = os.path.join(directory, name)
         if not os.path.isdir(path) and name.endswith(".tmp"):
             path = path.removesuffix(".tmp")  # a re-save renamed it (see _publish)

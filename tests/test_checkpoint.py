@@ -122,6 +122,10 @@ def test_a_kill_anywhere_in_a_resave_leaves_a_complete_checkpoint(tmp_path) -> N
         state, step = checkpoint.load(d)  # resolve, check every file, read every tensor
         assert step == 1 and "tok_emb.weight" in state["model"], k
         checkpoint.check_resume(d, TrainConfig(steps=2))
+        if open(os.path.join(d, "latest")).read().endswith(".tmp"):  # killed mid-publish:
+            launch(_resave_dying_at, 1, args=(d, 0), timeout=120)  # the next save finishes
+            assert checkpoint.resolve(d).endswith("step-000001")  # it and saves its own
+            assert checkpoint.load(d)[1] == 1
 
 
 def test_a_save_directory_is_held_by_one_run(tmp_path) -> None:
