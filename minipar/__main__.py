@@ -51,11 +51,15 @@ def _add_train(sub) -> None:
     p.add_argument("--fused", action="store_true", help="fused AdamW kernel (GPU speed)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
                    help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds before a hung run is stopped and each rank's place shown")
 
 
 def _cmd_train(args) -> int:
     from tqdm.auto import tqdm
 
+    from minipar import checks
+    from minipar.config import oversubscription
     from minipar.engine import train, validate
 
     cfg = TrainConfig(
@@ -65,24 +69,33 @@ def _cmd_train(args) -> int:
         seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
         ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
-        optimizer=args.optimizer)
+        optimizer=args.optimizer, timeout=args.timeout)
     validate(cfg)
+    checks.output_file("json", args.json)
+    note = oversubscription(cfg.world_size)
+    if note:
+        print(f"minipar train: note: {note}", file=sys.stderr)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
 
     def progress(step: int, loss: float) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
 
-    record = train(cfg, progress)
-    bar.close()
+    try:
+        record = train(cfg, progress)
+    finally:
+        bar.close()
     if record is None:  # a torchrun rank other than 0
         return 0
-    if args.compare:
+    if args.compare:  # the reference's own steps first..last, as the run resumed them
         from minipar.parity import check_run
 
         record.update(check_run(cfg, record))
-    _print_run(cfg, record)
+    _print_run(cfg, record)  # printed first: a failing output below loses nothing
     _write_json(args.json, record)
+    if record.get("trace_error"):
+        print(f"minipar train: error: {record['trace_error']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -97,7 +110,7 @@ def _print_run(cfg, record: dict) -> None:
           f"microbatches={cfg.microbatches} {cfg.dtype}: {record['world_size']} ranks")
     print(head)
     for i, loss in enumerate(record["losses"]):
-        line = f"{i:>5}  {loss:>9.5f}  {norms[i]:>9.4f}"
+        line = f"{record.get('first_step', 0) + i:>5}  {loss:>9.5f}  {norms[i]:>9.4f}"
         if ref:
             rel = abs(norms[i] / ref_norms[i] - 1) if ref_norms[i] else abs(norms[i])
             line += (f"  {ref[i]:>9.5f}  {abs(loss - ref[i]):>8.1e}  {ref_norms[i]:>9.4f}"
@@ -124,8 +137,10 @@ def _print_run(cfg, record: dict) -> None:
 
 
 def _cmd_doctor(args) -> int:
+    from minipar.checks import output_file
     from minipar.doctor import run_doctor
 
+    output_file("json", args.json)
     results = run_doctor()
     for r in results:
         print(f"{'OK  ' if r['ok'] else 'FIX '} {r['check']:<11} {r['message']}")
@@ -135,9 +150,13 @@ def _cmd_doctor(args) -> int:
 
 def _model_from_args(args):
     """A preset, optionally with custom sizes (``--layers --hidden --heads ...``)."""
+    from minipar import checks
     from minipar.model import get_config
 
-    if args.model is None and args.params is not None:
+    checks.output_file("json", args.json)
+    checks.model_sizes(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                       vocab=args.vocab, seq_len=args.seq_len)
+    if args.model is None and getattr(args, "params", None) is not None:
         return None
     cfg = get_config(args.model or "tiny")
     sizes = {"n_layer": args.layers, "d_model": args.hidden, "n_head": args.heads,
@@ -145,19 +164,32 @@ def _model_from_args(args):
     return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
 
 
+def _model_label(args) -> str:
+    """What ``_model_from_args`` built, in words: the preset, and any sizes changed."""
+    changed = [f"--{k.replace('_', '-')} {v}" for k in ("layers", "hidden", "heads", "vocab",
+                                                        "seq_len")
+               if (v := getattr(args, k)) is not None]
+    return (args.model or "tiny") + (f" with {' '.join(changed)}" if changed else "")
+
+
 def _gb(x: float) -> str:
     return f"{x / 2**30:9.2f} GiB"
 
 
 def _cmd_memory(args) -> int:
+    from minipar import checks
     from minipar.theory.memory import memory_breakdown
 
     cfg = _model_from_args(args)
+    checks.positive("params", args.params)
+    checks.positive("microbatch-size", args.microbatch_size)
+    checks.positive("microbatches", args.microbatches)
+    checks.layout(cfg, args.dp, args.pp, args.tp, args.virtual, args.sp)
     mem = memory_breakdown(cfg, args.dp, args.pp, args.tp, args.zero, args.dtype,
                            args.optimizer, args.microbatch_size, args.microbatches,
                            args.schedule, args.sp, args.recompute, params=args.params,
                            virtual=args.virtual, accounting=args.accounting)
-    what = f"{args.model or 'custom'}" if cfg is not None else f"{args.params:,} parameters"
+    what = _model_label(args) if cfg is not None else f"{args.params:,} parameters"
     print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp} "
           f"zero={args.zero} {args.dtype} (stage {mem['stage']}, the most loaded)")
     for key in ("params", "grads", "optimizer", "activations", "loss_workspace", "total"):
@@ -168,25 +200,41 @@ def _cmd_memory(args) -> int:
 
 
 def _cmd_bubble(args) -> int:
-    from minipar.theory.bubble import bubble_report
+    from minipar import checks
+    from minipar.theory import bubble
 
-    rep = bubble_report(args.schedule, args.pp, args.microbatches, args.virtual)
-    print(rep["table"])
+    checks.output_file("json", args.json)
+    shape = (args.schedule, args.pp, args.microbatches, args.virtual)
+    if checks.bubble(*shape):
+        rep = bubble.bubble_report(*shape)
+        print(rep["table"] if args.pp <= 32 and len(rep["table"]) <= 20_000 else
+              "(table omitted: too wide to read; --json holds the timeline)")
+    else:  # simulating 10^10 actions would take hours and all the memory: closed forms
+        ratio = bubble.bubble_ratio_formula(*shape)
+        rep = {"schedule": args.schedule, "pp": args.pp, "microbatches": args.microbatches,
+               "virtual": args.virtual, "bubble_fraction": ratio / (1 + ratio),
+               "bubble_ratio": ratio, "bubble_fraction_formula": ratio / (1 + ratio),
+               "bubble_ratio_formula": ratio, "simulated": False}
+        print(f"(no table: {args.pp * args.microbatches * args.virtual:,} pipeline actions "
+              f"exceed {checks.BUBBLE_TABLE_CELLS:,}; the figures are the closed forms)")
     print(f"bubble fraction (idle share of the step): {rep['bubble_fraction']:.4f}"
           f"   formula {rep['bubble_fraction_formula']:.4f}")
     print(f"bubble ratio (idle over ideal time):      {rep['bubble_ratio']:.4f}"
           f"   formula {rep['bubble_ratio_formula']:.4f}")
-    print(f"peak micro-batches in flight per rank: {rep['peak_in_flight']}")
+    if "peak_in_flight" in rep:
+        print(f"peak micro-batches in flight per rank: {rep['peak_in_flight']}")
     _write_json(args.json, rep)
     return 0
 
 
 def _cmd_plan(args) -> int:
+    from minipar import checks
     from minipar.theory.clusters import cluster, get_cluster
     from minipar.theory.planner import plan
 
     cfg = _model_from_args(args)
-    if args.gpus:
+    checks.cluster(args.gpus, args.gpu, args.gpus_per_node, args.batch, args.top)
+    if args.gpus is not None:
         where = cluster(args.gpus, args.gpu, args.gpus_per_node)
     else:
         where = get_cluster(args.cluster)
@@ -262,12 +310,37 @@ COMMANDS = {"train": _cmd_train, "memory": _cmd_memory, "bubble": _cmd_bubble,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; every failure ends as one line on stderr and an exit status
+    (2: bad input, 1: the run failed, 130: interrupted), never as a traceback."""
+    from minipar.launch import LaunchError
+
     args = build_parser().parse_args(argv)
+    say = f"minipar {args.command}: error:"
     try:
         return COMMANDS[args.command](args)
-    except ValueError as e:  # bad input: one clear line, no traceback
-        print(f"minipar {args.command}: error: {e}", file=sys.stderr)
+    except ValueError as e:  # bad input: one clear line
+        print(f"{say} {e}", file=sys.stderr)
         return 2
+    except LaunchError as e:  # a rank failed, died or hung: what and where, no traceback
+        print(f"{say} {_without_traceback(str(e))}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a disk full, a file gone: the path and the reason
+        where = f" {e.filename}:" if e.filename else ""
+        print(f"{say}{where} {e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the launcher has stopped every rank by now
+        print(f"minipar {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug of ours: still one line, and how to see more
+        print(f"{say} {type(e).__name__}: {e} (an internal error: call minipar from Python "
+              "to see its traceback, and please report it)", file=sys.stderr)
+        return 1
+
+
+def _without_traceback(report: str) -> str:
+    """A rank's report up to its traceback or log tail, its "(rank 1 was: ...)" on the
+    same line; a timeout keeps its line per rank (where each one was)."""
+    return report.split("\n--- ", 1)[0].rstrip().replace("\n  (", " (")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,16 @@ layout from the full state exactly as it builds one from a fresh model. Every ra
 every file: simple and fine at the sizes minipar trains; a production system (torch
 DCP) reads only the byte ranges it needs.
 
-**Atomic.** Files go to ``step-N.tmp/``; once every rank has written, rank 0 renames it
-to ``step-N/`` and then replaces the ``latest`` pointer (``os.replace`` is atomic). A run
-killed mid-save leaves ``latest`` on the previous complete checkpoint.
+**Atomic and durable.** Files go to ``step-N.tmp/`` and are fsynced; once every rank has
+written, rank 0 renames it to ``step-N/`` and then replaces the ``latest`` pointer
+(``os.replace`` is atomic; the directory is fsynced after each rename). At every instant
+``latest`` names a complete checkpoint, re-saving the same step included (``_publish``):
+a run killed mid-save leaves the previous one.
+
+**Checked before use.** ``check_resume`` reads ``meta.json`` and each shard's zip
+directory before a rank starts (a wrong model, a damaged file: one line naming it);
+``check_save`` refuses a directory holding another run's checkpoints, and ``locked``
+holds a ``--save`` directory for one run at a time.
 Loading uses ``torch.load(weights_only=True)``: a checkpoint cannot run code.
 """
 
@@ -24,6 +31,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zipfile
+from contextlib import contextmanager, suppress
 
 import torch
 
@@ -55,12 +64,17 @@ def save(directory: str, step: int, cfg, rm: RankMesh, parts) -> str:
     final = os.path.join(directory, f"step-{step:06d}")
     tmp = final + ".tmp"
     if rm.rank == 0:
+        if _latest_name(directory) == os.path.basename(tmp):  # a re-save killed mid-way:
+            if os.path.isdir(tmp):  # finish it (tmp is complete), do not delete it below
+                _publish(directory, tmp, final)
+            else:  # killed after its last rename
+                _point_latest(directory, os.path.basename(final))
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     rm.world.barrier()
     if rm.coords.dp == 0:
-        torch.save({"weights": weights, "states": states},
-                   os.path.join(tmp, f"rank-{rm.rank:05d}.pt"))
+        _write_durably(os.path.join(tmp, f"rank-{rm.rank:05d}.pt"),
+                       lambda f: torch.save({"weights": weights, "states": states}, f))
     rm.world.barrier()
     if rm.rank == 0:
         files = {}
@@ -70,28 +84,124 @@ def save(directory: str, step: int, cfg, rm: RankMesh, parts) -> str:
                 files[f"rank-{r:05d}.pt"] = {"tp_rank": c.tp, "pp_rank": c.pp}
         meta = {"step": step, "tp": rm.mesh.tp, "pp": rm.mesh.pp, "dp": rm.mesh.dp,
                 "files": files, "config": cfg.to_dict()}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = os.path.join(directory, "latest")
-        with open(pointer + ".tmp", "w") as f:
-            f.write(os.path.basename(final))
-        os.replace(pointer + ".tmp", pointer)
+        _write_durably(os.path.join(tmp, "meta.json"),
+                       lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        _fsync_dir(tmp)
+        _publish(directory, tmp, final)
     rm.world.barrier()
     return final
+
+
+def _publish(directory: str, tmp: str, final: str) -> None:
+    """Rename the complete ``tmp`` to ``final`` and point ``latest`` at it, so that at
+    every instant ``latest`` names a complete checkpoint (a kill may come anywhere).
+
+    A re-save of the same step cannot rename over the old ``final`` (a directory is
+    replaced only when empty), so ``latest`` first moves to the complete ``tmp``; the
+    old copy goes; ``tmp`` becomes ``final``. Between that rename and the pointer's
+    update ``latest`` names ``step-N.tmp``, which ``resolve`` then reads as ``step-N``.
+    """
+    if os.path.exists(final):
+        _point_latest(directory, os.path.basename(tmp))
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    _point_latest(directory, os.path.basename(final))
+
+
+def _point_latest(directory: str, name: str) -> None:
+    pointer = os.path.join(directory, "latest")
+    _write_durably(pointer + ".tmp", lambda f: f.write(name.encode()))
+    os.replace(pointer + ".tmp", pointer)
+    _fsync_dir(directory)
+
+
+def _write_durably(path: str, write) -> None:
+    """Write a file and force it to disk before anyone renames it: without the fsync a
+    power cut after the rename can leave a published name on an empty file."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a directory's entries (new names, renames) durable; a no-op where the OS
+    cannot open a directory (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _latest_name(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "latest"), errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def resolve(directory: str) -> str:
     """The checkpoint a directory means: its ``latest``, or the directory itself."""
     pointer = os.path.join(directory, "latest")
-    if os.path.exists(pointer):
-        with open(pointer) as f:
-            return os.path.join(directory, f.read().strip())
+    name = _latest_name(directory)
+    if name is not None:
+        path = os.path.join(directory, name)
+        if not os.path.isdir(path) and name.endswith(".tmp"):
+            path = path.removesuffix(".tmp")  # a re-save renamed it (see _publish)
+        if not name or os.sep in name or not os.path.isdir(path):
+            raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint "
+                                  "directory next to it")
+        return path
     if os.path.exists(os.path.join(directory, "meta.json")):
         return directory
-    raise FileNotFoundError(f"no checkpoint in {directory} (no 'latest' and no meta.json)")
+    raise CheckpointError(f"no checkpoint in {directory} (no 'latest' and no meta.json)")
+
+
+def inspect(directory: str) -> dict:
+    """Check a checkpoint before anything loads it; return its ``meta.json``.
+
+    Cheap: it reads the metadata and each shard's size and zip directory (torch.save
+    writes a zip, whose directory sits at the end: a truncated or foreign file fails
+    here), not the tensors. Raises ``CheckpointError`` naming the file at fault.
+    """
+    path = resolve(directory)
+    meta_path = os.path.join(path, "meta.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        files, step, model = meta["files"], int(meta["step"]), meta["config"]["model"]
+        if not files or not isinstance(files, dict) or not isinstance(model, str):
+            raise ValueError("no shard files listed")
+        for info in files.values():
+            int(info["tp_rank"]), int(info["pp_rank"])
+        int(meta["tp"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta_path} is not a minipar checkpoint's metadata "
+                              f"({type(e).__name__}: {e})") from None
+    for fname in files:
+        shard = os.path.join(path, fname)
+        if os.sep in fname or not os.path.isfile(shard):
+            raise CheckpointError(f"{shard} is missing (listed in {meta_path})")
+        if not zipfile.is_zipfile(shard):
+            raise CheckpointError(f"{shard} is damaged: truncated or not written by "
+                                  "torch.save")
+    meta["path"], meta["step"] = path, step
+    return meta
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file."""
 
 
 def load(directory: str) -> tuple[dict, int]:
@@ -102,13 +212,12 @@ def load(directory: str) -> tuple[dict, int]:
     """
     from minipar.parallel.tp import unshard
 
-    path = resolve(directory)
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    meta = inspect(directory)
+    path = meta["path"]
     shards: dict[str, dict[int, torch.Tensor]] = {}
     opt_shards: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for fname, info in meta["files"].items():
-        blob = torch.load(os.path.join(path, fname), weights_only=True)
+        blob = _load_shard(os.path.join(path, fname))
         for name, t in blob["weights"].items():
             shards.setdefault(name, {})[info["tp_rank"]] = t
         for name, st in blob["states"].items():
@@ -131,6 +240,122 @@ def load(directory: str) -> tuple[dict, int]:
     if mcfg.tie_embeddings and "head.weight" not in model:
         model["head.weight"] = model["tok_emb.weight"]
     return {"model": model, "optimizer": optimizer}, meta["step"]
+
+
+def _load_shard(path: str) -> dict:
+    try:
+        blob = torch.load(path, weights_only=True)
+        if not isinstance(blob, dict) or not {"weights", "states"} <= set(blob):
+            raise ValueError("not a minipar shard")
+        return blob
+    except Exception as e:  # torch raises several kinds for a damaged zip or pickle
+        raise CheckpointError(f"{path} is damaged or not a minipar shard "
+                              f"({type(e).__name__})") from None
+
+
+# --- checks before a run starts, and the lock of a --save directory ----------------------
+LOCK = ".minipar.lock"
+SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "tie_embeddings")
+
+
+def check_resume(directory: str, cfg) -> None:
+    """Raise ``CheckpointError`` (one line) unless ``cfg`` can resume from ``directory``."""
+    from minipar.model import get_config
+
+    meta = inspect(directory)
+    saved = meta["config"]
+    try:
+        theirs = get_config(saved["model"]).with_(**saved.get("overrides", {}))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{meta['path']}/meta.json names a model this minipar does "
+                              f"not know ({e})") from None
+    ours = cfg.model_config()
+    if any(getattr(theirs, k) != getattr(ours, k) for k in SHAPE):
+        raise CheckpointError(
+            f"--resume {directory} holds model {saved['model']!r} ({_shape(theirs)}), not "
+            f"this run's {cfg.model!r} ({_shape(cfg.model_config())}): pass the same "
+            "--model and sizes")
+    end = cfg.steps if cfg.stop_at is None else cfg.stop_at
+    if meta["step"] >= end:
+        raise CheckpointError(f"--resume {directory} is at step {meta['step']}, and this "
+                              f"run ends at step {end}: nothing to train; raise --steps")
+
+
+def _shape(m) -> str:
+    return (f"{m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
+            f"vocab {m.vocab_size}, seq_len {m.seq_len}")
+
+
+def check_save(directory: str, resume: str | None) -> None:
+    """Raise ``CheckpointError`` unless a run may save into ``directory``: not in use by
+    another live run, and not holding another run's checkpoints (only a run resuming
+    from ``directory`` itself continues there)."""
+    if not os.path.isdir(directory):
+        return  # created at launch (the path checks make sure it can be)
+    owner = _lock_owner(directory)
+    if owner is not None:
+        raise _in_use(directory, owner)
+    same = resume is not None and os.path.realpath(resume) == os.path.realpath(directory)
+    theirs = sorted(n for n in os.listdir(directory) if n == "latest" or (
+        n.startswith("step-") and not n.endswith((".tmp", ".old"))))  # not a killed save's
+    if theirs and not same:
+        raise CheckpointError(f"--save {directory} already holds another run's checkpoints "
+                              f"({', '.join(theirs[:2])}); resume it with --resume "
+                              f"{directory}, or save into an empty directory")
+
+
+def _in_use(directory: str, pid: int) -> CheckpointError:
+    return CheckpointError(f"--save {directory} is in use by another run (process {pid}); "
+                           "wait for it, or save elsewhere")
+
+
+def _lock_owner(directory: str) -> int | None:
+    """The live process holding ``directory``'s lock, or None (no lock, or a stale one)."""
+    try:
+        with open(os.path.join(directory, LOCK)) as f:
+            pid = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # its run was killed without cleaning up
+    except PermissionError:
+        pass  # alive, another user's
+    return pid
+
+
+@contextmanager
+def locked(directory: str):
+    """Hold ``directory`` for this process while a run saves into it.
+
+    The lock is a file created exclusively (``O_EXCL``: of two runs starting together
+    exactly one wins) holding this process's id; a lock whose process is gone is stale
+    and taken over.
+    """
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            owner = _lock_owner(directory)
+            if owner is not None:
+                raise _in_use(directory, owner) from None
+            with suppress(OSError):
+                os.unlink(path)  # stale
+    else:
+        raise CheckpointError(f"--save {directory}: could not take its lock {path}")
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        with suppress(OSError):
+            os.unlink(path)
 
 
 def load_optimizer_state(rm: RankMesh, model, optimizer, precision, full: dict,

@@ -88,20 +88,23 @@ class CommRecord:
 class CommLog:
     """A rank's record of everything it communicated.
 
-    ``on_enter`` is called with each record before the op runs; the launcher uses it
-    to know where a rank is stuck. Set ``enabled=False`` to stop recording (for
-    benchmarks of the recording itself).
+    ``on_enter`` is called with each record before the op runs, ``on_exit`` once it is
+    over; the launcher uses them to say where a rank is stuck (inside an op, or after).
+    Set ``enabled=False`` to stop recording (for benchmarks of the recording itself).
     """
 
     records: list[CommRecord] = field(default_factory=list)
     on_enter: Callable[[CommRecord], None] | None = None
     enabled: bool = True
+    on_exit: Callable[[CommRecord], None] | None = None
 
     def __post_init__(self) -> None:
-        if self.on_enter is None:
-            from minipar.launch import rank_status_reporter  # the launcher's hook, if any
+        from minipar.launch import rank_status_reporter  # the launcher's hooks, if any
 
+        if self.on_enter is None:
             self.on_enter = rank_status_reporter()
+        if self.on_exit is None:
+            self.on_exit = rank_status_reporter(after=True)
 
     def enter(self, op: str, dim: str, t: torch.Tensor, n: int, nbytes: int | None = None,
               peer: int | None = None) -> CommRecord:
@@ -113,6 +116,12 @@ class CommLog:
         if self.enabled:
             self.records.append(rec)
         return rec
+
+    def finish(self, rec: CommRecord) -> None:
+        """Stamp the end of ``rec``'s op, which is over."""
+        rec.end = time.time()
+        if self.on_exit is not None:
+            self.on_exit(rec)
 
     def clear(self) -> None:
         self.records.clear()
@@ -141,14 +150,18 @@ class CommLog:
 class Pending:
     """An asynchronous op in flight; ``wait()`` finishes it and stamps its end time."""
 
-    def __init__(self, work, record: CommRecord, then: Callable[[], None] | None = None):
-        self.work, self.record, self.then = work, record, then
+    def __init__(self, work, record: CommRecord, then: Callable[[], None] | None = None,
+                 finish: Callable[[CommRecord], None] | None = None):
+        self.work, self.record, self.then, self.finish = work, record, then, finish
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            self.record.end = time.time()
+            if self.finish is not None:
+                self.finish(self.record)
+            else:
+                self.record.end = time.time()
             if self.then is not None:
                 self.then()
 
@@ -186,8 +199,8 @@ class Comm:
         rec = self.log.enter(op, self.dim, t, self.size, nbytes, peer)
         work = fn()
         if async_op:
-            return Pending(work, rec, then)
-        rec.end = time.time()
+            return Pending(work, rec, then, self.log.finish)
+        self.log.finish(rec)
         if then is not None:
             then()
         return None

@@ -76,13 +76,11 @@ def _choice(flag: str, value, allowed) -> None:
 def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Raise ``ValueError`` (one line) for anything that cannot run. ``world_size``: the
     size of a job started by torchrun, which the layout must fill exactly."""
+    from minipar import checks
     from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 
     for name in ("dp", "pp", "tp", "steps", "microbatches", "virtual", "batch_size"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
-                             f"got {value!r}")
+        checks.positive(name.replace("_", "-"), getattr(cfg, name))
     _choice("zero", cfg.zero, (0, 1, 2, 3))
     _choice("schedule", cfg.schedule, SCHEDULE_NAMES)
     _choice("dtype", cfg.dtype, DTYPES)
@@ -97,12 +95,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                          f"ranks does not match the job's world size {world_size}")
     model = cfg.model_config()
     check_tp(model, cfg.tp, cfg.sp)
-    if cfg.sp and cfg.tp == 1:
-        raise ValueError("--sp (sequence parallelism) splits along tp: it needs --tp > 1")
-    chunks = cfg.pp * cfg.virtual
-    if model.n_layer < chunks:
-        raise ValueError(f"{model.n_layer} layers cannot fill pp={cfg.pp} x "
-                         f"virtual={cfg.virtual} = {chunks} pipeline chunks")
+    checks.layout(model, cfg.dp, cfg.pp, cfg.tp, cfg.virtual, cfg.sp)
     if cfg.virtual > 1 and cfg.schedule != "interleaved":
         raise ValueError(f"--virtual {cfg.virtual} needs --schedule interleaved "
                          f"(got {cfg.schedule})")
@@ -125,9 +118,37 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                          f"got {cfg.stop_at}")
     if cfg.lr <= 0 or not math.isfinite(cfg.lr):
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
+    checks.seed(cfg.seed)
+    if not (isinstance(cfg.timeout, (int, float)) and 0 < cfg.timeout < math.inf):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
     _check_device(cfg)
-    if cfg.resume is not None and not os.path.isdir(cfg.resume):
-        raise ValueError(f"--resume {cfg.resume}: no such checkpoint directory")
+    _check_files(cfg)
+
+
+def _check_files(cfg: TrainConfig) -> None:
+    """Outputs that can be written, a checkpoint that can be resumed: before any rank."""
+    from minipar import checkpoint, checks
+
+    checks.output_file("trace", cfg.trace)
+    checks.output_dir("save", cfg.save)
+    if cfg.resume is not None:
+        if not os.path.isdir(cfg.resume):
+            raise ValueError(f"--resume {cfg.resume}: no such checkpoint directory")
+        checkpoint.check_resume(cfg.resume, cfg)
+    if cfg.save is not None:
+        checkpoint.check_save(cfg.save, cfg.resume)
+
+
+def oversubscription(world_size: int) -> str | None:
+    """A note when ranks outnumber the cores (the course promises laptops up to 8 ranks):
+    each rank then gets a slice of a core, and a run takes that many times longer."""
+    cores = os.cpu_count() or 1
+    if world_size <= 8:
+        return None
+    share = max(1.0, world_size / cores)
+    return (f"{world_size} ranks on {cores} cores: the cores are oversubscribed, so expect "
+            f"each step to take about {share:.0f}x as long as one rank per core would "
+            "(raise --timeout if the run needs longer than its default 600 s)")
 
 
 def _check_device(cfg: TrainConfig) -> None:

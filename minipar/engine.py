@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from minipar import checkpoint
 from minipar.config import (
     TrainConfig,
     device_for,
@@ -223,19 +224,20 @@ def _with_total(mem: dict) -> dict:
 
 def rank_main(cfg: TrainConfig) -> dict:
     """Train on this rank (inside ``launch`` or torchrun); return this rank's record."""
-    from minipar import checkpoint
-
     mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order)
     rm = mesh.connect()
     full_state, start = None, 0
     if cfg.resume:
         full_state, start = checkpoint.load(cfg.resume)
+    end = cfg.steps if cfg.stop_at is None else cfg.stop_at
+    if start >= end:  # validate says so before launch; here for a direct caller
+        raise ValueError(f"the checkpoint is at step {start} and the run ends at step "
+                         f"{end}: nothing to train")
     parts = build(cfg, rm, full_state)
     data = MarkovData(parts.model.cfg.vocab_size, parts.model.cfg.seq_len, seed=cfg.seed)
     reports_loss = rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
     losses, norms, timeline, step_times, act_peak = [], [], [], [], 0
     param_storages = [p for p in parts.model.parameters()]
-    end = cfg.steps if cfg.stop_at is None else cfg.stop_at
     for step in range(start, end):
         t0 = time.time()
         with ActivationMeter(exclude=param_storages) as meter:
@@ -253,7 +255,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         checkpoint.save(cfg.save, end, cfg, rm, parts)
     last_step = [e for e in timeline if e["step"] == end - 1]
     return {
-        "rank": rm.rank, "coords": rm.coords._asdict(), "losses": losses,
+        "rank": rm.rank, "coords": rm.coords._asdict(), "first_step": start,
+        "losses": losses,
         "grad_norms": norms, "step_seconds": step_times,
         "memory": _with_total({**out["memory"], "activations": act_peak}),
         "peak_in_flight": out["peak_in_flight"] if end > start else 0,
@@ -275,12 +278,17 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
 
     ranks = sorted(ranks, key=lambda r: r["rank"])
     last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order).rank(dp=0, pp=cfg.pp - 1, tp=0)
+    record = {"config": cfg.to_dict(), "losses": ranks[last]["losses"],
+              "first_step": ranks[last].get("first_step", 0), "seconds": seconds,
+              "world_size": cfg.world_size, "ranks": ranks}
     if cfg.trace:
-        write_chrome_trace(cfg.trace, [{**r, **r["trace"]} for r in ranks])
+        try:  # a trace that cannot be written must not lose the run's record
+            write_chrome_trace(cfg.trace, [{**r, **r["trace"]} for r in ranks])
+        except OSError as e:
+            record["trace_error"] = f"--trace {cfg.trace}: not written ({e.strerror or e})"
     for r in ranks:
         r.pop("trace", None)
-    return {"config": cfg.to_dict(), "losses": ranks[last]["losses"], "seconds": seconds,
-            "world_size": cfg.world_size, "ranks": ranks}
+    return record
 
 
 def train(cfg: TrainConfig, progress=None) -> dict:
@@ -288,7 +296,9 @@ def train(cfg: TrainConfig, progress=None) -> dict:
 
     ``progress(step, loss)`` is called in this process as steps finish. Returns the
     run's record: ``losses`` (one per step, mean over the global batch), the config, and
-    per rank its coordinates, memory, communication and last step's timeline.
+    per rank its coordinates, memory, communication and last step's timeline;
+    ``first_step`` (not 0 after ``resume``); ``trace_error`` when ``cfg.trace`` could not
+    be written (the record is returned all the same: a trace must not cost the run).
     """
     t0 = time.time()
     if _under_torchrun():
@@ -304,8 +314,9 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     # notebook cell) fails in the child ("Unable to handle autograd's threading in
     # combination with fork-based multiprocessing"): spawn there; rank_main is importable.
     method = "spawn" if torch.cuda.is_available() else None
-    ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
-                   timeout=cfg.timeout, on_progress=on_progress, start_method=method)
+    with checkpoint.locked(cfg.save) if cfg.save else nullcontext():  # one run per --save
+        ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
+                       timeout=cfg.timeout, on_progress=on_progress, start_method=method)
     return _assemble(cfg, list(ranks), time.time() - t0)
 
 

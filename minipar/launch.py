@@ -12,25 +12,27 @@ their results (rank order). What makes it safe for a room of laptops:
 * **Notebook functions work.** The default start method on Linux and macOS is ``fork``: a
   function defined in a notebook cell is inherited, not pickled. A forked child first
   calls ``torch.set_num_threads(1)``: a fork of a process whose OpenMP pool already ran
-  hangs at its first parallel op otherwise. With ``start_method="spawn"`` (or CUDA
-  already initialised, where fork is broken) ``fn`` must live in an importable ``.py``
-  module; we check that before starting anything.
+  hangs at its first parallel op otherwise, which is why ``threads > 1`` needs spawn.
+  With ``start_method="spawn"`` (or CUDA already initialised, where fork is broken)
+  ``fn`` must live in an importable ``.py`` module; we check that before starting.
 * **Failures come back, fast, with the rank.** An exception on any rank stops every
   rank and raises ``RankFailed`` with that rank's traceback. A rank that dies (a signal,
   ``os._exit``) raises ``RankDied`` with its exit code. A run past ``timeout`` raises
-  ``RankTimeout`` naming, per rank, the last collective it entered (op, group, shape).
-  Ctrl-C or a kernel interrupt stops the children too.
-* **No orphans.** Children are terminated, then killed, on every exit path, and each
-  asks the kernel to kill it if the parent dies (Linux ``PR_SET_PDEATHSIG``).
+  ``RankTimeout`` saying, per rank, which counted collective it is inside (op, group,
+  shape), or which it finished last. Ctrl-C or a kernel interrupt stops the children.
+* **No orphans, no litter.** Each rank leads a process group; on every exit path the
+  groups are terminated, then killed, so a rank's own children go with it. Each rank
+  asks the kernel to kill it if the parent dies (Linux ``PR_SET_PDEATHSIG``), and a
+  SIGTERM to the parent still removes the temporary store file and rank logs.
 * **Quiet ranks.** A rank's stdout and stderr (warnings, gloo's C++ logs) go to a file,
   never to the notebook; ``capture_output=True`` returns them, and error reports end
-  with their last lines.
+  with their last lines (read from the end of the file, however long it grew).
+
+The rank's side of all this is ``minipar/rank.py``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -38,47 +40,17 @@ import pickle
 import signal
 import sys
 import tempfile
+import threading
 import time
-import traceback
-import warnings
 from collections.abc import Callable
-from datetime import timedelta
+from contextlib import contextmanager
 from typing import Any
 
-# --- this process's rank status slot (set only inside a launched child) ------------
-_STATUS_SLOT = None  # a shared char array the parent reads when a run times out
-_PROGRESS_SLOT = None  # a shared char array the parent passes to ``on_progress``
+from minipar.rank import child, get_status, rank_status_reporter
+from minipar.rank import report_progress as report_progress
 
-
-def rank_status_reporter() -> Callable | None:
-    """The hook comm.CommLog calls on entering an op; None outside a launched rank."""
-    slot = _STATUS_SLOT
-    if slot is None:
-        return None
-
-    def report(record) -> None:
-        _set_status(slot, f"last entered {record.describe()}")
-
-    return report
-
-
-def report_progress(text: str) -> None:
-    """Tell the launching process how this rank is doing (e.g. "step 3/50 loss 2.1").
-
-    The parent hands it to ``launch(on_progress=...)``; a no-op outside a launched rank.
-    """
-    if _PROGRESS_SLOT is not None:
-        _set_status(_PROGRESS_SLOT, text)
-
-
-def _set_status(slot, text: str) -> None:
-    data = text.encode()[: len(slot) - 1]
-    slot[: len(data) + 1] = data + b"\0"
-
-
-def _get_status(slot) -> str:
-    return bytes(slot[:]).split(b"\0", 1)[0].decode(errors="replace")
-
+__all__ = ["launch", "LaunchError", "RankFailed", "RankDied", "RankTimeout", "Results",
+           "default_start_method", "rank_status_reporter", "report_progress"]
 
 class LaunchError(RuntimeError):
     """A launched run failed; ``rank`` says which rank, the message says what it did."""
@@ -150,98 +122,43 @@ def _rendezvous_file() -> str:
     return path
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent exits (no orphans)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def _set_process_name(name: str) -> None:
-    """Show ``minipar-rank3`` in ps, top and psutil, not a copy of the parent's name."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15])  # PR_SET_NAME
-        except OSError:
-            pass
-
-
-def _child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress,
-           out_path, threads, timeout, parent_pid):
-    global _STATUS_SLOT, _PROGRESS_SLOT
-    _die_with_parent()
-    _set_process_name(f"minipar-rank{rank}")
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for us
-    out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    # The Python-level streams too: in a notebook they are the kernel's (which forwards a
-    # forked child's prints into the notebook, unordered), not file descriptors 1 and 2.
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    # An inherited faulthandler (pytest enables one) writes a crash's Python stack to the
-    # parent's terminal; the death report's log tail (gloo's own message) says more.
-    faulthandler.disable()
-    warnings.simplefilter("ignore")
-    _STATUS_SLOT, _PROGRESS_SLOT = slot, progress
-    _set_status(slot, "starting")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+def _tail(path: str, lines: int = 15, limit: int = 64 * 1024) -> str:
+    """The last ``lines`` lines of a rank's log, reading at most its last ``limit`` bytes
+    (a rank may have printed gigabytes)."""
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(threads)
-        _set_status(slot, "joining the process group")
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        # The parent's deadline must come first: its RankTimeout says where every rank
-        # was, while gloo's own timeout would only name one rank's op.
-        late = timedelta(seconds=timeout + 30)
-        store = dist.FileStore(store_path, world_size)
-        store.set_timeout(late)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=late)
-        _set_status(slot, "running (no collective entered yet)")
-        result = fn(*args, **kwargs)
-        payload = pickle.dumps(("ok", result))
-        ok = True
-        _set_status(slot, "finished")
-    except BaseException as e:  # report everything, SystemExit included
-        ok = False
-        tb = traceback.format_exc()
-        payload = pickle.dumps(("error", (type(e).__name__, str(e), tb,
-                                          _get_status(slot), time.time())))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    conn.send_bytes(payload)
-    conn.close()
-    try:
-        import torch.distributed as dist
-
-        if ok and dist.is_initialized():
-            # Leave together: a rank that closes its sockets while a slower peer is still
-            # in init_process_group makes that peer fail ("connectFullMesh failed ...
-            # Connection closed by peer"), e.g. when fn returns without communicating.
-            dist.barrier()
-            dist.destroy_process_group()
-    except Exception:
-        pass
-
-
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - limit))
+            text = f.read(limit).decode(errors="replace")
     except OSError:
         return ""
+    return "".join(text.splitlines(keepends=True)[-lines:])
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@contextmanager
+def _cleanup_on_sigterm():
+    """Turn a SIGTERM of this process into SystemExit while ranks run, so the cleanup of
+    ``launch`` (stop the ranks, delete the files) runs; only where SIGTERM would kill us
+    without one (the main thread, default handler): never replace someone's handler."""
+    def exit_cleanly(signum, frame):
+        raise SystemExit(128 + signum)
+
+    mine = (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    if mine:
+        signal.signal(signal.SIGTERM, exit_cleanly)
+    try:
+        yield
+    finally:
+        if mine:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def launch(
@@ -272,43 +189,58 @@ def launch(
     method = start_method or default_start_method()
     if method == "spawn" or method == "forkserver":
         _check_spawnable(fn)
+    elif threads != 1:
+        raise ValueError(
+            f"threads={threads} needs start_method='spawn': a forked rank of a process "
+            "that already ran multi-threaded torch work hangs at its first parallel op "
+            "(the OpenMP pool does not survive fork); or keep threads=1")
     ctx = mp.get_context(method)
     kwargs = kwargs or {}
     start = time.monotonic()
-    store_path = _rendezvous_file()
     procs, conns, slots, paths, progress = [], [], [], [], []
+    with _cleanup_on_sigterm():
+        store_path = _rendezvous_file()
+        try:
+            for rank in range(world_size):
+                recv_end, send_end = ctx.Pipe(duplex=False)
+                slots.append(ctx.Array("c", 400, lock=False))
+                progress.append(ctx.Array("c", 200, lock=False))
+                fd, path = tempfile.mkstemp(prefix=f"minipar-rank{rank}-", suffix=".log")
+                os.close(fd)
+                paths.append(path)
+                p = ctx.Process(
+                    target=child, name=f"minipar-rank{rank}", daemon=True,
+                    args=(rank, world_size, backend, store_path, fn, args, kwargs, send_end,
+                          slots[rank], progress[rank], path, threads, timeout, os.getpid()))
+                p.start()
+                procs.append(p)
+                _lead_group(p)
+                send_end.close()
+                conns.append(recv_end)
+            watch = _ProgressWatch(progress, on_progress)
+            results = _collect(procs, conns, slots, paths, timeout, start, watch)
+            results.outputs = ([_read(p) for p in paths] if capture_output
+                               else [""] * world_size)
+            results.seconds = time.monotonic() - start
+            return results
+        finally:
+            _stop(procs)
+            for c in conns:
+                c.close()
+            for path in [*paths, store_path]:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+
+def _lead_group(p) -> None:
+    """The parent's half of ``rank.lead_process_group`` (whichever runs first wins the
+    race; a spawned child that already exec'd refuses it: it makes the call itself)."""
     try:
-        for rank in range(world_size):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            slot = ctx.Array("c", 400, lock=False)
-            progress.append(ctx.Array("c", 200, lock=False))
-            fd, path = tempfile.mkstemp(prefix=f"minipar-rank{rank}-", suffix=".log")
-            os.close(fd)
-            p = ctx.Process(
-                target=_child, name=f"minipar-rank{rank}", daemon=True,
-                args=(rank, world_size, backend, store_path, fn, args, kwargs, send_end, slot,
-                      progress[rank], path, threads, timeout, os.getpid()))
-            p.start()
-            send_end.close()
-            procs.append(p)
-            conns.append(recv_end)
-            slots.append(slot)
-            paths.append(path)
-        watch = _ProgressWatch(progress, on_progress)
-        results = _collect(procs, conns, slots, paths, timeout, start, watch)
-        results.outputs = ([_tail(p, 10**9) for p in paths] if capture_output
-                           else [""] * world_size)
-        results.seconds = time.monotonic() - start
-        return results
-    finally:
-        _stop(procs)
-        for c in conns:
-            c.close()
-        for path in [*paths, store_path]:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        os.setpgid(p.pid, p.pid)
+    except (OSError, AttributeError):
+        pass
 
 
 class _ProgressWatch:
@@ -323,7 +255,7 @@ class _ProgressWatch:
         if self.callback is None:
             return
         for rank, slot in enumerate(self.slots):
-            text = _get_status(slot)
+            text = get_status(slot)
             if text != self.seen[rank]:
                 self.seen[rank] = text
                 self.callback(rank, text)
@@ -389,7 +321,7 @@ def _death_report(rank, code, slot, path) -> str:
             how = f"killed by signal {-code}"
     else:
         how = f"exited with code {code}"
-    msg = f"rank {rank} {how} without reporting a result (it was: {_get_status(slot)})"
+    msg = f"rank {rank} {how} without reporting a result (it was: {get_status(slot)})"
     tail = _tail(path, 8).strip()
     return msg + (f"\n--- last output of rank {rank} ---\n{tail}" if tail else "")
 
@@ -397,7 +329,7 @@ def _death_report(rank, code, slot, path) -> str:
 def _timeout_report(procs, slots, waiting, timeout) -> str:
     lines = [f"timed out after {timeout:g} s; where each rank was:"]
     for r, slot in enumerate(slots):
-        state = _get_status(slot) if r in waiting else "finished"
+        state = get_status(slot) if r in waiting else "finished"
         lines.append(f"  rank {r}: {state}")
     lines.append("A rank that skipped a collective its group entered leaves the others "
                  "waiting; compare the ops above.")
@@ -405,13 +337,22 @@ def _timeout_report(procs, slots, waiting, timeout) -> str:
 
 
 def _stop(procs) -> None:
-    """Terminate, then kill, every child still alive, and reap them all."""
+    """Terminate, then kill, every rank's process group (the rank and whatever it
+    started, even after the rank itself has finished), and reap the ranks."""
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        _signal(p, signal.SIGTERM)
     deadline = time.monotonic() + 3.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        _signal(p, signal.SIGKILL)
+        p.join(2.0)
+
+
+def _signal(p, sig: int) -> None:
+    """Send ``sig`` to rank ``p``'s process group; to the rank alone if it has none."""
+    try:
+        os.killpg(p.pid, sig)  # the group's id is the rank's pid (see _lead_group)
+    except (OSError, AttributeError):  # no such group (never formed, or all gone)
         if p.is_alive():
-            p.kill()
-            p.join(2.0)
+            p.kill() if sig == signal.SIGKILL else p.terminate()

@@ -155,6 +155,9 @@ def check_run(cfg, record: dict) -> dict:
     from minipar.engine import train_reference
 
     ref = train_reference(cfg)
+    first = record.get("first_step", 0)  # a resumed run: the reference's same steps
+    for key in ("losses", "grad_norms"):
+        ref[key] = ref[key][first:first + len(record["losses"])]
     params = ref_params = None
     if cfg.save and cfg.stop_at in (None, cfg.steps):
         params = final_parameters(cfg.save)

@@ -80,3 +80,80 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path) -> None:
     state, step = checkpoint.load(d)
     assert step == 1 and "tok_emb.weight" in state["model"]
     assert run(resume=d)[0] > 0  # and training resumes from it
+
+
+def _resave_dying_at(directory: str, k: int) -> int:
+    """Save step 1, then save step 1 again and die at the k-th rename or delete of that
+    second save; returns how many there were when it lives."""
+    import shutil
+
+    from minipar.engine import build
+    from minipar.mesh import Mesh
+
+    cfg = TrainConfig(steps=1)
+    rm = Mesh(1, 1, 1).connect()
+    parts = build(cfg, rm)
+    checkpoint.save(directory, 1, cfg, rm, parts)
+    calls = 0
+
+    def dying(real):
+        def call(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == k:
+                os._exit(9)  # a kill at exactly this point of the save
+            return real(*args, **kwargs)
+        return call
+
+    os.replace, shutil.rmtree = dying(os.replace), dying(shutil.rmtree)
+    checkpoint.save(directory, 1, cfg, rm, parts)
+    return calls
+
+
+def test_a_kill_anywhere_in_a_resave_leaves_a_complete_checkpoint(tmp_path) -> None:
+    """Re-saving a step replaces a directory, which no single rename can do: at every
+    point of it, ``latest`` must still name a complete checkpoint."""
+    steps = launch(_resave_dying_at, 1, args=(str(tmp_path / "whole"), 0), timeout=120)[0]
+    assert steps >= 5
+    for k in range(1, steps + 1):
+        d = str(tmp_path / f"killed-at-{k}")
+        with pytest.raises(RankDied):
+            launch(_resave_dying_at, 1, args=(d, k), timeout=120)
+        state, step = checkpoint.load(d)  # resolve, check every file, read every tensor
+        assert step == 1 and "tok_emb.weight" in state["model"], k
+        checkpoint.check_resume(d, TrainConfig(steps=2))
+        if open(os.path.join(d, "latest")).read().endswith(".tmp"):  # killed mid-publish:
+            launch(_resave_dying_at, 1, args=(d, 0), timeout=120)  # the next save finishes
+            assert checkpoint.resolve(d).endswith("step-000001")  # it and saves its own
+            assert checkpoint.load(d)[1] == 1
+
+
+def test_a_save_directory_is_held_by_one_run(tmp_path) -> None:
+    d = str(tmp_path)
+    with open(os.path.join(d, checkpoint.LOCK), "w") as f:
+        f.write("1")  # a live process (init) holds it
+    with pytest.raises(checkpoint.CheckpointError, match="in use by another run"):
+        with checkpoint.locked(d):
+            pass
+    with open(os.path.join(d, checkpoint.LOCK), "w") as f:
+        f.write("999999999")  # no such process: a stale lock, taken over
+    with checkpoint.locked(d):
+        with open(os.path.join(d, checkpoint.LOCK)) as f:
+            assert f.read() == str(os.getpid())
+    assert not os.path.exists(os.path.join(d, checkpoint.LOCK))
+
+
+def test_resume_with_compare_compares_the_same_steps(tmp_path, capsys) -> None:
+    import json
+
+    from minipar.__main__ import main
+
+    d, out = str(tmp_path / "ck"), tmp_path / "run.json"
+    assert main(["train", "--steps", "4", "--stop-at", "2", "--save", d, "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--steps", "4", "--resume", d, "--compare", "--quiet",
+                 "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["first_step"] == 2 and len(record["reference_losses"]) == 2
+    assert max(abs(a - b) for a, b in zip(record["losses"], record["reference_losses"])) < 1e-4
+    assert "    2  " in capsys.readouterr().out  # steps numbered from where it resumed

@@ -12,11 +12,13 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 import types
 import warnings
+from pathlib import Path
 
 import _launch_helpers as helpers
 import psutil
@@ -33,6 +35,9 @@ from minipar.launch import (
     default_start_method,
     launch,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # --- process bookkeeping --------------------------------------------------------------
 
@@ -246,8 +251,9 @@ def test_hang_names_each_ranks_last_collective(slow_parent):
         launch(_skip_a_collective, 2, timeout=3)
     assert time.monotonic() - start < 10
     report = str(info.value)
-    assert "rank 0: last entered all_reduce on tp, shape (2, 5) float32" in report
-    assert "rank 1: last entered all_reduce on tp, shape (3,) float32" in report
+    assert "rank 0: inside all_reduce on tp, shape (2, 5) float32" in report
+    assert ("rank 1: after all_reduce on tp, shape (3,) float32, then running code outside "
+            "minipar's counted calls") in report
 
 
 def _sleep_forever() -> None:
@@ -321,3 +327,104 @@ def test_results_come_back_in_rank_order_with_tensors():
     for rank, r in enumerate(res):
         assert torch.equal(r["t"], torch.arange(rank + 1, dtype=torch.float32) * rank)
     assert res.seconds > 0
+
+
+# --- threads, process groups, SIGTERM, long logs, hangs outside minipar ----------------
+
+
+def test_threads_under_fork_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="threads=2 needs start_method='spawn': a forked"):
+        launch(_sleep_forever, 1, threads=2, start_method="fork")
+
+
+def _start_a_child(then: str) -> int:
+    import subprocess
+
+    pid = subprocess.Popen(["sleep", "120"]).pid
+    if then == "raise":
+        raise RuntimeError(f"child {pid}")
+    if then == "hang":
+        with open(os.environ["MINIPAR_TEST_PIDFILE"], "w") as f:
+            f.write(str(pid))
+        time.sleep(120)
+    return pid
+
+
+def _gone(pid: int, within: float = 3.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("then", ["return", "raise", "hang"])
+def test_a_ranks_own_children_die_with_it(then, tmp_path, monkeypatch):
+    pidfile = tmp_path / "pid"
+    monkeypatch.setenv("MINIPAR_TEST_PIDFILE", str(pidfile))
+    try:
+        pid = launch(_start_a_child, 1, args=(then,), timeout=4)[0]
+    except RankFailed as e:
+        pid = int(str(e).split("child ")[1].split()[0])
+    except RankTimeout:
+        pid = int(pidfile.read_text())
+    assert _gone(pid), f"the rank's child {pid} outlived the launch ({then})"
+
+
+SIGTERM_SCRIPT = """
+import time
+from minipar.launch import launch
+launch(time.sleep, 2, args=(600,), timeout=300)
+"""
+
+
+def test_sigterm_of_the_parent_leaves_no_file_and_no_rank(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT], env=env)
+    me = psutil.Process(parent.pid)
+    deadline = time.monotonic() + 60
+    while len(me.children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks = me.children()
+    assert len(ranks) == 2 and [f for f in os.listdir(tmp) if f.startswith("minipar-")]
+    parent.terminate()
+    assert parent.wait(30) == 128 + signal.SIGTERM
+    assert not [f for f in os.listdir(tmp) if f.startswith("minipar-")]
+    assert all(_gone(p.pid) for p in ranks)
+
+
+def test_the_log_tail_is_read_from_the_end(tmp_path):
+    import tracemalloc
+
+    from minipar.launch import _tail
+
+    log = tmp_path / "rank.log"
+    with open(log, "w") as f:
+        for i in range(400_000):  # about 20 MB
+            f.write(f"line {i} of a rank that prints far too much\n")
+    tracemalloc.start()
+    tail = _tail(str(log), 3)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert tail.splitlines()[-1].startswith("line 399999 ")
+    assert len(tail.splitlines()) == 3 and peak < 1_000_000
+
+
+def _raw_collective_hang() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # not through minipar.comm: not counted
+    else:
+        time.sleep(120)
+
+
+def test_a_hang_outside_counted_calls_says_so():
+    with pytest.raises(RankTimeout) as info:
+        launch(_raw_collective_hang, 2, timeout=3)
+    assert ("rank 0: running code outside minipar's counted calls (no counted collective "
+            "entered yet)") in str(info.value)

@@ -286,8 +286,14 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      stages: list[int] | None = None) -> list[dict]:
     """``memory_breakdown`` for each pipeline stage (or the listed ``stages``); every
     data- and tensor-parallel rank of a stage holds the same (up to ZeRO padding)."""
+    from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
+
     if cfg is None and params is None:
         raise ValueError("give a model config (or preset name) or params=N")
+    for flag, value in (("dp", dp), ("pp", pp), ("tp", tp), ("virtual", virtual),
+                        ("microbatch-size", microbatch_size), ("microbatches", microbatches),
+                        ("params", params)):
+        positive(flag, value)
     cfg = get_model(cfg) if cfg is not None else None
     stages = list(range(pp)) if stages is None else stages
     out = []

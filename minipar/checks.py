@@ -1,0 +1,119 @@
+"""Checks on arguments alone, made before anything runs: sizes, output paths, theory inputs.
+
+Each raises ``ValueError`` with one line a learner can act on; the command line prints
+it as ``minipar <command>: error: ...`` (exit 2), the Python API raises it. The training
+checks are in ``minipar.config.validate``, which calls these; ``docs/errors.md`` lists
+every message and ``tests/test_cli_errors.py`` tries them.
+
+Output paths are checked *before* a run because a run can take an hour: a typo in
+``--json`` must not cost the losses it was meant to keep.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+SEED_MAX = 2**32 - 1  # seeds mix into torch generators as seed * 1_000_003 + step
+BUBBLE_TABLE_CELLS = 20_000  # pipeline actions simulated for the table; beyond: formulas
+
+
+def positive(flag: str, value) -> None:
+    """``--flag`` must be an integer of at least 1 (``None``: not given, fine)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"--{flag} must be a positive integer, got {value!r}")
+
+
+def seed(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+        raise ValueError(f"--seed must be an integer from 0 to {SEED_MAX}, got {value!r}")
+
+
+def _writable(directory: str) -> bool:
+    """Whether a file can be created in ``directory``: tried, since ``os.access`` says
+    yes to root even on a read-only mount."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
+def output_file(flag: str, path: str | None) -> None:
+    """``--json`` / ``--trace``: a file whose directory exists and takes new files."""
+    if path is None:
+        return
+    if path == "":
+        raise ValueError(f"--{flag} needs a file name, got ''")
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag} {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--{flag} {path}: directory {parent} does not exist")
+    if not _writable(parent) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--{flag} {path}: cannot write there (read-only)")
+
+
+def output_dir(flag: str, path: str | None) -> None:
+    """``--save``: a directory, or a path under a writable directory (created at launch)."""
+    if path is None:
+        return
+    if path == "":
+        raise ValueError(f"--{flag} needs a directory name, got ''")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--{flag} {path} is a file, not a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--{flag} {path}: {existing} is a file, not a directory")
+    if not _writable(existing):
+        raise ValueError(f"--{flag} {path}: cannot write in {existing} (read-only)")
+
+
+def model_sizes(**sizes) -> None:
+    """``--layers --hidden --heads --vocab --seq-len`` when given: positive integers."""
+    for flag, value in sizes.items():
+        positive(flag.replace("_", "-"), value)
+
+
+def layout(cfg, dp: int, pp: int, tp: int, virtual: int = 1, sp: bool = False) -> None:
+    """A layout the model can take: positive sizes, enough layers for the pipeline's
+    chunks, sequence parallelism only with tp (whether tp divides the model: the theory's
+    ``check_divisible`` and ``parallel.tp.check_tp``)."""
+    for flag, value in (("dp", dp), ("pp", pp), ("tp", tp), ("virtual", virtual)):
+        positive(flag, value)
+    if sp and tp == 1:
+        raise ValueError("--sp (sequence parallelism) splits along tp: it needs --tp > 1")
+    if cfg is None:
+        return
+    if cfg.n_layer < pp * virtual:
+        raise ValueError(f"{cfg.n_layer} layers cannot fill pp={pp} x virtual={virtual} "
+                         f"= {pp * virtual} pipeline chunks")
+
+
+def bubble(schedule: str, pp: int, microbatches: int, virtual: int) -> bool:
+    """Check ``bubble``'s sizes; True when the schedule is small enough to simulate and
+    draw (beyond ``BUBBLE_TABLE_CELLS`` actions only the closed forms are printed, so
+    the schedule is never built: its two shape rules are checked here instead)."""
+    for flag, value in (("pp", pp), ("microbatches", microbatches), ("virtual", virtual)):
+        positive(flag, value)
+    if virtual != 1 and schedule != "interleaved":
+        raise ValueError(f"--virtual {virtual} needs --schedule interleaved (got {schedule})")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"--schedule interleaved needs --microbatches divisible by --pp "
+                         f"({microbatches} % {pp} != 0)")
+    return pp * microbatches * virtual <= BUBBLE_TABLE_CELLS
+
+
+def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
+            top: int) -> None:
+    """``plan``'s cluster flags: a known GPU, positive counts."""
+    from minipar.theory.clusters import GPUS
+
+    for flag, value in (("gpus", gpus), ("gpus-per-node", gpus_per_node), ("batch", batch),
+                        ("top", top)):
+        positive(flag, value)
+    if gpu not in GPUS:
+        raise ValueError(f"unknown --gpu {gpu!r}; choose one of {sorted(GPUS)}")

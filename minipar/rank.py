@@ -1,0 +1,169 @@
+"""What runs inside a rank that ``minipar.launch`` started: the other side of the launcher.
+
+A launched rank, before it calls the user's function:
+
+* dies with its parent (Linux ``PR_SET_PDEATHSIG``) and leads a process group of its
+  own, so the launcher can stop the rank *and* whatever the rank started (a data-loader
+  worker, a shell command) with one signal to the group: nothing outlives a run;
+* writes its stdout and stderr to a log file, never to the notebook;
+* keeps two short texts in shared memory the parent can read at any time: its *status*
+  (where it is: inside or after which counted collective, shown when a run hangs) and
+  its *progress* (what ``report_progress`` said last, e.g. "step 3/50 loss 2.1").
+
+The status is written by ``minipar.comm``'s hooks on entering and finishing each op, so
+a hang names the op a rank waits in, or the last op it finished before it went off into
+code of its own (a raw ``torch.distributed`` call, a loop that never ends).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+
+# --- this process's status slots (set only inside a launched rank) ---------------------
+_STATUS_SLOT = None  # a shared char array the parent reads when a run times out
+_PROGRESS_SLOT = None  # a shared char array the parent passes to ``on_progress``
+OUTSIDE = "running code outside minipar's counted calls"
+
+
+def rank_status_reporter(after: bool = False) -> Callable | None:
+    """The hook comm.CommLog calls on entering an op (``after``: on finishing it); None
+    outside a launched rank."""
+    slot = _STATUS_SLOT
+    if slot is None:
+        return None
+
+    def report(record) -> None:
+        if after:
+            set_status(slot, f"after {record.describe()}, then {OUTSIDE}")
+        else:
+            set_status(slot, f"inside {record.describe()}")
+
+    return report
+
+
+def report_progress(text: str) -> None:
+    """Tell the launching process how this rank is doing (e.g. "step 3/50 loss 2.1").
+
+    The parent hands it to ``launch(on_progress=...)``; a no-op outside a launched rank.
+    """
+    if _PROGRESS_SLOT is not None:
+        set_status(_PROGRESS_SLOT, text)
+
+
+def set_status(slot, text: str) -> None:
+    data = text.encode()[: len(slot) - 1]
+    slot[: len(data) + 1] = data + b"\0"
+
+
+def get_status(slot) -> str:
+    return bytes(slot[:]).split(b"\0", 1)[0].decode(errors="replace")
+
+
+# --- the rank process ------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no orphans)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _set_process_name(name: str) -> None:
+    """Show ``minipar-rank3`` in ps, top and psutil, not a copy of the parent's name."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15])  # PR_SET_NAME
+        except OSError:
+            pass
+
+
+def lead_process_group() -> None:
+    """Make this process the leader of a new process group (its children join it), so
+    ``os.killpg`` stops them together. The parent makes the same call for us right after
+    the start, whichever of the two comes first."""
+    try:
+        os.setpgid(0, 0)
+    except (OSError, AttributeError):  # AttributeError: Windows
+        pass
+
+
+def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress,
+          out_path, threads, timeout, parent_pid):
+    """The body of rank ``rank``: set up, run ``fn``, send back its result or error."""
+    global _STATUS_SLOT, _PROGRESS_SLOT
+    _die_with_parent()
+    lead_process_group()
+    _set_process_name(f"minipar-rank{rank}")
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's cleanup handler
+    out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    # The Python-level streams too: in a notebook they are the kernel's (which forwards a
+    # forked child's prints into the notebook, unordered), not file descriptors 1 and 2.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    # An inherited faulthandler (pytest enables one) writes a crash's Python stack to the
+    # parent's terminal; the death report's log tail (gloo's own message) says more.
+    faulthandler.disable()
+    warnings.simplefilter("ignore")
+    _STATUS_SLOT, _PROGRESS_SLOT = slot, progress
+    set_status(slot, "starting")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        set_status(slot, "joining the process group")
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        # The parent's deadline must come first: its RankTimeout says where every rank
+        # was, while gloo's own timeout would only name one rank's op.
+        late = timedelta(seconds=timeout + 30)
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(late)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=late)
+        set_status(slot, f"{OUTSIDE} (no counted collective entered yet)")
+        result = fn(*args, **kwargs)
+        payload = pickle.dumps(("ok", result))
+        ok = True
+        set_status(slot, "finished")
+    except BaseException as e:  # report everything, SystemExit included
+        ok = False
+        tb = traceback.format_exc()
+        payload = pickle.dumps(("error", (type(e).__name__, str(e), tb,
+                                          get_status(slot), time.time())))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send_bytes(payload)
+    conn.close()
+    try:
+        import torch.distributed as dist
+
+        if ok and dist.is_initialized():
+            # Leave together: a rank that closes its sockets while a slower peer is still
+            # in init_process_group makes that peer fail ("connectFullMesh failed ...
+            # Connection closed by peer"), e.g. when fn returns without communicating.
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:
+        pass
