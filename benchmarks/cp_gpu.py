@@ -1,0 +1,88 @@
+"""Ring attention (minipar.parallel.cp) on GPUs with NCCL: parity, balance and time.
+
+One rank per GPU. Every rank draws the same full q, k, v and output gradient, runs the
+single-device reference (``F.scaled_dot_product_attention(is_causal=True)``) on the
+whole sequence on its own GPU, then ring attention on its shard, and reports the worst
+difference of its shard of the output and of the q, k, v gradients, plus the time of
+one ring forward + backward (median of a few, after a warm-up) for each layout. The
+zig-zag split should give every rank the same time; the contiguous split should not.
+
+    python benchmarks/cp_gpu.py --cp 2 --seq 8192          # on a machine with 2 GPUs
+    python benchmarks/cp_gpu.py --cp 2 --seq 64 --device cpu   # a dry run anywhere (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from minipar.comm import Comm
+from minipar.launch import launch
+from minipar.parallel.cp import ring_attention, shard_sequence
+
+
+def _rank(seq: int, heads: int, hd: int, dtype: str, device: str, reps: int) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device(f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu")
+    comm = Comm(dim="cp")
+    r, n = comm.rank, comm.size
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    g = torch.Generator(device=dev).manual_seed(0)
+    full = [torch.randn(1, heads, seq, hd, generator=g, device=dev, dtype=dt)
+            for _ in range(4)]
+    ref = [t.clone().requires_grad_() for t in full[:3]]
+    ref_out = F.scaled_dot_product_attention(*ref, is_causal=True)
+    ref_out.backward(full[3])
+    want = [ref_out.detach()] + [t.grad for t in ref]
+    result: dict = {"rank": r, "device": torch.cuda.get_device_name(dev)
+                    if device == "cuda" else "cpu"}
+    for layout in ("zigzag", "contiguous"):
+        q, k, v, dout = (shard_sequence(t, r, n, layout, dim=2) for t in full)
+        times = []
+        for rep in range(reps + 1):
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = ring_attention(q, k, v, comm, layout)
+            out.backward(dout)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if rep:  # the first is the warm-up
+                times.append(time.perf_counter() - t0)
+        got = [out.detach(), q.grad, k.grad, v.grad]
+        err = [(a.float() - shard_sequence(b, r, n, layout, dim=2).float()).abs().max().item()
+               for a, b in zip(got, want)]
+        result[layout] = {"max_err_out": err[0], "max_err_grad": max(err[1:]),
+                          "seconds": statistics.median(times)}
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--hd", type=int, default=64)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    res = launch(_rank, a.cp, args=(a.seq, a.heads, a.hd, a.dtype, a.device, a.reps),
+                 backend=backend, timeout=300)
+    for r in res:
+        print(json.dumps(r))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "ranks": list(res)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
