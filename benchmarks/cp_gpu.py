@@ -9,6 +9,18 @@ zig-zag split should give every rank the same time; the contiguous split should 
 
     python benchmarks/cp_gpu.py --cp 2 --seq 8192          # on a machine with 2 GPUs
     python benchmarks/cp_gpu.py --cp 2 --seq 64 --device cpu   # a dry run anywhere (gloo)
+
+Measured on 4 H100 (torch 2.11, NCCL; 1 sequence, 8 heads of 64; seconds per forward +
+backward, the same on every rank because each ring step waits for the slowest rank):
+
+    cp  seq    dtype  zig-zag  contiguous  ratio (theory (4C-1)/(2C+1))  worst |err| out, grad
+    2   8192   fp32   0.0125   0.0169      1.35  (1.40)                  1.4e-6, 8.3e-6
+    4   16384  fp32   0.0289   0.0349      1.21  (1.67)                  1.7e-6, 1.2e-5
+    4   16384  bf16   0.0222   0.0355      1.60  (1.67)                  7.8e-3, 1.6e-2
+    4   65536  bf16   0.287    0.468       1.63  (1.67)                  1.6e-2, 1.6e-2
+
+No deadlock with NCCL's per-pair ordering at cp 2 or 4 (see ``_exchange``). bf16 errors
+are against the bf16 reference and of the size of one bf16 rounding of values near 2.
 """
 
 from __future__ import annotations
