@@ -8,6 +8,19 @@ host-device bytes of the last step against ``minipar.theory.offload``.
 
     python benchmarks/offload_gpu.py --model gpt2-125m      # on a CUDA machine
     python benchmarks/offload_gpu.py --model tiny --device cpu  # a dry run anywhere
+
+Measured on one H100 (torch 2.11, 16 host cores; one micro-batch, AdamW; peak device
+memory includes activations and the fp32 logits of a 50k vocabulary):
+
+    model       batch  plain fp32          offload fp32        offload bf16
+    gpt2-125m   4      0.089 s, 6.50 GB    0.259 s, 5.49 GB    0.279 s, 4.03 GB
+    gpt2-350m   2      0.127 s, 8.81 GB    0.648 s, 5.97 GB    0.485 s, 3.64 GB
+
+Host-device bytes per step equal the theory exactly (125m bf16: 249 MB each way). The
+fp32 offload run differs from the GPU AdamW by at most 1.3e-5 (125m) and 4.7e-5 (350m)
+after 3 steps at lr 1e-4: the CPU's and GPU's AdamW round differently. The step costs
+3-5x: torch's CPU AdamW with no overlap of the step (the paper's delayed step and
+vectorised CPU Adam are not implemented).
 """
 
 from __future__ import annotations
