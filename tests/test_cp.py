@@ -47,6 +47,7 @@ from minipar.theory.context import (
     blocks_per_rank,
     causal_pairs_per_rank,
     imbalance,
+    min_local_tokens_to_hide_ring,
     ring_bytes,
 )
 
@@ -320,3 +321,12 @@ def test_a_transformer_layer_on_a_sequence_shard(ring, layout):
         assert got["param_grads"] <= BLOCK_PARAM_TOL, got
         if n > 1:  # the mutation: a rank's own weight gradient is only its tokens' part
             assert got["param_grads_unsummed"] > 1e-2, got
+
+
+def test_overlap_condition():
+    # compute of two (t/2)^2 blocks equals the transfer of t tokens' k|v exactly at t
+    f, bw, e = 1e12, 1e10, 2
+    t = min_local_tokens_to_hide_ring(f, bw, e)
+    assert t == 200
+    flops, nbytes = 2 * t * t * 16, 2 * t * 16 * e  # b = 1, w = 16
+    assert flops / f == pytest.approx(nbytes / bw)

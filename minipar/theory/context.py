@@ -23,6 +23,8 @@ grouped-query attention), e bytes per element.
 
 from __future__ import annotations
 
+import math
+
 FP32 = 4
 
 
@@ -101,3 +103,19 @@ def attention_flops_per_rank(batch: int, seq_len: int, width: int, cp: int,
 def imbalance(work: list[int]) -> float:
     """max / mean: how much longer the slowest rank takes than a balanced split would."""
     return max(work) * len(work) / sum(work)
+
+
+def min_local_tokens_to_hide_ring(flops_per_second: float, bytes_per_second: float,
+                                  bytes_per_element: int = 2) -> int:
+    """Fewest tokens per rank (t = s / C) for which a forward ring step hides its send.
+
+    Ring attention pays off only when computing on a block outlasts receiving the next
+    one (Liu et al. 2023, Sec. 3, make the same argument for their block size). Under
+    zig-zag a ring step after the first computes two full blocks of (t/2) x (t/2) pairs:
+    2 * 4 b (t/2)^2 w = 2 b t^2 w FLOPs, and sends one k|v message of 2 b t w e bytes.
+    Compute outlasts the transfer when 2 b t^2 w / F >= 2 b t w e / B, that is
+    t >= F e / B: independent of the batch, the width and C. An H100 (about 990 TFLOP/s
+    dense bf16) over NVLink (about 450 GB/s each way) needs t >= 4400 tokens per rank;
+    over 50 GB/s InfiniBand, about 40k.
+    """
+    return math.ceil(flops_per_second * bytes_per_element / bytes_per_second)
