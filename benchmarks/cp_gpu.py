@@ -4,8 +4,11 @@ One rank per GPU. Every rank draws the same full q, k, v and output gradient, ru
 single-device reference (``F.scaled_dot_product_attention(is_causal=True)``) on the
 whole sequence on its own GPU, then ring attention on its shard, and reports the worst
 difference of its shard of the output and of the q, k, v gradients, plus the time of
-one ring forward + backward (median of a few, after a warm-up) for each layout. The
-zig-zag split should give every rank the same time; the contiguous split should not.
+one ring forward + backward (median of a few, after a warm-up) for each layout. Every
+rank's ring time is the same (each step waits for the slowest rank), so the balance shows
+in ``forward_compute_seconds``: the rank's own forward blocks run with no communication.
+Zig-zag should make it equal across ranks; the contiguous split should not.
+``forward_seconds`` minus the slowest rank's compute is the communication left exposed.
 
     python benchmarks/cp_gpu.py --cp 2 --seq 8192          # on a machine with 2 GPUs
     python benchmarks/cp_gpu.py --cp 2 --seq 64 --device cpu   # a dry run anywhere (gloo)
@@ -35,7 +38,30 @@ import torch.nn.functional as F
 
 from minipar.comm import Comm
 from minipar.launch import launch
-from minipar.parallel.cp import ring_attention, shard_sequence
+from minipar.parallel.cp import block_forward, block_plan, ring_attention, shard_sequence
+
+
+def _timed(device: str, reps: int, fn, *args) -> float:
+    """Median seconds of ``fn(*args)`` over ``reps`` runs after one warm-up."""
+    times = []
+    for rep in range(reps + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*args)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _local_blocks(q, k, v, rank: int, cp: int, layout: str) -> None:
+    """This rank's forward blocks with no communication (its own k, v as stand-ins)."""
+    qs, ks, vs = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
+    for blocks in block_plan(rank, cp, layout):
+        for qi, kj, kind in blocks:
+            block_forward(qs[qi], ks[kj], vs[kj], q.shape[-1] ** -0.5, kind == "causal")
 
 
 def _rank(seq: int, heads: int, hd: int, dtype: str, device: str, reps: int) -> dict:
@@ -70,8 +96,12 @@ def _rank(seq: int, heads: int, hd: int, dtype: str, device: str, reps: int) -> 
         got = [out.detach(), q.grad, k.grad, v.grad]
         err = [(a.float() - shard_sequence(b, r, n, layout, dim=2).float()).abs().max().item()
                for a, b in zip(got, want)]
+        with torch.no_grad():
+            fwd = _timed(device, reps, ring_attention, q, k, v, comm, layout)
+            local = _timed(device, reps, _local_blocks, q, k, v, r, n, layout)
         result[layout] = {"max_err_out": err[0], "max_err_grad": max(err[1:]),
-                          "seconds": statistics.median(times)}
+                          "seconds": statistics.median(times), "forward_seconds": fwd,
+                          "forward_compute_seconds": local}
     return result
 
 
