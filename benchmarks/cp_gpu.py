@@ -24,6 +24,20 @@ backward, the same on every rank because each ring step waits for the slowest ra
 
 No deadlock with NCCL's per-pair ordering at cp 2 or 4 (see ``_exchange``). bf16 errors
 are against the bf16 reference and of the size of one bf16 rounding of values near 2.
+
+Per-rank forward compute (no communication) and the ring forward, 4 H100, bf16,
+131072 tokens (32768 per rank), seconds:
+
+    layout      rank 0  rank 1  rank 2  rank 3  ring forward  fwd + bwd
+    zig-zag     0.484   0.484   0.484   0.484   0.486         1.131
+    contiguous  0.181   0.383   0.586   0.789   0.791         1.845
+
+Zig-zag equalises the work; the contiguous ranks grow as the theory's blocks 3, 7, 11, 15
+(measured 1 : 2.1 : 3.2 : 4.4, the theory 1 : 2.3 : 3.7 : 5; diagonal blocks cost less
+than full ones in practice). The ring forward exceeds the slowest rank's compute by
+0.4%: the k|v transfers are hidden (32768 tokens per rank is far above the
+``min_local_tokens_to_hide_ring`` bound). At 32768 tokens on 4 GPUs: 0.0314 s compute
+on every rank, 0.0323 s ring (97% hidden).
 """
 
 from __future__ import annotations
