@@ -1,0 +1,316 @@
+"""Context parallelism: the sequence split across ranks, attention computed as a ring.
+
+Every other technique in minipar splits the model or the batch; context parallelism
+splits the *sequence*. Each of the C ranks of a cp group keeps 1/C of every sequence's
+tokens for every layer, so activation memory per rank falls by C. Everything but
+attention is token-wise (layer norm, MLP, projections) and runs on the local tokens
+unchanged. Attention needs every earlier key, and those live on other ranks.
+
+Ring attention (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889) fetches them without
+ever holding the whole sequence: the ranks form a ring, and in C steps every key/value
+block visits every rank. While a rank computes its queries against the block it holds,
+it already sends that block to its successor and receives the next one from its
+predecessor (non-blocking ``isend`` / ``irecv`` into a second buffer: double buffering),
+so the transfer hides behind the compute when the block is big enough.
+
+Partial results over disjoint key sets merge exactly by their log-sum-exps: the online
+softmax of Milakov & Gimelshein 2018 (arXiv 1805.02867), the rule FlashAttention (Dao
+et al. 2022, arXiv 2205.14135) applies tile by tile. The backward is a ring too, as in
+FlashAttention it recomputes the probabilities from the saved (q, k, v, out, lse), and
+the key/value gradients travel with their blocks back to the rank that owns them.
+
+Causal balance. Cut a sequence into C contiguous pieces and rank C-1 attends to all of
+the sequence while rank 0 attends to its own piece only: the last rank does about 2C-1
+times the first one's work, and every ring step waits for it. The zig-zag split (used
+to train Llama 3 at long context: Dubey et al. 2024, arXiv 2407.21783, Sec. 3.3.2) cuts
+the sequence into 2C chunks and gives rank r the chunks r and 2C-1-r: an early chunk
+with little to attend to and a late one with much, the same total on every rank.
+
+Both layouts are described the same way: rank r holds two chunks of the 2C-chunk cut
+(zig-zag: r and 2C-1-r; contiguous: 2r and 2r+1). For a pair (query chunk i, key chunk
+j) causality is decided per chunk, never per token: j < i is a full block, j == i a
+causal-diagonal block, j > i is skipped. ``block_plan`` lists the blocks each ring step
+computes; the kernel runs exactly that list, and the tests count it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from minipar.comm import Comm, Pending
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# --- the split: which tokens a cp rank holds ---------------------------------------------
+def chunk_ids(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, int]:
+    """The two chunks (of the sequence cut into 2 * cp) that ``rank`` holds, in order."""
+    if layout == "zigzag":
+        return rank, 2 * cp - 1 - rank
+    if layout == "contiguous":
+        return 2 * rank, 2 * rank + 1
+    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+
+
+def check_cp(seq_len: int, cp: int) -> None:
+    """Refuse a sequence that does not cut into 2 * cp equal chunks (one line)."""
+    if cp < 1:
+        raise ValueError(f"cp={cp}: the context-parallel size must be positive")
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp} "
+                         "(context parallelism cuts each sequence into 2*cp chunks)")
+
+
+def positions(seq_len: int, rank: int, cp: int, layout: str = "zigzag",
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """Global token positions of ``rank``'s shard, in its local order (for pos. embeddings)."""
+    check_cp(seq_len, cp)
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device)
+                      for i in chunk_ids(rank, cp, layout)])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, layout: str = "zigzag",
+                   dim: int = 1) -> torch.Tensor:
+    """``rank``'s tokens of a (batch, seq, ...) tensor: its two chunks, concatenated."""
+    check_cp(x.shape[dim], cp)
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(rank, cp, layout)], dim=dim)
+
+
+def unshard_sequence(shards: Sequence[torch.Tensor], layout: str = "zigzag",
+                     dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's shard (rank order): inverse of ``shard_sequence``."""
+    cp = len(shards)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        first, second = shard.chunk(2, dim=dim)
+        a, b = chunk_ids(rank, cp, layout)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, comm: Comm, layout: str = "zigzag",
+                    dim: int = 1) -> torch.Tensor:
+    """All-gather the local shards over the cp group and put the tokens back in order."""
+    return unshard_sequence(comm.all_gather(x, dim=dim).chunk(comm.size, dim=dim), layout,
+                            dim)
+
+
+def block_plan(rank: int, cp: int, layout: str = "zigzag") -> list[list[tuple[int, int, str]]]:
+    """Per ring step, the (local q chunk, local kv chunk, "full" | "causal") blocks to run.
+
+    At step s a rank holds the keys of rank (rank - s) mod cp (blocks move to the next
+    rank). A pair of chunks (i, j) is a full block if j < i, a causal-diagonal one if
+    j == i (only at step 0), and skipped if j > i (all of its keys are in the future).
+    Diagonal blocks come first, so every query row has a finite log-sum-exp from the
+    first block on.
+    """
+    mine = chunk_ids(rank, cp, layout)
+    plan = []
+    for step in range(cp):
+        theirs = chunk_ids((rank - step) % cp, cp, layout)
+        blocks = [(qi, kj, "full" if theirs[kj] < mine[qi] else "causal")
+                  for qi in range(2) for kj in range(2) if theirs[kj] <= mine[qi]]
+        plan.append(sorted(blocks, key=lambda blk: blk[2] == "full"))
+    return plan
+
+
+def causal_pairs(seq_len: int, rank: int, cp: int, layout: str = "zigzag") -> int:
+    """Unmasked (query, key) pairs of ``rank``: each query at position p sees p + 1 keys."""
+    return int((positions(seq_len, rank, cp, layout) + 1).sum())
+
+
+# --- the merge rule ---------------------------------------------------------------------
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention over two disjoint key sets A and B into attention over A and B.
+
+    ``out_x`` (..., t, hd) is softmax over keys X only, times their values; ``lse_x``
+    (..., t) is log sum_{k in X} exp(score). The softmax over the union weighs each part
+    by its share of the total mass: out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b
+    with lse = log(e^lse_a + e^lse_b). ``logaddexp`` never exponentiates a large score,
+    so this is as stable as one softmax (Milakov & Gimelshein 2018).
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = (torch.exp(lse_a - lse).unsqueeze(-1) * out_a
+           + torch.exp(lse_b - lse).unsqueeze(-1) * out_b)
+    return out, lse
+
+
+# --- one block, forward and backward, in fp32 ---------------------------------------------
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    s = (q @ k.transpose(-2, -1)) * scale
+    if causal:  # a diagonal block: query i sees keys 0..i of the same chunk
+        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    return s
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over one key block: (out, lse), fp32.
+
+    ``F.scaled_dot_product_attention`` would compute ``out`` but does not return the
+    log-sum-exp the merge needs (only private fused kernels do), so this is plain
+    matmul-softmax: clear first.
+    """
+    s = _scores(q.float(), k.float(), scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v.float(), lse
+
+
+def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
+    """(dq, dk, dv) of one block, the probabilities recomputed from the final lse.
+
+    With p = exp(s - lse) the block's share of the *whole-row* softmax and
+    delta = rowsum(dout * out) (FlashAttention, Alg. 2): dv = p^T dout,
+    ds = p * (dout v^T - delta), dq = ds k * scale, dk = ds^T q * scale.
+    """
+    q, k, v = q.float(), k.float(), v.float()
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    dv = p.transpose(-2, -1) @ dout
+    ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+
+
+# --- the ring ---------------------------------------------------------------------------
+def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor) -> list[Pending]:
+    """Send ``send`` to the next rank and receive ``recv`` from the previous one.
+
+    Even ranks send first, odd ranks receive first: with two ranks both messages share
+    one pair of ranks, and NCCL runs a pair's operations in the order they were posted,
+    so the orders must match or both ranks wait for each other.
+    """
+    nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    if comm.rank % 2 == 0:
+        return [comm.isend(send, nxt), comm.irecv(recv, prev)]
+    return [comm.irecv(recv, prev), comm.isend(send, nxt)]
+
+
+def _wait(pending: list[Pending]) -> None:
+    for p in pending:
+        p.wait()
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Causal attention over a sequence sharded across ``comm`` (see the module docstring).
+
+    q, k, v: this rank's (batch, heads, t_local, hd) in the layout's local order; returns
+    the same shape. k and v travel together as one (2, ...) message per step.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm: Comm, layout: str, scale: float):
+        plan = block_plan(comm.rank, comm.size, layout)
+        qs = q.chunk(2, dim=2)  # the rank's two chunks
+        out: list[torch.Tensor | None] = [None, None]
+        lse: list[torch.Tensor | None] = [None, None]
+        kv = torch.stack([k, v])
+        buffers = [kv, torch.empty_like(kv)]  # double buffering: compute one, fill other
+        for step, blocks in enumerate(plan):
+            cur = buffers[step % 2]
+            last = step == comm.size - 1
+            pending = [] if last else _exchange(comm, cur, buffers[(step + 1) % 2])
+            ks, vs = cur[0].chunk(2, dim=2), cur[1].chunk(2, dim=2)
+            for qi, kj, kind in blocks:
+                o, s = block_forward(qs[qi], ks[kj], vs[kj], scale, kind == "causal")
+                if out[qi] is None:
+                    out[qi], lse[qi] = o, s
+                else:
+                    out[qi], lse[qi] = merge_attention(out[qi], lse[qi], o, s)
+            _wait(pending)
+        out_t, lse_t = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out_t, lse_t)
+        ctx.comm, ctx.layout, ctx.scale = comm, layout, scale
+        return out_t.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, scale = ctx.comm, ctx.scale
+        plan = block_plan(comm.rank, comm.size, ctx.layout)
+        dout = dout.float()
+        delta = (dout * out).sum(-1)  # rowsum(dout * out), per query
+        qs, douts = q.chunk(2, dim=2), dout.chunk(2, dim=2)
+        lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        dq = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
+        kv = torch.stack([k, v])
+        buffers = [kv, torch.empty_like(kv)]
+        own = None  # this rank's contribution to its own dk, dv (step 0): added at the end
+        moving, moving_pending = None, []  # the accumulator of the block we hold, in flight
+        for step, blocks in enumerate(plan):
+            cur = buffers[step % 2]
+            last = step == comm.size - 1
+            pending = [] if last else _exchange(comm, cur, buffers[(step + 1) % 2])
+            ks, vs = cur[0].chunk(2, dim=2), cur[1].chunk(2, dim=2)
+            dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
+            dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)  # views into dkv
+            for qi, kj, kind in blocks:
+                g = block_backward(qs[qi], ks[kj], vs[kj], douts[qi], lses[qi], deltas[qi],
+                                   scale, kind == "causal")
+                dq[qi] += g[0]
+                dks[kj].add_(g[1])
+                dvs[kj].add_(g[2])
+            if step == 0:
+                own = dkv
+            else:
+                # The block's accumulator started on its owner's successor (step 1) and
+                # reaches us from our predecessor while we computed; add and pass it on.
+                # After the last step it arrives home: C - 1 hops, as many as k and v.
+                _wait(moving_pending)
+                if moving is not None:
+                    dkv += moving
+                moving = torch.empty_like(dkv)
+                moving_pending = _exchange(comm, dkv, moving)
+            _wait(pending)
+        _wait(moving_pending)
+        dkv = own if moving is None else own + moving
+        return (torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
+                   layout: str = "zigzag", scale: float | None = None) -> torch.Tensor:
+    """Causal softmax(q k^T * scale) v over the whole sequence, each rank holding a shard.
+
+    Inputs and output: (batch, heads, t_local, head_dim), t_local = seq_len / cp, tokens
+    in the order ``shard_sequence`` gives them (``layout``). scale defaults to 1/sqrt(hd).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    if q.shape[2] % 2:
+        raise ValueError(f"t_local={q.shape[2]} must be even: a cp rank holds two chunks")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return RingAttentionFunction.apply(q, k, v, comm, layout, scale)
+
+
+class RingAttention(nn.Module):
+    """The attention core for a cp rank: ``core(q, k, v)`` of ``CausalSelfAttention``.
+
+    Same signature and shapes as ``minipar.model.CausalSelfAttention.core`` (inputs
+    (b, heads, t_local, hd), output the same), so a plan can put it where the core was.
+    It holds no parameters: only the cp ``Comm`` and the layout. Attention dropout would
+    need the reference's own mask per block; it is refused rather than silently wrong.
+    """
+
+    def __init__(self, comm: Comm, layout: str = "zigzag", dropout: float = 0.0) -> None:
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+        self.comm, self.layout, self.dropout = comm, layout, dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout > 0:
+            raise NotImplementedError("ring attention has no attention dropout; "
+                                      "use --dropout 0 with --cp")
+        return ring_attention(q, k, v, self.comm, self.layout)
+
+    core = forward  # the name the model's attention uses
+
+    def extra_repr(self) -> str:
+        return f"cp={self.comm.size}, layout={self.layout}"

@@ -1,0 +1,185 @@
+"""ZeRO-Offload: the optimizer (master weights, states, step) lives in host memory.
+
+Mixed-precision Adam keeps 16 bytes per parameter: 2 for the 16-bit weights, 2 for their
+gradients, 4 for the fp32 master copy and 8 for the two moments (ZeRO's "2 + 2 + 12").
+Only the first two are needed where the forward and backward run. ZeRO-Offload (Ren et
+al. 2021, arXiv 2101.06840) moves the other 12, and the update itself, to the CPU:
+
+* the device keeps the 16-bit parameters (or fp32 ones when asked: the data path is the
+  same, which is how the tests compare it with a plain optimizer bit for bit);
+* each gradient is copied to a pinned host buffer as soon as backward produces it
+  (``register_post_accumulate_grad_hook``), on a side CUDA stream with a non-blocking
+  copy, so the transfer overlaps the rest of the backward; the device gradient is then
+  released. On the host it is added, in fp32, to the master's gradient, which also
+  accumulates micro-batches;
+* ``step()`` runs any torch optimizer on the fp32 masters on the CPU, then copies the
+  updated weights, cast to the device dtype, back into the model's parameters.
+
+Per step that is one gradient copy per parameter and micro-batch to the host and one
+parameter copy back (``minipar.theory.offload``); the paper's argument (Sec. 4) is that
+this is the least traffic that moves the optimizer off the device, and that PCIe hides
+it behind backward for large enough batches. The CPU step is the price: the paper hides
+it with a vectorised CPU Adam and a one-step delay; minipar uses torch's own optimizer
+and no delay, so parity stays exact.
+
+Use::
+
+    opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                           param_dtype=torch.bfloat16)  # casts the model's parameters
+    for micro in batches:
+        model(micro).backward()       # gradients stream to the host as they appear
+    opt.step()                        # CPU step, weights back to the device
+    opt.zero_grad()
+    opt.last_traffic                  # {"to_host": bytes, "to_device": bytes}
+
+When a gradient is not final when accumulated (data parallelism still has to reduce
+it), pass ``overlap=False`` and call ``offload_grads()`` after the reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer_cls`` so that it steps fp32 host copies of ``params``.
+
+    ``param_groups`` and ``state`` are the inner (host) optimizer's, so learning-rate
+    schedules and checkpoints see the usual structure; the groups hold the masters.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], optimizer_cls: type =
+                 torch.optim.AdamW, *, param_dtype: torch.dtype | None = None,
+                 overlap: bool = True, **optimizer_kwargs) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("OffloadOptimizer got no trainable parameters")
+        device = self.params[0].device
+        self.cuda = device.type == "cuda"
+        pin = self.cuda  # pinned (page-locked) host memory: needed for async copies
+        with torch.no_grad():
+            # Masters first, from the weights as given (fp32): the reference's values.
+            self.masters = [p.detach().to("cpu", torch.float32, copy=True)
+                            for p in self.params]
+            if param_dtype is not None:
+                for p in self.params:
+                    p.data = p.data.to(param_dtype)
+        for m in self.masters:
+            m.grad = torch.zeros_like(m)
+        # Host landing buffers in the device dtype: what crosses the bus is 16-bit.
+        self._host_grads = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+                            for p in self.params]
+        self._host_params = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+                             for p in self.params]
+        self.inner = optimizer_cls(self.masters, **optimizer_kwargs)
+        super().__init__(self.masters, self.inner.defaults)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._in_flight: dict[int, torch.cuda.Event | None] = {}  # index -> copy done
+        self.traffic = {"to_host": 0, "to_device": 0}  # since the last step
+        self.last_traffic = dict(self.traffic)
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad)
+                        for p in self.params] if overlap else [])
+
+    # --- gradients: device -> host, as they are produced --------------------------------
+    def _on_grad(self, p: nn.Parameter) -> None:
+        self._copy_to_host(self._index[id(p)])
+
+    def _copy_to_host(self, i: int) -> None:
+        p = self.params[i]
+        if p.grad is None:
+            return
+        self._land(i)  # the buffer may still hold this parameter's previous micro-batch
+        grad, buf = p.grad, self._host_grads[i]
+        if self.cuda:
+            # The side stream waits for the backward kernels that made the gradient,
+            # then copies while the main stream goes on with the rest of the backward.
+            self._stream.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(self._stream):
+                buf.copy_(grad, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            grad.record_stream(self._stream)  # keep its memory until the copy ran
+        else:
+            buf.copy_(grad)
+            done = None
+        self._in_flight[i] = done
+        self.traffic["to_host"] += grad.numel() * grad.element_size()
+        p.grad = None  # the device keeps no gradient: that memory is what offload saves
+
+    def _land(self, i: int) -> None:
+        """Wait for parameter i's copy, if one is in flight, and add it to the master."""
+        if i not in self._in_flight:
+            return
+        done = self._in_flight.pop(i)
+        if done is not None:
+            done.synchronize()
+        # fp32 accumulation on the host: g1 + g2 + ... in the order backward made them.
+        self.masters[i].grad.add_(self._host_grads[i])
+
+    def offload_grads(self) -> None:
+        """Copy every gradient still on the device (``overlap=False``, or leftovers)."""
+        for i in range(len(self.params)):
+            self._copy_to_host(i)
+
+    def _land_all(self) -> None:
+        for i in list(self._in_flight):
+            self._land(i)
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 host masters (their ``.grad`` is the step's gradient): clip these."""
+        self.offload_grads()
+        self._land_all()
+        return self.masters
+
+    # --- the step on the host, parameters back -----------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("OffloadOptimizer.step takes no closure")
+        self.master_params()  # every gradient on the host and landed
+        self.inner.step()
+        for p, m, buf in zip(self.params, self.masters, self._host_params):
+            buf.copy_(m)  # fp32 -> device dtype, on the CPU: half the bytes cross the bus
+            if self.cuda:
+                with torch.cuda.stream(self._stream):
+                    p.data.copy_(buf, non_blocking=True)
+            else:
+                p.data.copy_(buf)
+            self.traffic["to_device"] += p.numel() * p.element_size()
+        if self.cuda:
+            # The next forward (on the main stream) must see the new weights, and the
+            # host buffers must not be rewritten while a copy still reads them.
+            torch.cuda.current_stream(self.params[0].device).wait_stream(self._stream)
+            self._stream.synchronize()
+        self.last_traffic, self.traffic = self.traffic, {"to_host": 0, "to_device": 0}
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._land_all()
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            m.grad.zero_()  # the host accumulator is reused, never reallocated
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def host_bytes(self) -> int:
+        """Host memory this optimizer holds: masters, their grads, states, landing buffers."""
+        tensors = [*self.masters, *(m.grad for m in self.masters), *self._host_grads,
+                   *self._host_params]
+        tensors += [v for s in self.inner.state.values() for v in s.values()
+                    if torch.is_tensor(v)]
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,41 @@
+"""ZeRO-Offload in numbers: host-device traffic per step and where the model states live.
+
+For ``minipar.parallel.offload`` (Ren et al. 2021, "ZeRO-Offload", arXiv 2101.06840,
+Sec. 4): the device keeps the 16-bit parameters (and each gradient only until it is
+copied out); the host keeps the fp32 master weights, the fp32 gradient accumulator and
+the optimizer states, and runs the step. Per step, for N parameters on this rank:
+
+* to the host: every gradient, once per micro-batch, in the device dtype: N g m bytes
+  (m micro-batches; the host accumulates them in fp32);
+* to the device: every updated parameter, in the device dtype: N p bytes.
+
+With 16-bit parameters and gradients that is 2N m + 2N: 4N bytes per step for m = 1,
+the paper's "4M" of traffic for M parameters. With ZeRO stage 2 or 3 under data
+parallelism each rank offloads only its 1/dp shard of the gradients and of the update.
+"""
+
+from __future__ import annotations
+
+
+def offload_traffic(n_params: int, param_bytes: int = 2, grad_bytes: int | None = None,
+                    microbatches: int = 1, dp: int = 1, zero: int = 0) -> dict[str, int]:
+    """Host-device bytes of one rank per training step: ``{"to_host", "to_device"}``."""
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
+    n = n_params // dp if zero >= 2 else n_params  # ZeRO-2/3: this rank's shard only
+    return {"to_host": n * grad_bytes * microbatches, "to_device": n * param_bytes}
+
+
+def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
+                   dp: int = 1, zero: int = 0) -> dict[str, int]:
+    """Model-state bytes per rank on the device and on the host, with offload.
+
+    Device: the parameters only (p bytes each; gradients leave as they are made).
+    Host: fp32 master (4), fp32 gradient accumulator (4), optimizer states (8 for Adam,
+    0 for plain SGD) and two landing buffers in the device dtype (pinned, 2 p), for
+    this rank's shard under ZeRO (stage 1 and up shard the optimizer's part; stage 3
+    also shards the device parameters).
+    """
+    shard = n_params // dp if zero >= 1 else n_params
+    device_params = n_params // dp if zero >= 3 else n_params
+    return {"device": device_params * param_bytes,
+            "host": shard * (4 + 4 + optimizer_state_bytes + 2 * param_bytes)}
