@@ -69,6 +69,27 @@ class MasterWeights:
             torch._foreach_copy_(self.params, self.masters)
 
 
+def clip_mixed(params, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for a tensor-parallel model whose parameters are partly DTensors
+    (sharded linears) and partly plain tensors (replicated layer norms without sequence
+    parallelism): torch's refuses the mix. Replicated gradients are counted once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    dist_grads = [g for g in grads if hasattr(g, "full_tensor")]
+    plain = [g for g in grads if not hasattr(g, "full_tensor")]
+    total = torch.zeros((), device=grads[0].device if grads else "cpu")
+    if dist_grads:
+        norm = torch.nn.utils.get_total_norm(dist_grads, 2.0)
+        total = total + (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    if plain:
+        total = total + torch.nn.utils.get_total_norm(plain, 2.0).to(total.device) ** 2
+    factor = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
+    if dist_grads:  # a DTensor takes a number, not a plain tensor (one host sync)
+        torch._foreach_mul_(dist_grads, float(factor))
+    if plain:
+        torch._foreach_mul_(plain, factor)
+    return total.sqrt()
+
+
 def init_like_gpt(model: nn.Module, n_layer: int) -> None:
     """GPT-2 initialisation (as ``GPT.reset_parameters``) on each rank's local shards:
     a model built on the meta device gets the same distribution, not the same values."""
