@@ -186,9 +186,14 @@ class Run:
 
     def launch(self, fn, world: int, *args, cap: float):
         """``fn(*args)`` on ``world`` ranks, one per GPU (spawned on CUDA)."""
-        threads = max(1, (os.cpu_count() or 2) // world)
+        # spawned ranks (CUDA) may use several threads each (building a 13B model on the
+        # host); a forked rank must keep one: the parent's OpenMP pool would hang it
+        threads = max(1, (os.cpu_count() or 2) // world) if self.cuda else 1
+        method = self.args.start_method or ("spawn" if self.cuda else None)
+        if method == "spawn":
+            threads = max(1, (os.cpu_count() or 2) // world)
         return launch(fn, world, args=args, backend=self.backend, timeout=self.timeout(cap),
-                      start_method="spawn" if self.cuda else None, threads=threads)
+                      start_method=method, threads=threads)
 
 
 def _meta(args, n: int) -> dict:
@@ -277,7 +282,8 @@ def _calibrate_rank(sizes: list[int], matmul_n: int) -> dict:
             for _ in range(iters):
                 once()
             _sync(device)
-            t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+            t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
+                             device=device)  # NCCL reduces device tensors only
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             out["times"][op].append(float(t))
         comm.log.clear()
@@ -415,7 +421,7 @@ def section_parity(run: Run) -> None:
                 try:
                     cfg.save, cfg.timeout = save, run.timeout(180)
                     rec = train(cfg)
-                    params = final_parameters(save)
+                    params = {k: v.cpu() for k, v in final_parameters(save).items()}
                 finally:
                     shutil.rmtree(save, ignore_errors=True)
                 p = compare(rec, ref, params, ref["params"])
@@ -711,7 +717,8 @@ def section_big(run: Run) -> None:
     batch = s.big_per_gpu * n
     chosen, refused = None, []
     if run.wanted("speed", f"minipar {model} planner"):
-        for lay in plan(model, _cluster(run, n), batch, max_microbatch_size=8).layouts:
+        for lay in plan(model, _cluster(run, n), batch, max_microbatch_size=8,
+                        accounting="fused").layouts:
             layout = dict(dp=lay.dp, pp=lay.pp, tp=lay.tp, zero=lay.zero, sp=lay.sp,
                           microbatches=lay.microbatches, recompute=lay.recompute,
                           schedule=lay.schedule if lay.pp > 1 else "1f1b",
@@ -1011,6 +1018,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, help="timed steps per speed row")
     ap.add_argument("--calibration", help="a calibration.json for predictions (else this "
                     "run's calibrate section)")
+    ap.add_argument("--start-method", choices=("fork", "spawn"),
+                    help="how this script starts ranks (default: spawn on CUDA, else fork)")
     ap.add_argument("--report", nargs="+", metavar="JSON",
                     help="merge these multigpu.json files and summarise; runs nothing")
     args = ap.parse_args()
