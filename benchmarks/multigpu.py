@@ -190,12 +190,10 @@ class Run:
 
     def launch(self, fn, world: int, *args, cap: float):
         """``fn(*args)`` on ``world`` ranks, one per GPU (spawned on CUDA)."""
-        # spawned ranks (CUDA) may use several threads each (building a 13B model on the
-        # host); a forked rank must keep one: the parent's OpenMP pool would hang it
-        threads = max(1, (os.cpu_count() or 2) // world) if self.cuda else 1
-        method = self.args.start_method or ("spawn" if self.cuda else None)
-        if method == "spawn":
-            threads = max(1, (os.cpu_count() or 2) // world)
+        method = self.args.start_method or ("spawn" if self.cuda else "fork")
+        # a spawned rank may use several threads (building a 13B model on the host); a
+        # forked one must keep one: the parent's OpenMP pool would hang it
+        threads = max(1, (os.cpu_count() or 2) // world) if method == "spawn" else 1
         return launch(fn, world, args=args, backend=self.backend, timeout=self.timeout(cap),
                       start_method=method, threads=threads)
 
@@ -309,8 +307,9 @@ def _collective(comm, op: str, full: torch.Tensor, shard: torch.Tensor, peer: in
 
 
 def calibration_from(results: list[dict], sizes: list[int], n: int) -> dict:
-    """Fit latency (the smallest size's time) and bandwidth (wire bytes per second at the
-    largest size, latency removed) per op, in ``load_calibration``'s shape."""
+    """Fit the alpha-beta model per op: latency (the smallest sizes' time) and bandwidth
+    (wire bytes per second, the slope over the larger sizes), in ``load_calibration``'s
+    shape."""
     r0 = results[0]
     calib = {"device": r0["device_name"], "gpus": n, "torch": torch.__version__,
              "memory_bytes": r0["memory_bytes"],
@@ -323,10 +322,17 @@ def calibration_from(results: list[dict], sizes: list[int], n: int) -> dict:
             continue
         group = 2 if op == "send" else n
         wires = [wire_bytes(op, b, group) for b in nbytes]
-        latency = times[0]
-        big = max(times[-1] - latency, 1e-9)
+        latency = min(times[:2])
+        # bandwidth: least-squares slope of time over wire bytes on the larger half of
+        # the sizes (where latency no longer dominates); else the largest size's rate
+        half = len(times) // 2
+        xs, ys = wires[half:], times[half:]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        bandwidth = 1 / slope if slope > 0 else wires[-1] / times[-1]
         calib["collectives"][op] = {
-            "latency_s": latency, "bus_bandwidth": wires[-1] / big,
+            "latency_s": latency, "bus_bandwidth": bandwidth,
             "bytes": nbytes, "seconds": times,
             "bus_bandwidth_per_size": [w / t for w, t in zip(wires, times)]}
     return calib
