@@ -765,10 +765,10 @@ def section_big(run: Run) -> None:
 def section_scaling(run: Run) -> None:
     s = run.sizes
     for world in sorted({1, 2, run.n}):
-        b = s.per_gpu_batch
-        speed_row(run, "scaling", f"minipar dp{world} zero1",
-                  minipar_spec(run, s.speed_model, world, b * world, dp=world,
-                               zero=1 if world > 1 else 0), "scaling")
+        b, zero = s.per_gpu_batch, 1 if world > 1 else 0  # one GPU: nothing to shard
+        speed_row(run, "scaling", f"minipar dp{world} zero{zero}",
+                  minipar_spec(run, s.speed_model, world, b * world, dp=world, zero=zero),
+                  "scaling")
 
 
 def section_trace(run: Run) -> None:
