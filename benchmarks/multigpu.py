@@ -1001,6 +1001,10 @@ def merge(args) -> int:
         with open(path) as f:
             rep = json.load(f)
         merged["meta"] = merged["meta"] or rep["meta"]
+        merged.setdefault("sources", []).append(
+            {"file": path, "device_name": rep["meta"].get("device_name"),
+             "gpus": rep["meta"]["gpus"], "torch": rep["meta"]["torch"],
+             "started": rep["meta"].get("started")})
         for name, sec in rep["sections"].items():
             if name == "predict":
                 continue
@@ -1009,6 +1013,10 @@ def merge(args) -> int:
             for row in sec.get("rows", []):
                 if calib is None and "calibration" in row:
                     calib = row["calibration"]
+    names = {src["device_name"] for src in merged["sources"]}
+    if len(names) > 1:  # ratios stay within one call; compare across calls with care
+        print(f"note: the calls ran on different cards: {sorted(map(str, names))}; "
+              "predictions use the first calibration found", flush=True)
     n = merged["meta"]["gpus"]
     run = Run(args, n, dry_sizes() if merged["meta"]["device"] == "cpu" else Sizes())
     run.report = merged
