@@ -70,13 +70,10 @@ def _build(kind: str, cfg: GPTConfig):
         opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, comm=Comm(), lr=LR)
         return _loop(model, opt)
     if kind == "torch-zero3":
+        from peers import fsdp2  # benchmarks/peers.py: the PyTorch-native peers
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fsdp2(model, init_device_mesh("cpu", (dist.get_world_size(),)))
         return _loop(model, torch.optim.AdamW(model.parameters(), lr=LR))
     raise ValueError(kind)
 

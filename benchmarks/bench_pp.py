@@ -20,8 +20,7 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from peers import torch_pipeline  # benchmarks/peers.py: the PyTorch-native peers
 
 from minipar import GPT, Comm, launch
 from minipar.data import MarkovData, split_batch
@@ -29,28 +28,6 @@ from minipar.model import get_config
 from minipar.parallel.pp import PipelineExecutor, build_stage
 from minipar.parallel.schedules import make_schedule
 from minipar.theory.bubble import bubble_stats, simulate
-
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                   "interleaved": "ScheduleInterleaved1F1B"}
-
-
-class _UpToLogits(nn.Module):
-    """A minipar chunk that stops at the logits: torch's schedules apply the loss."""
-
-    def __init__(self, chunk: nn.Module) -> None:
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.chunk
-        h = c._gpt.embed(x) if c.is_first else x
-        for block in c.blocks:
-            h = block(h)
-        return c._gpt.logits(h) if c.is_last else h
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def _ours(model_name: str, name: str, m: int, v: int, x, y):
@@ -72,18 +49,11 @@ def _ours(model_name: str, name: str, m: int, v: int, x, y):
 
 def _theirs(model_name: str, name: str, m: int, v: int, x, y):
     """torch.distributed.pipelining on the same stage split; returns one step."""
-    from torch.distributed import pipelining
-
     comm = Comm()
     torch.manual_seed(0)
     model = GPT(model_name)
     chunks = build_stage(model, comm.rank, comm.size, v)
-    n = comm.size * v
-    stages = [pipelining.PipelineStage(_UpToLogits(c), c.index, n, torch.device("cpu"))
-              for c in chunks]
-    cls = getattr(pipelining, TORCH_SCHEDULES[name])
-    sched = cls(stages if name == "interleaved" else stages[0], n_microbatches=m,
-                loss_fn=_loss)
+    sched = torch_pipeline(chunks, comm.size * v, name, m, torch.device("cpu"))
     first = any(c.is_first for c in chunks)
     last = any(c.is_last for c in chunks)
 

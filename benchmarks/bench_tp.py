@@ -27,6 +27,7 @@ import statistics
 import time
 
 import torch
+from peers import dtensor_tp  # benchmarks/peers.py: the PyTorch-native peers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipar.comm import Comm, wire_bytes
@@ -37,7 +38,6 @@ from minipar.parallel.tp import (
     activation_elements_per_layer,
     apply_tensor_parallel,
     saved_tensor_elements,
-    shard_tensor,
     sync_sequence_parallel_grads,
 )
 
@@ -70,45 +70,7 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def dtensor_model(ref: GPT, ws: int, sp: bool) -> GPT:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    model = copy.deepcopy(ref)
-    with torch.no_grad():  # rank-major [q_r | k_r | v_r] blocks, so a row chunk = heads
-        for i, block in enumerate(model.blocks):
-            for kind in ("weight", "bias"):
-                p = getattr(block.attn.qkv, kind)
-                name = f"blocks.{i}.attn.qkv.{kind}"
-                p.copy_(torch.cat([shard_tensor(name, p, r, ws) for r in range(ws)]))
-            block.attn.n_head //= ws
-    mesh = init_device_mesh("cpu", (ws,))
-    seq = Shard(1)
-    plan = {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(),
-                                   output_layouts=seq if sp else Replicate()),
-        "head": ColwiseParallel(input_layouts=seq if sp else Replicate(),
-                                output_layouts=Shard(-1), use_local_output=False),
-    }
-    if sp:
-        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
-        plan["ln_f"] = SequenceParallel()
-    for i in range(len(model.blocks)):
-        b = f"blocks.{i}."
-        plan.update({b + "attn.qkv": ColwiseParallel(), b + "mlp.fc": ColwiseParallel(),
-                     b + "attn.proj": RowwiseParallel(output_layouts=seq if sp else Replicate()),
-                     b + "mlp.proj": RowwiseParallel(output_layouts=seq if sp else Replicate())})
-        if sp:
-            gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-            plan.update({b + "ln1": SequenceParallel(), b + "ln2": SequenceParallel(),
-                         b + "attn": gather, b + "mlp": copy.deepcopy(gather)})
-    return parallelize_module(model, mesh, plan)
+    return dtensor_tp(ref, ws, sp, "cpu")
 
 
 def _rank(model_name: str, batch: int, steps: int, warmup: int) -> dict:

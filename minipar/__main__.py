@@ -229,15 +229,25 @@ def _cmd_bubble(args) -> int:
 
 def _cmd_plan(args) -> int:
     from minipar import checks
-    from minipar.theory.clusters import cluster, get_cluster
+    from minipar.theory import clusters
     from minipar.theory.planner import plan
 
     cfg = _model_from_args(args)
     checks.cluster(args.gpus, args.gpu, args.gpus_per_node, args.batch, args.top)
-    if args.gpus is not None:
-        where = cluster(args.gpus, args.gpu, args.gpus_per_node)
+    calib = clusters.load_calibration(args.calibrate) if args.calibrate else None
+    if args.gpus or calib:  # a calibrated machine: its GPUs, one node, unless told
+        gpus = args.gpus or int(calib.get("gpus", 1))
+        kind = args.gpu if args.gpus or not calib else clusters.gpu_for_device(
+            str(calib.get("device", "")))
+        where = clusters.cluster(gpus, kind, args.gpus_per_node if args.gpus else gpus)
     else:
-        where = get_cluster(args.cluster)
+        where = clusters.get_cluster(args.cluster)
+    if calib:
+        where = clusters.calibrated(where, calib)
+        rates = ", ".join(f"{op} {bw / 1e9:.0f} GB/s + {lat * 1e6:.0f} us"
+                          for op, lat, bw in where.links)
+        print(f"calibrated ({args.calibrate}): matmul {where.matmul_rate / 1e12:.0f} TFLOP/s"
+              f"; {rates}")
     result = plan(cfg, where, args.batch)
     print(f"{'#':>3}  {'layout':<60} {'step s':>9} {'MFU':>6} {'GiB/GPU':>8}")
     for i, lay in enumerate(result.layouts[: args.top]):
@@ -293,6 +303,8 @@ def _add_theory(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--batch", type=int, help="global batch (sequences); default = GPUs")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--calibrate", metavar="FILE", help="measured rates of a machine "
+                   "(benchmarks/multigpu.py --sections calibrate) instead of the preset's")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -325,9 +325,11 @@ def _join_torchrun(cfg: TrainConfig, t0: float) -> dict | None:
     import torch.distributed as dist
 
     validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    device = None
     if cfg.backend == "nccl":
-        torch.cuda.set_device(device_for(cfg))
-    dist.init_process_group(cfg.backend)
+        device = device_for(cfg)
+        torch.cuda.set_device(device)
+    dist.init_process_group(cfg.backend, device_id=device)
     try:
         mine = rank_main(cfg)
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -133,15 +133,17 @@ def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, p
 
         torch.set_num_threads(threads)
         set_status(slot, "joining the process group")
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = None
+        if backend == "nccl":  # named to NCCL too: it guesses (and warns of hangs) otherwise
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         # The parent's deadline must come first: its RankTimeout says where every rank
         # was, while gloo's own timeout would only name one rank's op.
         late = timedelta(seconds=timeout + 30)
         store = dist.FileStore(store_path, world_size)
         store.set_timeout(late)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=late)
+                                timeout=late, device_id=device)
         set_status(slot, f"{OUTSIDE} (no counted collective entered yet)")
         result = fn(*args, **kwargs)
         payload = pickle.dumps(("ok", result))

@@ -122,3 +122,56 @@ def test_modern_and_syllabus_examples_plan_quickly(name):
     assert result.best is not None
     table = render_plan(result, top=3)
     assert result.best.label() in table and "Best:" in table
+
+
+# --- a calibrated machine: measured rates replace the data sheet's -------------------
+CALIBRATION = {  # hand-written, in the shape benchmarks/multigpu.py writes
+    "device": "NVIDIA H100 80GB HBM3", "gpus": 4, "memory_bytes": 79 * 2**30,
+    "matmul_tflops": 500.0,
+    "collectives": {"all_reduce": {"latency_s": 40e-6, "bus_bandwidth": 100e9},
+                    "all_gather": {"latency_s": 30e-6, "bus_bandwidth": 120e9},
+                    "reduce_scatter": {"latency_s": 30e-6, "bus_bandwidth": 120e9},
+                    "send": {"latency_s": 20e-6, "bus_bandwidth": 50e9}},
+}
+
+
+def test_calibration_replaces_the_presets_rates(tmp_path) -> None:
+    import json
+
+    from minipar.theory.clusters import calibrated, load_calibration
+
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(CALIBRATION))
+    base = cluster(4, "H100-80GB", gpus_per_node=4)
+    cal = calibrated(base, load_calibration(str(path)))
+    assert cal.matmul_rate == 500e12 and cal.peak_flops == base.peak_flops
+    assert cal.gpu_memory == 79 * 2**30
+    assert cal.link("all_reduce", False) == (100e9, 40e-6)
+    assert cal.link("recv", False) == (50e9, 20e-6)
+    assert cal.link("all_reduce", True) == (base.inter_bw, base.latency)  # not measured
+    layout = dict(tp=4, pp=1, dp=1, microbatch_size=8, global_batch=8, sp=True)
+    before = evaluate("gpt-1.3b", base, **layout)
+    after = evaluate("gpt-1.3b", cal, **layout)
+    # compute scales with the rate; tp collectives are slower on the measured links
+    assert after.time["compute"] == pytest.approx(before.time["compute"] * 989 / 500)
+    assert after.time["tp"] > before.time["tp"]
+    assert after.mfu < before.mfu
+
+
+def test_plan_command_reads_a_calibration(tmp_path, capsys) -> None:
+    import json
+
+    from minipar.__main__ import main
+
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(CALIBRATION))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-1.3b", "--calibrate", str(path), "--batch", "32",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "calibrated" in text and "matmul 500 TFLOP/s" in text
+    best = json.loads(out.read_text())["best"]
+    assert best["tp"] * best["pp"] * best["dp"] == 4
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"collectives": {}}))
+    assert main(["plan", "--calibrate", str(bad)]) == 2

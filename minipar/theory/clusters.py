@@ -13,10 +13,17 @@ not measurements:
   collective's time is its wire bytes over this.
 * network: inter-node bandwidth per GPU per direction, one InfiniBand NIC per GPU as in
   DGX systems (HDR 200 Gb/s for A100, NDR 400 Gb/s for H100 and later).
+
+``calibrated(cluster, calibration)`` swaps the data sheet for one machine's measured
+rates (``benchmarks/multigpu.py --sections calibrate`` writes them; ``python -m minipar
+plan --calibrate FILE`` reads them): the bf16 matmul rate, and per collective the
+latency and bandwidth (wire bytes per second per GPU, as ``minipar.comm.wire_bytes``
+counts them) inside one node.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 
 MiB = 2**20
@@ -56,6 +63,10 @@ class Cluster:
     gpu: GPU
     gpus_per_node: int = 8
     latency: float = 10e-6
+    # measured (``calibrated``): the matmul FLOP/s one GPU reaches, and inside a node,
+    # per collective op, (op, latency in s, wire bytes per s per GPU)
+    matmul_flops: float | None = None
+    links: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -78,6 +89,21 @@ class Cluster:
     @property
     def inter_bw(self) -> float:
         return self.gpu.network
+
+    @property
+    def matmul_rate(self) -> float:
+        """FLOP/s the step-time model divides by (before its efficiency factor): the
+        measured matmul rate when calibrated, else the data sheet's peak."""
+        return self.matmul_flops or self.gpu.peak_flops
+
+    def link(self, op: str, spans_nodes: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of one ``op`` in a group inside a node or across nodes:
+        the measured figures for ``op`` when calibrated, else the presets."""
+        if spans_nodes:
+            return self.inter_bw, self.latency
+        measured = {name: (bw, lat) for name, lat, bw in self.links}
+        op = "send" if op == "recv" else op
+        return measured.get(op, (self.intra_bw, self.latency))
 
     @property
     def nodes(self) -> int:
@@ -114,6 +140,47 @@ CLUSTERS: dict[str, Cluster] = {
     "h100x1024": cluster(1024, "H100-80GB", name="h100x1024"),
     "h200x8": cluster(8, "H200-141GB", name="h200x8"),
 }
+
+
+CALIBRATED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def load_calibration(path: str) -> dict:
+    """Read a calibration file and check it has what ``calibrated`` uses: ``matmul_tflops``
+    and ``collectives`` {op: {``latency_s``, ``bus_bandwidth`` (bytes/s)}}."""
+    with open(path) as f:
+        calib = json.load(f)
+    if not isinstance(calib.get("matmul_tflops"), (int, float)):
+        raise ValueError(f"{path}: no matmul_tflops (a number, TFLOP/s) in the calibration")
+    for op, row in calib.get("collectives", {}).items():
+        if not all(isinstance(row.get(k), (int, float)) and row[k] > 0
+                   for k in ("latency_s", "bus_bandwidth")):
+            raise ValueError(f"{path}: collective {op!r} needs positive latency_s and "
+                             "bus_bandwidth")
+    return calib
+
+
+def calibrated(base: Cluster, calib: dict) -> Cluster:
+    """``base`` with one machine's measured rates (see ``load_calibration``): matmul rate,
+    collective latencies and bandwidths inside a node, and the memory one GPU has
+    (``memory_bytes``, when measured). The peak stays the data sheet's: MFU is over it."""
+    links = tuple((op, float(row["latency_s"]), float(row["bus_bandwidth"]))
+                  for op, row in sorted(calib.get("collectives", {}).items())
+                  if op in CALIBRATED_OPS)
+    gpu = base.gpu
+    if calib.get("memory_bytes"):
+        gpu = replace(gpu, memory=int(calib["memory_bytes"]))
+    return replace(base, gpu=gpu, matmul_flops=float(calib["matmul_tflops"]) * 1e12,
+                   links=links, name=base.name + " (calibrated)")
+
+
+def gpu_for_device(name: str) -> str:
+    """The GPU preset closest to a CUDA device name (``torch.cuda.get_device_name``)."""
+    for key, preset in (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("B200", "B200"),
+                        ("A100", "A100-80GB")):
+        if key in name.upper():
+            return preset
+    return "H100-80GB"
 
 
 def get_cluster(name_or_cluster: str | Cluster) -> Cluster:

@@ -9,7 +9,9 @@ and activation recomputation. The planner enumerates them, drops the impossible 
 The step-time model is deliberately simple, so that every term can be read and argued
 with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
 
-    compute  = FLOPs per GPU (recomputation included) / (peak * matmul_efficiency)
+    compute  = FLOPs per GPU (recomputation included) / (rate * matmul_efficiency), the
+               rate being the data sheet's peak, or the measured matmul rate of a
+               calibrated cluster (``clusters.calibrated``)
     bubble   = compute * bubble ratio of the schedule ((p-1)/m for 1F1B, ...)
     tp, pp   = wire bytes / bandwidth + calls * latency, all exposed (Megatron's tensor
                parallel collectives sit on the critical path)
@@ -18,7 +20,8 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
     step     = compute + bubble + tp + pp + exposed dp
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
-across nodes (network), read off the rank layout (``minipar.mesh.Mesh``).
+across nodes (network), read off the rank layout (``minipar.mesh.Mesh``); a calibrated
+cluster gives each collective its own measured latency and bandwidth inside a node.
 What it leaves out: kernel efficiency changing with matrix sizes, imbalance between
 the first/last stage and the others, network contention between groups. Use it to
 rank and to reason, not to promise a number.
@@ -87,9 +90,12 @@ def _group_spans_nodes(dp: int, pp: int, tp: int, dim: str, order: str,
     return len({r // gpus_per_node for r in ranks}) > 1
 
 
-def _comm_seconds(volume: dict, dim: str, bandwidth: float, latency: float) -> float:
-    ops = volume.get(dim, {})
-    return sum(x["wire_bytes"] / bandwidth + x["calls"] * latency for x in ops.values())
+def _comm_seconds(volume: dict, dim: str, cluster: Cluster, spans_nodes: bool) -> float:
+    total = 0.0
+    for op, x in volume.get(dim, {}).items():
+        bandwidth, latency = cluster.link(op, spans_nodes)
+        total += x["wire_bytes"] / bandwidth + x["calls"] * latency
+    return total
 
 
 def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp: int,
@@ -122,15 +128,14 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     tokens = global_batch * cfg.seq_len
     peak = cluster.peak_flops
     compute = hardware_flops_per_token(cfg, recompute) * tokens / cluster.gpus / (
-        peak * matmul_efficiency)
+        cluster.matmul_rate * matmul_efficiency)
     bubble = compute * bubble_ratio_formula(schedule, pp, m, virtual) if pp > 1 else 0.0
 
-    def bw(dim: str) -> float:
+    def spans(dim: str) -> bool:
         n = {"dp": dp, "pp": pp, "tp": tp}[dim]
-        spans = n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node)
-        return cluster.inter_bw if spans else cluster.intra_bw
+        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node)
 
-    t = {d: _comm_seconds(vol, d, bw(d), cluster.latency) for d in ("tp", "pp", "dp")}
+    t = {d: _comm_seconds(vol, d, cluster, spans(d)) for d in ("tp", "pp", "dp")}
     if overlap:
         window = compute if zero == 3 else compute / m * 2 / 3  # last backward only
         t["dp"] = max(0.0, t["dp"] - window)

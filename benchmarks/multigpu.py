@@ -1,0 +1,1087 @@
+"""Several GPUs of one host: NCCL parity, speed against the PyTorch-native peers, data-
+parallel scaling, the planner checked against real runs, and a trace; one command, one
+JSON.
+
+Run from the repository root with ``PYTHONPATH=.``; it starts its own ranks (one per
+GPU, NCCL, through ``minipar.launch`` and ``minipar.engine.train``; spawned, so CUDA is
+never initialised in this process). Sections (``--sections``, comma separated):
+
+* ``calibrate``: this machine's bf16 matmul rate and NCCL all-reduce / all-gather /
+  reduce-scatter / send-recv times over 1 KB .. 1 GB, fitted to a latency and a
+  bandwidth per op, written to ``calibration.json`` (``python -m minipar plan
+  --calibrate FILE`` reads it). Cheap (about 30 s): run it in every call, so that every
+  call's JSON carries its own machine's numbers.
+* ``parity``: the covering matrix (dp with ZeRO 0-3, tp with and without sp, pp with
+  every schedule, 2-D/3-D mixes, recomputation, tied embeddings across stages, plain SGD
+  without clipping), fp32 and bf16, each run by ``engine.train`` on NCCL and compared
+  with ``engine.train_reference`` (one process, fp32, CPU: the yardstick the tolerances
+  were measured on) by ``minipar.parity.compare``: losses, per-step gradient norms and
+  final parameters (from a ``--save`` checkpoint), against ``parity.TOLERANCES``. A
+  layout ``config.validate`` refuses is recorded with its reason.
+* ``speed`` (groups ``--speed dp,tp,pp,big``): gpt-1.3b, seq 2048, bf16, flash SDPA.
+  minipar (``engine.build`` + ``train_step``: what every rank of ``python -m minipar
+  train`` runs, minus the per-step activation meter) against DDP and FSDP2 at dp = N,
+  DTensor TP at tp = N, ``torch.distributed.pipelining`` at pp = N, and gpt-13b in the
+  planner's best layout that minipar accepts against FSDP2 with activation
+  checkpointing. Per row: median step time (per step the slowest rank), tokens/s, MFU
+  over the 989 TFLOP/s dense bf16 data sheet peak, peak allocated memory, and for the
+  dp rows the exposed communication (step time minus a one-GPU step on the same
+  per-GPU batch, where nothing is reduced); for pp rows the bubble measured from the
+  executor's synchronised timeline against ``minipar.theory.bubble``.
+* ``scaling``: minipar ZeRO-1 tokens/s at 1, 2 and N GPUs, same batch per GPU.
+* ``trace``: ``engine.train(trace=...)`` of a dp2 x pp2 run (and pp2 x tp2) under --out.
+
+Whenever calibration and speed/scaling rows exist, ``predict`` puts the planner's
+step time and peak memory (calibrated cluster, fused-attention accounting) beside each
+measured row. One configuration failing records its error and the run goes on; the
+JSON (``--out``/multigpu.json) is rewritten after every row; rows past ``--budget-s``
+are recorded as skipped. ``--report A.json B.json ...`` merges the JSONs of several
+calls (on any machine, no GPU needed) and recomputes predictions and the summary.
+
+Commands for the lead (four calls, each estimated under 9 minutes on 4 x H100):
+
+    export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+        NVSHMEM_DISABLE_NVLS=1
+    # 1 (~7 min): the parity matrix
+    python benchmarks/multigpu.py --sections calibrate,parity --out $OUT --budget-s 520
+    # 2 (~7 min): data parallel against DDP / FSDP2, and scaling
+    python benchmarks/multigpu.py --sections calibrate,speed,scaling --speed dp \
+        --out $OUT --budget-s 520
+    # 3 (~7.5 min): tensor and pipeline parallel against DTensor / pipelining
+    python benchmarks/multigpu.py --sections calibrate,speed --speed tp,pp \
+        --out $OUT --budget-s 520
+    # 4 (~5 min): gpt-13b (planner's layout vs FSDP2 + checkpointing), traces
+    python benchmarks/multigpu.py --sections calibrate,speed,trace --speed big \
+        --out $OUT --budget-s 520
+    # afterwards, anywhere (no GPU): one JSON and summary from the four
+    python benchmarks/multigpu.py --report c1/multigpu.json c2/multigpu.json \
+        c3/multigpu.json c4/multigpu.json --out merged
+
+On 2 GPUs the same four calls apply (fewer parity layouts; the traces are pp2 only).
+A dry run of every section at tiny sizes on CPU/gloo (2 or 4 ranks):
+
+    python benchmarks/multigpu.py --device cpu --gpus 2 --out /tmp/mg --budget-s 600
+"""
+
+from __future__ import annotations
+
+import os
+
+# NVLink multicast off in this process and (inherited) in every rank it starts: it can
+# take a shared host's GPUs out of service. Set before torch.distributed starts anything.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(MULTICAST_OFF)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import torch  # noqa: E402
+from gpu import (  # noqa: E402
+    DATASHEET_TFLOPS,
+    RandomTokens,
+    _attention_context,
+    _sync,
+    matmul_tflops,  # noqa: E402
+)
+
+from minipar.comm import wire_bytes  # noqa: E402
+from minipar.config import TrainConfig, validate  # noqa: E402
+from minipar.launch import launch  # noqa: E402
+from minipar.model import get_config  # noqa: E402
+from minipar.theory.params import model_flops_per_token  # noqa: E402
+
+GiB = 2**30
+SECTIONS = ("calibrate", "parity", "speed", "scaling", "trace")
+SPEED_GROUPS = ("dp", "tp", "pp", "big")
+BIG_TRIES = 3  # planned layouts of the big model tried, best first, until one runs
+
+
+# --- sizes: the real run, and the dry run's tiny twin -----------------------------------
+@dataclass
+class Sizes:
+    speed_model: str = "gpt-1.3b"
+    big_model: str = "gpt-13b"
+    per_gpu_batch: int = 8  # sequences per GPU (dp rows, scaling)
+    tp_batch: int = 8  # global batch of the tp rows
+    pp_micro: int = 2  # micro-batch size of the pp rows (global batch = per_gpu * N)
+    big_per_gpu: int = 4
+    steps: int = 10
+    warmup: int = 3
+    parity_model: str = "tiny"
+    parity_steps: int = 5
+    calib_sizes: list = field(default_factory=lambda: [2**10 * 4**k for k in range(11)])
+    matmul_n: int = 8192
+    trace_model: str = "gpt2-125m"
+    trace_overrides: dict = field(default_factory=lambda: {"vocab_size": 8192})
+    cap_s: float = 300.0  # one configuration's time limit
+    big_cap_s: float = 540.0
+
+
+def dry_sizes() -> Sizes:
+    return Sizes(speed_model="small", big_model="small", per_gpu_batch=2, tp_batch=4,
+                 pp_micro=1, big_per_gpu=2, steps=2, warmup=1, parity_steps=3,
+                 calib_sizes=[2**10 * 4**k for k in range(4)], matmul_n=256,
+                 trace_model="tiny", trace_overrides={}, cap_s=120.0, big_cap_s=120.0)
+
+
+# --- the run: rows, budget, JSON after every row ----------------------------------------
+class Run:
+    def __init__(self, args, n: int, sizes: Sizes) -> None:
+        self.args, self.n, self.sizes = args, n, sizes
+        self.cuda = args.device == "cuda"
+        self.backend = "nccl" if self.cuda else "gloo"
+        self.t0 = time.monotonic()
+        self.only = re.compile(args.only) if args.only else None
+        os.makedirs(args.out, exist_ok=True)
+        self.path = os.path.join(args.out, "multigpu.json")
+        self.report = {"meta": _meta(args, n), "sections": {}}
+        self.calibration: dict | None = None
+        if args.calibration:
+            with open(args.calibration) as f:
+                self.calibration = json.load(f)
+
+    def remaining(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.t0)
+
+    def timeout(self, cap: float) -> float:
+        return max(20.0, min(cap, self.remaining()))
+
+    def section(self, name: str) -> dict:
+        return self.report["sections"].setdefault(name, {"rows": []})
+
+    def wanted(self, section: str, name: str) -> bool:
+        return self.only is None or bool(self.only.search(f"{section} {name}"))
+
+    def row(self, section: str, name: str, fn, **fields) -> dict | None:
+        """Run ``fn() -> dict`` as one row: errors and the budget are recorded, never
+        raised; the JSON is rewritten after it."""
+        if not self.wanted(section, name):
+            return None
+        rec = {"name": name, **fields}
+        start = time.monotonic()
+        if self.remaining() < 15:
+            rec.update(status="skipped", reason=f"--budget-s {self.args.budget_s} spent")
+        else:
+            try:
+                rec.update(fn())
+                rec.setdefault("status", "ok")
+            except Exception as e:  # one bad row must never lose the others
+                rec.update(status="error", error=_error_text(e))
+        rec["seconds"] = round(time.monotonic() - start, 2)
+        self.section(section)["rows"].append(rec)
+        self.save()
+        extra = rec.get("error") or rec.get("reason") or rec.get("brief", "")
+        print(f"[{time.monotonic() - self.t0:6.0f} s] {section:<9} {name:<40} "
+              f"{rec['status']:<8} {str(extra).splitlines()[0][:110] if extra else ''}",
+              flush=True)
+        return rec
+
+    def save(self) -> None:
+        self.report["meta"]["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        _write_json(self.path, self.report)
+
+    def launch(self, fn, world: int, *args, cap: float):
+        """``fn(*args)`` on ``world`` ranks, one per GPU (spawned on CUDA)."""
+        method = self.args.start_method or ("spawn" if self.cuda else "fork")
+        # a spawned rank may use several threads (building a 13B model on the host); a
+        # forked one must keep one: the parent's OpenMP pool would hang it
+        threads = max(1, (os.cpu_count() or 2) // world) if method == "spawn" else 1
+        return launch(fn, world, args=args, backend=self.backend, timeout=self.timeout(cap),
+                      start_method=method, threads=threads)
+
+
+def _meta(args, n: int) -> dict:
+    meta = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": n,
+            "device": args.device, "device_name": None, "args": vars(args),
+            "datasheet_tflops": DATASHEET_TFLOPS, "multicast_off": MULTICAST_OFF,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if args.device == \
+            "cuda" else None
+    except Exception:
+        meta["nccl"] = None
+    return meta
+
+
+def _error_text(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    lines = text.splitlines()
+    if len(lines) > 24:
+        lines = lines[:4] + ["..."] + lines[-18:]
+    return "\n".join(lines)[:4000]
+
+
+def _write_json(path: str, payload: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _local_device() -> torch.device:
+    if torch.cuda.is_available() and dist_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def dist_backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_initialized() else "gloo"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+# --- calibrate -------------------------------------------------------------------------
+CALIB_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def _calibrate_rank(sizes: list[int], matmul_n: int) -> dict:
+    """On every rank: the matmul rate, then each op at each size (seconds per call, the
+    slowest rank's). Through ``minipar.comm.Comm``: the cost minipar itself pays."""
+    import torch.distributed as dist
+
+    from minipar.comm import Comm
+
+    device = _local_device()
+    comm = Comm()
+    out = {"device_name": _device_name(device), "matmul_tflops": matmul_tflops(
+        device, matmul_n), "times": {op: [] for op in CALIB_OPS},
+        "memory_bytes": (torch.cuda.get_device_properties(device).total_memory
+                         if device.type == "cuda" else 0)}
+    n, rank = comm.size, comm.rank
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    item = torch.finfo(dtype).bits // 8
+    out["bytes"] = [max(n, size // item // n * n) * item for size in sizes]
+    for nbytes in out["bytes"]:
+        full = torch.zeros(nbytes // item, dtype=dtype, device=device)
+        shard = torch.zeros(nbytes // item // n, dtype=dtype, device=device)
+        size = nbytes
+        iters = max(3, min(50, int(4e8 // size)))
+        for op in CALIB_OPS:
+            if op == "send" and n < 2:
+                continue
+            peer = rank ^ 1  # pairs 0-1, 2-3: even ranks send, odd ones receive
+
+            def once(op=op, full=full, shard=shard, peer=peer) -> None:
+                _collective(comm, op, full, shard, peer)
+
+            for _ in range(2):
+                once()
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                once()
+            _sync(device)
+            t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
+                             device=device)  # NCCL reduces device tensors only
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out["times"][op].append(float(t))
+        comm.log.clear()
+    return out
+
+
+def _collective(comm, op: str, full: torch.Tensor, shard: torch.Tensor, peer: int) -> None:
+    if op == "all_reduce":
+        comm.all_reduce(full)
+    elif op == "all_gather":
+        comm.all_gather_into(full, shard)
+    elif op == "reduce_scatter":
+        comm.reduce_scatter_into(shard, full)
+    elif peer < comm.size:  # send-recv: even ranks send, odd ones receive
+        if comm.rank % 2 == 0:
+            comm.send(full, peer)
+        else:
+            comm.recv(full, peer)
+
+
+def calibration_from(results: list[dict], sizes: list[int], n: int) -> dict:
+    """Fit the alpha-beta model per op: latency (the smallest sizes' time) and bandwidth
+    (wire bytes per second, the slope over the larger sizes), in ``load_calibration``'s
+    shape."""
+    r0 = results[0]
+    calib = {"device": r0["device_name"], "gpus": n, "torch": torch.__version__,
+             "memory_bytes": r0["memory_bytes"],
+             "matmul_tflops": statistics.median(r["matmul_tflops"] for r in results),
+             "matmul_tflops_per_rank": [r["matmul_tflops"] for r in results],
+             "collectives": {}}
+    nbytes = r0["bytes"]
+    for op, times in r0["times"].items():
+        if not times:
+            continue
+        group = 2 if op == "send" else n
+        wires = [wire_bytes(op, b, group) for b in nbytes]
+        latency = min(times[:2])
+        # bandwidth: least-squares slope of time over wire bytes on the larger half of
+        # the sizes (where latency no longer dominates); else the largest size's rate
+        half = len(times) // 2
+        xs, ys = wires[half:], times[half:]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        bandwidth = 1 / slope if slope > 0 else wires[-1] / times[-1]
+        calib["collectives"][op] = {
+            "latency_s": latency, "bus_bandwidth": bandwidth,
+            "bytes": nbytes, "seconds": times,
+            "bus_bandwidth_per_size": [w / t for w, t in zip(wires, times)]}
+    return calib
+
+
+def section_calibrate(run: Run) -> None:
+    s = run.sizes
+
+    def go() -> dict:
+        res = run.launch(_calibrate_rank, run.n, s.calib_sizes, s.matmul_n, cap=240)
+        calib = calibration_from(list(res), s.calib_sizes, run.n)
+        run.calibration = calib
+        run.report["meta"]["device_name"] = calib["device"]
+        _write_json(os.path.join(run.args.out, "calibration.json"), calib)
+        ops = ", ".join(f"{op} {c['bus_bandwidth'] / 1e9:.0f} GB/s + "
+                        f"{c['latency_s'] * 1e6:.0f} us" for op, c in calib["collectives"].items())
+        return {"calibration": calib, "file": "calibration.json",
+                "brief": f"matmul {calib['matmul_tflops']:.0f} TFLOP/s; {ops}"}
+
+    run.row("calibrate", f"{run.n} ranks", go)
+
+
+# --- parity ------------------------------------------------------------------------------
+SGD = dict(optimizer="sgd", grad_clip=0.0, lr=0.5, warmup=1)
+
+
+def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
+    """(name, TrainConfig fields, dtypes) of the covering matrix at n ranks."""
+    m2 = 2 * n
+    both, fp32 = ("fp32", "bf16"), ("fp32",)
+    rows = [(f"dp{n} zero{z}", dict(dp=n, zero=z, microbatches=2 if z in (0, 2) else 1),
+             both) for z in range(4)]
+    rows += [(f"tp{n}", dict(tp=n), both), (f"tp{n} sp", dict(tp=n, sp=True), both)]
+    rows += [(f"pp{n} {s}", dict(pp=n, schedule=s, microbatches=m2), both)
+             for s in ("gpipe", "1f1b", "zb")]
+    rows += [(f"pp{n} interleaved v2", dict(pp=n, schedule="interleaved", virtual=2,
+                                           microbatches=m2), both),
+             (f"dp{n} recompute full", dict(dp=n, recompute="full"), both),
+             (f"tp{n} sp recompute selective", dict(tp=n, sp=True, recompute="selective"),
+              both),
+             (f"pp{n} 1f1b tied embeddings", dict(pp=n, microbatches=m2,
+                                                  overrides={"tie_embeddings": True}), both)]
+    if n >= 4:
+        rows += [("dp2 tp2 zero1", dict(dp=2, tp=2, zero=1), both),
+                 ("dp2 pp2 zero2", dict(dp=2, pp=2, zero=2, microbatches=2), both),
+                 ("pp2 tp2 sp zb", dict(pp=2, tp=2, sp=True, schedule="zb",
+                                        microbatches=2), both),
+                 ("dp2 pp2 zero3 interleaved v2", dict(dp=2, pp=2, zero=3, virtual=2,
+                                                       schedule="interleaved",
+                                                       microbatches=4), both),
+                 ("dp2 pp2 pp-inside-dp recompute full", dict(
+                     dp=2, pp=2, microbatches=2, order="pp-inside-dp", recompute="full"),
+                  both),
+                 ("dp2 pp2 tp1 zero1 sgd", dict(dp=2, pp=2, zero=1, microbatches=2, **SGD),
+                  fp32)]
+    rows += [(f"dp{n} sgd", dict(dp=n, microbatches=2, **SGD), fp32),
+             (f"dp{n} zero3 sgd", dict(dp=n, zero=3, microbatches=2, **SGD), fp32),
+             (f"tp{n} sp sgd", dict(tp=n, sp=True, **SGD), fp32),
+             (f"pp{n} 1f1b sgd", dict(pp=n, microbatches=m2, **SGD), fp32),
+             (f"pp{n} zb sgd", dict(pp=n, schedule="zb", microbatches=m2, **SGD), fp32)]
+    return rows
+
+
+def section_parity(run: Run) -> None:
+    from minipar.engine import train, train_reference
+    from minipar.parity import TOLERANCES, audit, compare, final_parameters
+
+    s = run.sizes
+    run.section("parity")["reference"] = ("engine.train_reference: one process, fp32, "
+                                          "CPU; tolerances: minipar.parity.TOLERANCES")
+    references: dict = {}
+
+    def reference(fields: dict) -> dict:
+        knobs = {k: fields[k] for k in ("optimizer", "grad_clip", "lr", "warmup",
+                                        "overrides") if k in fields}
+        key = json.dumps(knobs, sort_keys=True)
+        if key not in references:
+            ref = train_reference(TrainConfig(model=s.parity_model, steps=s.parity_steps,
+                                              batch_size=16, **knobs))
+            references[key] = {"losses": ref["losses"], "grad_norms": ref["grad_norms"],
+                               "params": {k: v.detach().float().clone() for k, v in
+                                          ref["model"].state_dict().items()}}
+        return references[key]
+
+    for name, fields, dtypes in parity_layouts(run.n):
+        for dtype in dtypes:
+            def go(fields=fields, dtype=dtype) -> dict:
+                cfg = TrainConfig(model=s.parity_model, steps=s.parity_steps, batch_size=16,
+                                  dtype=dtype, backend=run.backend, **fields)
+                try:
+                    validate(cfg)
+                except ValueError as e:
+                    return {"status": "refused", "reason": str(e)}
+                ref = reference(fields)
+                save = tempfile.mkdtemp(prefix="minipar-parity-")
+                try:
+                    cfg.save, cfg.timeout = save, run.timeout(180)
+                    rec = train(cfg)
+                    params = {k: v.cpu() for k, v in final_parameters(save).items()}
+                finally:
+                    shutil.rmtree(save, ignore_errors=True)
+                p = compare(rec, ref, params, ref["params"])
+                tol = TOLERANCES[dtype]
+                layout = {"dp": cfg.dp, "microbatches": cfg.microbatches, "pp": cfg.pp,
+                          "tp": cfg.tp}
+                return {"status": "ok" if p.ok(tol) else "drift",
+                        "loss_diff": p.loss_diff, "grad_norm_rel": p.grad_norm_rel,
+                        "param_diff": p.param_diff, "grad_ratios": p.grad_ratios,
+                        "tolerance": vars(tol), "audit": audit(p.grad_ratios, layout),
+                        "losses": rec["losses"], "reference_losses": ref["losses"],
+                        "brief": p.describe()}
+
+            run.row("parity", f"{name} {dtype}", go, layout=fields, dtype=dtype)
+
+
+# --- speed: one configuration per launch -------------------------------------------------
+def _timed(step_fn, steps: int, warmup: int, device: torch.device) -> tuple[list, list]:
+    losses, times = [], []
+    with _attention_context(device):
+        for step in range(warmup + steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            losses.append(step_fn(step))
+            _sync(device)
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+    return losses, times
+
+
+def _speed_rank(spec: dict) -> dict:
+    """One configuration on this rank: build, warm up, time; returns times, losses and
+    the peak allocated memory (plus, for minipar's pipelines, a synchronised timeline)."""
+    import torch.distributed as dist
+
+    from minipar.data import split_batch
+    from minipar.model import GPT
+
+    device = _local_device()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mc = get_config(spec["model"]).with_(**spec.get("overrides", {}))
+    data = RandomTokens(mc.vocab_size, mc.seq_len, 0)
+    batch, steps, warmup = spec["batch"], spec["steps"], spec["warmup"]
+    impl, extra = spec["impl"], {}
+    cuda = device.type == "cuda"
+
+    def local(s: int):  # this rank's slice of the global batch (data parallel peers)
+        x, y = split_batch(*data.batch(s, batch), rank, world, 1)[0]
+        return x.to(device), y.to(device)
+
+    if impl == "minipar":
+        from minipar.engine import build, train_step
+        from minipar.mesh import Mesh
+
+        cfg = TrainConfig(**spec["cfg"])
+        rm = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order).connect()
+        parts = build(cfg, rm)
+
+        def step_fn(s: int):
+            return train_step(cfg, rm, parts, data, s)["loss"]
+    elif impl == "ddp":
+        from peers import MasterWeights
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(0)
+        model = GPT(mc).to(device)
+        masters = MasterWeights(model.parameters(), fused=cuda)
+        model.to(torch.bfloat16)
+        ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=25)
+
+        def step_fn(s: int):
+            loss = ddp(*local(s))
+            loss.backward()
+            masters.step()
+            return loss.item()
+    elif impl == "fsdp2":
+        from peers import fsdp2
+        from torch.distributed.device_mesh import init_device_mesh
+
+        with torch.device("meta"):
+            model = GPT(mc)
+        model = fsdp2(model, init_device_mesh(device.type, (world,)), bf16=True,
+                      recompute=spec.get("recompute", False), meta=True, device=device)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+        def step_fn(s: int):
+            loss = model(*local(s))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+    elif impl == "dtensor":
+        from peers import clip_mixed, dtensor_tp
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        torch.manual_seed(0)
+        model = dtensor_tp(GPT(mc).to(device), world, spec["sp"], device.type)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+        def step_fn(s: int):
+            x, y = (t.to(device) for t in data.batch(s, batch))
+            with loss_parallel():
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(x, y)
+                loss.backward()
+            clip_mixed(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+    elif impl == "torch-pp":
+        from peers import TORCH_SCHEDULES, MasterWeights, torch_pipeline
+
+        from minipar.parallel.pp import build_stage
+
+        torch.manual_seed(0)
+        model = GPT(mc)
+        v = TORCH_SCHEDULES[spec["schedule"]][1]
+        chunks = build_stage(model, rank, world, v)
+        model.to(device)
+        masters = MasterWeights(model.parameters(), fused=cuda, group=dist.group.WORLD)
+        model.to(torch.bfloat16)
+        sched = torch_pipeline(chunks, world * v, spec["schedule"], spec["microbatches"],
+                               device)
+        first, last = any(c.is_first for c in chunks), any(c.is_last for c in chunks)
+
+        def step_fn(s: int):
+            x, y = (t.to(device) for t in data.batch(s, batch))
+            losses: list = []
+            sched.step(*((x,) if first else ()), target=y if last else None,
+                       losses=losses if last else None)
+            masters.step()
+            return float(torch.stack(losses).float().mean()) if last else None
+    else:
+        raise ValueError(f"unknown impl {impl!r}")
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, times = _timed(step_fn, steps, warmup, device)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    if impl == "minipar" and cfg.pp > 1:  # two more steps, every action synchronised
+        parts.executor.synchronize = cuda
+        with _attention_context(device):
+            for s in range(2):
+                out = train_step(cfg, rm, parts, data, warmup + steps + s)
+        extra["timeline"] = [{"kind": r.kind, "mb": r.mb, "chunk": r.chunk,
+                              "start": r.start, "end": r.end} for r in out["timeline"]]
+    if impl == "minipar":
+        extra["comm_wire_bytes_per_step"] = rm.log.total("wire_bytes") / (
+            warmup + steps + (2 if cfg.pp > 1 else 0))
+    return {"times": times, "losses": losses, "peak_bytes": peak,
+            "device_name": _device_name(device), **extra}
+
+
+def _measure(run: Run, spec: dict, cap: float) -> dict:
+    """Launch one configuration and reduce its ranks' records to one row."""
+    res = list(run.launch(_speed_rank, spec["world"], spec, cap=cap))
+    per_step = [max(r["times"][i] for r in res) for i in range(len(res[0]["times"]))]
+    step = statistics.median(per_step)
+    mc = get_config(spec["model"]).with_(**spec.get("overrides", {}))
+    tokens = spec["batch"] * mc.seq_len
+    flops = model_flops_per_token(mc)
+    losses = next((r["losses"] for r in res if r["losses"][-1] is not None), [None])
+    row = {"step_s": step, "step_s_all": per_step, "tokens_per_step": tokens,
+           "tokens_per_s": tokens / step,
+           "mfu": tokens / step * flops / (spec["world"] * DATASHEET_TFLOPS * 1e12),
+           "peak_gib": max(r["peak_bytes"] for r in res) / GiB,
+           "peak_gib_per_rank": [r["peak_bytes"] / GiB for r in res],
+           "loss_first": losses[0], "loss_last": losses[-1],
+           "device_name": res[0]["device_name"]}
+    if run.report["meta"]["device_name"] is None:
+        run.report["meta"]["device_name"] = res[0]["device_name"]
+    if "comm_wire_bytes_per_step" in res[0]:
+        row["comm_wire_bytes_per_step"] = max(r["comm_wire_bytes_per_step"] for r in res)
+    if "timeline" in res[0]:
+        from minipar.parallel.schedules import make_schedule
+        from minipar.theory.bubble import bubble_fraction_formula, bubble_stats, simulate
+
+        tl = [[types.SimpleNamespace(**e) for e in r["timeline"]] for r in res]
+        c = spec["cfg"]
+        # the pipeline group is the whole world in these rows (pp = N)
+        row["bubble_measured"] = bubble_stats(tl)["bubble_fraction"]
+        row["bubble_theory"] = bubble_stats(simulate(make_schedule(
+            c["schedule"], c["pp"], c["microbatches"], c["virtual"])))["bubble_fraction"]
+        row["bubble_formula"] = bubble_fraction_formula(c["schedule"], c["pp"],
+                                                        c["microbatches"], c["virtual"])
+    row["brief"] = (f"{1e3 * step:.1f} ms, {row['tokens_per_s']:,.0f} tok/s, MFU "
+                    f"{100 * row['mfu']:.1f}%, peak {row['peak_gib']:.1f} GiB")
+    return row
+
+
+def minipar_spec(run: Run, model: str, world: int, batch: int, overrides: dict | None = None,
+                 **layout) -> dict:
+    s = run.sizes
+    cfg = dict(model=model, dtype="bf16", backend=run.backend, batch_size=batch,
+               steps=s.warmup + s.steps + 2, warmup=s.warmup, lr=3e-4, fused=run.cuda,
+               seed=0, overrides=dict(overrides or {}), **layout)
+    return {"impl": "minipar", "model": model, "overrides": dict(overrides or {}),
+            "world": world, "batch": batch, "steps": s.steps, "warmup": s.warmup,
+            "cfg": cfg}
+
+
+def peer_spec(run: Run, impl: str, model: str, world: int, batch: int,
+              overrides: dict | None = None, **extra) -> dict:
+    s = run.sizes
+    return {"impl": impl, "model": model, "overrides": dict(overrides or {}), "world": world,
+            "batch": batch, "steps": s.steps, "warmup": s.warmup, **extra}
+
+
+def speed_row(run: Run, section: str, name: str, spec: dict, group: str,
+              cap: float | None = None) -> dict | None:
+    def go() -> dict:
+        if spec["impl"] == "minipar":
+            try:
+                validate(TrainConfig(**spec["cfg"]))
+            except ValueError as e:
+                return {"status": "refused", "reason": str(e)}
+        return _measure(run, spec, cap or run.sizes.cap_s)
+
+    layout = {k: v for k, v in spec.get("cfg", spec).items()
+              if k in ("dp", "pp", "tp", "zero", "schedule", "virtual", "microbatches", "sp",
+                       "recompute", "batch_size", "overrides")}
+    return run.row(section, name, go, group=group, impl=spec["impl"], world=spec["world"],
+                   model=spec["model"], batch=spec["batch"], layout=layout,
+                   spec={k: v for k, v in spec.items() if k != "cfg"})
+
+
+def _untied_if_needed(run: Run, model: str, **layout) -> dict:
+    """Overrides for a pp layout of a preset with tied embeddings, if minipar refuses it."""
+    try:
+        validate(TrainConfig(model=model, backend="gloo", batch_size=64, **layout))
+        return {}
+    except ValueError as e:
+        return {"tie_embeddings": False} if "tie" in str(e) else {}
+
+
+def section_speed(run: Run, groups: list[str]) -> None:
+    s, n = run.sizes, run.n
+    model = s.speed_model
+    if "dp" in groups:
+        b = s.per_gpu_batch
+        speed_row(run, "speed", f"minipar 1 GPU b{b} (no reduction)",
+                  minipar_spec(run, model, 1, b), "dp")
+        for z in range(4):
+            speed_row(run, "speed", f"minipar dp{n} zero{z}",
+                      minipar_spec(run, model, n, b * n, dp=n, zero=z), "dp")
+        speed_row(run, "speed", f"torch DDP dp{n}", peer_spec(run, "ddp", model, n, b * n),
+                  "dp")
+        speed_row(run, "speed", f"torch FSDP2 dp{n}",
+                  peer_spec(run, "fsdp2", model, n, b * n), "dp")
+    if "tp" in groups:
+        b = s.tp_batch
+        for sp in (True, False):
+            tag = " sp" if sp else ""
+            speed_row(run, "speed", f"minipar tp{n}{tag}",
+                      minipar_spec(run, model, n, b, tp=n, sp=sp), "tp")
+            speed_row(run, "speed", f"torch DTensor tp{n}{tag}",
+                      peer_spec(run, "dtensor", model, n, b, sp=sp), "tp")
+    if "pp" in groups:
+        b = s.per_gpu_batch * n
+        m = b // s.pp_micro
+        for sched in ("1f1b", "interleaved", "zb"):
+            v = 2 if sched == "interleaved" else 1
+            ov = _untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched,
+                                   virtual=v)
+            speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else ""),
+                      minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
+                                   schedule=sched, virtual=v), "pp")
+            speed_row(run, "speed", f"torch pipelining pp{n} {sched}",
+                      peer_spec(run, "torch-pp", model, n, b, ov, schedule=sched,
+                                microbatches=m), "pp")
+    if "big" in groups:
+        section_big(run)
+
+
+def _cluster(run: Run, world: int):
+    """This machine as the planner sees it: the preset of its GPU, one node, calibrated
+    with this run's measurements when there are some."""
+    from minipar.theory.clusters import calibrated, cluster, gpu_for_device
+
+    name = (run.calibration or {}).get("device") or run.report["meta"].get("device_name") \
+        or "H100"
+    where = cluster(world, gpu_for_device(name), gpus_per_node=world)
+    return calibrated(where, run.calibration) if run.calibration else where
+
+
+def section_big(run: Run) -> None:
+    """The model that does not fit one GPU: the planner's best layout minipar accepts,
+    beside FSDP2 with activation checkpointing, at the same global batch."""
+    from minipar.theory.planner import plan
+
+    s, n, model = run.sizes, run.n, run.sizes.big_model
+    batch = s.big_per_gpu * n
+    accepted, refused = [], []
+    if run.wanted("speed", f"minipar {model} planner"):
+        for lay in plan(model, _cluster(run, n), batch, max_microbatch_size=8,
+                        accounting="fused").layouts:
+            layout = dict(dp=lay.dp, pp=lay.pp, tp=lay.tp, zero=lay.zero, sp=lay.sp,
+                          microbatches=lay.microbatches, recompute=lay.recompute,
+                          schedule=lay.schedule if lay.pp > 1 else "1f1b",
+                          virtual=lay.virtual)
+            try:
+                validate(TrainConfig(model=model, backend=run.backend, batch_size=batch,
+                                     **layout))
+            except ValueError as e:
+                refused.append({"layout": lay.label(), "reason": str(e)})
+                continue
+            accepted.append((lay, layout))
+            if len(accepted) == BIG_TRIES:
+                break
+    for rank_in_plan, (lay, layout) in enumerate(accepted):
+        # the planner's best layout minipar accepts; if it fails on the machine (out of
+        # memory, say), the next one, so that one 13B figure comes back
+        spec = minipar_spec(run, model, n, batch, **layout)
+        rec = speed_row(run, "speed", f"minipar {model} planner #{rank_in_plan + 1} "
+                        f"({lay.label()})", spec, "big", cap=s.big_cap_s)
+        if rec is not None:
+            rec["planner_refused_before"] = refused[:10]
+            rec["planner_predicted_step_s"] = lay.step_time
+        if rec is None or rec["status"] == "ok":
+            break
+    if not accepted and refused:
+        run.row("speed", f"minipar {model} planner", lambda: {
+            "status": "refused", "reason": "no planned layout passes validate",
+            "refused": refused[:10]}, group="big")
+    speed_row(run, "speed", f"torch FSDP2 {model} dp{n} activation checkpointing",
+              peer_spec(run, "fsdp2", model, n, batch, recompute=True), "big",
+              cap=s.big_cap_s)
+
+
+def section_scaling(run: Run) -> None:
+    s = run.sizes
+    for world in sorted({1, 2, run.n}):
+        b, zero = s.per_gpu_batch, 1 if world > 1 else 0  # one GPU: nothing to shard
+        speed_row(run, "scaling", f"minipar dp{world} zero{zero}",
+                  minipar_spec(run, s.speed_model, world, b * world, dp=world, zero=zero),
+                  "scaling")
+
+
+def section_trace(run: Run) -> None:
+    from minipar.engine import train
+
+    s, n = run.sizes, run.n
+    layouts = [("dp2 pp2 zero1", dict(dp=2, pp=2, zero=1))] if n >= 4 else []
+    layouts += [("pp2 tp2 sp", dict(pp=2, tp=2, sp=True))] if n >= 4 else \
+        [("pp2", dict(pp=2))]
+    for name, layout in layouts:
+        path = os.path.join(run.args.out, "trace_" + name.replace(" ", "_") + ".json")
+
+        def go(layout=layout, path=path) -> dict:
+            cfg = TrainConfig(model=s.trace_model, backend=run.backend, dtype="bf16",
+                              batch_size=16, microbatches=4, steps=3, warmup=1,
+                              fused=run.cuda, trace=path, timeout=run.timeout(240),
+                              overrides={**s.trace_overrides, "tie_embeddings": False},
+                              **layout)
+            validate(cfg)
+            rec = train(cfg)
+            return {"file": os.path.basename(path), "losses": rec["losses"],
+                    "brief": f"{os.path.getsize(path) / 1e6:.1f} MB"}
+
+        run.row("trace", name, go, layout=layout)
+
+
+# --- the planner against the measurements ------------------------------------------------
+PEER_AS = {"ddp": dict(zero=0), "fsdp2": dict(zero=3), "dtensor": {}, "torch-pp": {}}
+
+
+def predict(run: Run) -> None:
+    """The calibrated planner's step time and memory beside every measured row."""
+    from minipar.theory.planner import evaluate, plan
+
+    if run.calibration is None:
+        return
+    rows = [r for sec in ("speed", "scaling") for r in run.report["sections"].get(sec, {})
+            .get("rows", []) if r.get("status") == "ok"]
+    out = []
+    for r in rows:
+        lay = dict(r["layout"])
+        world, batch = r["world"], r["batch"]
+        if r["impl"] == "minipar":
+            dp, pp, tp = lay.get("dp", 1), lay.get("pp", 1), lay.get("tp", 1)
+            m = lay.get("microbatches", 1)
+            knobs = dict(zero=lay.get("zero", 0), schedule=lay.get("schedule", "1f1b"),
+                         virtual=lay.get("virtual", 1), sp=lay.get("sp", False),
+                         recompute=lay.get("recompute", "none"))
+        else:
+            spec = r["spec"]
+            dp = world if r["impl"] in ("ddp", "fsdp2") else 1
+            tp = world if r["impl"] == "dtensor" else 1
+            pp = world if r["impl"] == "torch-pp" else 1
+            m = spec.get("microbatches", 1)
+            knobs = dict(zero=PEER_AS[r["impl"]].get("zero", 0), sp=spec.get("sp", False),
+                         schedule=spec.get("schedule", "1f1b") if pp > 1 else "1f1b",
+                         # torch's zero-bubble peer loops 2 chunks; predicted as ZB-H1
+                         virtual=2 if spec.get("schedule") == "interleaved" else 1,
+                         recompute="full" if spec.get("recompute") else "none")
+        mc = get_config(r["model"]).with_(**r["spec"].get("overrides", {}))
+        try:
+            est = evaluate(mc, _cluster(run, world), tp, pp, dp,
+                           microbatch_size=batch // (dp * m), global_batch=batch,
+                           accounting="fused", **knobs)
+        except ValueError as e:
+            out.append({"name": r["name"], "error": str(e)})
+            continue
+        pred_mem = est.memory["total"] / GiB
+        out.append({"name": r["name"], "impl": r["impl"], "model": r["model"],
+                    "world": world, "layout": est.label(),
+                    "predicted_step_s": est.step_time, "measured_step_s": r["step_s"],
+                    "step_error": est.step_time / r["step_s"] - 1,
+                    "predicted_time": est.time, "predicted_gib": pred_mem,
+                    "measured_gib": r["peak_gib"],
+                    "memory_error": pred_mem / r["peak_gib"] - 1 if r["peak_gib"] else None,
+                    "predicted_tokens_per_s": r["tokens_per_step"] / est.step_time,
+                    "measured_tokens_per_s": r["tokens_per_s"], "fits": est.fits})
+    sec = {"cluster": _cluster(run, run.n).to_dict(), "rows": out}
+    # the planner's first choice against the measured fastest, among minipar's own rows
+    # of the speed model on all N GPUs (tokens/s, since their global batches differ)
+    mine = [p for p in out if p.get("impl") == "minipar" and p.get("world") == run.n
+            and p.get("model") == run.sizes.speed_model]
+    if mine:
+        first = max(mine, key=lambda p: p["predicted_tokens_per_s"])
+        fastest = max(mine, key=lambda p: p["measured_tokens_per_s"])
+        sec["first_choice_among_measured"] = first["name"]
+        sec["measured_fastest"] = fastest["name"]
+        sec["first_choice_is_fastest"] = first["name"] == fastest["name"]
+        try:
+            best = plan(run.sizes.speed_model, _cluster(run, run.n),
+                        run.sizes.per_gpu_batch * run.n).best
+            sec["planner_best_overall"] = best.label() if best else None
+        except ValueError as e:
+            sec["planner_best_overall"] = f"error: {e}"
+    run.report["sections"]["predict"] = sec
+    run.save()
+
+
+# --- summary -----------------------------------------------------------------------------
+def _find(rows: list[dict], name: str) -> dict | None:
+    return next((r for r in rows if r["name"] == name and r.get("status") == "ok"), None)
+
+
+def derived(report: dict) -> dict:
+    """Ratios measured in the same job: minipar over its peer, memory, exposed comm,
+    scaling efficiency."""
+    n = report["meta"]["gpus"]
+    speed = report["sections"].get("speed", {}).get("rows", [])
+    out: dict = {"ratios": [], "exposed_dp": [], "scaling": []}
+
+    def ratio(a: str, b: str, what: str = "step") -> None:
+        ra, rb = _find(speed, a), _find(speed, b)
+        if ra and rb:
+            out["ratios"].append({"minipar": a, "peer": b,
+                                  "step_ratio": ra["step_s"] / rb["step_s"],
+                                  "memory_ratio": ra["peak_gib"] / rb["peak_gib"]
+                                  if rb["peak_gib"] else None})
+
+    for z in range(4):
+        ratio(f"minipar dp{n} zero{z}", f"torch FSDP2 dp{n}")
+    ratio(f"minipar dp{n} zero0", f"torch DDP dp{n}")
+    for tag in (" sp", ""):
+        ratio(f"minipar tp{n}{tag}", f"torch DTensor tp{n}{tag}")
+    for sched, v in (("1f1b", ""), ("interleaved", " v2"), ("zb", "")):
+        ratio(f"minipar pp{n} {sched}{v}", f"torch pipelining pp{n} {sched}")
+    big = [r for r in speed if r.get("group") == "big" and r.get("status") == "ok"]
+    mine = [r for r in big if r["impl"] == "minipar"]
+    peer = [r for r in big if r["impl"] != "minipar"]
+    if mine and peer:
+        ratio(mine[0]["name"], peer[0]["name"])
+    base = next((r for r in speed if r["name"].startswith("minipar 1 GPU")
+                 and r.get("status") == "ok"), None)
+    if base:
+        for r in speed:
+            if r.get("group") == "dp" and r["world"] > 1 and r.get("status") == "ok":
+                exposed = r["step_s"] - base["step_s"]
+                out["exposed_dp"].append({"name": r["name"], "exposed_s": exposed,
+                                          "exposed_share": exposed / r["step_s"]})
+    scaling = report["sections"].get("scaling", {}).get("rows", [])
+    one = next((r for r in scaling if r["world"] == 1 and r.get("status") == "ok"), None)
+    for r in scaling:
+        if one and r.get("status") == "ok":
+            out["scaling"].append({"world": r["world"], "tokens_per_s": r["tokens_per_s"],
+                                   "efficiency": r["tokens_per_s"] /
+                                   (r["world"] * one["tokens_per_s"])})
+    return out
+
+
+def summary(report: dict) -> str:
+    meta = report["meta"]
+    lines = [f"# multigpu: {meta['gpus']} x {meta.get('device_name')}, torch {meta['torch']}"
+             f", NCCL {meta.get('nccl')}", ""]
+    secs = report["sections"]
+    if "calibrate" in secs:
+        for r in secs["calibrate"]["rows"]:
+            lines += [f"calibrate: {r.get('brief') or r.get('error') or r['status']}", ""]
+    if "parity" in secs:
+        lines += ["| parity layout | status | loss diff | grad-norm rel | param diff |",
+                  "|---|---|---|---|---|"]
+        for r in secs["parity"]["rows"]:
+            f = [f"{r[k]:.1e}" if isinstance(r.get(k), float) else "-"
+                 for k in ("loss_diff", "grad_norm_rel", "param_diff")]
+            why = r.get("reason") or (r.get("error") or "").splitlines()[:1]
+            lines.append(f"| {r['name']} | {r['status']} {why or ''} | " + " | ".join(f) + " |")
+        lines.append("")
+    for sec in ("speed", "scaling"):
+        if sec not in secs:
+            continue
+        lines += [f"| {sec} | step ms | tokens/s | MFU | peak GiB | bubble meas./theory |",
+                  "|---|---|---|---|---|---|"]
+        for r in secs[sec]["rows"]:
+            if r.get("status") != "ok":
+                why = r.get("reason") or (r.get("error") or "").splitlines()[:1]
+                lines.append(f"| {r['name']} | {r['status']}: {why} | | | | |")
+                continue
+            bub = (f"{r['bubble_measured']:.3f} / {r['bubble_theory']:.3f}"
+                   if "bubble_measured" in r else "")
+            lines.append(f"| {r['name']} | {1e3 * r['step_s']:.1f} | {r['tokens_per_s']:,.0f}"
+                         f" | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {bub} |")
+        lines.append("")
+    d = derived(report)
+    for r in d["ratios"]:
+        mem = f", memory {r['memory_ratio']:.2f}" if r["memory_ratio"] else ""
+        lines.append(f"ratio {r['minipar']} / {r['peer']}: step {r['step_ratio']:.3f}{mem}")
+    for r in d["exposed_dp"]:
+        lines.append(f"exposed dp communication, {r['name']}: {1e3 * r['exposed_s']:.1f} ms "
+                     f"({100 * r['exposed_share']:.1f}% of the step)")
+    for r in d["scaling"]:
+        lines.append(f"scaling: {r['world']} GPU(s) {r['tokens_per_s']:,.0f} tok/s, "
+                     f"efficiency {100 * r['efficiency']:.1f}%")
+    if "predict" in secs:
+        p = secs["predict"]
+        lines += ["", "| row | predicted / measured step | error | predicted / measured "
+                  "GiB | error |", "|---|---|---|---|---|"]
+        for r in p["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['name']} | {r['error']} | | | |")
+                continue
+            me = f"{100 * r['memory_error']:+.0f}%" if r["memory_error"] is not None else "-"
+            lines.append(f"| {r['name']} | {r['predicted_step_s']:.3f} / "
+                         f"{r['measured_step_s']:.3f} s | {100 * r['step_error']:+.0f}% | "
+                         f"{r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | {me} |")
+        if "measured_fastest" in p:
+            lines.append(f"planner's first choice among the measured: "
+                         f"{p['first_choice_among_measured']}; measured fastest: "
+                         f"{p['measured_fastest']}; overall plan best: "
+                         f"{p.get('planner_best_overall')}")
+    if "trace" in secs:
+        for r in secs["trace"]["rows"]:
+            lines.append(f"trace {r['name']}: {r.get('file') or r.get('error')}")
+    return "\n".join(lines)
+
+
+def finish(run: Run) -> None:
+    predict(run)
+    run.report["derived"] = derived(run.report)
+    run.save()
+    text = summary(run.report)
+    with open(os.path.join(run.args.out, "summary.md"), "w") as f:
+        f.write(text + "\n")
+    print("\n" + text, flush=True)
+
+
+def merge(args) -> int:
+    """``--report``: one JSON and summary from several calls' JSONs (rows of a section
+    concatenated in file order; the first calibration found is used for predictions)."""
+    merged: dict = {"meta": None, "sections": {}, "merged_from": args.report}
+    calib = None
+    for path in args.report:
+        with open(path) as f:
+            rep = json.load(f)
+        merged["meta"] = merged["meta"] or rep["meta"]
+        merged.setdefault("sources", []).append(
+            {"file": path, "device_name": rep["meta"].get("device_name"),
+             "gpus": rep["meta"]["gpus"], "torch": rep["meta"]["torch"],
+             "started": rep["meta"].get("started")})
+        for name, sec in rep["sections"].items():
+            if name == "predict":
+                continue
+            dst = merged["sections"].setdefault(name, {"rows": []})
+            dst["rows"] += sec.get("rows", [])
+            for row in sec.get("rows", []):
+                if calib is None and "calibration" in row:
+                    calib = row["calibration"]
+    names = {src["device_name"] for src in merged["sources"]}
+    if len(names) > 1:  # ratios stay within one call; compare across calls with care
+        print(f"note: the calls ran on different cards: {sorted(map(str, names))}; "
+              "predictions use the first calibration found", flush=True)
+    n = merged["meta"]["gpus"]
+    run = Run(args, n, dry_sizes() if merged["meta"]["device"] == "cpu" else Sizes())
+    run.report = merged
+    run.calibration = run.calibration or calib
+    finish(run)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma separated, from {', '.join(SECTIONS)}")
+    ap.add_argument("--speed", default=",".join(SPEED_GROUPS),
+                    help=f"speed groups, from {', '.join(SPEED_GROUPS)}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    choices=("cuda", "cpu"), help="cpu: a dry run at tiny sizes on gloo")
+    ap.add_argument("--gpus", type=int, help="ranks (default: every GPU; 2 on cpu)")
+    ap.add_argument("--out", default="multigpu-out", help="folder for the (<= 5) files")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="wall-clock limit; rows past it are recorded as skipped")
+    ap.add_argument("--only", help="regular expression on 'section row-name'")
+    ap.add_argument("--steps", type=int, help="timed steps per speed row")
+    ap.add_argument("--calibration", help="a calibration.json for predictions (else this "
+                    "run's calibrate section)")
+    ap.add_argument("--start-method", choices=("fork", "spawn"),
+                    help="how this script starts ranks (default: spawn on CUDA, else fork)")
+    ap.add_argument("--report", nargs="+", metavar="JSON",
+                    help="merge these multigpu.json files and summarise; runs nothing")
+    args = ap.parse_args()
+    if args.report:
+        return merge(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU here; use --device cpu for a dry run")
+    n = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    if args.device == "cuda" and n > torch.cuda.device_count():
+        ap.error(f"--gpus {n}: this machine has {torch.cuda.device_count()} GPU(s)")
+    sizes = Sizes() if args.device == "cuda" else dry_sizes()
+    if args.steps:
+        sizes.steps = args.steps
+    sections = [s for s in args.sections.split(",") if s]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        ap.error(f"unknown section(s) {bad}; choose from {SECTIONS}")
+    run = Run(args, n, sizes)
+    print(f"multigpu: {n} ranks on {args.device} ({run.backend}), torch {torch.__version__},"
+          f" sections {sections}, budget {args.budget_s:.0f} s, out {args.out}", flush=True)
+    try:
+        for name in SECTIONS:  # calibrate first: the predictions need it
+            if name not in sections:
+                continue
+            if name == "calibrate":
+                section_calibrate(run)
+            elif name == "parity":
+                section_parity(run)
+            elif name == "speed":
+                section_speed(run, [g for g in args.speed.split(",") if g])
+            elif name == "scaling":
+                section_scaling(run)
+            elif name == "trace":
+                section_trace(run)
+            run.save()
+    finally:
+        finish(run)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
