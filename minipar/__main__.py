@@ -1,4 +1,4 @@
-"""The command line: ``python -m minipar {train,memory,bubble,plan,doctor}``.
+"""The command line: ``python -m minipar {train,sample,memory,bubble,plan,doctor}``.
 
 Every subcommand prints a readable table and, with ``--json PATH``, writes the same
 facts as JSON. Invalid input is rejected with one line before any process starts.
@@ -51,6 +51,26 @@ def _add_train(sub) -> None:
     p.add_argument("--fused", action="store_true", help="fused AdamW kernel (GPU speed)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
                    help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
+    # data, model sizes and long runs
+    p.add_argument("--data", default="markov",
+                   help="markov (generated), pystdlib (Python's own sources), a text file, "
+                   "a directory of text files, or a .bin token file")
+    p.add_argument("--tokenizer", default="byte", choices=("byte", "bpe"),
+                   help="for text: bytes (vocab 256) or BPE trained to the model's vocab")
+    p.add_argument("--data-cache", help="where tokenised text is kept (~/.cache/minipar)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="validation loss every N steps and at the end (0: never)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="held-out global batches per evaluation")
+    for flag, what in (("layers", "n_layer"), ("hidden", "d_model"), ("heads", "n_head"),
+                       ("ffn", "d_ff"), ("vocab", "vocab_size"), ("seq-len", "seq_len")):
+        p.add_argument(f"--{flag}", type=int, help=f"override the preset's {what}")
+    p.add_argument("--warmup", type=int, default=5, help="linear warm-up steps")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global norm (0: off)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--save-every", type=int, default=0, help="also --save every N steps")
+    p.add_argument("--keep", type=int, default=0, help="keep the last K checkpoints (0: all)")
+    p.add_argument("--log-every", type=int, default=1, help="progress every N steps")
 
 
 def _cmd_train(args) -> int:
@@ -65,15 +85,28 @@ def _cmd_train(args) -> int:
         seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
         ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
-        optimizer=args.optimizer)
+        optimizer=args.optimizer, data=args.data, tokenizer=args.tokenizer,
+        data_cache=args.data_cache, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, layers=args.layers, hidden=args.hidden,
+        heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
+        warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
+        save_every=args.save_every, keep=args.keep, log_every=args.log_every)
     validate(cfg)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
+    peak, model_cfg = _peak_flops(cfg), cfg.model_config()
 
-    def progress(step: int, loss: float) -> None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
+    def report(r: dict) -> None:
+        bar.update(r["step"] - bar.n)
+        shown = {"loss": f"{r['loss']:.4f}", "tok/s": f"{r['tokens_per_s']:,.0f}"}
+        if r["val_loss"] == r["val_loss"]:  # not NaN: an evaluation has run
+            shown["val"] = f"{r['val_loss']:.4f}"
+        if peak:
+            from minipar.theory.params import mfu
 
-    record = train(cfg, progress)
+            shown["MFU"] = f"{mfu(r['tokens_per_s'], model_cfg, cfg.world_size, peak):.1%}"
+        bar.set_postfix(shown)
+
+    record = train(cfg, report=report)
     bar.close()
     if record is None:  # a torchrun rank other than 0
         return 0
@@ -82,8 +115,26 @@ def _cmd_train(args) -> int:
         ref = train_reference(cfg)["losses"]
         record["reference_losses"] = ref
     _print_run(cfg, record, ref)
+    for e in record.get("eval", []):
+        print(f"validation loss after step {e['step']:>6}: {e['loss']:.4f}")
     _write_json(args.json, record)
     return 0
+
+
+def _peak_flops(cfg) -> float | None:
+    """Dense bf16 FLOP/s of this GPU, for MFU (None on CPU, unknown cards, or several
+    ranks per GPU under gloo)."""
+    import torch
+
+    from minipar.theory.clusters import GPUS
+
+    if cfg.backend != "nccl" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    for key, gpu in GPUS.items():
+        if key.split("-")[0] in name:
+            return gpu.peak_flops
+    return None
 
 
 def _print_run(cfg, record: dict, ref: list | None) -> None:
@@ -113,13 +164,42 @@ def _print_run(cfg, record: dict, ref: list | None) -> None:
 
 
 def _cmd_doctor(args) -> int:
-    from minipar.doctor import run_doctor
+    from minipar.doctor import fits_report, run_doctor
 
     results = run_doctor()
+    payload: dict = {"checks": results}
+    if args.model:
+        fit = fits_report(args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                          dtype=args.dtype)
+        payload["model"] = fit
+        results = results + fit["checks"]
     for r in results:
         print(f"{'OK  ' if r['ok'] else 'FIX '} {r['check']:<11} {r['message']}")
-    _write_json(args.json, {"checks": results, "ok": all(r["ok"] for r in results)})
-    return 0 if all(r["ok"] for r in results) else 1
+    payload["ok"] = all(r["ok"] for r in results)
+    _write_json(args.json, payload)
+    return 0 if payload["ok"] else 1
+
+
+def _cmd_sample(args) -> int:
+    from minipar.sample import sample
+
+    print(sample(args.resume, args.prompt, args.tokens, args.temperature, args.seed))
+    return 0
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: ``7500000000``, ``7.5e9``, ``7.5B``, ``350M``, ``1.2T``."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    t = str(text).strip().replace("_", "").replace(",", "")
+    try:
+        value = float(t[:-1]) * scale[t[-1].upper()] if t and t[-1].upper() in scale \
+            else float(t)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count (e.g. 7.5e9, 7.5B, 350M)")
+    return int(round(value))
 
 
 def _model_from_args(args):
@@ -128,10 +208,10 @@ def _model_from_args(args):
 
     if args.model is None and args.params is not None:
         return None
-    cfg = get_config(args.model or "tiny")
-    sizes = {"n_layer": args.layers, "d_model": args.hidden, "n_head": args.heads,
-             "vocab_size": args.vocab, "seq_len": args.seq_len}
-    return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
+    from minipar.config import sized
+
+    return sized(get_config(args.model or "tiny"), args.layers, args.hidden, args.heads,
+                 args.ffn, args.vocab, args.seq_len)
 
 
 def _gb(x: float) -> str:
@@ -197,6 +277,7 @@ def _add_model_args(p, default: str | None) -> None:
     p.add_argument("--layers", type=int, help="override n_layer")
     p.add_argument("--hidden", type=int, help="override d_model")
     p.add_argument("--heads", type=int, help="override n_head")
+    p.add_argument("--ffn", type=int, help="override d_ff")
     p.add_argument("--vocab", type=int, help="override vocab_size")
     p.add_argument("--seq-len", type=int, help="override seq_len")
     p.add_argument("--json")
@@ -205,7 +286,8 @@ def _add_model_args(p, default: str | None) -> None:
 def _add_theory(sub) -> None:
     m = sub.add_parser("memory", help="per-device memory breakdown (theory)")
     _add_model_args(m, None)
-    m.add_argument("--params", type=int, help="parameter count alone: model states only")
+    m.add_argument("--params", type=parse_count,
+                   help="parameter count alone (7.5e9, 7.5B): model states only")
     for dim in ("dp", "pp", "tp"):
         m.add_argument(f"--{dim}", type=int, default=1)
     m.add_argument("--zero", type=int, default=0, choices=range(4))
@@ -243,11 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_theory(sub)
     d = sub.add_parser("doctor", help="check this machine for the course")
     d.add_argument("--json")
+    d.add_argument("--model", help="also check this preset fits here (host and GPU memory)")
+    for dim in ("dp", "pp", "tp"):
+        d.add_argument(f"--{dim}", type=int, default=1, help="layout for --model")
+    d.add_argument("--zero", type=int, default=0, choices=range(4))
+    d.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    s = sub.add_parser("sample", help="text generated by a checkpoint of any layout")
+    s.add_argument("--resume", required=True, help="checkpoint directory (train --save)")
+    s.add_argument("--prompt", default="", help="text to continue")
+    s.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    s.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest token")
+    s.add_argument("--seed", type=int, default=0)
     return parser
 
 
 COMMANDS = {"train": _cmd_train, "memory": _cmd_memory, "bubble": _cmd_bubble,
-            "plan": _cmd_plan, "doctor": _cmd_doctor}
+            "plan": _cmd_plan, "doctor": _cmd_doctor, "sample": _cmd_sample}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,9 @@ from minipar.config import (
     optimizer_kwargs,
     validate,
 )
-from minipar.data import MarkovData, split_batch
+from minipar.corpus import make_data, prepare_data
+from minipar.data import TokenSource, local_batches
+from minipar.evaluate import evaluate, reference_eval
 from minipar.launch import launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
@@ -153,7 +155,7 @@ def _scale_grads(cfg: TrainConfig, parts: Parts, factor: torch.Tensor) -> None:
                 p.grad.mul_(factor)
 
 
-def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
+def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
                step: int) -> dict:
     """One optimizer step on the global batch of ``step``. Returns loss and timeline."""
     from minipar.parallel.tp import sync_sequence_parallel_grads
@@ -161,10 +163,9 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
     lr = lr_at(step, cfg)
     for group in parts.optimizer.param_groups:
         group["lr"] = lr
-    x, y = data.batch(step, cfg.batch_size)
-    device = device_for(cfg)
-    micro = [(a.to(device), b.to(device))
-             for a, b in split_batch(x, y, rm.coords.dp, cfg.dp, cfg.microbatches)]
+    device = device_for(cfg)  # only this replica's rows are built (data.local_batches)
+    micro = [(a.to(device), b.to(device)) for a, b in local_batches(
+        data, step, cfg.batch_size, rm.coords.dp, cfg.dp, cfg.microbatches)]
     with ExitStack() as stack:  # accumulate over all micro-batches; sync once below
         for w in parts.dp_wrappers if cfg.zero == 0 else [parts.optimizer]:
             stack.enter_context(w.no_sync())
@@ -231,11 +232,14 @@ def rank_main(cfg: TrainConfig) -> dict:
     if cfg.resume:
         full_state, start = checkpoint.load(cfg.resume)
     parts = build(cfg, rm, full_state)
-    data = MarkovData(parts.model.cfg.vocab_size, parts.model.cfg.seq_len, seed=cfg.seed)
+    data = make_data(cfg, parts.model.cfg.vocab_size, parts.model.cfg.seq_len)
     reports_loss = rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
     losses, norms, timeline, step_times, act_peak = [], [], [], [], 0
+    evals: list[dict] = []
     param_storages = [p for p in parts.model.parameters()]
     end = cfg.steps if cfg.stop_at is None else cfg.stop_at
+    tokens_per_step = cfg.batch_size * parts.model.cfg.seq_len
+    last_report = (start, time.time())
     for step in range(start, end):
         t0 = time.time()
         with ActivationMeter(exclude=param_storages) as meter:
@@ -244,16 +248,29 @@ def rank_main(cfg: TrainConfig) -> dict:
         step_times.append(time.time() - t0)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
-        timeline.extend({"name": f"{r.kind}{r.mb}", "kind": r.kind, "mb": r.mb,
-                         "chunk": r.chunk, "step": step, "start": r.start, "end": r.end,
-                         "wait": r.wait} for r in out["timeline"])
-        if reports_loss:
-            report_progress(f"{step + 1} {out['loss']:.6f}")
+        # bounded records: full detail of the last step only, unless a trace wants all
+        timeline = (timeline if cfg.trace else []) + [
+            {"name": f"{r.kind}{r.mb}", "kind": r.kind, "mb": r.mb, "chunk": r.chunk,
+             "step": step, "start": r.start, "end": r.end, "wait": r.wait}
+            for r in out["timeline"]]
+        rm.log.end_step(keep=bool(cfg.trace))
+        done = step + 1
+        if cfg.eval_every and (done % cfg.eval_every == 0 or done == end):
+            val = evaluate(cfg, rm, parts.chunks, data, device_for(cfg))
+            if val is not None:
+                evals.append({"step": done, "loss": val})
+        if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done < end:
+            _save(cfg, rm, parts, done)
+        if reports_loss and (done % cfg.log_every == 0 or done == end):
+            rate = tokens_per_step * (done - last_report[0]) / (time.time() - last_report[1])
+            last_report = (done, time.time())
+            report_progress(f"{done} {out['loss']:.6f} {rate:.1f} "
+                            f"{evals[-1]['loss'] if evals else float('nan'):.6f}")
     if cfg.save:
-        checkpoint.save(cfg.save, end, cfg, rm, parts)
+        _save(cfg, rm, parts, end)
     last_step = [e for e in timeline if e["step"] == end - 1]
     return {
-        "rank": rm.rank, "coords": rm.coords._asdict(), "losses": losses,
+        "rank": rm.rank, "coords": rm.coords._asdict(), "losses": losses, "eval": evals,
         "grad_norms": norms, "step_seconds": step_times,
         "memory": _with_total({**out["memory"], "activations": act_peak}),
         "peak_in_flight": out["peak_in_flight"] if end > start else 0,
@@ -263,6 +280,19 @@ def rank_main(cfg: TrainConfig) -> dict:
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
     }
+
+
+def _save(cfg: TrainConfig, rm: RankMesh, parts: Parts, step: int) -> None:
+    """A checkpoint (collective), then on rank 0: the run card ``sample`` reads (model
+    sizes, data, tokenizer) and pruning to the last ``--keep`` checkpoints."""
+    from minipar import checkpoint
+    from minipar.sample import write_run_card
+
+    checkpoint.save(cfg.save, step, cfg, rm, parts)
+    if rm.rank == 0:
+        write_run_card(cfg.save, cfg, parts.model.cfg)
+        if cfg.keep:
+            checkpoint.prune(cfg.save, cfg.keep)
 
 
 def _under_torchrun() -> bool:
@@ -279,26 +309,36 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
         write_chrome_trace(cfg.trace, [{**r, **r["trace"]} for r in ranks])
     for r in ranks:
         r.pop("trace", None)
-    return {"config": cfg.to_dict(), "losses": ranks[last]["losses"], "seconds": seconds,
+    return {"config": cfg.to_dict(), "losses": ranks[last]["losses"],
+            "eval": ranks[last].get("eval", []), "seconds": seconds,
             "world_size": cfg.world_size, "ranks": ranks}
 
 
-def train(cfg: TrainConfig, progress=None) -> dict:
+def train(cfg: TrainConfig, progress=None, report=None) -> dict:
     """Run a training job: spawn dp*pp*tp local ranks, or join a torchrun job.
 
-    ``progress(step, loss)`` is called in this process as steps finish. Returns the
-    run's record: ``losses`` (one per step, mean over the global batch), the config, and
-    per rank its coordinates, memory, communication and last step's timeline.
+    ``progress(step, loss)`` is called in this process as steps finish (every
+    ``cfg.log_every`` steps); ``report(dict)`` likewise with ``step`` (steps done),
+    ``loss``, ``tokens_per_s`` and ``val_loss`` (the latest, or NaN). Returns the run's
+    record: ``losses`` (one per step, mean over the global batch), ``eval`` (``{step,
+    loss}`` with ``eval_every``), the config, and per rank its coordinates, memory,
+    communication and last step's timeline.
     """
     t0 = time.time()
     if _under_torchrun():
         return _join_torchrun(cfg, t0)
     validate(cfg)
+    prepare_data(cfg)  # tokenise text once, here, before any rank starts
 
     def on_progress(rank: int, text: str) -> None:
-        if progress is not None and text:
-            step, loss = text.split()
+        if not text:
+            return
+        step, loss, rate, val = text.split()
+        if progress is not None:
             progress(int(step) - 1, float(loss))
+        if report is not None:
+            report({"step": int(step), "loss": float(loss), "tokens_per_s": float(rate),
+                    "val_loss": float(val)})
 
     # On a CUDA build, forking a process whose autograd already ran (a reference run, a
     # notebook cell) fails in the child ("Unable to handle autograd's threading in
@@ -314,6 +354,7 @@ def _join_torchrun(cfg: TrainConfig, t0: float) -> dict | None:
     import torch.distributed as dist
 
     validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    prepare_data(cfg)  # every process: the first tokenises, the rest find the cache
     if cfg.backend == "nccl":
         torch.cuda.set_device(device_for(cfg))
     dist.init_process_group(cfg.backend)
@@ -335,9 +376,10 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
     """
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
-    data = MarkovData(model.cfg.vocab_size, model.cfg.seq_len, seed=cfg.seed)
+    prepare_data(cfg)
+    data = make_data(cfg, model.cfg.vocab_size, model.cfg.seq_len)
     opt = optimizer_class(cfg)(model.parameters(), **optimizer_kwargs(cfg))
-    losses, norms = [], []
+    losses, norms, evals = [], [], []
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -353,4 +395,8 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
         norms.append(float(norm))
         if progress is not None:
             progress(step, losses[-1])
-    return {"config": cfg.to_dict(), "losses": losses, "grad_norms": norms, "model": model}
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            evals.append({"step": step + 1, "loss": reference_eval(
+                model, data, cfg.batch_size, cfg.eval_batches)})
+    return {"config": cfg.to_dict(), "losses": losses, "grad_norms": norms, "eval": evals,
+            "model": model}
