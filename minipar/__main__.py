@@ -73,12 +73,9 @@ def _add_train(sub) -> None:
     p.add_argument("--log-every", type=int, default=1, help="progress every N steps")
 
 
-def _cmd_train(args) -> int:
-    from tqdm.auto import tqdm
-
-    from minipar.engine import train, train_reference, validate
-
-    cfg = TrainConfig(
+def train_config(args) -> TrainConfig:
+    """The ``TrainConfig`` a parsed ``train`` command line asks for (flag -> field)."""
+    return TrainConfig(
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
         schedule=args.schedule, virtual=args.virtual, microbatches=args.microbatches,
         sp=args.sp, recompute=args.recompute, dtype=args.dtype, steps=args.steps,
@@ -91,6 +88,14 @@ def _cmd_train(args) -> int:
         heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
         warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
         save_every=args.save_every, keep=args.keep, log_every=args.log_every)
+
+
+def _cmd_train(args) -> int:
+    from tqdm.auto import tqdm
+
+    from minipar.engine import train, train_reference, validate
+
+    cfg = train_config(args)
     validate(cfg)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
     peak, model_cfg = _peak_flops(cfg), cfg.model_config()
