@@ -10,11 +10,11 @@ from the outside, in this order:
 4. data parallelism wraps the chunks (ZeRO 0: ``parallel/dp.py``) or shards optimizer
    states, gradients and parameters over the dp group (ZeRO 1-3: ``parallel/zero.py``).
 
-A step: the global batch of that step (the same tokens whatever the layout); this
-replica's slice cut into micro-batches; the pipeline schedule runs forward and backward
-of all of them (with pp = 1 a trivial one-stage schedule, i.e. gradient accumulation);
-the gradients are synchronised, clipped on the true global norm, and the optimizer
-steps. Each micro-batch loss is scaled by 1/(dp * m) and the dp reduction sums, so the
+A step: this replica's rows of the step's global batch (the same tokens whatever the
+layout; only these rows are built) cut into micro-batches; the schedule runs forward
+and backward of all of them (pp = 1: a one-stage schedule, i.e. gradient accumulation);
+gradients are synchronised, clipped on the true global norm, and the optimizer steps.
+Each micro-batch loss is scaled by 1/(dp * m) and the dp reduction sums, so the
 gradient is exactly that of the global batch's mean loss on one device.
 """
 
@@ -248,11 +248,11 @@ def rank_main(cfg: TrainConfig) -> dict:
         step_times.append(time.time() - t0)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
-        # bounded records: full detail of the last step only, unless a trace wants all
-        timeline = (timeline if cfg.trace else []) + [
-            {"name": f"{r.kind}{r.mb}", "kind": r.kind, "mb": r.mb, "chunk": r.chunk,
-             "step": step, "start": r.start, "end": r.end, "wait": r.wait}
-            for r in out["timeline"]]
+        if not cfg.trace:  # bounded: the last step's detail only, unless traced
+            timeline.clear()
+        timeline.extend({"name": f"{r.kind}{r.mb}", "kind": r.kind, "mb": r.mb,
+                         "chunk": r.chunk, "step": step, "start": r.start, "end": r.end,
+                         "wait": r.wait} for r in out["timeline"])
         rm.log.end_step(keep=bool(cfg.trace))
         done = step + 1
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == end):
@@ -317,12 +317,10 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
 def train(cfg: TrainConfig, progress=None, report=None) -> dict:
     """Run a training job: spawn dp*pp*tp local ranks, or join a torchrun job.
 
-    ``progress(step, loss)`` is called in this process as steps finish (every
-    ``cfg.log_every`` steps); ``report(dict)`` likewise with ``step`` (steps done),
-    ``loss``, ``tokens_per_s`` and ``val_loss`` (the latest, or NaN). Returns the run's
-    record: ``losses`` (one per step, mean over the global batch), ``eval`` (``{step,
-    loss}`` with ``eval_every``), the config, and per rank its coordinates, memory,
-    communication and last step's timeline.
+    ``progress(step, loss)`` and ``report({step, loss, tokens_per_s, val_loss})`` are
+    called here every ``log_every`` steps. Returns the run's record: ``losses`` (one
+    per step, mean over the global batch), ``eval`` (``{step, loss}``), the config, and
+    per rank its coordinates, memory, communication and last step's timeline.
     """
     t0 = time.time()
     if _under_torchrun():
