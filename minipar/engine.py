@@ -234,8 +234,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     parts = build(cfg, rm, full_state)
     data = make_data(cfg, parts.model.cfg.vocab_size, parts.model.cfg.seq_len)
     reports_loss = rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
-    losses, norms, timeline, step_times, act_peak = [], [], [], [], 0
-    evals: list[dict] = []
+    losses, norms, timeline, step_times, act_peak, evals = [], [], [], [], 0, []
     param_storages = [p for p in parts.model.parameters()]
     end = cfg.steps if cfg.stop_at is None else cfg.stop_at
     tokens_per_step = cfg.batch_size * parts.model.cfg.seq_len
