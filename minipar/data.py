@@ -46,8 +46,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def counter_hash(seed: int, stream: int, step: int, rows: np.ndarray,
                  width: int) -> np.ndarray:
     """uint64 array (len(rows), width): one independent value per (row, position)."""
-    key = _mix(np.array([seed * 1_000_003 + stream], dtype=np.uint64))
-    key = _mix(key ^ (np.array([step], dtype=np.uint64) * _GOLDEN))
+    key = _mix(np.array([(seed * 1_000_003 + stream) % 2**64], dtype=np.uint64))
+    key = _mix(key ^ (np.array([step % 2**64], dtype=np.uint64) * _GOLDEN))
     per_row = _mix(key ^ (np.asarray(rows, dtype=np.uint64) + np.uint64(1)) * _GOLDEN)
     cols = np.arange(width, dtype=np.uint64)
     return _mix(per_row[:, None] + cols[None, :] * _GOLDEN)

@@ -85,3 +85,34 @@ def test_markov_run_samples_token_ids_and_prunes(tmp_path, capsys) -> None:
     assert len(ids) == 5 and all(0 <= int(i) < 64 for i in ids)
     assert main(["sample", "--resume", ckpt, "--prompt", "def"]) == 2  # no tokenizer
     assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_bin_token_file_trains_and_bad_tokens_are_refused(tmp_path, capsys) -> None:
+    import numpy as np
+
+    ids = (np.arange(20_000) * 7 % 300).astype(np.uint16)
+    ids.tofile(tmp_path / "ids.bin")
+    (tmp_path / "ids.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 300}))
+    out = tmp_path / "r.json"
+    assert main(["train", "--data", str(tmp_path / "ids.bin"), "--steps", "2",
+                 "--eval-every", "2", "--quiet", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["data"].endswith("ids.bin") and len(record["eval"]) == 1
+    (tmp_path / "ids.json").unlink()  # no sidecar: uint16 from tiny's vocab (64) ...
+    capsys.readouterr()
+    assert main(["train", "--data", str(tmp_path / "ids.bin"), "--steps", "1"]) == 2
+    assert "holds token 299" in capsys.readouterr().err  # ... which is too small
+
+
+def test_bpe_run_samples_text(tmp_path, capsys) -> None:
+    from test_data import write_corpus
+
+    src = write_corpus(tmp_path / "text")
+    ckpt = str(tmp_path / "ck")
+    assert main(["train", "--data", src, "--tokenizer", "bpe", "--vocab", "512",
+                 "--data-cache", str(tmp_path / "cache"), "--steps", "2", "--save", ckpt,
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--resume", ckpt, "--prompt", "the model", "--tokens", "8"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("the model") and len(text.strip()) > len("the model")
