@@ -1,4 +1,4 @@
-"""The command line: ``python -m minipar {train,memory,bubble,plan,doctor}``.
+"""The command line: ``python -m minipar {train,sample,memory,bubble,plan,doctor}``.
 
 Every subcommand prints a readable table and, with ``--json PATH``, writes the same
 facts as JSON. Invalid input is rejected with one line before any process starts.
@@ -53,6 +53,44 @@ def _add_train(sub) -> None:
                    help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before a hung run is stopped and each rank's place shown")
+    # data, model sizes and long runs
+    p.add_argument("--data", default="markov",
+                   help="markov (generated), pystdlib (Python's own sources), a text file, "
+                   "a directory of text files, or a .bin token file")
+    p.add_argument("--tokenizer", default="byte", choices=("byte", "bpe"),
+                   help="for text: bytes (vocab 256) or BPE trained to the model's vocab")
+    p.add_argument("--data-cache", help="where tokenised text is kept (~/.cache/minipar)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="validation loss every N steps and at the end (0: never)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="held-out global batches per evaluation")
+    for flag, what in (("layers", "n_layer"), ("hidden", "d_model"), ("heads", "n_head"),
+                       ("ffn", "d_ff"), ("vocab", "vocab_size"), ("seq-len", "seq_len")):
+        p.add_argument(f"--{flag}", type=int, help=f"override the preset's {what}")
+    p.add_argument("--warmup", type=int, default=5, help="linear warm-up steps")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global norm (0: off)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--save-every", type=int, default=0, help="also --save every N steps")
+    p.add_argument("--keep", type=int, default=0, help="keep the last K checkpoints (0: all)")
+    p.add_argument("--log-every", type=int, default=1, help="progress every N steps")
+
+
+def train_config(args) -> TrainConfig:
+    """The ``TrainConfig`` a parsed ``train`` command line asks for (flag -> field)."""
+    return TrainConfig(
+        model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
+        schedule=args.schedule, virtual=args.virtual, microbatches=args.microbatches,
+        sp=args.sp, recompute=args.recompute, dtype=args.dtype, steps=args.steps,
+        seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
+        order=args.order, save=args.save, resume=args.resume, trace=args.trace,
+        ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
+        optimizer=args.optimizer, data=args.data, tokenizer=args.tokenizer,
+        data_cache=args.data_cache, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, layers=args.layers, hidden=args.hidden,
+        heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
+        warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
+        save_every=args.save_every, keep=args.keep, log_every=args.log_every,
+        timeout=args.timeout)
 
 
 def _cmd_train(args) -> int:
@@ -62,27 +100,28 @@ def _cmd_train(args) -> int:
     from minipar.config import oversubscription
     from minipar.engine import train, validate
 
-    cfg = TrainConfig(
-        model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
-        schedule=args.schedule, virtual=args.virtual, microbatches=args.microbatches,
-        sp=args.sp, recompute=args.recompute, dtype=args.dtype, steps=args.steps,
-        seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
-        order=args.order, save=args.save, resume=args.resume, trace=args.trace,
-        ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
-        optimizer=args.optimizer, timeout=args.timeout)
+    cfg = train_config(args)
     validate(cfg)
     checks.output_file("json", args.json)
     note = oversubscription(cfg.world_size)
     if note:
         print(f"minipar train: note: {note}", file=sys.stderr)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
+    peak, model_cfg = _peak_flops(cfg), cfg.model_config()
 
-    def progress(step: int, loss: float) -> None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
+    def report(r: dict) -> None:
+        bar.update(r["step"] - bar.n)
+        shown = {"loss": f"{r['loss']:.4f}", "tok/s": f"{r['tokens_per_s']:,.0f}"}
+        if r["val_loss"] == r["val_loss"]:  # not NaN: an evaluation has run
+            shown["val"] = f"{r['val_loss']:.4f}"
+        if peak:
+            from minipar.theory.params import mfu
+
+            shown["MFU"] = f"{mfu(r['tokens_per_s'], model_cfg, cfg.world_size, peak):.1%}"
+        bar.set_postfix(shown)
 
     try:
-        record = train(cfg, progress)
+        record = train(cfg, report=report)
     finally:
         bar.close()
     if record is None:  # a torchrun rank other than 0
@@ -92,11 +131,29 @@ def _cmd_train(args) -> int:
 
         record.update(check_run(cfg, record))
     _print_run(cfg, record)  # printed first: a failing output below loses nothing
+    for e in record.get("eval", []):
+        print(f"validation loss after step {e['step']:>6}: {e['loss']:.4f}")
     _write_json(args.json, record)
     if record.get("trace_error"):
         print(f"minipar train: error: {record['trace_error']}", file=sys.stderr)
         return 1
     return 0
+
+
+def _peak_flops(cfg) -> float | None:
+    """Dense bf16 FLOP/s of this GPU, for MFU (None on CPU, unknown cards, or several
+    ranks per GPU under gloo)."""
+    import torch
+
+    from minipar.theory.clusters import GPUS
+
+    if cfg.backend != "nccl" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    for key, gpu in GPUS.items():
+        if key.split("-")[0] in name:
+            return gpu.peak_flops
+    return None
 
 
 def _print_run(cfg, record: dict) -> None:
@@ -138,14 +195,43 @@ def _print_run(cfg, record: dict) -> None:
 
 def _cmd_doctor(args) -> int:
     from minipar.checks import output_file
-    from minipar.doctor import run_doctor
+    from minipar.doctor import fits_report, run_doctor
 
     output_file("json", args.json)
     results = run_doctor()
+    payload: dict = {"checks": results}
+    if args.model:
+        fit = fits_report(args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                          dtype=args.dtype)
+        payload["model"] = fit
+        results = results + fit["checks"]
     for r in results:
         print(f"{'OK  ' if r['ok'] else 'FIX '} {r['check']:<11} {r['message']}")
-    _write_json(args.json, {"checks": results, "ok": all(r["ok"] for r in results)})
-    return 0 if all(r["ok"] for r in results) else 1
+    payload["ok"] = all(r["ok"] for r in results)
+    _write_json(args.json, payload)
+    return 0 if payload["ok"] else 1
+
+
+def _cmd_sample(args) -> int:
+    from minipar.sample import sample
+
+    print(sample(args.resume, args.prompt, args.tokens, args.temperature, args.seed))
+    return 0
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: ``7500000000``, ``7.5e9``, ``7.5B``, ``350M``, ``1.2T``."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    t = str(text).strip().replace("_", "").replace(",", "")
+    try:
+        value = float(t[:-1]) * scale[t[-1].upper()] if t and t[-1].upper() in scale \
+            else float(t)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count (e.g. 7.5e9, 7.5B, 350M)")
+    return int(round(value))
 
 
 def _model_from_args(args):
@@ -158,10 +244,10 @@ def _model_from_args(args):
                        vocab=args.vocab, seq_len=args.seq_len)
     if args.model is None and getattr(args, "params", None) is not None:
         return None
-    cfg = get_config(args.model or "tiny")
-    sizes = {"n_layer": args.layers, "d_model": args.hidden, "n_head": args.heads,
-             "vocab_size": args.vocab, "seq_len": args.seq_len}
-    return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
+    from minipar.config import sized
+
+    return sized(get_config(args.model or "tiny"), args.layers, args.hidden, args.heads,
+                 args.ffn, args.vocab, args.seq_len)
 
 
 def _model_label(args) -> str:
@@ -266,6 +352,7 @@ def _add_model_args(p, default: str | None) -> None:
     p.add_argument("--layers", type=int, help="override n_layer")
     p.add_argument("--hidden", type=int, help="override d_model")
     p.add_argument("--heads", type=int, help="override n_head")
+    p.add_argument("--ffn", type=int, help="override d_ff")
     p.add_argument("--vocab", type=int, help="override vocab_size")
     p.add_argument("--seq-len", type=int, help="override seq_len")
     p.add_argument("--json")
@@ -274,7 +361,8 @@ def _add_model_args(p, default: str | None) -> None:
 def _add_theory(sub) -> None:
     m = sub.add_parser("memory", help="per-device memory breakdown (theory)")
     _add_model_args(m, None)
-    m.add_argument("--params", type=int, help="parameter count alone: model states only")
+    m.add_argument("--params", type=parse_count,
+                   help="parameter count alone (7.5e9, 7.5B): model states only")
     for dim in ("dp", "pp", "tp"):
         m.add_argument(f"--{dim}", type=int, default=1)
     m.add_argument("--zero", type=int, default=0, choices=range(4))
@@ -314,11 +402,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_theory(sub)
     d = sub.add_parser("doctor", help="check this machine for the course")
     d.add_argument("--json")
+    d.add_argument("--model", help="also check this preset fits here (host and GPU memory)")
+    for dim in ("dp", "pp", "tp"):
+        d.add_argument(f"--{dim}", type=int, default=1, help="layout for --model")
+    d.add_argument("--zero", type=int, default=0, choices=range(4))
+    d.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    s = sub.add_parser("sample", help="text generated by a checkpoint of any layout")
+    s.add_argument("--resume", required=True, help="checkpoint directory (train --save)")
+    s.add_argument("--prompt", default="", help="text to continue")
+    s.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    s.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest token")
+    s.add_argument("--seed", type=int, default=0)
     return parser
 
 
 COMMANDS = {"train": _cmd_train, "memory": _cmd_memory, "bubble": _cmd_bubble,
-            "plan": _cmd_plan, "doctor": _cmd_doctor}
+            "plan": _cmd_plan, "doctor": _cmd_doctor, "sample": _cmd_sample}
 
 
 def main(argv: list[str] | None = None) -> int:

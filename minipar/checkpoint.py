@@ -382,3 +382,20 @@ def load_optimizer_state(rm: RankMesh, model, optimizer, precision, full: dict,
         optimizer.state[holder] = {k: mine(name, v).to(holder.device)
                                    if k != "step" else v.clone()
                                    for k, v in full[name].items()}
+
+
+def prune(directory: str, keep: int) -> list[str]:
+    """Delete all but the last ``keep`` complete checkpoints (``step-N``) in
+    ``directory``; never the one ``latest`` names. Returns the paths deleted."""
+    steps = sorted(d for d in os.listdir(directory)
+                   if d.startswith("step-") and not d.endswith(".tmp"))
+    try:
+        current = os.path.basename(resolve(directory))
+    except FileNotFoundError:
+        current = None
+    gone = []
+    for d in steps[:max(0, len(steps) - keep)]:
+        if d != current:
+            shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
+            gone.append(os.path.join(directory, d))
+    return gone

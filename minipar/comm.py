@@ -31,6 +31,7 @@ the result copied back (when an async op is waited on). Counted bytes are unchan
 from __future__ import annotations
 
 import time
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -91,12 +92,23 @@ class CommLog:
     ``on_enter`` is called with each record before the op runs, ``on_exit`` once it is
     over; the launcher uses them to say where a rank is stuck (inside an op, or after).
     Set ``enabled=False`` to stop recording (for benchmarks of the recording itself).
+
+    **Bounded over long runs.** ``records`` holds every call since the log was made,
+    until the engine calls ``end_step()`` after each training step: that folds the
+    step's records into running totals (what ``summary`` and ``total`` report) and one
+    line per step (``step_wire_bytes``, ``step_seconds``: 16 bytes a step), and keeps
+    only the last step's records, unless ``keep=True`` (``--trace`` wants every event).
+    A 100,000-step run then holds a few MB, not millions of records.
     """
 
     records: list[CommRecord] = field(default_factory=list)
     on_enter: Callable[[CommRecord], None] | None = None
     enabled: bool = True
     on_exit: Callable[[CommRecord], None] | None = None
+    step_wire_bytes: array = field(default_factory=lambda: array("d"))
+    step_seconds: array = field(default_factory=lambda: array("d"))
+    _folded: dict = field(default_factory=dict)  # (dim, op) -> [calls, bytes, wire, s]
+    _kept: int = 0  # records[:_kept] are already folded (kept for a trace)
 
     def __post_init__(self) -> None:
         from minipar.launch import rank_status_reporter  # the launcher's hooks, if any
@@ -125,23 +137,52 @@ class CommLog:
 
     def clear(self) -> None:
         self.records.clear()
+        self.step_wire_bytes, self.step_seconds = array("d"), array("d")
+        self._folded.clear()
+        self._kept = 0
+
+    def end_step(self, keep: bool = False) -> None:
+        """Fold this step's records into the totals; drop the previous step's details
+        (all are kept with ``keep``). Call it once a step's ops have all completed."""
+        new = self.records[self._kept:]
+        wire = seconds = 0.0
+        for r in new:
+            s = self._folded.setdefault((r.dim, r.op), [0, 0, 0, 0.0])
+            took = max(0.0, r.end - r.start) if r.end == r.end else 0.0
+            s[0], s[1], s[2], s[3] = s[0] + 1, s[1] + r.nbytes, s[2] + r.wire_bytes, s[3] + took
+            wire, seconds = wire + r.wire_bytes, seconds + took
+        self.step_wire_bytes.append(wire)
+        self.step_seconds.append(seconds)
+        if not keep:
+            self.records = new  # the last step's records only
+        self._kept = len(self.records)
+
+    def _all(self):
+        """(dim, op, calls, bytes, wire bytes, seconds): folded totals, then the rest."""
+        for (dim, op), (calls, nbytes, wire, seconds) in self._folded.items():
+            yield dim, op, calls, nbytes, wire, seconds
+        for r in self.records[self._kept:]:
+            took = max(0.0, r.end - r.start) if r.end == r.end else 0.0
+            yield r.dim, r.op, 1, r.nbytes, r.wire_bytes, took
 
     def summary(self) -> dict[str, dict[str, dict[str, float]]]:
-        """{dim: {op: {"calls", "bytes", "wire_bytes", "seconds"}}}."""
+        """{dim: {op: {"calls", "bytes", "wire_bytes", "seconds"}}}, over the whole run."""
         out: dict = defaultdict(lambda: defaultdict(
             lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0, "seconds": 0.0}))
-        for r in self.records:
-            s = out[r.dim][r.op]
-            s["calls"] += 1
-            s["bytes"] += r.nbytes
-            s["wire_bytes"] += r.wire_bytes
-            s["seconds"] += max(0.0, r.end - r.start) if r.end == r.end else 0.0
+        for dim, op, calls, nbytes, wire, seconds in self._all():
+            s = out[dim][op]
+            s["calls"] += calls
+            s["bytes"] += nbytes
+            s["wire_bytes"] += wire
+            s["seconds"] += seconds
         return {d: dict(ops) for d, ops in out.items()}
 
     def total(self, key: str = "wire_bytes", dim: str | None = None,
               op: str | None = None) -> int:
-        return sum(getattr(r, key) for r in self.records
-                   if (dim is None or r.dim == dim) and (op is None or r.op == op))
+        """Sum of ``nbytes`` or ``wire_bytes`` over the whole run (folded steps too)."""
+        column = {"nbytes": 3, "wire_bytes": 4}[key]
+        return sum(row[column] for row in self._all()
+                   if (dim is None or row[0] == dim) and (op is None or row[1] == op))
 
     def to_dicts(self) -> list[dict]:
         return [asdict(r) for r in self.records]

@@ -55,16 +55,57 @@ class TrainConfig:
     stop_at: int | None = None  # end (and save) after this step, as if interrupted
     timeout: float = 600.0
     overrides: dict = field(default_factory=dict)  # model config fields to change
+    # --- data, model sizes, long runs (issue 15) ---
+    data: str = "markov"  # markov, pystdlib, a text file or directory, a .bin token file
+    tokenizer: str = "byte"  # byte (vocab 256) or bpe (trained to the model's vocab)
+    data_cache: str | None = None  # where tokenised text is kept (~/.cache/minipar)
+    eval_every: int = 0  # validation loss every N steps (and at the end); 0: never
+    eval_batches: int = 4  # held-out global batches per evaluation
+    layers: int | None = None  # model sizes over the preset's (None: the preset's)
+    hidden: int | None = None
+    heads: int | None = None
+    ffn: int | None = None
+    vocab: int | None = None
+    seq_len: int | None = None
+    save_every: int = 0  # also save every N steps (needs --save); 0: at the end only
+    keep: int = 0  # checkpoints kept in --save (the last K); 0: all
+    log_every: int = 1  # progress report every N steps
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp
 
     def model_config(self) -> GPTConfig:
-        return get_config(self.model).with_(**self.overrides)
+        """The preset, with ``overrides``, the size flags, and the data's vocabulary."""
+        from minipar.corpus import data_vocab
+
+        cfg = sized(get_config(self.model).with_(**self.overrides), self.layers,
+                    self.hidden, self.heads, self.ffn, self.vocab, self.seq_len)
+        if self.vocab is None:
+            vocab = data_vocab(self.data, self.tokenizer, cfg.vocab_size)
+            if vocab is not None:
+                cfg = cfg.with_(vocab_size=vocab)
+        return cfg
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def sized(cfg: GPTConfig, layers: int | None = None, hidden: int | None = None,
+          heads: int | None = None, ffn: int | None = None, vocab: int | None = None,
+          seq_len: int | None = None) -> GPTConfig:
+    """``cfg`` with the sizes given (``--layers --hidden --heads --ffn --vocab
+    --seq-len``); a new hidden size without ``--ffn`` gets the usual 4 x hidden."""
+    sizes = {"n_layer": layers, "d_model": hidden, "n_head": heads, "d_ff": ffn,
+             "vocab_size": vocab, "seq_len": seq_len}
+    for flag, value in sizes.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            name = {"n_layer": "layers", "d_model": "hidden", "n_head": "heads",
+                    "d_ff": "ffn", "vocab_size": "vocab", "seq_len": "seq-len"}[flag]
+            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    if hidden is not None and ffn is None:
+        sizes["d_ff"] = 0  # GPTConfig makes it 4 * d_model
+    return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
 
 
 def _choice(flag: str, value, allowed) -> None:
@@ -93,6 +134,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if world_size is not None and world_size != cfg.world_size:
         raise ValueError(f"layout dp={cfg.dp} x pp={cfg.pp} x tp={cfg.tp} = {cfg.world_size} "
                          f"ranks does not match the job's world size {world_size}")
+    from minipar.corpus import check_source
+
+    check_source(cfg.data, cfg.tokenizer)  # before model_config, which may read it
     model = cfg.model_config()
     check_tp(model, cfg.tp, cfg.sp)
     checks.layout(model, cfg.dp, cfg.pp, cfg.tp, cfg.virtual, cfg.sp)
@@ -122,6 +166,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if not (isinstance(cfg.timeout, (int, float)) and 0 < cfg.timeout < math.inf):
         raise ValueError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
     _check_device(cfg)
+    _check_data_and_knobs(cfg, model)
     _check_files(cfg)
 
 
@@ -149,6 +194,40 @@ def oversubscription(world_size: int) -> str | None:
     return (f"{world_size} ranks on {cores} cores: the cores are oversubscribed, so expect "
             f"each step to take about {share:.0f}x as long as one rank per core would "
             "(raise --timeout if the run needs longer than its default 600 s)")
+
+
+def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
+    from minipar.corpus import sidecar
+
+    for name in ("eval_every", "save_every", "keep", "warmup"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be 0 or a positive integer, "
+                             f"got {value!r}")
+    for name in ("log_every", "eval_batches"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
+                             f"got {value!r}")
+    for name in ("grad_clip", "weight_decay"):
+        value = getattr(cfg, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0, "
+                             f"got {value!r}")
+    if cfg.save_every and not cfg.save:
+        raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
+    if cfg.data != "markov" and cfg.tokenizer == "byte" and model.vocab_size < 256 \
+            and not cfg.data.endswith(".bin"):
+        raise ValueError(f"--vocab {model.vocab_size} is too small for the byte tokenizer "
+                         "(256 tokens)")
+    if cfg.data != "markov" and cfg.tokenizer == "bpe" and model.vocab_size < 512:
+        raise ValueError(f"--tokenizer bpe needs a vocabulary of 512 or more (the 256 bytes "
+                         f"plus merges), got {model.vocab_size}: pass --vocab")
+    if cfg.data.endswith(".bin"):
+        known = sidecar(cfg.data).get("vocab_size")
+        if known is not None and known > model.vocab_size:
+            raise ValueError(f"--data {cfg.data} holds tokens up to {known - 1}: --vocab "
+                             f"{model.vocab_size} is too small")
 
 
 def _check_device(cfg: TrainConfig) -> None:

@@ -97,3 +97,60 @@ def run_doctor() -> list[dict]:
             ok, message = False, f"check failed unexpectedly: {e}"
         results.append({"check": name, "ok": ok, "message": message})
     return results
+
+
+# --- can this machine hold a model? --------------------------------------------------
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory (Linux /proc/meminfo; else sysconf)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total
+
+
+def fits_report(model: str, dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0,
+                dtype: str = "fp32", microbatch_size: int = 1) -> dict:
+    """Whether ``train --model MODEL`` at this layout fits here, before it is tried.
+
+    Need per rank: ``minipar.theory.memory.memory_breakdown`` (AdamW; activations as
+    minipar keeps them, one micro-batch of ``microbatch_size`` sequences). On a GPU
+    machine each rank needs that on its device; on CPU every rank lives in host memory,
+    so the host needs it times the number of ranks. Not counted: the CUDA context,
+    allocator slack, temporary buffers: a fit with under 20% to spare is called tight.
+    """
+    import torch
+
+    from minipar.model import get_config
+    from minipar.theory.memory import memory_breakdown
+
+    cfg = get_config(model)
+    mem = memory_breakdown(cfg, dp, pp, tp, zero, dtype, "adamw", microbatch_size,
+                           accounting="fused")
+    ranks = dp * pp * tp
+    need = mem["total"]
+    total, available = host_memory()
+    checks = []
+
+    def verdict(name: str, have: int, want: int, what: str) -> None:
+        ok = want <= have
+        tight = ok and want > 0.8 * have
+        checks.append({"check": name, "ok": ok, "message":
+                       f"{what}: needs {want / 2**30:.2f} GiB of {have / 2**30:.2f} GiB"
+                       + (" (tight)" if tight else "" if ok else
+                          ": does not fit; try more ranks, --zero, bf16 or a smaller model")})
+
+    layout = f"{model} dp={dp} pp={pp} tp={tp} zero={zero} {dtype}"
+    if torch.cuda.is_available():
+        device = min(torch.cuda.mem_get_info(i)[1] for i in range(torch.cuda.device_count()))
+        verdict("gpu memory", device, need, f"{layout}, per GPU")
+        verdict("gpus", torch.cuda.device_count(), ranks, "ranks (one per GPU with nccl)")
+        checks[-1]["message"] = (f"{ranks} rank(s), {torch.cuda.device_count()} GPU(s)")
+    else:
+        verdict("host memory", available, need * ranks,
+                f"{layout}, {ranks} rank(s) in host memory (available)")
+    return {"model": model, "per_rank": mem, "ranks": ranks, "host_total": total,
+            "host_available": available, "checks": checks}

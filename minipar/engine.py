@@ -10,11 +10,11 @@ from the outside, in this order:
 4. data parallelism wraps the chunks (ZeRO 0: ``parallel/dp.py``) or shards optimizer
    states, gradients and parameters over the dp group (ZeRO 1-3: ``parallel/zero.py``).
 
-A step: the global batch of that step (the same tokens whatever the layout); this
-replica's slice cut into micro-batches; the pipeline schedule runs forward and backward
-of all of them (with pp = 1 a trivial one-stage schedule, i.e. gradient accumulation);
-the gradients are synchronised, clipped on the true global norm, and the optimizer
-steps. Each micro-batch loss is scaled by 1/(dp * m) and the dp reduction sums, so the
+A step: this replica's rows of the step's global batch (the same tokens whatever the
+layout; only these rows are built) cut into micro-batches; the schedule runs forward
+and backward of all of them (pp = 1: a one-stage schedule, i.e. gradient accumulation);
+gradients are synchronised, clipped on the true global norm, and the optimizer steps.
+Each micro-batch loss is scaled by 1/(dp * m) and the dp reduction sums, so the
 gradient is exactly that of the global batch's mean loss on one device.
 """
 
@@ -37,7 +37,9 @@ from minipar.config import (
     optimizer_kwargs,
     validate,
 )
-from minipar.data import MarkovData, split_batch
+from minipar.corpus import make_data, prepare_data
+from minipar.data import TokenSource, local_batches
+from minipar.evaluate import evaluate, reference_eval
 from minipar.launch import launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
@@ -154,7 +156,7 @@ def _scale_grads(cfg: TrainConfig, parts: Parts, factor: torch.Tensor) -> None:
                 p.grad.mul_(factor)
 
 
-def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
+def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
                step: int) -> dict:
     """One optimizer step on the global batch of ``step``. Returns loss and timeline."""
     from minipar.parallel.tp import sync_sequence_parallel_grads
@@ -162,10 +164,9 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
     lr = lr_at(step, cfg)
     for group in parts.optimizer.param_groups:
         group["lr"] = lr
-    x, y = data.batch(step, cfg.batch_size)
-    device = device_for(cfg)
-    micro = [(a.to(device), b.to(device))
-             for a, b in split_batch(x, y, rm.coords.dp, cfg.dp, cfg.microbatches)]
+    device = device_for(cfg)  # only this replica's rows are built (data.local_batches)
+    micro = [(a.to(device), b.to(device)) for a, b in local_batches(
+        data, step, cfg.batch_size, rm.coords.dp, cfg.dp, cfg.microbatches)]
     with ExitStack() as stack:  # accumulate over all micro-batches; sync once below
         for w in parts.dp_wrappers if cfg.zero == 0 else [parts.optimizer]:
             stack.enter_context(w.no_sync())
@@ -234,10 +235,12 @@ def rank_main(cfg: TrainConfig) -> dict:
         raise ValueError(f"the checkpoint is at step {start} and the run ends at step "
                          f"{end}: nothing to train")
     parts = build(cfg, rm, full_state)
-    data = MarkovData(parts.model.cfg.vocab_size, parts.model.cfg.seq_len, seed=cfg.seed)
+    data = make_data(cfg, parts.model.cfg.vocab_size, parts.model.cfg.seq_len)
     reports_loss = rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
-    losses, norms, timeline, step_times, act_peak = [], [], [], [], 0
+    losses, norms, timeline, step_times, act_peak, evals = [], [], [], [], 0, []
     param_storages = [p for p in parts.model.parameters()]
+    tokens_per_step = cfg.batch_size * parts.model.cfg.seq_len
+    last_report = (start, time.time())
     for step in range(start, end):
         t0 = time.time()
         with ActivationMeter(exclude=param_storages) as meter:
@@ -246,17 +249,30 @@ def rank_main(cfg: TrainConfig) -> dict:
         step_times.append(time.time() - t0)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
+        if not cfg.trace:  # bounded: the last step's detail only, unless traced
+            timeline.clear()
         timeline.extend({"name": f"{r.kind}{r.mb}", "kind": r.kind, "mb": r.mb,
                          "chunk": r.chunk, "step": step, "start": r.start, "end": r.end,
                          "wait": r.wait} for r in out["timeline"])
-        if reports_loss:
-            report_progress(f"{step + 1} {out['loss']:.6f}")
+        rm.log.end_step(keep=bool(cfg.trace))
+        done = step + 1
+        if cfg.eval_every and (done % cfg.eval_every == 0 or done == end):
+            val = evaluate(cfg, rm, parts.chunks, data, device_for(cfg))
+            if val is not None:
+                evals.append({"step": done, "loss": val})
+        if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done < end:
+            _save(cfg, rm, parts, done)
+        if reports_loss and (done % cfg.log_every == 0 or done == end):
+            rate = tokens_per_step * (done - last_report[0]) / (time.time() - last_report[1])
+            last_report = (done, time.time())
+            report_progress(f"{done} {out['loss']:.6f} {rate:.1f} "
+                            f"{evals[-1]['loss'] if evals else float('nan'):.6f}")
     if cfg.save:
-        checkpoint.save(cfg.save, end, cfg, rm, parts)
+        _save(cfg, rm, parts, end)
     last_step = [e for e in timeline if e["step"] == end - 1]
     return {
         "rank": rm.rank, "coords": rm.coords._asdict(), "first_step": start,
-        "losses": losses,
+        "losses": losses, "eval": evals,
         "grad_norms": norms, "step_seconds": step_times,
         "memory": _with_total({**out["memory"], "activations": act_peak}),
         "peak_in_flight": out["peak_in_flight"] if end > start else 0,
@@ -266,6 +282,19 @@ def rank_main(cfg: TrainConfig) -> dict:
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
     }
+
+
+def _save(cfg: TrainConfig, rm: RankMesh, parts: Parts, step: int) -> None:
+    """A checkpoint (collective), then on rank 0: the run card ``sample`` reads (model
+    sizes, data, tokenizer) and pruning to the last ``--keep`` checkpoints."""
+    from minipar import checkpoint
+    from minipar.sample import write_run_card
+
+    checkpoint.save(cfg.save, step, cfg, rm, parts)
+    if rm.rank == 0:
+        write_run_card(cfg.save, cfg, parts.model.cfg)
+        if cfg.keep:
+            checkpoint.prune(cfg.save, cfg.keep)
 
 
 def _under_torchrun() -> bool:
@@ -279,7 +308,8 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
     ranks = sorted(ranks, key=lambda r: r["rank"])
     last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order).rank(dp=0, pp=cfg.pp - 1, tp=0)
     record = {"config": cfg.to_dict(), "losses": ranks[last]["losses"],
-              "first_step": ranks[last].get("first_step", 0), "seconds": seconds,
+              "first_step": ranks[last].get("first_step", 0),
+              "eval": ranks[last].get("eval", []), "seconds": seconds,
               "world_size": cfg.world_size, "ranks": ranks}
     if cfg.trace:
         try:  # a trace that cannot be written must not lose the run's record
@@ -291,11 +321,12 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
     return record
 
 
-def train(cfg: TrainConfig, progress=None) -> dict:
+def train(cfg: TrainConfig, progress=None, report=None) -> dict:
     """Run a training job: spawn dp*pp*tp local ranks, or join a torchrun job.
 
-    ``progress(step, loss)`` is called in this process as steps finish. Returns the
-    run's record: ``losses`` (one per step, mean over the global batch), the config, and
+    ``progress(step, loss)`` and ``report({step, loss, tokens_per_s, val_loss})`` are
+    called here every ``log_every`` steps. Returns the run's record: ``losses`` (one
+    per step, mean over the global batch), ``eval`` (``{step, loss}``), the config, and
     per rank its coordinates, memory, communication and last step's timeline;
     ``first_step`` (not 0 after ``resume``); ``trace_error`` when ``cfg.trace`` could not
     be written (the record is returned all the same: a trace must not cost the run).
@@ -304,11 +335,17 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     if _under_torchrun():
         return _join_torchrun(cfg, t0)
     validate(cfg)
+    prepare_data(cfg)  # tokenise text once, here, before any rank starts
 
     def on_progress(rank: int, text: str) -> None:
-        if progress is not None and text:
-            step, loss = text.split()
+        if not text:
+            return
+        step, loss, rate, val = text.split()
+        if progress is not None:
             progress(int(step) - 1, float(loss))
+        if report is not None:
+            report({"step": int(step), "loss": float(loss), "tokens_per_s": float(rate),
+                    "val_loss": float(val)})
 
     # On a CUDA build, forking a process whose autograd already ran (a reference run, a
     # notebook cell) fails in the child ("Unable to handle autograd's threading in
@@ -325,6 +362,7 @@ def _join_torchrun(cfg: TrainConfig, t0: float) -> dict | None:
     import torch.distributed as dist
 
     validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    prepare_data(cfg)  # every process: the first tokenises, the rest find the cache
     device = None
     if cfg.backend == "nccl":
         device = device_for(cfg)
@@ -348,9 +386,10 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
     """
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
-    data = MarkovData(model.cfg.vocab_size, model.cfg.seq_len, seed=cfg.seed)
+    prepare_data(cfg)
+    data = make_data(cfg, model.cfg.vocab_size, model.cfg.seq_len)
     opt = optimizer_class(cfg)(model.parameters(), **optimizer_kwargs(cfg))
-    losses, norms = [], []
+    losses, norms, evals = [], [], []
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -366,4 +405,8 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
         norms.append(float(norm))
         if progress is not None:
             progress(step, losses[-1])
-    return {"config": cfg.to_dict(), "losses": losses, "grad_norms": norms, "model": model}
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            evals.append({"step": step + 1, "loss": reference_eval(
+                model, data, cfg.batch_size, cfg.eval_batches)})
+    return {"config": cfg.to_dict(), "losses": losses, "grad_norms": norms, "eval": evals,
+            "model": model}

@@ -72,6 +72,8 @@ PRESETS: dict[str, GPTConfig] = {
                            d_model=1024, tie_embeddings=True),
     "gpt-1.3b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=24, n_head=32,
                           d_model=2048, tie_embeddings=True),
+    "gpt-6.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32,
+                          d_model=4096, tie_embeddings=True),
     "gpt-13b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=40, n_head=40,
                          d_model=5120, tie_embeddings=True),
     "gpt3-175b": GPTConfig(vocab_size=51200, seq_len=2048, n_layer=96, n_head=96,

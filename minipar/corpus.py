@@ -1,0 +1,346 @@
+"""Real text: sources, tokenizers, and the memory-mapped token file ranks read from.
+
+``--data SOURCE`` names one of
+
+* ``markov``: the generated corpus (``minipar.data.MarkovData``), the default;
+* ``pystdlib``: a built-in real corpus that needs no network, the Python standard
+  library's own ``.py`` files (found with ``sysconfig``): a deterministic subset of
+  about 4 MB, so tokenising takes seconds;
+* a text file, or a directory of text files (read recursively, in sorted order);
+* a ``.bin`` token file: a flat little-endian uint16 or uint32 array, the convention
+  nanoGPT made common. The dtype (and vocabulary size, and optionally a tokenizer) come
+  from a sidecar ``NAME.json``; without one, from the vocabulary (uint16 up to 65,536).
+
+Text is tokenised once, before any rank starts, into such a token file in a cache
+directory (``~/.cache/minipar`` or ``--data-cache``), with the tokenizer beside it, so
+the second run starts at once. Tokenizers: ``byte`` (the UTF-8 bytes: vocabulary 256,
+nothing to train) or ``bpe`` (byte-level BPE trained with Hugging Face ``tokenizers``
+on the corpus itself, to the model's vocabulary size).
+
+``TokenData`` serves the training contract of ``minipar.data``: row r of step s is a
+window of ``seq_len + 1`` tokens starting at an offset hashed from (seed, s, r), read
+from the memory-mapped file by one vectorised fancy index (only the pages touched are
+read). The last ``VAL_FRACTION`` of the tokens is held out for validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minipar.data import SPLITS, counter_hash
+
+BUILTIN = ("markov", "pystdlib")
+TOKENIZERS = ("byte", "bpe")
+VAL_FRACTION = 0.05
+PYSTDLIB_BYTES = 4 * 2**20  # enough text to learn from; tokenises in seconds
+EOT = "<|endoftext|>"  # BPE's document separator (id 0)
+
+
+def default_cache() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "minipar")
+
+
+# --- sources ---------------------------------------------------------------------------
+
+def pystdlib_files(limit: int = PYSTDLIB_BYTES) -> list[str]:
+    """The standard library's ``.py`` files (no tests, no vendored packages), sorted,
+    until ``limit`` bytes: the same files for the same Python, on any machine."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+    found = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in skip)
+        found += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    out, total = [], 0
+    for path in sorted(found, key=lambda p: os.path.relpath(p, root)):
+        size = os.path.getsize(path)
+        if total + size > limit:
+            break
+        out.append(path)
+        total += size
+    return out
+
+
+def text_files(source: str) -> list[str]:
+    """The text files a SOURCE names (not for ``.bin`` token files or ``markov``)."""
+    if source == "pystdlib":
+        return pystdlib_files()
+    if os.path.isfile(source):
+        return [source]
+    found = []
+    for d, dirs, files in os.walk(source):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        found += [os.path.join(d, f) for f in sorted(files) if not f.startswith(".")]
+    return found
+
+
+def check_source(source: str, tokenizer: str) -> None:
+    """Raise ``ValueError`` (one line) for a SOURCE that cannot be read."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, "
+                         f"got {tokenizer!r}")
+    if source in BUILTIN:
+        return
+    if source.endswith(".bin"):
+        if not os.path.isfile(source):
+            raise ValueError(f"--data {source}: no such token file")
+        return
+    if os.path.isfile(source) or os.path.isdir(source):
+        if not text_files(source):
+            raise ValueError(f"--data {source}: the directory holds no files")
+        return
+    raise ValueError(f"--data {source!r} is not a file, a directory, a .bin token file or a "
+                     f"built-in corpus ({', '.join(BUILTIN)})")
+
+
+def _read_text(path: str) -> str | None:
+    with open(path, "rb") as f:
+        raw = f.read()
+    if b"\0" in raw[:4096]:
+        return None  # binary: not text
+    return raw.decode("utf-8", errors="replace")
+
+
+# --- tokenizers --------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, nothing to learn, nothing unknown."""
+
+    kind = "byte"
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", "replace")
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"minipar_tokenizer": "byte"}, f)
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2's scheme) from Hugging Face ``tokenizers``."""
+
+    kind = "bpe"
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def train(cls, texts: list[str], vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def save(self, path: str) -> None:
+        self.tok.save(path)
+
+
+def load_tokenizer(path: str | None):
+    """A tokenizer saved by ``save`` (``None``: none known, ids are shown as numbers)."""
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        head = json.load(f)
+    if head.get("minipar_tokenizer") == "byte":
+        return ByteTokenizer()
+    from tokenizers import Tokenizer
+
+    return BPETokenizer(Tokenizer.from_file(path))
+
+
+# --- the token file ----------------------------------------------------------------------
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def sidecar(bin_path: str) -> dict:
+    """``NAME.json`` beside ``NAME.bin`` (dtype, vocab_size, tokenizer), or {}."""
+    path = os.path.splitext(bin_path)[0] + ".json"
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("tokenizer"):  # relative to the sidecar
+        meta["tokenizer"] = os.path.join(os.path.dirname(path), meta["tokenizer"])
+    return meta
+
+
+def _cache_key(source: str, tokenizer: str, vocab_size: int, files: list[str]) -> str:
+    h = hashlib.sha1(f"{tokenizer} {vocab_size} {sys.version_info[:2]}".encode())
+    for p in files:
+        st = os.stat(p)
+        h.update(f"{os.path.abspath(p)} {st.st_size} {st.st_mtime_ns}\n".encode())
+    name = "pystdlib" if source == "pystdlib" else os.path.basename(source.rstrip("/"))
+    return f"{name}-{tokenizer}{vocab_size if tokenizer == 'bpe' else ''}-{h.hexdigest()[:12]}"
+
+
+def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
+            cache: str | None = None, progress=None) -> str:
+    """The ``.bin`` token file for SOURCE, tokenising it into the cache the first time.
+
+    Returns its path; ``NAME.json`` beside it holds dtype, vocab_size, token count and
+    the tokenizer's file. Written to a temporary name and renamed: a concurrent or
+    interrupted preparation never leaves a half-written file where a run would read it.
+    """
+    if source.endswith(".bin"):
+        return source
+    files = text_files(source)
+    out_dir = os.path.join(cache or default_cache(),
+                           _cache_key(source, tokenizer, vocab_size, files))
+    bin_path = os.path.join(out_dir, "tokens.bin")
+    if os.path.exists(os.path.join(out_dir, "tokens.json")):
+        return bin_path  # the second run: nothing to do
+    os.makedirs(out_dir, exist_ok=True)
+    texts = [t for t in (_read_text(p) for p in files) if t]
+    if not texts:
+        raise ValueError(f"--data {source}: no text found")
+    if progress is not None:
+        progress(f"tokenising {len(texts)} files ({sum(map(len, texts)) / 1e6:.1f} M "
+                 f"characters) with {tokenizer}; cached in {out_dir}")
+    if tokenizer == "byte":
+        tok = ByteTokenizer()
+        ids = np.frombuffer("\n".join(texts).encode("utf-8"), dtype=np.uint8)
+    else:
+        tok = BPETokenizer.train(texts, vocab_size)
+        eot = tok.tok.token_to_id(EOT)
+        ids = np.concatenate([np.asarray(x + [eot], dtype=np.int64)
+                              for x in tok.encode_batch(texts)])
+    dtype = token_dtype(tok.vocab_size)
+    pid = os.getpid()
+    ids.astype(dtype).tofile(bin_path + f".{pid}.tmp")
+    os.replace(bin_path + f".{pid}.tmp", bin_path)
+    tok.save(os.path.join(out_dir, f"tokenizer.json.{pid}.tmp"))
+    os.replace(os.path.join(out_dir, f"tokenizer.json.{pid}.tmp"),
+               os.path.join(out_dir, "tokenizer.json"))
+    meta = {"dtype": dtype.name, "vocab_size": tok.vocab_size, "tokens": int(len(ids)),
+            "tokenizer": "tokenizer.json", "source": source, "files": len(texts)}
+    with open(os.path.join(out_dir, f"tokens.json.{pid}.tmp"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(os.path.join(out_dir, f"tokens.json.{pid}.tmp"),
+               os.path.join(out_dir, "tokens.json"))
+    return bin_path
+
+
+def open_tokens(bin_path: str, vocab_size: int) -> np.memmap:
+    """Memory-map a token file (dtype from its sidecar, else from the vocabulary)."""
+    meta = sidecar(bin_path)
+    dtype = np.dtype(meta.get("dtype", token_dtype(meta.get("vocab_size", vocab_size))))
+    dtype = dtype.newbyteorder("<")
+    size = os.path.getsize(bin_path)
+    if size % dtype.itemsize:
+        raise ValueError(f"--data {bin_path}: {size} bytes is not a whole number of "
+                         f"{dtype.name} tokens")
+    return np.memmap(bin_path, dtype=dtype, mode="r")
+
+
+@dataclass
+class TokenData:
+    """Training rows from a memory-mapped token file (the ``minipar.data`` contract)."""
+
+    tokens: np.ndarray  # the whole file, memory-mapped
+    vocab_size: int
+    seq_len: int
+    seed: int = 0
+    val_fraction: float = VAL_FRACTION
+
+    def __post_init__(self) -> None:
+        n, need = len(self.tokens), self.seq_len + 2
+        self.n_val = max(need, int(n * self.val_fraction))
+        self.n_train = n - self.n_val
+        if self.n_train < need:
+            raise ValueError(f"the corpus has {n} tokens: too few for sequences of "
+                             f"{self.seq_len} with a held-out split (need {2 * need})")
+
+    @classmethod
+    def open(cls, bin_path: str, vocab_size: int, seq_len: int, seed: int = 0) -> TokenData:
+        return cls(open_tokens(bin_path, vocab_size), vocab_size, seq_len, seed)
+
+    def rows(self, step: int, row_indices, split: str = "train"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of step ``step``: windows at hashed offsets in the train or val split."""
+        rows = np.asarray(row_indices, dtype=np.int64).reshape(-1)
+        base, span = (0, self.n_train) if split == "train" else (self.n_train, self.n_val)
+        h = counter_hash(self.seed, SPLITS.index(split), step, rows, 1)[:, 0]
+        starts = base + (h % np.uint64(span - self.seq_len)).astype(np.int64)
+        window = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        tokens = torch.from_numpy(self.tokens[window].astype(np.int64))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows(step, range(batch_size))
+
+
+def tokenizer_path(bin_path: str) -> str | None:
+    return sidecar(bin_path).get("tokenizer")
+
+
+def data_vocab(source: str, tokenizer: str, vocab_size: int | None) -> int | None:
+    """The vocabulary a SOURCE imposes on the model (``None``: the model's own).
+
+    Byte-level text: 256. A ``.bin`` file with a sidecar: its vocabulary rounded up to a
+    multiple of 8 (tensor parallelism splits the vocabulary). BPE: the model's.
+    """
+    if source == "markov":
+        return None
+    if source.endswith(".bin"):
+        v = sidecar(source).get("vocab_size") if os.path.isfile(source) else None
+        return None if v is None else -(-int(v) // 8) * 8
+    return 256 if tokenizer == "byte" else vocab_size
+
+
+# --- what the engine calls ----------------------------------------------------------------
+
+def prepare_data(cfg) -> str | None:
+    """Before any rank starts: tokenise ``cfg.data`` into the cache (once), and check a
+    ``.bin`` file's tokens fit the model's vocabulary. Returns the token file's path."""
+    if cfg.data == "markov":
+        return None
+    vocab = cfg.model_config().vocab_size
+    path = prepare(cfg.data, cfg.tokenizer, vocab, cfg.data_cache,
+                   progress=lambda text: print(f"minipar: {text}", file=sys.stderr))
+    if cfg.data.endswith(".bin"):
+        tokens = open_tokens(path, vocab)
+        biggest = int(tokens.max()) if len(tokens) else 0  # one streaming pass
+        if biggest >= vocab:
+            raise ValueError(f"--data {path} holds token {biggest}: the model's vocabulary "
+                             f"({vocab}) is too small; pass --vocab {biggest + 1} or more")
+    return path
+
+
+def make_data(cfg, vocab_size: int, seq_len: int):
+    """The run's data source on this rank (``minipar.data.TokenSource``)."""
+    from minipar.data import MarkovData
+
+    if cfg.data == "markov":
+        return MarkovData(vocab_size, seq_len, seed=cfg.seed)
+    path = prepare(cfg.data, cfg.tokenizer, vocab_size, cfg.data_cache)  # the cache
+    return TokenData.open(path, vocab_size, seq_len, seed=cfg.seed)
