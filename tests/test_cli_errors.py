@@ -125,7 +125,7 @@ CASES = [
     ("memory virtual zero", "memory --virtual 0", "--virtual must be a positive integer"),
     ("memory heads zero", "memory --heads 0", "--heads must be a positive integer"),
     ("memory tp negative", "memory --tp -4", "--tp must be a positive integer, got -4"),
-    ("memory params negative", "memory --params -5", "--params must be a positive integer"),
+    ("memory params negative", "memory --params -5", "is not a parameter count"),
     ("memory microbatch size", "memory --microbatch-size -1", "--microbatch-size must be"),
     ("memory pp above layers", "memory --pp 1000", "8 layers cannot fill pp=1000"),
     ("memory microbatches zero", "memory --microbatches 0", "--microbatches must be a"),
