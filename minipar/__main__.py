@@ -51,6 +51,8 @@ def _add_train(sub) -> None:
     p.add_argument("--fused", action="store_true", help="fused AdamW kernel (GPU speed)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
                    help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout probability (masks keyed by position: every layout alike)")
 
 
 def _cmd_train(args) -> int:
@@ -65,7 +67,7 @@ def _cmd_train(args) -> int:
         seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
         ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
-        optimizer=args.optimizer)
+        optimizer=args.optimizer, dropout=args.dropout)
     validate(cfg)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
 

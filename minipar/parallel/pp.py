@@ -2,11 +2,18 @@
 
 **Stages.** ``build_stage(model, pp_rank, pp, virtual)`` splits the ``n_layer`` blocks
 into ``pp * virtual`` chunks of consecutive layers (uneven counts: the first chunks take
-one more), and keeps on rank ``r`` the chunks ``r, r + pp, ...`` (Megatron's virtual
-stages, arXiv 2104.04473). Chunk 0 also runs ``model.embed``; the last chunk runs
-``model.logits`` and ``model.loss``. Those, and ``model.blocks``, are the only entry
-points used, so a model whose layers tensor parallelism already swapped works as is.
-Whatever this rank does not run is dropped from the model.
+one more), and gives rank ``r`` the chunks ``r, r + pp, ...`` (Megatron's virtual
+stages, arXiv 2104.04473). Each chunk is a ``PipelineStage``: an ``nn.Module`` that owns
+exactly its layers, under the reference model's names (``blocks.5.mlp.fc.weight``:
+``blocks`` is keyed by the global layer index), so checkpoints, tensor-parallel slicing
+and ZeRO find every parameter by the name it has on one device. The first chunk also
+embeds the tokens; the last applies the final norm, the head and the model's loss.
+
+**Tied embeddings** (Megatron's way, 1909.08053 section 3): with pp > 1 the first stage
+holds the token embedding and the last the head, each a copy of the one shared weight
+(identical at initialisation, since both come from the same reference model). After the
+backward their gradients are summed in the *embedding group* (the first and last pp
+ranks of one dp/tp coordinate, ``RankMesh.embed``), so both copies take the same step.
 
 **Executor.** ``PipelineExecutor(chunks, comm, actions).step(microbatches)`` walks this
 rank's action list (``minipar.parallel.schedules``) and does what it says:
@@ -22,7 +29,9 @@ rank's action list (``minipar.parallel.schedules``) and does what it says:
   gradient and the gradients of every parameter-owning module's output; ``W`` later
   turns those into weight gradients, one module at a time (``autograd.backward`` with
   ``inputs=`` the module's own parameters, so only the weight products run and
-  gradient hooks fire). The sum is the same gradient a plain backward gives.
+  gradient hooks fire). A parameter two modules share (a tied embedding in one chunk)
+  would be reached from both, and through everything between them: ``B`` computes its
+  gradient in the same pass instead, so every gradient is computed exactly once.
 * The loss of each micro-batch is multiplied by ``loss_scale`` (default 1/m) before the
   backward, so the gradients equal those of the mean loss of the whole batch on one
   device. (Forgetting the 1/m scales the gradient by m; picotron has that bug.)
@@ -39,7 +48,7 @@ Every rank records when each action ran and how long it waited on communication;
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -47,8 +56,16 @@ import torch
 from torch import nn
 
 from minipar.comm import Comm, Pending
-from minipar.parallel.schedules import Action, Schedule, rank_of, schedule_shape, validate
-from minipar.theory.bubble import UNIT_COST, action_cost
+from minipar.model import GPT, embed_tokens
+from minipar.parallel.schedules import (
+    UNIT_COST,
+    Action,
+    Schedule,
+    action_cost,
+    rank_of,
+    schedule_shape,
+    validate,
+)
 
 # --- stages --------------------------------------------------------------------------
 
@@ -86,64 +103,90 @@ def split_report(n_layer: int, pp: int, virtual: int = 1) -> str:
     return "\n".join(lines)
 
 
-class StageChunk(nn.Module):
-    """Chunk ``index`` of ``n_chunks``: its blocks, plus embed (first) or head+loss (last).
+class PipelineStage(nn.Module):
+    """Chunk ``index`` of ``n_chunks``: its blocks, plus embedding (first) or final norm,
+    head and loss (last), taken from ``model`` under the same names.
 
     ``forward(x, targets=None)``: token ids in for the first chunk, hidden states
     otherwise; the mean loss out of the last chunk, hidden states otherwise.
     """
 
-    def __init__(self, model: nn.Module, index: int, n_chunks: int, layers: range) -> None:
+    def __init__(self, model: GPT, index: int, n_chunks: int, layers: range) -> None:
         super().__init__()
         self.index, self.n_chunks, self.layers = index, n_chunks, layers
         self.is_first, self.is_last = index == 0, index == n_chunks - 1
-        self.__dict__["_gpt"] = model  # call its methods; do not own all its parameters
         if self.is_first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if self.is_last:
-            self.ln_f, self.head = model.ln_f, model.head
+            self.ln_f, self.head, self.loss_fn = model.ln_f, model.head, model.loss_fn
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = self._gpt.embed(x) if self.is_first else x
-        for block in self.blocks:
+        h = embed_tokens(self.tok_emb, self.pos_emb, self.drop, x) if self.is_first else x
+        for block in self.blocks.values():
             h = block(h)
-        if self.is_last:
-            if targets is None:
-                raise ValueError("the last pipeline chunk needs the targets")
-            return self._gpt.loss(self._gpt.logits(h), targets)
-        return h
+        if not self.is_last:
+            return h
+        if targets is None:
+            raise ValueError("the last pipeline chunk needs the targets")
+        return self.loss_fn(self.head(self.ln_f(h)), targets)
 
     def extra_repr(self) -> str:
         return f"chunk {self.index} of {self.n_chunks}, layers {list(self.layers)}"
 
 
-def build_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[StageChunk]:
-    """This rank's chunks (local order), dropping every other layer from ``model``.
-
-    Tied input/output embeddings would live on the first and the last rank at once;
-    that needs an extra gradient all-reduce which minipar leaves out, so it is refused.
-    """
+def build_stage(model: GPT, pp_rank: int, pp: int, virtual: int = 1) -> list[PipelineStage]:
+    """This rank's chunks (local order). ``model`` is left as it was: once the caller
+    drops it, the layers no chunk took are freed."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp - 1}")
     if virtual < 1:
         raise ValueError(f"virtual must be >= 1, got {virtual}")
-    if pp > 1 and getattr(model.cfg, "tie_embeddings", False):
-        raise ValueError("tied embeddings are not supported with pp > 1 (the first and last "
-                         "stages would share a weight); use tie_embeddings=False")
     n_chunks = pp * virtual
     ranges = partition_layers(len(model.blocks), n_chunks)
-    mine = [c for c in range(n_chunks) if rank_of(c, pp) == pp_rank]
-    chunks = [StageChunk(model, c, n_chunks, ranges[c]) for c in mine]
-    kept = {i for c in mine for i in ranges[c]}
-    for i in range(len(model.blocks)):
-        if i not in kept:
-            model.blocks[i] = nn.Identity()
-    if 0 not in mine:
-        model.tok_emb = model.pos_emb = None
-    if n_chunks - 1 not in mine:
-        model.ln_f = model.head = None
-    return chunks
+    return [PipelineStage(model, c, n_chunks, ranges[c])
+            for c in range(n_chunks) if rank_of(c, pp) == pp_rank]
+
+
+class StageLayers(nn.Module):
+    """Every layer of this rank's chunks in one module, under the reference names: what
+    the optimizer, checkpoints and the gradient norm see. The chunks are what runs."""
+
+    def __init__(self, chunks: Sequence[PipelineStage], cfg) -> None:
+        super().__init__()
+        self.cfg = cfg
+        for chunk in chunks:
+            for name, child in chunk.named_children():
+                if name != "blocks":
+                    self.add_module(name, child)
+                elif "blocks" in self._modules:
+                    self.blocks.update(child)
+                else:
+                    self.blocks = nn.ModuleDict(child)
+
+
+def tied_copy(name: str, cfg) -> bool:
+    """Is parameter ``name`` the last stage's copy of a tied embedding? (Counted once
+    in a gradient norm: under the first stage's name, ``tok_emb.weight``.)"""
+    return bool(getattr(cfg, "tie_embeddings", False)) and name.split(".")[-2:] == [
+        "head", "weight"]
+
+
+def tied_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The tied embedding weight as this rank holds it (first or last stage), or []."""
+    if not getattr(model.cfg, "tie_embeddings", False):
+        return []
+    named = dict(model.named_parameters())
+    return [p for n, p in named.items() if n in ("tok_emb.weight", "head.weight")]
+
+
+def sync_tied_grads(model: nn.Module, comm: Comm | None) -> None:
+    """Sum the tied embedding's gradient over the embedding group (first and last
+    stage), so both copies step alike. Nothing at pp = 1 (one weight, one gradient)."""
+    params = [p for p in tied_parameters(model) if p.grad is not None]
+    if comm is None or comm.size == 1 or not params:
+        return
+    comm.all_reduce(params[0].grad)
 
 
 # --- the executor ----------------------------------------------------------------------
@@ -208,11 +251,16 @@ class PipelineExecutor:
         self._shapes_known: dict = {}
         self._capture: list | None = None
         self._hooks = []
+        self._shared: dict[int, list[nn.Parameter]] = {}  # chunk -> params 2 modules own
         if self.split:  # remember each parameter-owning module's output for W
-            for chunk in chunks:
+            for c, chunk in self.chunks.items():
+                owners: dict[int, int] = {}
                 for module in chunk.modules():
+                    for p in module.parameters(recurse=False):
+                        owners[id(p)] = owners.get(id(p), 0) + 1
                     if next(module.parameters(recurse=False), None) is not None:
                         self._hooks.append(module.register_forward_hook(self._capture_output))
+                self._shared[c] = [p for p in chunk.parameters() if owners[id(p)] > 1]
 
     def close(self) -> None:
         """Remove the forward hooks this executor put on the chunks."""
@@ -255,7 +303,8 @@ class PipelineExecutor:
     # --- one training step ---------------------------------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
              loss_scale: float | None = None, broadcast_loss: bool = False,
-             loss_as_tensor: bool = False) -> StepResult:
+             loss_as_tensor: bool = False,
+             before_compute: Callable[[int], None] | None = None) -> StepResult:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
 
         Every rank passes the same list of (inputs, targets) micro-batches (only the
@@ -265,7 +314,9 @@ class PipelineExecutor:
         averaging them. Returns the mean micro-batch loss (unscaled) on the last stage,
         on every stage with ``broadcast_loss``; as a 0-dim tensor with
         ``loss_as_tensor`` (reading a float waits for the GPU to finish the backward,
-        and the host could queue the optimizer step meanwhile).
+        and the host could queue the optimizer step meanwhile). ``before_compute(mb)``
+        runs before every F, B and W of micro-batch ``mb`` (the engine keys dropout
+        there: a recomputing backward must draw the forward's masks).
         """
         m = len(microbatches)
         if m != self.microbatches:
@@ -277,6 +328,8 @@ class PipelineExecutor:
         records = []
         for a in self.actions:
             st.start = time.time()  # compute actions move it past their wait for inputs
+            if before_compute is not None and a.kind in ("F", "B", "W"):
+                before_compute(a.mb)
             wait = run[a.kind](a, st) or 0.0
             if a.kind in ("F", "B", "W"):
                 self._pretend_compute(a)
@@ -347,12 +400,16 @@ class PipelineExecutor:
         if key not in self.split:
             torch.autograd.backward(out, grad)
             dx = x.grad if needs_dx else None
-        else:  # gradients of the input and of every parameter-owning module's output
+        else:  # gradients of the input, of every parameter-owning module's output, and
+            # of the parameters two modules share (accumulated: their hooks fire)
             work = st.weight_work[key]
-            wrt = ([x] if needs_dx else []) + [o for _, o in work]
-            grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
-            dx, grads = (grads[0], grads[1:]) if needs_dx else (None, grads)
-            st.weight_work[key] = [(mod, o, g) for (mod, o), g in zip(work, grads)]
+            outputs = [o for _, o in work]
+            wrt = ([x] if needs_dx else []) + outputs + self._shared[a.chunk]
+            torch.autograd.backward(out, grad, inputs=wrt, retain_graph=True)
+            dx = x.grad if needs_dx else None
+            st.weight_work[key] = [(mod, o, o.grad) for mod, o in work]
+            for o in outputs:
+                o.grad = None
         if dx is not None:
             if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
                 st.out_grads[(a.mb, a.chunk - 1)] = dx
@@ -362,8 +419,10 @@ class PipelineExecutor:
 
     def _weight_grad(self, a: Action, st: _StepState) -> None:
         """W: each module's weight gradient from its saved output gradient."""
+        shared = {id(p) for p in self._shared[a.chunk]}  # done in B
         for module, output, grad in st.weight_work.pop((a.mb, a.chunk)):
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            params = [p for p in module.parameters(recurse=False)
+                      if p.requires_grad and id(p) not in shared]
             if grad is not None and params:
                 torch.autograd.backward(output, grad, inputs=params)
 

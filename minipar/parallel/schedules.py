@@ -37,7 +37,7 @@ ZB-H1 (Qi et al., arXiv 2401.10241, section 3).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 COMPUTE = ("F", "B", "W")
@@ -47,6 +47,17 @@ KINDS = COMPUTE + COMM
 
 class ScheduleError(ValueError):
     """A schedule that cannot run; the message names the rank, the action and why."""
+
+
+# Relative costs of the compute actions (Qi et al. 2023, arXiv 2401.10241: F, B and W
+# about equal; an unsplit backward is B + W). Theory simulates with them; the executor
+# can sleep for them to stand in for a bigger model.
+UNIT_COST: dict[str, float] = {"F": 1.0, "B": 2.0, "W": 1.0}
+
+
+def action_cost(kind: str, split: bool, cost: Mapping[str, float] = UNIT_COST) -> float:
+    """Time of a compute action. A B whose W runs separately does only its input part."""
+    return cost["B"] - cost["W"] if kind == "B" and split else cost[kind]
 
 
 class Action(NamedTuple):
