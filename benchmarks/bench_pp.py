@@ -25,7 +25,7 @@ from torch import nn
 
 from minipar import GPT, Comm, launch
 from minipar.data import MarkovData, split_batch
-from minipar.model import get_config
+from minipar.model import embed_tokens, get_config
 from minipar.parallel.pp import PipelineExecutor, build_stage
 from minipar.parallel.schedules import make_schedule
 from minipar.theory.bubble import bubble_stats, simulate
@@ -43,10 +43,10 @@ class _UpToLogits(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.chunk
-        h = c._gpt.embed(x) if c.is_first else x
-        for block in c.blocks:
+        h = embed_tokens(c.tok_emb, c.pos_emb, c.drop, x) if c.is_first else x
+        for block in c.blocks.values():
             h = block(h)
-        return c._gpt.logits(h) if c.is_last else h
+        return c.head(c.ln_f(h)) if c.is_last else h
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -32,14 +32,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minipar.comm import Comm, wire_bytes
 from minipar.data import MarkovData
 from minipar.launch import launch
+from minipar.meter import saved_tensor_elements
 from minipar.model import GPT, get_config
 from minipar.parallel.tp import (
-    activation_elements_per_layer,
     apply_tensor_parallel,
-    saved_tensor_elements,
     shard_tensor,
     sync_sequence_parallel_grads,
 )
+from minipar.theory.activations import activation_elements_per_layer
 
 VARIANTS = ("minipar", "minipar+sp", "dtensor", "dtensor+sp")
 
@@ -81,13 +81,14 @@ def dtensor_model(ref: GPT, ws: int, sp: bool) -> GPT:
     )
 
     model = copy.deepcopy(ref)
-    with torch.no_grad():  # rank-major [q_r | k_r | v_r] blocks, so a row chunk = heads
+    # rank-major [q_r | k_r | v_r] blocks, so a row chunk = heads (the attention reads its
+    # head count off the width qkv returns)
+    with torch.no_grad():
         for i, block in enumerate(model.blocks):
             for kind in ("weight", "bias"):
                 p = getattr(block.attn.qkv, kind)
                 name = f"blocks.{i}.attn.qkv.{kind}"
                 p.copy_(torch.cat([shard_tensor(name, p, r, ws) for r in range(ws)]))
-            block.attn.n_head //= ws
     mesh = init_device_mesh("cpu", (ws,))
     seq = Shard(1)
     plan = {
