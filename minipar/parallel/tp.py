@@ -131,6 +131,8 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if not _wanted(ctx, 0):  # B of a split backward, below a module output it keeps
+            return None, None
         return ctx.comm.all_gather(grad.contiguous(), dim=SEQ), None
 
 
