@@ -49,9 +49,7 @@ class ScheduleError(ValueError):
     """A schedule that cannot run; the message names the rank, the action and why."""
 
 
-# Relative costs of the compute actions (Qi et al. 2023, arXiv 2401.10241: F, B and W
-# about equal; an unsplit backward is B + W). Theory simulates with them; the executor
-# can sleep for them to stand in for a bigger model.
+# Relative costs of F, B (input + weight) and W (Qi et al. 2023, arXiv 2401.10241).
 UNIT_COST: dict[str, float] = {"F": 1.0, "B": 2.0, "W": 1.0}
 
 
