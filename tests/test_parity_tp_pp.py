@@ -6,9 +6,10 @@ is the case where a wrong gradient scale cannot hide: AdamW would divide it away
 clipping would rescale it. Dropout at p = 0.1 must give the reference's numbers in every
 layout (masks keyed by global sample and position, ``minipar.model.KeyedDropout``).
 
-Tolerances, fp32, from measured worst drift over these runs (4 steps; sums in another
-order are the only difference): loss 4.8e-7, gradient norm 2.4e-7 relative (AdamW),
-SGD at lr 0.5 alike. Held at about 3x: loss 1.5e-6, gradient norm 7.5e-7.
+Tolerances, fp32, from the measured worst drift over these runs (4 steps; sums in
+another order are the only difference): loss 4.8e-7 (several layouts), gradient norm
+3.7e-7 relative (tied pp2 tp2 interleaved with recompute; dropout tp2: 3.6e-7; plain SGD
+at lr 0.5: 1.4e-7). Held at about 3x: loss 1.5e-6, gradient norm 1.1e-6.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from minipar.parity import compare, run_grad_norms
 
 STEPS = 4
 LOSS_TOL = 1.5e-6
-GRAD_RTOL = 7.5e-7
+GRAD_RTOL = 1.1e-6
 SGD = dict(optimizer="sgd", grad_clip=0.0, lr=0.5, warmup=1)
 TIED = {"tie_embeddings": True}
 # knobs that change what the single device computes (the rest is layout)
