@@ -166,7 +166,7 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
                step: int) -> dict:
     """One optimizer step on the global batch of ``step``. Returns loss and timeline."""
     from minipar.model import set_dropout_key
-    from minipar.parallel.pp import sync_tied_grads
+    from minipar.parallel.pp import sync_tied_grads, tied_parameters
     from minipar.parallel.tp import sync_sequence_parallel_grads
 
     lr = lr_at(step, cfg)
@@ -201,6 +201,8 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
         parts.optimizer.all_reduce_grads(
             [p for p in parts.model.parameters() if getattr(p, "sequence_parallel", False)],
             rm.tp)
+        if rm.embed is not None:  # tied embedding's two copies (refused at pp > 1 for now)
+            parts.optimizer.all_reduce_grads(tied_parameters(parts.model), rm.embed)
     grads_held = _model_state_bytes(cfg, parts)["grads"]  # while the gradients exist
     norm = clip_gradients(cfg, rm, parts)
     if cfg.zero == 0 and parts.precision is not None:
