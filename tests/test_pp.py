@@ -319,7 +319,8 @@ def test_single_rank_pipeline_with_virtual_chunks_needs_no_messages():
 TIED = CFG.with_(tie_embeddings=True)
 
 
-def _tied_rank(pp: int, tp: int, configs: list[tuple[str, int, int]]) -> list[dict]:
+def _tied_rank(pp: int, tp: int, configs: list[tuple[str, int, int]],
+               sync: bool = True) -> list[dict]:
     """Every schedule on a tied model: the first stage's embedding and the last stage's
     head are two copies of one weight; after the embedding-group sum both must hold the
     single device's gradient of that weight (and every other gradient must match)."""
@@ -340,7 +341,8 @@ def _tied_rank(pp: int, tp: int, configs: list[tuple[str, int, int]]) -> list[di
         ex = PipelineExecutor(chunks, rm.pp, make_schedule(name, pp, m, v))
         res = ex.step(split_batch(*_batch(), 0, 1, m))
         ex.close()
-        sync_tied_grads(held, rm.embed)
+        if sync:
+            sync_tied_grads(held, rm.embed)
         err = {}
         for n, p in held.named_parameters():
             want = ref_grads["tok_emb.weight" if n == "head.weight" else n]
@@ -371,6 +373,14 @@ def test_tied_embeddings_every_schedule(pp, tp):
     embed = results[0][-1]["embed"]["all_reduce"]
     assert embed["calls"] == len(_tied_configs(pp))  # once per step (the log accumulates)
     assert embed["bytes"] == 4 * TIED.vocab_size * TIED.d_model // tp * embed["calls"]
+
+
+def test_tied_check_fails_without_the_embedding_group_sum():
+    """Mutation: skip the sum; each copy then holds only its own stage's gradient."""
+    results = launch(_tied_rank, 2, args=(2, 1, [("1f1b", 2, 1)]),
+                     kwargs={"sync": False}, timeout=120)
+    assert results[0][0]["err"]["tok_emb.weight"] > 1e-2
+    assert results[1][0]["err"]["head.weight"] > 1e-2
 
 
 def _zb_tied_single() -> dict:
