@@ -187,7 +187,8 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: MarkovData,
             stack.enter_context(w.no_sync())
         result = parts.executor.step(micro, loss_scale=1.0 / (cfg.dp * cfg.microbatches),
                                      loss_as_tensor=True,  # read at the end of the step
-                                     before_compute=key_dropout if cfg.dropout else None)
+                                     before_compute=key_dropout if parts.model.cfg.dropout
+                                     else None)
     if cfg.zero == 0:
         for w in parts.dp_wrappers:
             w.finish_gradient_sync()
