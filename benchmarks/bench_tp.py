@@ -33,13 +33,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minipar.comm import Comm, wire_bytes
 from minipar.data import MarkovData
 from minipar.launch import launch
+from minipar.meter import saved_tensor_elements
 from minipar.model import GPT, get_config
 from minipar.parallel.tp import (
-    activation_elements_per_layer,
     apply_tensor_parallel,
-    saved_tensor_elements,
     sync_sequence_parallel_grads,
 )
+from minipar.theory.activations import activation_elements_per_layer
 
 VARIANTS = ("minipar", "minipar+sp", "dtensor", "dtensor+sp")
 

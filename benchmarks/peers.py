@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minipar.model import GPT
+from minipar.model import GPT, embed_tokens
 from minipar.parallel.tp import shard_tensor
 
 # minipar schedule -> torch.distributed.pipelining class and chunks per rank. torch has
@@ -150,7 +150,7 @@ def dtensor_tp(ref: GPT, ws: int, sp: bool, device_type: str = "cpu") -> GPT:
                 p = getattr(block.attn.qkv, kind)
                 name = f"blocks.{i}.attn.qkv.{kind}"
                 p.copy_(torch.cat([shard_tensor(name, p, r, ws) for r in range(ws)]))
-            block.attn.n_head //= ws
+            # (the attention reads its local head count off the width qkv returns)
     mesh = init_device_mesh(device_type, (ws,))
     seq = Shard(1)
     plan = {
@@ -183,10 +183,10 @@ class UpToLogits(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.chunk
-        h = c._gpt.embed(x) if c.is_first else x
-        for block in c.blocks:
+        h = embed_tokens(c.tok_emb, c.pos_emb, c.drop, x) if c.is_first else x
+        for block in c.blocks.values():
             h = block(h)
-        return c._gpt.logits(h) if c.is_last else h
+        return c.head(c.ln_f(h)) if c.is_last else h
 
 
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

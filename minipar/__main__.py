@@ -73,6 +73,8 @@ def _add_train(sub) -> None:
     p.add_argument("--save-every", type=int, default=0, help="also --save every N steps")
     p.add_argument("--keep", type=int, default=0, help="keep the last K checkpoints (0: all)")
     p.add_argument("--log-every", type=int, default=1, help="progress every N steps")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout probability (masks keyed by position: every layout alike)")
 
 
 def train_config(args) -> TrainConfig:
@@ -90,7 +92,7 @@ def train_config(args) -> TrainConfig:
         heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
         warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
         save_every=args.save_every, keep=args.keep, log_every=args.log_every,
-        timeout=args.timeout)
+        timeout=args.timeout, dropout=args.dropout)
 
 
 def _cmd_train(args) -> int:

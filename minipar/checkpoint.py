@@ -237,8 +237,10 @@ def load(directory: str) -> tuple[dict, int]:
     from minipar.model import get_config
 
     mcfg = get_config(cfg["model"]).with_(**cfg.get("overrides", {}))
-    if mcfg.tie_embeddings and "head.weight" not in model:
-        model["head.weight"] = model["tok_emb.weight"]
+    if mcfg.tie_embeddings:  # one weight: pp > 1 saves two copies, pp = 1 only one
+        model.setdefault("head.weight", model["tok_emb.weight"])
+        if "tok_emb.weight" in optimizer:  # the last stage's copy steps like the first's
+            optimizer.setdefault("head.weight", optimizer["tok_emb.weight"])
     return {"model": model, "optimizer": optimizer}, meta["step"]
 
 

@@ -70,6 +70,7 @@ class TrainConfig:
     save_every: int = 0  # also save every N steps (needs --save); 0: at the end only
     keep: int = 0  # checkpoints kept in --save (the last K); 0: all
     log_every: int = 1  # progress report every N steps
+    dropout: float = 0.0  # the model's dropout (masks keyed by position: any layout)
 
     @property
     def world_size(self) -> int:
@@ -85,7 +86,7 @@ class TrainConfig:
             vocab = data_vocab(self.data, self.tokenizer, cfg.vocab_size)
             if vocab is not None:
                 cfg = cfg.with_(vocab_size=vocab)
-        return cfg
+        return cfg.with_(dropout=self.dropout) if self.dropout else cfg
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,9 +154,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.zero == 3 and cfg.pp > 1 and cfg.schedule == "zb":
         raise ValueError("--zero 3 with --schedule zb is not supported: the split weight "
                          "gradient (W) runs after ZeRO-3 has freed the layer's weights")
-    if cfg.pp > 1 and model.tie_embeddings:
-        raise ValueError(f"model {cfg.model!r} ties its embeddings, which pp > 1 does not "
-                         "support (the first and last stage would share a weight)")
+    if cfg.pp > 1 and model.tie_embeddings and cfg.zero > 0:
+        raise ValueError(f"model {cfg.model!r} ties its embeddings: with pp > 1 that needs "
+                         "--zero 0 for now (ZeRO cannot yet sum a weight two stages share)")
+    if not (isinstance(cfg.dropout, (int, float)) and 0.0 <= cfg.dropout < 1.0):
+        raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
     check_batch_split(cfg.batch_size, cfg.dp, cfg.microbatches)
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ValueError(f"--stop-at must be between 1 and --steps ({cfg.steps}), "

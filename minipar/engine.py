@@ -4,9 +4,12 @@ Every rank runs ``rank_main``. It builds the single-device reference model from 
 run's seed (so every layout starts from the same weights), then applies the techniques
 from the outside, in this order:
 
-1. tensor parallelism swaps the layers for sharded ones (``parallel/tp.py``);
-2. the pipeline keeps this rank's chunks of layers (``parallel/pp.py``);
-3. recomputation, then mixed precision (fp32 masters of bf16 weights);
+1. tensor parallelism replaces submodules by sharded ones, following a printable plan
+   (``parallel/tp.py``);
+2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
+   the rest of the reference model is dropped;
+3. recomputation replaces blocks (``parallel/recompute.py``), then mixed precision
+   (fp32 masters of bf16 weights);
 4. data parallelism wraps the chunks (ZeRO 0: ``parallel/dp.py``) or shards optimizer
    states, gradients and parameters over the dp group (ZeRO 1-3: ``parallel/zero.py``).
 
@@ -52,8 +55,8 @@ __all__ = ["TrainConfig", "validate", "train", "rank_main", "build", "Parts"]
 class Parts:
     """What one rank trains, once composed."""
 
-    model: GPT  # the reference model, with only this rank's (sharded) layers left
-    chunks: list  # this rank's pipeline chunks (modules)
+    model: torch.nn.Module  # StageLayers: this rank's (sharded) layers, under the reference names
+    chunks: list  # this rank's pipeline chunks (PipelineStage modules, sharing them)
     optimizer: object  # a torch optimizer (ZeRO 0) or a ZeroOptimizer
     executor: object  # the PipelineExecutor
     dp_wrappers: list  # DataParallel wrappers (ZeRO 0)
@@ -63,20 +66,22 @@ class Parts:
 def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Parts:
     """Compose this rank's part: tp -> pp -> recompute -> precision -> dp/ZeRO."""
     from minipar.parallel.dp import DataParallel
-    from minipar.parallel.pp import PipelineExecutor, build_stage
+    from minipar.parallel.pp import PipelineExecutor, StageLayers, build_stage
     from minipar.parallel.precision import MixedPrecision
     from minipar.parallel.recompute import apply_recompute
     from minipar.parallel.schedules import make_schedule
     from minipar.parallel.tp import apply_tensor_parallel
 
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config())  # the reference weights, identical on every rank
+    full = GPT(cfg.model_config())  # the reference weights, identical on every rank
     if full_state is not None:
-        model.load_state_dict(full_state["model"])
+        full.load_state_dict(full_state["model"])
     if cfg.tp > 1:
-        apply_tensor_parallel(model, rm.tp, sequence_parallel=cfg.sp)
-    stage = build_stage(model, rm.coords.pp, cfg.pp, cfg.virtual)
-    apply_recompute([b for c in stage for b in c.blocks], cfg.recompute)
+        apply_tensor_parallel(full, rm.tp, sequence_parallel=cfg.sp)
+    stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual)
+    apply_recompute(stage, cfg.recompute)
+    model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
+    del full  # the layers no chunk took go with it
     model.to(device_for(cfg))
     precision = MixedPrecision(model, torch.bfloat16) if cfg.dtype == "bf16" else None
     opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
@@ -93,7 +98,8 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
 
         optimizer = ZeroOptimizer(model, opt_cls, comm=rm.dp, stage=cfg.zero,
                                   precision=precision, average=False,
-                                  units=[b for c in stage for b in c.blocks], **opt_kwargs)
+                                  units=[b for c in stage for b in c.blocks.values()],
+                                  **opt_kwargs)
     actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
     # DataParallel works through gradient hooks, so the executor runs the chunks directly.
     # A synchronize after every action makes the GPU timeline true but stalls the host
@@ -118,9 +124,12 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor
     and applied there too, as ``torch.nn.utils.clip_grad_norm_`` does, so the host never
     waits for the GPU in the middle of a step (read the norm after the update).
     """
+    from minipar.parallel.pp import tied_copy
     from minipar.parallel.tp import tp_shard_dim
 
     def counted(name: str) -> bool:  # replicated across tp: counted on tp rank 0 only
+        if tied_copy(name, parts.model.cfg):  # the last stage's copy of a tied embedding
+            return False
         return rm.coords.tp == 0 or tp_shard_dim(name) is not None
 
     total = torch.zeros((), dtype=torch.float32, device=device_for(cfg))
@@ -159,6 +168,8 @@ def _scale_grads(cfg: TrainConfig, parts: Parts, factor: torch.Tensor) -> None:
 def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
                step: int) -> dict:
     """One optimizer step on the global batch of ``step``. Returns loss and timeline."""
+    from minipar.model import set_dropout_key
+    from minipar.parallel.pp import sync_tied_grads, tied_parameters
     from minipar.parallel.tp import sync_sequence_parallel_grads
 
     lr = lr_at(step, cfg)
@@ -167,15 +178,24 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
     device = device_for(cfg)  # only this replica's rows are built (data.local_batches)
     micro = [(a.to(device), b.to(device)) for a, b in local_batches(
         data, step, cfg.batch_size, rm.coords.dp, cfg.dp, cfg.microbatches)]
+    mb_size = cfg.batch_size // (cfg.dp * cfg.microbatches)
+
+    def key_dropout(mb: int) -> None:  # masks by global sample: the reference's masks
+        first = (rm.coords.dp * cfg.microbatches + mb) * mb_size
+        for chunk in parts.chunks:
+            set_dropout_key(chunk, cfg.seed, step, first)
     with ExitStack() as stack:  # accumulate over all micro-batches; sync once below
         for w in parts.dp_wrappers if cfg.zero == 0 else [parts.optimizer]:
             stack.enter_context(w.no_sync())
         result = parts.executor.step(micro, loss_scale=1.0 / (cfg.dp * cfg.microbatches),
-                                     loss_as_tensor=True)  # read at the end of the step
+                                     loss_as_tensor=True,  # read at the end of the step
+                                     before_compute=key_dropout if parts.model.cfg.dropout
+                                     else None)
     if cfg.zero == 0:
         for w in parts.dp_wrappers:
             w.finish_gradient_sync()
         sync_sequence_parallel_grads(parts.model, rm.tp)
+        sync_tied_grads(parts.model, rm.embed)  # pp > 1: first and last stage's copies
         if parts.precision is not None:
             parts.precision.unscale_grads()
     else:
@@ -184,6 +204,8 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
         parts.optimizer.all_reduce_grads(
             [p for p in parts.model.parameters() if getattr(p, "sequence_parallel", False)],
             rm.tp)
+        if rm.embed is not None:  # tied embedding's two copies (refused at pp > 1 for now)
+            parts.optimizer.all_reduce_grads(tied_parameters(parts.model), rm.embed)
     grads_held = _model_state_bytes(cfg, parts)["grads"]  # while the gradients exist
     norm = clip_gradients(cfg, rm, parts)
     if cfg.zero == 0 and parts.precision is not None:
@@ -384,6 +406,8 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
     equal micro-batch means), ``clip_grad_norm_``, AdamW, the same learning-rate
     schedule. Every layout's losses are compared with these.
     """
+    from minipar.model import set_dropout_key
+
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
     prepare_data(cfg)
@@ -394,6 +418,7 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = data.batch(step, cfg.batch_size)
+        set_dropout_key(model, cfg.seed, step, 0)  # the masks every layout draws
         loss = model(x, y)
         loss.backward()
         # the global gradient norm before clipping: what every layout must reproduce

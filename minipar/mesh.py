@@ -13,7 +13,9 @@ rank numbering. What comes next is a convention:
 
 ``Mesh`` is pure layout, usable without any process (the lessons draw it). Inside a run,
 ``Mesh.connect(rank)`` creates the process groups and returns a ``RankMesh``. Nothing
-here is global: the mesh is passed to whatever needs it.
+here is global: the mesh is passed to whatever needs it. One more group, not a
+dimension: the *embedding group* (the first and last pp ranks of one dp/tp coordinate),
+where a tied embedding's two copies sum their gradients (Megatron-LM, 1909.08053).
 """
 
 from __future__ import annotations
@@ -128,6 +130,19 @@ class Mesh:
             rows.append(row)
         return rows
 
+    def embedding_group(self, rank: int) -> list[int]:
+        """The first and last pp ranks with ``rank``'s dp and tp coordinates: where a
+        tied embedding lives twice (Megatron's embedding group). One rank when pp = 1;
+        [] for a rank of a middle stage."""
+        c = self.coords(rank)
+        ends = sorted({0, self.pp - 1})
+        return [self.rank(c.dp, p, c.tp) for p in ends] if c.pp in ends else []
+
+    def embedding_groups(self) -> list[list[int]]:
+        """Every embedding group, in rank order of their first member."""
+        return [g for g in dict.fromkeys(tuple(self.embedding_group(r))
+                                         for r in range(self.world_size)) if g]
+
     def describe(self) -> str:
         """A printable table of the layout."""
         head = f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3}  dp group     pp group     tp group"
@@ -160,6 +175,11 @@ class Mesh:
                 group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
                 if rank in ranks:
                     comms[dim] = Comm(group, dim, log, ranks)
+        # pp = 1: one weight, no copies to sum, no group
+        for ranks in map(list, self.embedding_groups() if self.pp > 1 else []):
+            group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            if rank in ranks:
+                comms["embed"] = Comm(group, "embed", log, ranks)
         world_comm = Comm(dist.group.WORLD, "world", log, list(range(world)))
         return RankMesh(self, rank, self.coords(rank), comms, world_comm, log)
 
@@ -186,3 +206,8 @@ class RankMesh:
     @property
     def tp(self) -> Comm:
         return self.comms["tp"]
+
+    @property
+    def embed(self) -> Comm | None:
+        """The embedding group (first and last stage), None on a middle stage."""
+        return self.comms.get("embed")

@@ -10,7 +10,7 @@ A tensor saved twice (one storage) is counted once, as memory would be.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -18,7 +18,8 @@ from torch import nn
 # The byte counters live with data parallelism, their first user; re-exported here.
 from minipar.parallel.dp import optimizer_state_bytes, storage_bytes
 
-__all__ = ["ActivationMeter", "module_bytes", "optimizer_state_bytes", "storage_bytes"]
+__all__ = ["ActivationMeter", "module_bytes", "optimizer_state_bytes", "saved_tensor_elements",
+           "storage_bytes"]
 
 
 def module_bytes(modules: Iterable[nn.Module]) -> tuple[int, int]:
@@ -83,3 +84,22 @@ class ActivationMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def saved_tensor_elements(fn: Callable[[], object], params: Iterable[torch.Tensor]) -> int:
+    """Run ``fn`` and count the elements autograd saves for backward meanwhile: each
+    storage once (q, k and v are views of one qkv output), ``params`` excluded. The
+    measured counterpart of
+    ``minipar.theory.activations.activation_elements_per_layer``."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())

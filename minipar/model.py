@@ -1,26 +1,29 @@
 """The single-device GPT: the reference every parallel layout must reproduce.
 
 This file knows nothing of parallelism. Tensor, pipeline and data parallelism are
-applied from outside (``minipar.parallel``), by swapping layers, cutting the list of
-blocks into stages, or wrapping the whole module, the way torchtitan's ``parallelize``
-functions treat an untouched model. Keeping it plain is what makes it a fair reference.
+applied from outside (``minipar.parallel``), by replacing submodules following a plan,
+giving each pipeline stage its own layers, or wrapping the whole module, the way
+torchtitan's ``parallelize`` functions treat an untouched model. Keeping it plain is
+what makes it a fair reference.
 
 The architecture is a pre-norm GPT-2 style decoder:
 
     tokens -> token embedding + position embedding -> dropout
-           -> n_layer x [x + attn(ln1(x)),  x + mlp(ln2(x))]
+           -> n_layer x [x + dropout(attn(ln1(x))),  x + dropout(mlp(ln2(x)))]
            -> final layer norm -> linear head (optionally tied to the embedding)
-           -> cross-entropy against the next token
+           -> cross-entropy against the next token (a small module, ``loss_fn``)
 
 Attention goes through ``scaled_dot_product_attention`` (flash attention on GPUs).
-The forward pass is split into ``embed``, ``blocks`` and ``head_loss`` so pipeline
-stages can run a part of it without copying code.
+Every part a technique may replace is a submodule (``attn.core``, ``loss_fn``, each
+dropout), and dropout masks are keyed by position in the global batch
+(``KeyedDropout``), so every layout draws the same masks as this one device.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -95,38 +98,108 @@ def get_config(name_or_config: str | GPTConfig) -> GPTConfig:
         ) from None
 
 
+class KeyedDropout(nn.Module):
+    """Dropout whose mask is a function of *where* an element sits, not of who draws it.
+
+    The mask of element (sample n, position t, feature j) at dropout site ``site`` is a
+    hash of (seed, step, site, n, t, j): counter-based, like Philox in cuRAND (Salmon et
+    al. 2011, "Parallel random numbers: as easy as 1, 2, 3"). A rank that holds samples
+    [n0, n0 + b) or positions [t0, t0 + s) of the global batch draws exactly the mask one
+    device draws for them, whatever the layout (data, micro-batch, pipeline or sequence
+    split), and a recomputed forward draws it again. ``set_dropout_key`` sets (seed, step,
+    first global sample) for a forward; without one, a random key is taken from torch's
+    generator, so the module also behaves as plain dropout in any training loop.
+    """
+
+    def __init__(self, p: float, site: int) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p, self.site = p, site
+        self.key: tuple[int, int, int] | None = None  # (seed, step, first global sample)
+
+    def forward(self, x: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = self.keep_mask(x.shape, position_offset, x.device)
+        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+
+    def keep_mask(self, shape: torch.Size, position_offset: int,
+                  device: torch.device) -> torch.Tensor:
+        """Boolean [b, s, h] mask: True where the element is kept."""
+        if self.key is None:
+            key = int(torch.randint(0, _MASK32, ()))  # a random key, as plain dropout
+            seed, step, sample = key, 0, 0
+        else:
+            seed, step, sample = self.key
+        b, s, h = shape
+        ix = partial(torch.arange, device=device, dtype=torch.int64)
+        k = _mix(torch.tensor(((seed * 1_000_003 + step) * 8191 + self.site) & _MASK32,
+                              device=device))
+        k = _mix(k ^ (sample + ix(b)).view(b, 1, 1))
+        k = _mix(k ^ (position_offset + ix(s)).view(1, s, 1) * 0x2545F491)
+        k = _mix(k ^ ix(h).view(1, 1, h) * 0x165667B1)
+        return k >= int(self.p * 2**32)  # kept with probability 1 - p
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (a classic multiply-xorshift), in int64 so it runs anywhere."""
+    x = x & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32  # constants < 2^31: no int64 overflow
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def set_dropout_key(module: nn.Module, seed: int, step: int, first_sample: int) -> None:
+    """Key every ``KeyedDropout`` in ``module`` for the next forward: the run's seed, the
+    step, and the global index of the batch's first sample (a micro-batch's offset)."""
+    for m in module.modules():
+        if isinstance(m, KeyedDropout):
+            m.key = (seed, step, first_sample)
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(hd)) v, causal, through ``scaled_dot_product_attention``.
+
+    A module of its own (without parameters) so that selective recomputation can wrap
+    exactly this part. No attention dropout: its mask would have to be drawn per head
+    and position pair to stay layout-independent (LLaMA and most recent models use none).
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused q|k|v projection.
 
     ``qkv.weight`` has shape (3 * d_model, d_model): rows [0, d) make q, [d, 2d) make k,
     [2d, 3d) make v, and inside each, head h owns rows [h*hd, (h+1)*hd). Tensor
-    parallelism relies on that layout to hand each rank whole heads.
-    ``n_head`` is the number of heads *this module* computes, so a tensor-parallel copy
-    with fewer heads runs the same forward code.
+    parallelism relies on that layout to hand each rank whole heads. The number of heads
+    computed is read off the width ``qkv`` returns, so with a tensor-parallel ``qkv``
+    (fewer output rows) the same forward runs on this rank's heads.
     """
 
-    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_head: int) -> None:
         super().__init__()
-        self.n_head = n_head
         self.head_dim = d_model // n_head
         self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.core = AttentionCore()
         self.proj = nn.Linear(d_model, d_model)
-        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         qkv = self.qkv(x)
-        width = self.n_head * self.head_dim  # local width (all of d_model on one device)
+        b, t, _ = qkv.shape  # t: the full sequence even if x is a shard of it (SP)
+        width = qkv.shape[-1] // 3  # all of d_model on one device, a shard under TP
+        heads = width // self.head_dim
         q, k, v = qkv.split(width, dim=2)
         # (b, t, heads * hd) -> (b, heads, t, hd)
-        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, width))
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd)) v, causal: the part selective recomputation redoes."""
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -144,19 +217,42 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-norm transformer layer: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head, cfg.dropout)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg.d_model, cfg.d_ff)
-        self.resid_drop1 = nn.Dropout(cfg.dropout)
-        self.resid_drop2 = nn.Dropout(cfg.dropout)
+        self.resid_drop1 = KeyedDropout(cfg.dropout, site=1 + 2 * index)
+        self.resid_drop2 = KeyedDropout(cfg.dropout, site=2 + 2 * index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.resid_drop1(self.attn(self.ln1(x)))
         x = x + self.resid_drop2(self.mlp(self.ln2(x)))
         return x
+
+
+class CrossEntropy(nn.Module):
+    """Mean next-token cross-entropy of [b, s, V] logits against [b, s] targets.
+
+    A module, not a function call, so that tensor parallelism can replace it with the
+    vocabulary-parallel loss, which takes logits split by vocabulary.
+    """
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def embed_tokens(tok_emb: nn.Module, pos_emb: nn.Module, drop: nn.Module,
+                 idx: torch.Tensor) -> torch.Tensor:
+    """Token plus position embedding, then dropout: the first part of the forward, shared
+    by ``GPT`` and a pipeline's first stage."""
+    t = idx.shape[1]
+    if t > pos_emb.weight.shape[0]:
+        raise ValueError(f"sequence length {t} exceeds the model's seq_len "
+                         f"{pos_emb.weight.shape[0]}")
+    pos = torch.arange(t, device=idx.device)
+    return drop(tok_emb(idx) + pos_emb(pos))
 
 
 class GPT(nn.Module):
@@ -168,12 +264,13 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.drop = KeyedDropout(cfg.dropout, site=0)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        self.loss_fn = CrossEntropy()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -191,19 +288,15 @@ class GPT(nn.Module):
                     std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
                 p.normal_(0.0, std)
 
-    # The three parts of the forward pass; pipeline stages call a subset of them.
+    # The parts of the forward pass, for learners who run them one at a time.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.cfg.seq_len}")
-        pos = torch.arange(t, device=idx.device)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        return embed_tokens(self.tok_emb, self.pos_emb, self.drop, idx)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(h))
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.loss_fn(logits, targets)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(idx)

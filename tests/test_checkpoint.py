@@ -46,6 +46,16 @@ def test_resume_at_another_layout(saved, layout: dict) -> None:
     assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
 
 
+def test_tied_embeddings_reshard_from_one_stage_to_two(tmp_path) -> None:
+    """At pp = 1 a tied weight is saved once (``tok_emb.weight``); resumed at pp = 2 the
+    last stage's copy (``head.weight``) must start from it, optimizer state included."""
+    tied = dict(overrides={"tie_embeddings": True})
+    full = run(tp=2, **tied)
+    run(tp=2, save=str(tmp_path), stop_at=HALF, **tied)
+    resumed = run(pp=2, microbatches=2, resume=str(tmp_path), **tied)
+    assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
+
+
 def test_checkpoint_is_loaded_without_code(saved) -> None:
     d, _ = saved
     path = checkpoint.resolve(d)

@@ -151,6 +151,9 @@ def _connect_and_reduce(order: str) -> dict:
         t = torch.tensor([float(rm.rank)])
         comm.all_reduce(t)
         out[dim] = (comm.size, comm.rank, comm.ranks, comm.dim, t.item())
+    t = torch.tensor([float(rm.rank)])
+    rm.embed.all_reduce(t)  # pp = 2: every rank is on the first or the last stage
+    out["embed"] = (rm.embed.ranks, rm.embed.dim, t.item())
     out["logged"] = sorted({(r.op, r.dim) for r in rm.log.records})
     return out
 
@@ -168,4 +171,21 @@ def test_connect_gives_each_rank_its_groups(order):
             assert ranks == mesh.group_ranks(dim, rank) and size == 2 and name == dim
             assert local == ranks.index(rank) == getattr(mesh.coords(rank), dim)
             assert total == sum(ranks)  # the all-reduce really ran on that group
-        assert res["logged"] == [("all_reduce", d) for d in sorted(DIMS)]
+        ranks, name, total = res["embed"]
+        assert ranks == mesh.embedding_group(rank) and name == "embed" and total == sum(ranks)
+        assert res["logged"] == [("all_reduce", d) for d in sorted((*DIMS, "embed"))]
+
+
+@pytest.mark.parametrize("order", ORDER_NAMES)
+def test_embedding_groups_join_first_and_last_stage_of_each_dp_tp_coordinate(order):
+    """Megatron's embedding group: where a tied embedding's two copies sum gradients."""
+    mesh = Mesh(2, 4, 2, order)
+    groups = mesh.embedding_groups()
+    assert len(groups) == mesh.dp * mesh.tp
+    for group in groups:
+        first, last = (mesh.coords(r) for r in group)
+        assert (first.pp, last.pp) == (0, 3)
+        assert (first.dp, first.tp) == (last.dp, last.tp)
+    middle = [r for r in range(mesh.world_size) if mesh.coords(r).pp in (1, 2)]
+    assert all(mesh.embedding_group(r) == [] for r in middle)
+    assert Mesh(2, 1, 2).embedding_group(3) == [3]  # pp = 1: one weight, nothing to sum

@@ -16,7 +16,13 @@ from torch import nn
 
 from minipar import GPT, PRESETS, Comm, launch
 from minipar.data import MarkovData, split_batch
-from minipar.parallel.pp import PipelineExecutor, build_stage, partition_layers, split_report
+from minipar.parallel.pp import (
+    PipelineExecutor,
+    StageLayers,
+    build_stage,
+    partition_layers,
+    split_report,
+)
 from minipar.parallel.schedules import ScheduleError, make_schedule
 from minipar.theory.bubble import bubble_stats, peak_in_flight, simulate
 
@@ -59,6 +65,7 @@ def _parity_rank(configs: list[tuple[str, int, int]], wrap: bool = False) -> lis
         torch.manual_seed(0)
         model = GPT(CFG)
         chunks = build_stage(model, comm.rank, comm.size, v)
+        model = StageLayers(chunks, model.cfg)  # this rank's layers only
         if wrap:
             chunks = [_Counted(c) for c in chunks]
         accumulated = {n: 0 for n, _ in model.named_parameters()}
@@ -260,19 +267,25 @@ def test_partition_balances_uneven_layers_and_reports_the_split():
         "rank 1: chunk 1 = layers 2-3, chunk 3 = layers 6-7 + head + loss"]
 
 
-def test_build_stage_keeps_only_this_ranks_layers():
+def test_a_stage_owns_exactly_its_layers_under_reference_names():
     model = GPT(CFG)
+    reference = dict(model.named_parameters())
     chunks = build_stage(model, 1, 2, virtual=2)
     assert [c.index for c in chunks] == [1, 3]
-    kept = {n.split(".")[1] for n, _ in model.named_parameters() if n.startswith("blocks")}
-    assert kept == {"2", "3", "6", "7"}
-    assert model.tok_emb is None and model.head is not None
-    assert {id(p) for c in chunks for p in c.parameters()} == {id(p) for p in model.parameters()}
+    held = StageLayers(chunks, model.cfg)
+    names = [n for n, _ in held.named_parameters()]
+    assert {n.split(".")[1] for n in names if n.startswith("blocks")} == {"2", "3", "6", "7"}
+    assert "tok_emb.weight" not in names and "head.weight" in names
+    assert all(reference[n] is p for n, p in held.named_parameters())  # same objects
+    for c in chunks:  # and each chunk, alone, under the same names
+        assert all(reference[n] is p for n, p in c.named_parameters())
+    assert len(list(model.named_parameters())) == len(reference)  # the model is untouched
+    tied = GPT(CFG.with_(tie_embeddings=True))
+    first, last = build_stage(tied, 0, 2)[0], build_stage(tied, 1, 2)[0]
+    assert first.tok_emb.weight is last.head.weight  # one weight, two stages (copies later)
 
 
 def test_refusals_are_clear():
-    with pytest.raises(ValueError, match="tied embeddings"):
-        build_stage(GPT(CFG.with_(tie_embeddings=True)), 0, 2)
     fake = SimpleNamespace(size=2, rank=0)
     chunks = build_stage(GPT(CFG), 0, 2)
     with pytest.raises(ScheduleError, match="missing"):
@@ -300,3 +313,91 @@ def test_single_rank_pipeline_with_virtual_chunks_needs_no_messages():
     loss, ref_loss, err = launch(_single_rank, 1, timeout=60)[0]
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     assert err <= 1e-6
+
+
+# --- tied embeddings across stages (Megatron's embedding group) --------------------------
+TIED = CFG.with_(tie_embeddings=True)
+
+
+def _tied_rank(pp: int, tp: int, configs: list[tuple[str, int, int]],
+               sync: bool = True) -> list[dict]:
+    """Every schedule on a tied model: the first stage's embedding and the last stage's
+    head are two copies of one weight; after the embedding-group sum both must hold the
+    single device's gradient of that weight (and every other gradient must match)."""
+    from minipar.mesh import Mesh
+    from minipar.parallel.pp import sync_tied_grads
+    from minipar.parallel.tp import apply_tensor_parallel, gather_tensor
+
+    rm = Mesh(pp=pp, tp=tp).connect()
+    ref_loss, ref_grads = _reference(TIED)
+    out = []
+    for name, m, v in configs:
+        torch.manual_seed(0)
+        model = GPT(TIED)
+        if tp > 1:
+            apply_tensor_parallel(model, rm.tp)
+        chunks = build_stage(model, rm.coords.pp, pp, v)
+        held = StageLayers(chunks, model.cfg)
+        ex = PipelineExecutor(chunks, rm.pp, make_schedule(name, pp, m, v))
+        res = ex.step(split_batch(*_batch(), 0, 1, m))
+        ex.close()
+        if sync:
+            sync_tied_grads(held, rm.embed)
+        err = {}
+        for n, p in held.named_parameters():
+            want = ref_grads["tok_emb.weight" if n == "head.weight" else n]
+            got = gather_tensor(n, p.grad, rm.tp)
+            err[n] = ((got - want).abs().max() / want.abs().max()).item()
+        out.append({"config": (name, m, v), "loss": res.loss, "ref_loss": ref_loss,
+                    "err": err, "embed": rm.log.summary().get("embed")})
+    return out
+
+
+def _tied_configs(pp: int) -> list[tuple[str, int, int]]:
+    return [("gpipe", pp, 1), ("1f1b", pp, 1), ("zb", pp, 1), ("interleaved", pp, 2)]
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_tied_embeddings_every_schedule(pp, tp):
+    results = launch(_tied_rank, pp * tp, args=(pp, tp, _tied_configs(pp)), timeout=240)
+    for rank, per_config in enumerate(results):
+        for r in per_config:
+            names = set(r["err"])
+            assert max(r["err"].values()) < 1e-5, (r["config"], rank, r["err"])
+            if r["loss"] is not None:
+                assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6), r["config"]
+            ends = rank // tp in (0, pp - 1)  # megatron order: pp outermost
+            assert ("tok_emb.weight" in names or "head.weight" in names) == ends
+            # one all-reduce of the shared weight's gradient per step, counted as "embed"
+            assert (r["embed"] is not None) == ends, (rank, r["embed"])
+    embed = results[0][-1]["embed"]["all_reduce"]
+    assert embed["calls"] == len(_tied_configs(pp))  # once per step (the log accumulates)
+    assert embed["bytes"] == 4 * TIED.vocab_size * TIED.d_model // tp * embed["calls"]
+
+
+def test_tied_check_fails_without_the_embedding_group_sum():
+    """Mutation: skip the sum; each copy then holds only its own stage's gradient."""
+    results = launch(_tied_rank, 2, args=(2, 1, [("1f1b", 2, 1)]),
+                     kwargs={"sync": False}, timeout=120)
+    assert results[0][0]["err"]["tok_emb.weight"] > 1e-2
+    assert results[1][0]["err"]["head.weight"] > 1e-2
+
+
+def _zb_tied_single() -> dict:
+    ref_loss, ref_grads = _reference(TIED)
+    torch.manual_seed(0)
+    model = GPT(TIED)
+    ex = PipelineExecutor(build_stage(model, 0, 1), Comm(), make_schedule("zb", 1, 3))
+    res = ex.step(split_batch(*_batch(), 0, 1, 3))
+    return {"loss": (res.loss, ref_loss),
+            "err": max((p.grad - ref_grads[n]).abs().max().item()
+                       for n, p in model.named_parameters())}
+
+
+def test_zero_bubble_with_tied_embeddings_in_one_chunk():
+    """pp = 1: the head and the embedding share one weight in one graph. W must not reach
+    it twice (once per owning module, through every block between them): the shared
+    weight's gradient is computed in B, once."""
+    r = launch(_zb_tied_single, 1, timeout=60)[0]
+    assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6)
+    assert r["err"] <= 1e-6

@@ -19,12 +19,12 @@ from minipar.model import GPT, PRESETS, GPTConfig
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.schedules import make_schedule
 from minipar.parallel.tp import (
-    activation_elements_per_layer,
     apply_tensor_parallel,
     shard_tensor,
     sync_sequence_parallel_grads,
     tp_shard_dim,
 )
+from minipar.theory.activations import activation_elements_per_layer
 from minipar.theory.bubble import bubble_fraction_formula, peak_in_flight
 from minipar.theory.clusters import GPUS
 from minipar.theory.comm_volume import comm_volume, dp_volume, total_wire_bytes

@@ -2,53 +2,39 @@
 
 **Stages.** ``build_stage(model, pp_rank, pp, virtual)`` splits the ``n_layer`` blocks
 into ``pp * virtual`` chunks of consecutive layers (uneven counts: the first chunks take
-one more), and keeps on rank ``r`` the chunks ``r, r + pp, ...`` (Megatron's virtual
-stages, arXiv 2104.04473). Chunk 0 also runs ``model.embed``; the last chunk runs
-``model.logits`` and ``model.loss``. Those, and ``model.blocks``, are the only entry
-points used, so a model whose layers tensor parallelism already swapped works as is.
-Whatever this rank does not run is dropped from the model.
+one more), and gives rank ``r`` the chunks ``r, r + pp, ...`` (Megatron's virtual
+stages, arXiv 2104.04473). Each chunk is a ``PipelineStage``: an ``nn.Module`` that owns
+exactly its layers, under the reference model's names (``blocks.5.mlp.fc.weight``:
+``blocks`` is keyed by the global layer index), so checkpoints, tensor-parallel slicing
+and ZeRO find every parameter by the name it has on one device. The first chunk also
+embeds the tokens; the last applies the final norm, the head and the model's loss.
 
-**Executor.** ``PipelineExecutor(chunks, comm, actions).step(microbatches)`` walks this
-rank's action list (``minipar.parallel.schedules``) and does what it says:
+**Tied embeddings** (Megatron's way, 1909.08053 section 3): with pp > 1 the first stage
+holds the token embedding and the last the head, each a copy of the one shared weight
+(identical at initialisation, since both come from the same reference model). After the
+backward their gradients are summed in the *embedding group* (the first and last pp
+ranks of one dp/tp coordinate, ``RankMesh.embed``), so both copies take the same step.
 
-* ``RECV_*`` posts a non-blocking ``irecv``; the compute that needs the data waits for
-  it (the wait is recorded). ``SEND_*`` posts an ``isend`` and moves on; sends are
-  completed at the end of the step. The lists are valid under *blocking* sends and
-  receives (``validate``), so this gentler execution cannot deadlock either.
-* ``F`` calls the chunk module (``__call__``: wrappers' hooks fire) and keeps its
-  input and output for the backward.
-* ``B`` back-propagates the output gradient. If the list also has a ``W`` for that
-  micro-batch and chunk (zero-bubble, arXiv 2401.10241), ``B`` computes only the input
-  gradient and the gradients of every parameter-owning module's output; ``W`` later
-  turns those into weight gradients, one module at a time (``autograd.backward`` with
-  ``inputs=`` the module's own parameters, so only the weight products run and
-  gradient hooks fire). The sum is the same gradient a plain backward gives.
-* The loss of each micro-batch is multiplied by ``loss_scale`` (default 1/m) before the
-  backward, so the gradients equal those of the mean loss of the whole batch on one
-  device. (Forgetting the 1/m scales the gradient by m; picotron has that bug.)
-
-Activation shapes are never assumed: the first time a boundary carries a new input
-shape, the sender sends a small header (dtype and shape) before the tensor. Gradient
-shapes are known (those of the rank's own outputs). So sequence parallelism's
-[b, s/tp, h] crosses stages like anything else.
-
-Every rank records when each action ran and how long it waited on communication;
-``minipar.theory.bubble.bubble_stats`` turns those records into the measured bubble.
+**Running a schedule** over the chunks is ``PipelineExecutor``'s job
+(``minipar.parallel.executor``, re-exported here).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from minipar.comm import Comm, Pending
-from minipar.parallel.schedules import Action, Schedule, rank_of, schedule_shape, validate
-from minipar.theory.bubble import UNIT_COST, action_cost
+from minipar.comm import Comm
+from minipar.model import GPT, embed_tokens
+from minipar.parallel.executor import ActionRecord, PipelineExecutor, StepResult
+from minipar.parallel.schedules import rank_of
+
+__all__ = ["partition_layers", "split_report", "PipelineStage", "build_stage",
+           "StageLayers", "tied_copy", "tied_parameters", "sync_tied_grads",
+           "PipelineExecutor", "ActionRecord", "StepResult"]
+
 
 # --- stages --------------------------------------------------------------------------
 
@@ -86,320 +72,87 @@ def split_report(n_layer: int, pp: int, virtual: int = 1) -> str:
     return "\n".join(lines)
 
 
-class StageChunk(nn.Module):
-    """Chunk ``index`` of ``n_chunks``: its blocks, plus embed (first) or head+loss (last).
+class PipelineStage(nn.Module):
+    """Chunk ``index`` of ``n_chunks``: its blocks, plus embedding (first) or final norm,
+    head and loss (last), taken from ``model`` under the same names.
 
     ``forward(x, targets=None)``: token ids in for the first chunk, hidden states
     otherwise; the mean loss out of the last chunk, hidden states otherwise.
     """
 
-    def __init__(self, model: nn.Module, index: int, n_chunks: int, layers: range) -> None:
+    def __init__(self, model: GPT, index: int, n_chunks: int, layers: range) -> None:
         super().__init__()
         self.index, self.n_chunks, self.layers = index, n_chunks, layers
         self.is_first, self.is_last = index == 0, index == n_chunks - 1
-        self.__dict__["_gpt"] = model  # call its methods; do not own all its parameters
         if self.is_first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if self.is_last:
-            self.ln_f, self.head = model.ln_f, model.head
+            self.ln_f, self.head, self.loss_fn = model.ln_f, model.head, model.loss_fn
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = self._gpt.embed(x) if self.is_first else x
-        for block in self.blocks:
+        h = embed_tokens(self.tok_emb, self.pos_emb, self.drop, x) if self.is_first else x
+        for block in self.blocks.values():
             h = block(h)
-        if self.is_last:
-            if targets is None:
-                raise ValueError("the last pipeline chunk needs the targets")
-            return self._gpt.loss(self._gpt.logits(h), targets)
-        return h
+        if not self.is_last:
+            return h
+        if targets is None:
+            raise ValueError("the last pipeline chunk needs the targets")
+        return self.loss_fn(self.head(self.ln_f(h)), targets)
 
     def extra_repr(self) -> str:
         return f"chunk {self.index} of {self.n_chunks}, layers {list(self.layers)}"
 
 
-def build_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[StageChunk]:
-    """This rank's chunks (local order), dropping every other layer from ``model``.
-
-    Tied input/output embeddings would live on the first and the last rank at once;
-    that needs an extra gradient all-reduce which minipar leaves out, so it is refused.
-    """
+def build_stage(model: GPT, pp_rank: int, pp: int, virtual: int = 1) -> list[PipelineStage]:
+    """This rank's chunks (local order). ``model`` is left as it was: once the caller
+    drops it, the layers no chunk took are freed."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp - 1}")
     if virtual < 1:
         raise ValueError(f"virtual must be >= 1, got {virtual}")
-    if pp > 1 and getattr(model.cfg, "tie_embeddings", False):
-        raise ValueError("tied embeddings are not supported with pp > 1 (the first and last "
-                         "stages would share a weight); use tie_embeddings=False")
     n_chunks = pp * virtual
     ranges = partition_layers(len(model.blocks), n_chunks)
-    mine = [c for c in range(n_chunks) if rank_of(c, pp) == pp_rank]
-    chunks = [StageChunk(model, c, n_chunks, ranges[c]) for c in mine]
-    kept = {i for c in mine for i in ranges[c]}
-    for i in range(len(model.blocks)):
-        if i not in kept:
-            model.blocks[i] = nn.Identity()
-    if 0 not in mine:
-        model.tok_emb = model.pos_emb = None
-    if n_chunks - 1 not in mine:
-        model.ln_f = model.head = None
-    return chunks
+    return [PipelineStage(model, c, n_chunks, ranges[c])
+            for c in range(n_chunks) if rank_of(c, pp) == pp_rank]
 
 
-# --- the executor ----------------------------------------------------------------------
+class StageLayers(nn.Module):
+    """Every layer of this rank's chunks in one module, under the reference names: what
+    the optimizer, checkpoints and the gradient norm see. The chunks are what runs."""
+
+    def __init__(self, chunks: Sequence[PipelineStage], cfg) -> None:
+        super().__init__()
+        self.cfg = cfg
+        for chunk in chunks:
+            for name, child in chunk.named_children():
+                if name != "blocks":
+                    self.add_module(name, child)
+                elif "blocks" in self._modules:
+                    self.blocks.update(child)
+                else:
+                    self.blocks = nn.ModuleDict(child)
 
 
-class ActionRecord(NamedTuple):
-    """When one action ran on one rank (``time.time()`` seconds) and how long the rank
-    waited for its incoming data before starting it."""
-
-    rank: int
-    kind: str
-    mb: int
-    chunk: int
-    start: float
-    end: float
-    wait: float
+def tied_copy(name: str, cfg) -> bool:
+    """Is parameter ``name`` the last stage's copy of a tied embedding? (Counted once
+    in a gradient norm: under the first stage's name, ``tok_emb.weight``.)"""
+    return bool(getattr(cfg, "tie_embeddings", False)) and name.split(".")[-2:] == [
+        "head", "weight"]
 
 
-class StepResult(NamedTuple):
-    loss: float | torch.Tensor | None  # mean micro-batch loss (last stage, or everywhere
-    # if broadcast); a 0-dim tensor if asked for
-    timeline: list[ActionRecord]
-    peak_in_flight: int  # most (micro-batch, chunk) activations held at once
+def tied_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The tied embedding weight as this rank holds it (first or last stage), or []."""
+    if not getattr(model.cfg, "tie_embeddings", False):
+        return []
+    named = dict(model.named_parameters())
+    return [p for n, p in named.items() if n in ("tok_emb.weight", "head.weight")]
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_HEADER = 10  # dtype code, ndim, up to 8 sizes
-
-
-class PipelineExecutor:
-    """Runs this rank's part of ``actions`` over ``chunks`` (local order, as
-    ``build_stage`` returns them), talking to the other stages through ``comm``.
-
-    ``sleep_per_unit`` adds ``cost * sleep_per_unit`` seconds of sleep to every compute
-    action (F 1, B 2 or 1 + W 1): a stand-in for a bigger model, so that measured
-    timelines are comparable with theory on a small, busy CPU.
-
-    ``synchronize=True`` waits for the GPU after every compute action, so that each
-    record's start and end are when the GPU ran it (a true timeline). Off by default:
-    each wait stalls the host, which then cannot queue the next kernels while the GPU
-    works, and costs a few per cent of a small model's step. Without it, on a GPU the
-    records say when the host *queued* the work (the step's total stays true).
-    """
-
-    def __init__(self, chunks: Sequence[nn.Module], comm: Comm, actions: Schedule, *,
-                 sleep_per_unit: float = 0.0, synchronize: bool = False) -> None:
-        if len(actions) != comm.size:
-            raise ValueError(f"schedule is for pp={len(actions)}, the pipeline group has "
-                             f"{comm.size} ranks")
-        validate(actions, virtual=len(chunks))
-        self.comm, self.pp, self.rank = comm, comm.size, comm.rank
-        self.n_chunks = self.pp * len(chunks)
-        self.chunks = {self.rank + k * self.pp: c for k, c in enumerate(chunks)}
-        self.actions = list(actions[self.rank])
-        self.microbatches = schedule_shape(actions)[1]
-        self.split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
-        self.sleep_per_unit = sleep_per_unit
-        params = [p for c in chunks for p in c.parameters()]
-        self.device = params[0].device if params else torch.device("cpu")
-        self.synchronize = synchronize and self.device.type == "cuda"
-        self._shapes_sent: set = set()
-        self._shapes_known: dict = {}
-        self._capture: list | None = None
-        self._hooks = []
-        if self.split:  # remember each parameter-owning module's output for W
-            for chunk in chunks:
-                for module in chunk.modules():
-                    if next(module.parameters(recurse=False), None) is not None:
-                        self._hooks.append(module.register_forward_hook(self._capture_output))
-
-    def close(self) -> None:
-        """Remove the forward hooks this executor put on the chunks."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
-    def _capture_output(self, module: nn.Module, inputs, output) -> None:
-        if self._capture is None:
-            return
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"{type(module).__name__} returns {type(output).__name__}; the "
-                            "split backward (W actions) needs modules that return a tensor")
-        if output.requires_grad:
-            self._capture.append((module, output))
-
-    # --- point to point, with a shape header the first time ----------------------
-    def _send_activation(self, t: torch.Tensor, chunk: int, key: tuple) -> list[Pending]:
-        peer, out = rank_of(chunk + 1, self.pp), []
-        if (chunk + 1, key) not in self._shapes_sent:
-            self._shapes_sent.add((chunk + 1, key))
-            header = torch.zeros(_HEADER, dtype=torch.long, device=t.device)
-            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-            header[2:2 + t.dim()] = torch.tensor(t.shape)
-            out.append(self.comm.isend(header, peer))
-        out.append(self.comm.isend(t, peer))
-        return out
-
-    def _recv_activation(self, chunk: int, key: tuple) -> tuple[Pending, torch.Tensor]:
-        peer = rank_of(chunk - 1, self.pp)
-        if (chunk, key) not in self._shapes_known:
-            header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
-            self.comm.irecv(header, peer).wait()
-            h = header.tolist()
-            self._shapes_known[(chunk, key)] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
-        shape, dtype = self._shapes_known[(chunk, key)]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return self.comm.irecv(buf, peer), buf
-
-    # --- one training step ---------------------------------------------------------
-    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-             loss_scale: float | None = None, broadcast_loss: bool = False,
-             loss_as_tensor: bool = False) -> StepResult:
-        """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
-
-        Every rank passes the same list of (inputs, targets) micro-batches (only the
-        first stage reads inputs, only the last reads targets). Each micro-batch's
-        loss is multiplied by ``loss_scale`` before its backward: 1/m by default (the
-        batch mean); pass 1/(dp*m) if data parallelism sums gradients instead of
-        averaging them. Returns the mean micro-batch loss (unscaled) on the last stage,
-        on every stage with ``broadcast_loss``; as a 0-dim tensor with
-        ``loss_as_tensor`` (reading a float waits for the GPU to finish the backward,
-        and the host could queue the optimizer step meanwhile).
-        """
-        m = len(microbatches)
-        if m != self.microbatches:
-            raise ValueError(f"schedule is for {self.microbatches} micro-batches, got {m}")
-        st = _StepState(microbatches, 1.0 / m if loss_scale is None else loss_scale)
-        run = {"F": self._forward, "B": self._backward, "W": self._weight_grad,
-               "RECV_F": self._recv_f, "RECV_B": self._recv_b,
-               "SEND_F": self._send_f, "SEND_B": self._send_b}
-        records = []
-        for a in self.actions:
-            st.start = time.time()  # compute actions move it past their wait for inputs
-            wait = run[a.kind](a, st) or 0.0
-            if a.kind in ("F", "B", "W"):
-                self._pretend_compute(a)
-            records.append(ActionRecord(self.rank, a.kind, a.mb, a.chunk, st.start,
-                                        time.time(), wait))
-            for s in [s for s in st.sends if s.is_completed()]:
-                s.wait()  # stamps its end in the comm log
-                st.sends.remove(s)
-        for s in st.sends:
-            s.wait()
-        loss = torch.stack(st.losses).mean() if st.losses else None
-        if broadcast_loss:
-            loss = self.comm.broadcast(torch.zeros((), device=self.device) if loss is None
-                                       else loss.to(self.device).float(),
-                                       src=rank_of(self.n_chunks - 1, self.pp))
-        if loss is not None and not loss_as_tensor:
-            loss = float(loss)
-        return StepResult(loss, records, st.peak)
-
-    # each action: returns the seconds it waited for incoming data (or None)
-    def _recv_f(self, a: Action, st: _StepState) -> None:
-        st.inputs[(a.mb, a.chunk)] = self._recv_activation(a.chunk, st.shape_key(a.mb))
-
-    def _recv_b(self, a: Action, st: _StepState) -> None:
-        buf = torch.empty_like(st.saved[(a.mb, a.chunk)][1])
-        st.out_grads[(a.mb, a.chunk)] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)),
-                                         buf)
-
-    def _send_f(self, a: Action, st: _StepState) -> None:
-        out = st.saved[(a.mb, a.chunk)][1].detach()
-        st.sends += self._send_activation(out, a.chunk, st.shape_key(a.mb))
-
-    def _send_b(self, a: Action, st: _StepState) -> None:
-        grad = st.input_grads.pop((a.mb, a.chunk))
-        st.sends.append(self.comm.isend(grad, rank_of(a.chunk - 1, self.pp)))
-
-    def _forward(self, a: Action, st: _StepState) -> float:
-        key, last = (a.mb, a.chunk), a.chunk == self.n_chunks - 1
-        x, y = st.microbatches[a.mb]
-        wait = 0.0
-        if a.chunk > 0:
-            x, wait = st.take(st.inputs, key)
-            x = x.detach().requires_grad_(x.is_floating_point())
-            st.start = time.time()
-        self._capture = [] if key in self.split else None
-        out = self.chunks[a.chunk](x, y) if last else self.chunks[a.chunk](x)
-        if self._capture is not None:
-            st.weight_work[key] = self._capture
-        self._capture = None
-        st.saved[key] = (x, out)
-        if last:
-            st.losses.append(out.detach())
-        elif rank_of(a.chunk + 1, self.pp) == self.rank:  # the next chunk is here too
-            st.inputs[(a.mb, a.chunk + 1)] = out.detach()
-        st.peak = max(st.peak, len(st.saved.keys() | st.weight_work.keys()))
-        return wait
-
-    def _backward(self, a: Action, st: _StepState) -> float:
-        """B: the input gradient; also the weight gradients unless a W will do them."""
-        key, wait, grad = (a.mb, a.chunk), 0.0, None
-        x, out = st.saved.pop(key)
-        if a.chunk == self.n_chunks - 1:  # the output is the loss
-            out = out * st.scale
-        else:
-            grad, wait = st.take(st.out_grads, key)
-            st.start = time.time()
-        needs_dx = a.chunk > 0 and x.requires_grad
-        if key not in self.split:
-            torch.autograd.backward(out, grad)
-            dx = x.grad if needs_dx else None
-        else:  # gradients of the input and of every parameter-owning module's output
-            work = st.weight_work[key]
-            wrt = ([x] if needs_dx else []) + [o for _, o in work]
-            grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
-            dx, grads = (grads[0], grads[1:]) if needs_dx else (None, grads)
-            st.weight_work[key] = [(mod, o, g) for (mod, o), g in zip(work, grads)]
-        if dx is not None:
-            if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
-                st.out_grads[(a.mb, a.chunk - 1)] = dx
-            else:
-                st.input_grads[key] = dx
-        return wait
-
-    def _weight_grad(self, a: Action, st: _StepState) -> None:
-        """W: each module's weight gradient from its saved output gradient."""
-        for module, output, grad in st.weight_work.pop((a.mb, a.chunk)):
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if grad is not None and params:
-                torch.autograd.backward(output, grad, inputs=params)
-
-    def _pretend_compute(self, a: Action) -> None:
-        if self.synchronize:
-            torch.cuda.synchronize(self.device)
-        if self.sleep_per_unit > 0:
-            split = (a.mb, a.chunk) in self.split
-            time.sleep(self.sleep_per_unit * action_cost(a.kind, split, UNIT_COST))
-
-
-@dataclass
-class _StepState:
-    """What one step keeps between actions, keyed by (micro-batch, chunk)."""
-
-    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    scale: float
-    inputs: dict = field(default_factory=dict)  # chunk input, or (pending, buffer)
-    out_grads: dict = field(default_factory=dict)  # grad of chunk output, likewise
-    saved: dict = field(default_factory=dict)  # (input, output) until the backward
-    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)] until W
-    input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
-    sends: list = field(default_factory=list)
-    losses: list = field(default_factory=list)
-    peak: int = 0
-    start: float = 0.0  # when the current action started (after its inputs arrived)
-
-    def shape_key(self, mb: int) -> tuple:
-        return tuple(self.microbatches[mb][0].shape)
-
-    @staticmethod
-    def take(store: dict, key) -> tuple[torch.Tensor, float]:
-        """Pop a tensor; if it is still arriving, wait and report how long."""
-        value = store.pop(key)
-        if not isinstance(value, tuple):
-            return value, 0.0
-        t0 = time.time()
-        value[0].wait()
-        return value[1], time.time() - t0
+def sync_tied_grads(model: nn.Module, comm: Comm | None) -> None:
+    """Sum the tied embedding's gradient over the embedding group (first and last
+    stage), so both copies step alike. Nothing at pp = 1 (one weight, one gradient)."""
+    params = [p for p in tied_parameters(model) if p.grad is not None]
+    if comm is None or comm.size == 1 or not params:
+        return
+    comm.all_reduce(params[0].grad)

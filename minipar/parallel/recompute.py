@@ -12,34 +12,59 @@ recomputing trades that memory for extra forward FLOPs:
   With a fused attention kernel (SDPA, flash) the s^2 scores are never stored anyway, so
   selective recomputation saves little here: the lessons measure exactly how little.
 
-Applied from outside, like every technique: the blocks' ``forward`` (or the attention's
-``core``) is replaced on the instance by a checkpointed call, so parameter names, and
-with them tensor parallelism and checkpoints, are untouched.
+Applied from outside, like every technique, by replacing submodules: each block by a
+``RecomputedBlock`` that adopts the block's children (so every parameter keeps its name,
+and with it tensor parallelism and checkpoints), or each attention core (no parameters)
+by ``Recompute(core)``. Dropout masks are keyed by position, not drawn from a generator,
+so the recomputed forward drops exactly what the first one dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from minipar.model import Block
 
 MODES = ("none", "selective", "full")
 
 
-def _checkpointed(fn: Callable) -> Callable:
-    def run(*args):
+class Recompute(nn.Module):
+    """Run ``module`` without keeping its activations; run it again in backward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
         # use_reentrant=False: works with inputs that need no grad and with hooks
-        return checkpoint(fn, *args, use_reentrant=False)
-    return run
+        return checkpoint(self.module, *args, use_reentrant=False)
 
 
-def apply_recompute(blocks: Iterable[nn.Module], mode: str) -> None:
-    """Make each transformer block recompute its activations in backward (in place)."""
+class RecomputedBlock(Block):
+    """A transformer block that recomputes itself in backward. It takes over the given
+    block's submodules (the same objects, under the same names), so it holds no copy."""
+
+    def __init__(self, block: Block) -> None:
+        nn.Module.__init__(self)  # not Block.__init__: adopt, do not create, the layers
+        for name, child in block.named_children():
+            self.add_module(name, child)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+def apply_recompute(stages: Iterable[nn.Module], mode: str) -> None:
+    """Replace, in every module of ``stages`` with a ``blocks`` container, each block
+    (``full``) or each block's attention core (``selective``)."""
     if mode not in MODES:
         raise ValueError(f"recompute must be one of {MODES}, got {mode!r}")
-    for block in blocks:
-        if mode == "full":
-            block.forward = _checkpointed(block.forward)
-        elif mode == "selective":
-            block.attn.core = _checkpointed(block.attn.core)
+    for stage in stages:
+        for key, block in list(stage.blocks.named_children()):
+            if mode == "full":
+                stage.blocks[key] = RecomputedBlock(block)
+            elif mode == "selective":
+                block.attn.core = Recompute(block.attn.core)

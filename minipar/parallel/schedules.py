@@ -19,8 +19,8 @@ Each ``Action(kind, mb, chunk)`` names the micro-batch and the (global) chunk:
 * ``SEND_B`` / ``RECV_B``  the gradient leaving ``chunk`` (to the chunk before) /
   arriving for ``chunk``'s output (from the chunk after).
 
-The same lists drive the executor (``minipar.parallel.pp``), the theoretical timeline and
-the bubble figures (``minipar.theory.bubble``) and the lessons' pictures.
+The same lists drive the executor (``minipar.parallel.executor``), the theoretical
+timeline, the bubble figures (``minipar.theory.bubble``) and the lessons' pictures.
 
 **Communication model.** Every send and receive is treated as *blocking until its partner
 reaches the matching action* (MPI's synchronous mode; what an NCCL send does on a GPU
@@ -37,7 +37,7 @@ ZB-H1 (Qi et al., arXiv 2401.10241, section 3).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 COMPUTE = ("F", "B", "W")
@@ -45,8 +45,17 @@ COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE + COMM
 
 
+UNIT_COST: dict[str, float] = {"F": 1.0, "B": 2.0, "W": 1.0}  # B = input + weight part
+
+
 class ScheduleError(ValueError):
     """A schedule that cannot run; the message names the rank, the action and why."""
+
+
+def action_cost(kind: str, split: bool, cost: Mapping[str, float] = UNIT_COST) -> float:
+    """Time of a compute action (costs as in arXiv 2401.10241). A B whose W runs
+    separately does only its input part."""
+    return cost["B"] - cost["W"] if kind == "B" and split else cost[kind]
 
 
 class Action(NamedTuple):
@@ -379,10 +388,7 @@ def _check_no_deadlock(actions: Schedule) -> None:
         if not progressed:
             break
     lines = []
-    for r in range(pp):
-        a = current(r)
-        if a is None:
-            continue
+    for r in (r for r in range(pp) if (a := current(r)) is not None):
         peer = rank_of(partner(a).chunk, pp)
         there = current(peer)
         why = f"rank {peer} has finished" if there is None else f"rank {peer} is at {there}"

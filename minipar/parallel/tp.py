@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-LM), sequence parallelism and the vocabulary-parallel loss.
+"""Tensor parallelism (Megatron-LM) and the vocabulary-parallel loss, applied by a plan.
 
 Tensor parallelism splits each layer's weights across ``tp`` ranks so that no rank holds
 or computes the whole layer (Shoeybi et al. 2019, arXiv 1909.08053, section 3):
@@ -13,43 +13,29 @@ or computes the whole layer (Shoeybi et al. 2019, arXiv 1909.08053, section 3):
   computed from the shards with three small all-reduces (max, sum of exp, target logit),
   so logits for the whole vocabulary never exist on one rank.
 
-Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2): outside
-the tensor-parallel regions (layer norms, dropout, residual adds) every rank would
-otherwise hold and compute the same full [b, s, h] activations. Instead each rank keeps
-a slice of the sequence: the all-reduce "g" becomes a reduce-scatter along the sequence,
-"f" becomes an all-gather, and the backward passes swap them: the same bytes (an
-all-reduce *is* a reduce-scatter plus an all-gather), while the replicated activations
-shrink by ``tp``. Like the paper we keep each column linear's *sharded* input and
-all-gather it again in backward, rather than keep the full one: one extra all-gather per
-column linear, 5/4 of plain TP's bytes per layer.
+Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198) lives next door in
+``sp.py``: with ``sequence_parallel=True`` the same layers move a sequence shard between
+tensor-parallel regions instead of the full activation.
 
-How it is applied. ``apply_tensor_parallel(model, comm)`` slices the weights of an
-already-initialised single-device ``GPT`` in place, so the parallel run starts from
-exactly the reference weights. Parameter names do not change, so ``shard_tensor`` /
-``unshard`` / ``gather_tensor`` move any parameter (or optimizer state) between full and
-sharded form by name. The model keeps ``embed`` / ``blocks`` / ``logits`` / ``loss``:
+How it is applied: by a *plan*, as torchtitan's ``parallelize_module(model, mesh, plan)``
+reads. ``tensor_parallel_plan(sp)`` maps module-name patterns to styles
+(``"blocks.*.mlp.fc": ColwiseParallel()``); ``parallelize_module`` replaces every
+matching submodule of an initialised single-device ``GPT`` by its parallel version,
+holding this rank's slice of the same weights. Parameter names do not change, so
+``shard_tensor`` / ``unshard`` / ``gather_tensor`` move any parameter (or optimizer
+state) between full and sharded form by name. Print the plan with ``describe_plan``.
+Without SP the activation between blocks is the full [b, s, h] on every tp rank; with
+SP it is [b, s/tp, h], rank r holding positions [r*s/tp, (r+1)*s/tp).
 
-* without SP the activation between blocks (and across pipeline stages) is the full
-  [b, s, h], identical on every tp rank;
-* with SP it is [b, s/tp, h]: tp rank r holds positions [r*s/tp, (r+1)*s/tp);
-* ``logits`` returns this rank's vocabulary shard [b, s, V/tp]; ``loss`` takes it with
-  the full targets [b, s] and returns the mean loss, equal on every tp rank.
-
-Dropout matches one device exactly: each rank draws the full-size mask from the shared
-generator state, as the single device does, and keeps its slice (heads for attention,
-sequence for SP). Megatron instead gives each tp rank its own RNG stream, which is
-cheaper but cannot be compared with one device. With dropout > 0 attention is computed
-explicitly (the fused kernel's mask cannot be sliced); with dropout = 0 it uses SDPA.
-The price: every rank draws full-size masks, and the dropout path stores the s x s scores.
-Exact on CPU; a GPU reference's fused attention dropout draws its own way, so compare
-GPU runs at dropout 0.
+Dropout needs nothing special: its masks are keyed by global position
+(``minipar.model.KeyedDropout``), so a sequence shard only says where it starts.
 """
 
 from __future__ import annotations
 
-import math
+import fnmatch
 import re
-from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +43,22 @@ from torch import nn
 
 from minipar.comm import Comm
 from minipar.model import GPT, GPTConfig
+from minipar.parallel.sp import (  # sync_sequence_parallel_grads: re-exported
+    SequenceParallel,
+    _GatherLinear,
+    _LinearReduceScatter,
+    _ReduceScatterToSP,
+    sync_sequence_parallel_grads,
+)
 
-SEQ = 1  # the sequence dimension of [batch, seq, hidden] activations
-
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "ColwiseParallel",
+    "RowwiseParallel", "VocabParallel", "SequenceParallel", "VocabParallelLoss",
+    "tensor_parallel_plan", "describe_plan", "parallelize_module", "apply_tensor_parallel",
+    "check_tp", "tp_shard_dim", "shard_tensor", "unshard", "gather_tensor",
+    "sync_sequence_parallel_grads",
+]
 
 def check_tp(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
     """Raise ValueError (one line) if ``cfg`` cannot be split ``tp`` ways. Pure; call it
@@ -112,48 +111,11 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceScatterToSP(torch.autograd.Function):
-    """SP's g: reduce-scatter partial sums along the sequence; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.reduce_scatter(x.contiguous(), dim=SEQ)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad.contiguous(), dim=SEQ), None
-
-
-class _GatherLinear(torch.autograd.Function):
-    """SP's f fused with the column linear: all-gather the sequence, then x W^T + b.
-
-    Saves the *sharded* input and gathers it again in backward for the weight gradient
-    (Korthikanti et al. 4.2.2), so the full [b, s, h] input is never kept alive.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm):
-        ctx.comm, ctx.has_bias = comm, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(comm.all_gather(x.contiguous(), dim=SEQ), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        comm = ctx.comm
-        full = comm.all_gather(x.contiguous(), dim=SEQ)  # the extra all-gather
-        grad_x = comm.reduce_scatter(grad.matmul(weight), dim=SEQ)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
-
-
 # --- layers --------------------------------------------------------------------------
 
-class _ParallelLinear(nn.Module):
-    """A linear layer holding this rank's part of the weight (and bias, if any)."""
+class ColumnParallelLinear(nn.Module):
+    """y[..., local outputs] = x W_local^T + b_local. Input: full [b, s, h] (replicated)
+    or, with SP, the sequence shard [b, s/tp, h]. Output: this rank's output columns."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm,
                  sequence_parallel: bool) -> None:
@@ -161,28 +123,22 @@ class _ParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.comm, self.sequence_parallel = comm, sequence_parallel
 
-
-class ColumnParallelLinear(_ParallelLinear):
-    """y[..., local outputs] = x W_local^T + b_local. Input: full [b, s, h] (replicated)
-    or, with SP, the sequence shard [b, s/tp, h]. Output: this rank's output columns."""
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return _GatherLinear.apply(x, self.weight, self.bias, self.comm)
         return F.linear(_CopyToTP.apply(x, self.comm), self.weight, self.bias)
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(ColumnParallelLinear):
     """Input: this rank's slice of the features. Each rank's x W_local^T is a partial sum;
     all-reduce it (or reduce-scatter it along the sequence with SP), then add the bias
     (replicated: added once, after the sum)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = _ReduceScatterToSP.apply(partial, self.comm)
+            y = _LinearReduceScatter.apply(x, self.weight, self.comm)
         else:
-            y = _ReduceFromTP.apply(partial, self.comm)
+            y = _ReduceFromTP.apply(F.linear(x, self.weight), self.comm)
         return y if self.bias is None else y + self.bias
 
 
@@ -204,80 +160,6 @@ class VocabParallelEmbedding(nn.Module):
             return _ReduceScatterToSP.apply(out, self.comm)
         return _ReduceFromTP.apply(out, self.comm)
 
-
-class SequenceShardedEmbedding(nn.Module):
-    """SP's position embedding: the full (replicated) table, looked up only for this
-    rank's positions. Its gradient is partial: ``sync_sequence_parallel_grads`` sums it."""
-
-    def __init__(self, weight: nn.Parameter, comm: Comm) -> None:
-        super().__init__()
-        self.weight, self.comm = weight, comm
-
-    def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        if pos.shape[0] % self.comm.size:
-            raise ValueError(f"sequence length {pos.shape[0]} is not divisible by "
-                             f"tp={self.comm.size} (needed by sequence parallelism)")
-        return F.embedding(pos.chunk(self.comm.size)[self.comm.rank], self.weight)
-
-
-def _sliced_dropout(x: torch.Tensor, p: float, dim: int, comm: Comm) -> torch.Tensor:
-    """Dropout of this rank's slice (along ``dim``) of a full-size tensor, with exactly
-    the mask one device would draw: draw the full mask, keep our slice (a copy, so the
-    full mask is freed)."""
-    full = list(x.shape)
-    full[dim] *= comm.size
-    mask = F.dropout(torch.ones(full, dtype=x.dtype, device=x.device), p, training=True)
-    return x * mask.narrow(dim, comm.rank * x.shape[dim], x.shape[dim]).contiguous()
-
-
-class ShardedDropout(nn.Module):
-    """SP's dropout on a sequence shard [b, s/tp, h], equal to one device's slice."""
-
-    def __init__(self, p: float, comm: Comm) -> None:
-        super().__init__()
-        self.p, self.comm = p, comm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x
-        return _sliced_dropout(x, self.p, SEQ, self.comm)
-
-
-class ParallelAttention(nn.Module):
-    """Causal self-attention on this rank's heads: qkv column-parallel (whole heads),
-    proj row-parallel. The names ``qkv`` and ``proj`` match the reference module."""
-
-    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_head: int,
-                 head_dim: int, dropout: float, comm: Comm) -> None:
-        super().__init__()
-        self.qkv, self.proj = qkv, proj
-        self.n_head, self.head_dim, self.dropout, self.comm = n_head, head_dim, dropout, comm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [b, s, 3 * local width]: [q | k | v] of our heads
-        b, s, _ = qkv.shape
-        width = self.n_head * self.head_dim
-        q, k, v = (z.view(b, s, self.n_head, self.head_dim).transpose(1, 2)
-                   for z in qkv.split(width, dim=2))
-        y = self.core(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(b, s, width))
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention on our heads; the part selective recomputation redoes."""
-        if self.training and self.dropout > 0:
-            return self._explicit(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    def _explicit(self, q, k, v):
-        """softmax(q k^T / sqrt(d)) with the single device's dropout mask, our heads."""
-        s = q.shape[2]
-        att = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        att = att.masked_fill(causal, float("-inf")).softmax(dim=-1)
-        return _sliced_dropout(att, self.dropout, 1, self.comm).matmul(v)
-
-
-# --- the vocabulary-parallel loss ----------------------------------------------------
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy from logits split by vocabulary (Megatron's
@@ -317,20 +199,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return _VocabParallelCrossEntropy.apply(flat, targets.flatten(), comm).mean()
 
 
-class TensorParallelGPT(GPT):
-    """A ``GPT`` after ``apply_tensor_parallel``: the same forward, a vocab-parallel loss.
+class VocabParallelCrossEntropy(nn.Module):
+    """The model's ``loss_fn`` for logits split by vocabulary."""
 
-    ``apply_tensor_parallel`` sets an existing model's class to this one (its modules
-    and parameters stay where they are), so ``forward``, ``embed``, ``logits`` and
-    pipeline stages that call ``loss`` all pick up the sharded loss. ``forward(idx)``
-    without targets returns this rank's logits shard [b, s, V/tp].
-    """
+    def __init__(self, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
 
-    tp_comm: Comm
-    sequence_parallel: bool
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_comm)
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.comm)
 
 
 # --- parameters by name: which dimension is split, and how -----------------------------
@@ -389,132 +266,98 @@ def gather_tensor(name: str, local: torch.Tensor, comm: Comm) -> torch.Tensor:
     return unshard(name, list(gathered.chunk(comm.size, dim=0)))
 
 
-# --- applying it ---------------------------------------------------------------------
+# --- styles and the plan -------------------------------------------------------------
+# A style turns one reference submodule into its parallel version. ``shard(name, p)``
+# gives this rank's slice of parameter ``p`` (named ``name``): one new Parameter per
+# original, so a tied weight stays tied.
 
-def apply_tensor_parallel(model: GPT, comm: Comm, sequence_parallel: bool = False) -> GPT:
-    """Split a full, initialised ``GPT`` over the tp group ``comm``, in place.
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """nn.Linear -> ColumnParallelLinear (weight and bias split by output rows)."""
 
-    Sharded weights are copied out of the full ones with ``shard_tensor``; replicated
-    parameters (layer norms, position embedding, row-parallel biases) stay the same
-    objects. With SP those are marked ``p.sequence_parallel = True``: each rank sees only
-    its part of the sequence, so call ``sync_sequence_parallel_grads`` after backward.
-    """
-    cfg, tp, rank, sp = model.cfg, comm.size, comm.rank, sequence_parallel
-    check_tp(cfg, tp, sp)
+    sequence_parallel: bool = False
 
-    def part(name: str, p: nn.Parameter | None) -> nn.Parameter | None:
-        if p is None:
-            return None
-        if tp_shard_dim(name) is None:
-            return p
-        return nn.Parameter(shard_tensor(name, p.detach(), rank, tp).clone(),
-                            requires_grad=p.requires_grad)
+    def apply(self, module: nn.Linear, name: str, comm: Comm, shard) -> nn.Module:
+        bias = None if module.bias is None else shard(f"{name}.bias", module.bias)
+        return ColumnParallelLinear(shard(f"{name}.weight", module.weight), bias, comm,
+                                    self.sequence_parallel)
 
-    model.tok_emb = VocabParallelEmbedding(part("tok_emb.weight", model.tok_emb.weight),
-                                           comm, sp)
+
+@dataclass(frozen=True)
+class RowwiseParallel(ColwiseParallel):
+    """nn.Linear -> RowParallelLinear (weight split by input columns, bias replicated)."""
+
+    def apply(self, module: nn.Linear, name: str, comm: Comm, shard) -> nn.Module:
+        return RowParallelLinear(shard(f"{name}.weight", module.weight), module.bias, comm,
+                                 self.sequence_parallel)
+
+
+@dataclass(frozen=True)
+class VocabParallel(ColwiseParallel):
+    """nn.Embedding -> VocabParallelEmbedding (rows of the vocabulary)."""
+
+    def apply(self, module: nn.Embedding, name: str, comm: Comm, shard) -> nn.Module:
+        return VocabParallelEmbedding(shard(f"{name}.weight", module.weight), comm,
+                                      self.sequence_parallel)
+
+
+@dataclass(frozen=True)
+class VocabParallelLoss:
+    """CrossEntropy -> VocabParallelCrossEntropy (takes logits split by vocabulary)."""
+
+    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+        return VocabParallelCrossEntropy(comm)
+
+
+def tensor_parallel_plan(sequence_parallel: bool = False) -> dict[str, object]:
+    """Megatron's split of a ``GPT``, as module-name pattern -> style (``*``: any)."""
+    sp = sequence_parallel
+    plan: dict[str, object] = {"tok_emb": VocabParallel(sp)}
     if sp:
-        model.pos_emb = SequenceShardedEmbedding(model.pos_emb.weight, comm)
-        model.drop = ShardedDropout(cfg.dropout, comm)
+        plan |= {"pos_emb": SequenceParallel(), "drop": SequenceParallel(),
+                 "blocks.*.resid_drop*": SequenceParallel()}
+    return plan | {
+        "blocks.*.attn.qkv": ColwiseParallel(sp), "blocks.*.attn.proj": RowwiseParallel(sp),
+        "blocks.*.mlp.fc": ColwiseParallel(sp), "blocks.*.mlp.proj": RowwiseParallel(sp),
+        "head": ColwiseParallel(sp), "loss_fn": VocabParallelLoss(),
+    }
 
-    def linear(kind: type, old: nn.Linear, name: str) -> nn.Module:
-        return kind(part(f"{name}.weight", old.weight), part(f"{name}.bias", old.bias),
-                    comm, sp)
 
-    for i, block in enumerate(model.blocks):
-        a, pre = block.attn, f"blocks.{i}"
-        block.attn = ParallelAttention(
-            linear(ColumnParallelLinear, a.qkv, f"{pre}.attn.qkv"),
-            linear(RowParallelLinear, a.proj, f"{pre}.attn.proj"),
-            a.n_head // tp, a.head_dim, a.dropout, comm)
-        # The reference MLP's forward runs unchanged on the swapped layers.
-        block.mlp.fc = linear(ColumnParallelLinear, block.mlp.fc, f"{pre}.mlp.fc")
-        block.mlp.proj = linear(RowParallelLinear, block.mlp.proj, f"{pre}.mlp.proj")
-        if sp:
-            block.resid_drop1 = ShardedDropout(cfg.dropout, comm)
-            block.resid_drop2 = ShardedDropout(cfg.dropout, comm)
-    head = model.tok_emb.weight if cfg.tie_embeddings else part("head.weight",
-                                                                model.head.weight)
-    model.head = ColumnParallelLinear(head, None, comm, sp)
+def describe_plan(plan: dict[str, object]) -> str:
+    """The plan as a table a learner can read, one pattern per line."""
+    width = max(map(len, plan))
+    return "\n".join(f"{pattern:<{width}}  {style!r}" for pattern, style in plan.items())
 
-    model.__class__ = TensorParallelGPT
-    model.tp_comm, model.sequence_parallel = comm, sp
-    for name, p in model.named_parameters():
-        if sp and tp_shard_dim(name) is None:
-            p.sequence_parallel = True
+
+def parallelize_module(model: nn.Module, comm: Comm, plan: dict[str, object]) -> nn.Module:
+    """Replace every submodule of ``model`` that matches a pattern of ``plan`` by what
+    its style makes of it, in place; patterns are applied in order. Returns ``model``."""
+    new: dict[int, nn.Parameter] = {}  # id(original) -> this rank's part: ties survive
+
+    def shard(name: str, p: nn.Parameter) -> nn.Parameter:
+        if id(p) not in new:
+            part = shard_tensor(name, p.detach(), comm.rank, comm.size)
+            new[id(p)] = nn.Parameter(part.clone(), requires_grad=p.requires_grad)
+        return new[id(p)]
+
+    for pattern, style in plan.items():
+        for name, module in list(model.named_modules()):
+            if name and fnmatch.fnmatchcase(name, pattern):
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf,
+                        style.apply(module, name, comm, shard))
     return model
 
 
-def sync_sequence_parallel_grads(params: nn.Module | Iterable[nn.Parameter],
-                                 comm: Comm) -> None:
-    """Sum over the tp group the gradients of parameters marked ``sequence_parallel``
-    (replicated ones used on a sequence shard), in one flat all-reduce. Call after the
-    backward of the last micro-batch, before gradient clipping. Nothing without SP.
-
-    Works on a whole model, a pipeline stage, or a list of parameters.
+def apply_tensor_parallel(model: GPT, comm: Comm, sequence_parallel: bool = False) -> GPT:
+    """Split a full, initialised ``GPT`` over the tp group ``comm``, in place, with
+    ``tensor_parallel_plan``. With SP the replicated parameters (layer norms, position
+    embedding, row biases) see only part of the sequence: they are marked
+    ``p.sequence_parallel = True``; call ``sync_sequence_parallel_grads`` after backward.
     """
-    if isinstance(params, nn.Module):
-        params = params.parameters()
-    grads = [p.grad for p in params
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if comm.size == 1 or not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def grad_sq_sum(named_params: Iterable[tuple[str, nn.Parameter]],
-                tp_rank: int) -> torch.Tensor:
-    """This rank's share of the squared global gradient norm, for clipping.
-
-    Sharded parameters contribute their local part on every rank; replicated ones
-    (``tp_shard_dim(name) is None``) only on tp rank 0, so summing the result over the
-    tp group (and pp) counts each parameter once. Call after the SP gradient sync.
-    """
-    parts = [p.grad.detach().float().pow(2).sum() for name, p in named_params
-             if p.grad is not None and (tp_rank == 0 or tp_shard_dim(name) is not None)]
-    return torch.stack(parts).sum() if parts else torch.zeros(())
-
-
-def activation_elements_per_layer(cfg: GPTConfig, batch: int, tp: int,
-                                  sequence_parallel: bool) -> int:
-    """Elements one layer keeps for backward on one tp rank, as this file implements it
-    (dropout = 0, attention through SDPA), b = batch, s = seq_len, h, f = d_ff, a, t = tp:
-
-    * outside the tensor-parallel regions: the two layer-norm inputs and outputs (the
-      outputs are the qkv and fc inputs), 4sbh, and their mean and 1/std, 4sb;
-      divided by t only with sequence parallelism;
-    * inside (always divided by t): q, k, v (3sbh), the attention output (sbh, proj's
-      input), GELU's input and output (2sbf), SDPA's logsumexp (asb).
-
-    Korthikanti et al. (eqs. 2 and 4) count fp16 bytes: sbh(10 + 24/t + 5as/(ht))
-    without SP, sbh(34/t + 5as/(ht)) with. Ours, in elements: sbh(4 + 12/t) vs 16sbh/t
-    for f = 4h, plus the small sb terms. The differences: no dropout masks (the paper's
-    2sbh bytes; none at dropout 0), and no s x s scores (the 5as/(ht) term): fused
-    attention recomputes them in backward from the logsumexp.
-    """
-    b, s, h, f, a, t = batch, cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_head, tp
-    outside = 4 * s * b * h + 4 * s * b
-    inside = 4 * s * b * h + 2 * s * b * f + a * s * b
-    return (outside // t if sequence_parallel else outside) + inside // t
-
-
-def saved_tensor_elements(fn: Callable[[], object], params: Iterable[torch.Tensor]) -> int:
-    """Run ``fn`` and count the elements autograd saves for backward meanwhile: each
-    storage once (q, k and v are views of one qkv output), ``params`` excluded. The
-    measured counterpart of ``activation_elements_per_layer``."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes() // t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+    check_tp(model.cfg, comm.size, sequence_parallel)
+    parallelize_module(model, comm, tensor_parallel_plan(sequence_parallel))
+    for name, p in model.named_parameters():
+        if sequence_parallel and tp_shard_dim(name) is None:
+            p.sequence_parallel = True
+    return model

@@ -23,18 +23,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from minipar.parallel.schedules import (
+from minipar.parallel.schedules import (  # UNIT_COST, action_cost: re-exported
     COMPUTE,
+    UNIT_COST,
     Action,
     Schedule,
+    action_cost,
     data_deps,
     make_schedule,
     partner,
     rank_of,
     schedule_shape,
 )
-
-UNIT_COST: dict[str, float] = {"F": 1.0, "B": 2.0, "W": 1.0}
 
 
 class Span(NamedTuple):
@@ -51,13 +51,6 @@ class Span(NamedTuple):
 def split_backwards(actions: Schedule) -> set[tuple[int, int]]:
     """(mb, chunk) pairs whose weight gradient is a separate W action."""
     return {(a.mb, a.chunk) for acts in actions for a in acts if a.kind == "W"}
-
-
-def action_cost(kind: str, split: bool, cost: Mapping[str, float] = UNIT_COST) -> float:
-    """Time of a compute action. A B whose W runs separately does only its input part."""
-    if kind == "B" and split:
-        return cost["B"] - cost["W"]
-    return cost[kind]
 
 
 def simulate(actions: Schedule, cost: Mapping[str, float] = UNIT_COST,

@@ -35,7 +35,7 @@ micro-batches, e bytes per activation element):
   to the next stage and its gradient back (divided by t with sequence parallelism,
   where each tp rank owns a sequence shard). Tied embeddings with pp > 1 add one
   all-reduce of the embedding gradient between the first and last stage (Megatron's
-  embedding group); we book it under pp (minipar refuses tied embeddings with pp > 1).
+  embedding group), booked under its own dimension, ``embed``, as the comm log does.
   Not predicted: ``minipar.parallel.pp``'s one small shape header per boundary the
   first time a shape crosses it, and its optional broadcast of the loss.
 """
@@ -135,8 +135,8 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
     bwd_sends = virtual - (1 if first else 0)  # the model's first chunk sends no grad
     _add(out, "pp", "send", m * (fwd_sends + bwd_sends), boundary, pp)
     _add(out, "pp", "recv", m * (fwd_sends + bwd_sends), boundary, pp)
-    if cfg.tie_embeddings and pp > 1 and (first or last):
-        _add(out, "pp", "all_reduce", 1, v * h // tp * state_bytes(dtype)[1], 2)
+    if cfg.tie_embeddings and pp > 1 and (first or last):  # the embedding group
+        _add(out, "embed", "all_reduce", 1, v * h // tp * state_bytes(dtype)[1], 2)
     return {d: {op: dict(x) for op, x in ops.items()} for d, ops in out.items()}
 
 

@@ -1,0 +1,326 @@
+"""The pipeline executor: run any valid schedule over this rank's chunks.
+
+``PipelineExecutor(chunks, comm, actions).step(microbatches)`` walks this
+rank's action list (``minipar.parallel.schedules``) and does what it says:
+
+* ``RECV_*`` posts a non-blocking ``irecv``; the compute that needs the data waits for
+  it (the wait is recorded). ``SEND_*`` posts an ``isend`` and moves on; sends are
+  completed at the end of the step. The lists are valid under *blocking* sends and
+  receives (``validate``), so this gentler execution cannot deadlock either.
+* ``F`` calls the chunk module (``__call__``: wrappers' hooks fire) and keeps its
+  input and output for the backward.
+* ``B`` back-propagates the output gradient. If the list also has a ``W`` for that
+  micro-batch and chunk (zero-bubble, arXiv 2401.10241), ``B`` computes only the input
+  gradient and the gradients of every parameter-owning module's output; ``W`` later
+  turns those into weight gradients, one module at a time (``autograd.backward`` with
+  ``inputs=`` the module's own parameters, so only the weight products run and
+  gradient hooks fire). A parameter two modules share (a tied embedding in one chunk)
+  would be reached from both, and through everything between them: ``B`` computes its
+  gradient in the same pass instead, so every gradient is computed exactly once.
+* The loss of each micro-batch is multiplied by ``loss_scale`` (default 1/m) before the
+  backward, so the gradients equal those of the mean loss of the whole batch on one
+  device. (Forgetting the 1/m scales the gradient by m; picotron has that bug.)
+
+Activation shapes are never assumed: the first time a boundary carries a new input
+shape, the sender sends a small header (dtype and shape) before the tensor. Gradient
+shapes are known (those of the rank's own outputs). So sequence parallelism's
+[b, s/tp, h] crosses stages like anything else.
+
+Every rank records when each action ran and how long it waited on communication;
+``minipar.theory.bubble.bubble_stats`` turns those records into the measured bubble.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from minipar.comm import Comm, Pending
+from minipar.parallel.schedules import (
+    UNIT_COST,
+    Action,
+    Schedule,
+    action_cost,
+    rank_of,
+    schedule_shape,
+    validate,
+)
+
+# --- the executor ----------------------------------------------------------------------
+
+
+class ActionRecord(NamedTuple):
+    """When one action ran on one rank (``time.time()`` seconds) and how long the rank
+    waited for its incoming data before starting it."""
+
+    rank: int
+    kind: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
+    wait: float
+
+
+class StepResult(NamedTuple):
+    loss: float | torch.Tensor | None  # mean micro-batch loss (last stage, or everywhere
+    # if broadcast); a 0-dim tensor if asked for
+    timeline: list[ActionRecord]
+    peak_in_flight: int  # most (micro-batch, chunk) activations held at once
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 10  # dtype code, ndim, up to 8 sizes
+
+
+class PipelineExecutor:
+    """Runs this rank's part of ``actions`` over ``chunks`` (local order, as
+    ``build_stage`` returns them), talking to the other stages through ``comm``.
+
+    ``sleep_per_unit`` adds ``cost * sleep_per_unit`` seconds of sleep to every compute
+    action (F 1, B 2 or 1 + W 1): a stand-in for a bigger model, so that measured
+    timelines are comparable with theory on a small, busy CPU.
+
+    ``synchronize=True`` waits for the GPU after every compute action, so that each
+    record's start and end are when the GPU ran it (a true timeline). Off by default:
+    each wait stalls the host, which then cannot queue the next kernels while the GPU
+    works, and costs a few per cent of a small model's step. Without it, on a GPU the
+    records say when the host *queued* the work (the step's total stays true).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], comm: Comm, actions: Schedule, *,
+                 sleep_per_unit: float = 0.0, synchronize: bool = False) -> None:
+        if len(actions) != comm.size:
+            raise ValueError(f"schedule is for pp={len(actions)}, the pipeline group has "
+                             f"{comm.size} ranks")
+        validate(actions, virtual=len(chunks))
+        self.comm, self.pp, self.rank = comm, comm.size, comm.rank
+        self.n_chunks = self.pp * len(chunks)
+        self.chunks = {self.rank + k * self.pp: c for k, c in enumerate(chunks)}
+        self.actions = list(actions[self.rank])
+        self.microbatches = schedule_shape(actions)[1]
+        self.split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
+        self.sleep_per_unit = sleep_per_unit
+        params = [p for c in chunks for p in c.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        self.synchronize = synchronize and self.device.type == "cuda"
+        self._shapes_sent: set = set()
+        self._shapes_known: dict = {}
+        self._capture: list | None = None
+        self._hooks = []
+        self._shared: dict[int, list[nn.Parameter]] = {}  # chunk -> params 2 modules own
+        if self.split:  # remember each parameter-owning module's output for W
+            for c, chunk in self.chunks.items():
+                owners: dict[int, int] = {}
+                for module in chunk.modules():
+                    for p in module.parameters(recurse=False):
+                        owners[id(p)] = owners.get(id(p), 0) + 1
+                    if next(module.parameters(recurse=False), None) is not None:
+                        self._hooks.append(module.register_forward_hook(self._capture_output))
+                self._shared[c] = [p for p in chunk.parameters() if owners[id(p)] > 1]
+
+    def close(self) -> None:
+        """Remove the forward hooks this executor put on the chunks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _capture_output(self, module: nn.Module, inputs, output) -> None:
+        if self._capture is None:
+            return
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} returns {type(output).__name__}; the "
+                            "split backward (W actions) needs modules that return a tensor")
+        if output.requires_grad:
+            self._capture.append((module, output))
+
+    # --- point to point, with a shape header the first time ----------------------
+    def _send_activation(self, t: torch.Tensor, chunk: int, key: tuple) -> list[Pending]:
+        peer, out = rank_of(chunk + 1, self.pp), []
+        if (chunk + 1, key) not in self._shapes_sent:
+            self._shapes_sent.add((chunk + 1, key))
+            header = torch.zeros(_HEADER, dtype=torch.long, device=t.device)
+            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+            header[2:2 + t.dim()] = torch.tensor(t.shape)
+            out.append(self.comm.isend(header, peer))
+        out.append(self.comm.isend(t, peer))
+        return out
+
+    def _recv_activation(self, chunk: int, key: tuple) -> tuple[Pending, torch.Tensor]:
+        peer = rank_of(chunk - 1, self.pp)
+        if (chunk, key) not in self._shapes_known:
+            header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
+            self.comm.irecv(header, peer).wait()
+            h = header.tolist()
+            self._shapes_known[(chunk, key)] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
+        shape, dtype = self._shapes_known[(chunk, key)]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return self.comm.irecv(buf, peer), buf
+
+    # --- one training step ---------------------------------------------------------
+    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             loss_scale: float | None = None, broadcast_loss: bool = False,
+             loss_as_tensor: bool = False,
+             before_compute: Callable[[int], None] | None = None) -> StepResult:
+        """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
+
+        Every rank passes the same list of (inputs, targets) micro-batches (only the
+        first stage reads inputs, only the last reads targets). Each micro-batch's
+        loss is multiplied by ``loss_scale`` before its backward: 1/m by default (the
+        batch mean); pass 1/(dp*m) if data parallelism sums gradients instead of
+        averaging them. Returns the mean micro-batch loss (unscaled) on the last stage,
+        on every stage with ``broadcast_loss``; as a 0-dim tensor with
+        ``loss_as_tensor`` (reading a float waits for the GPU to finish the backward,
+        and the host could queue the optimizer step meanwhile). ``before_compute(mb)``
+        runs before every F, B and W of micro-batch ``mb`` (the engine keys dropout
+        there: a recomputing backward must draw the forward's masks).
+        """
+        m = len(microbatches)
+        if m != self.microbatches:
+            raise ValueError(f"schedule is for {self.microbatches} micro-batches, got {m}")
+        st = _StepState(microbatches, 1.0 / m if loss_scale is None else loss_scale)
+        run = {"F": self._forward, "B": self._backward, "W": self._weight_grad,
+               "RECV_F": self._recv_f, "RECV_B": self._recv_b,
+               "SEND_F": self._send_f, "SEND_B": self._send_b}
+        records = []
+        for a in self.actions:
+            st.start = time.time()  # compute actions move it past their wait for inputs
+            if before_compute is not None and a.kind in ("F", "B", "W"):
+                before_compute(a.mb)
+            wait = run[a.kind](a, st) or 0.0
+            if a.kind in ("F", "B", "W"):
+                self._pretend_compute(a)
+            records.append(ActionRecord(self.rank, a.kind, a.mb, a.chunk, st.start,
+                                        time.time(), wait))
+            for s in [s for s in st.sends if s.is_completed()]:
+                s.wait()  # stamps its end in the comm log
+                st.sends.remove(s)
+        for s in st.sends:
+            s.wait()
+        loss = torch.stack(st.losses).mean() if st.losses else None
+        if broadcast_loss:
+            loss = self.comm.broadcast(torch.zeros((), device=self.device) if loss is None
+                                       else loss.to(self.device).float(),
+                                       src=rank_of(self.n_chunks - 1, self.pp))
+        if loss is not None and not loss_as_tensor:
+            loss = float(loss)
+        return StepResult(loss, records, st.peak)
+
+    # each action: returns the seconds it waited for incoming data (or None)
+    def _recv_f(self, a: Action, st: _StepState) -> None:
+        st.inputs[(a.mb, a.chunk)] = self._recv_activation(a.chunk, st.shape_key(a.mb))
+
+    def _recv_b(self, a: Action, st: _StepState) -> None:
+        buf = torch.empty_like(st.saved[(a.mb, a.chunk)][1])
+        st.out_grads[(a.mb, a.chunk)] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)),
+                                         buf)
+
+    def _send_f(self, a: Action, st: _StepState) -> None:
+        out = st.saved[(a.mb, a.chunk)][1].detach()
+        st.sends += self._send_activation(out, a.chunk, st.shape_key(a.mb))
+
+    def _send_b(self, a: Action, st: _StepState) -> None:
+        grad = st.input_grads.pop((a.mb, a.chunk))
+        st.sends.append(self.comm.isend(grad, rank_of(a.chunk - 1, self.pp)))
+
+    def _forward(self, a: Action, st: _StepState) -> float:
+        key, last = (a.mb, a.chunk), a.chunk == self.n_chunks - 1
+        x, y = st.microbatches[a.mb]
+        wait = 0.0
+        if a.chunk > 0:
+            x, wait = st.take(st.inputs, key)
+            x = x.detach().requires_grad_(x.is_floating_point())
+            st.start = time.time()
+        self._capture = [] if key in self.split else None
+        out = self.chunks[a.chunk](x, y) if last else self.chunks[a.chunk](x)
+        if self._capture is not None:
+            st.weight_work[key] = self._capture
+        self._capture = None
+        st.saved[key] = (x, out)
+        if last:
+            st.losses.append(out.detach())
+        elif rank_of(a.chunk + 1, self.pp) == self.rank:  # the next chunk is here too
+            st.inputs[(a.mb, a.chunk + 1)] = out.detach()
+        st.peak = max(st.peak, len(st.saved.keys() | st.weight_work.keys()))
+        return wait
+
+    def _backward(self, a: Action, st: _StepState) -> float:
+        """B: the input gradient; also the weight gradients unless a W will do them."""
+        key, wait, grad = (a.mb, a.chunk), 0.0, None
+        x, out = st.saved.pop(key)
+        if a.chunk == self.n_chunks - 1:  # the output is the loss
+            out = out * st.scale
+        else:
+            grad, wait = st.take(st.out_grads, key)
+            st.start = time.time()
+        needs_dx = a.chunk > 0 and x.requires_grad
+        if key not in self.split:
+            torch.autograd.backward(out, grad)
+            dx = x.grad if needs_dx else None
+        else:  # gradients of the input, of every parameter-owning module's output, and
+            # of the parameters two modules share (accumulated: their hooks fire)
+            work = st.weight_work[key]
+            outputs = [o for _, o in work]
+            wrt = ([x] if needs_dx else []) + outputs + self._shared[a.chunk]
+            torch.autograd.backward(out, grad, inputs=wrt, retain_graph=True)
+            dx = x.grad if needs_dx else None
+            st.weight_work[key] = [(mod, o, o.grad) for mod, o in work]
+            for o in outputs:
+                o.grad = None
+        if dx is not None:
+            if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
+                st.out_grads[(a.mb, a.chunk - 1)] = dx
+            else:
+                st.input_grads[key] = dx
+        return wait
+
+    def _weight_grad(self, a: Action, st: _StepState) -> None:
+        """W: each module's weight gradient from its saved output gradient."""
+        shared = {id(p) for p in self._shared[a.chunk]}  # done in B
+        for module, output, grad in st.weight_work.pop((a.mb, a.chunk)):
+            params = [p for p in module.parameters(recurse=False)
+                      if p.requires_grad and id(p) not in shared]
+            if grad is not None and params:
+                torch.autograd.backward(output, grad, inputs=params)
+
+    def _pretend_compute(self, a: Action) -> None:
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
+        if self.sleep_per_unit > 0:
+            split = (a.mb, a.chunk) in self.split
+            time.sleep(self.sleep_per_unit * action_cost(a.kind, split, UNIT_COST))
+
+
+@dataclass
+class _StepState:
+    """What one step keeps between actions, keyed by (micro-batch, chunk)."""
+
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+    inputs: dict = field(default_factory=dict)  # chunk input, or (pending, buffer)
+    out_grads: dict = field(default_factory=dict)  # grad of chunk output, likewise
+    saved: dict = field(default_factory=dict)  # (input, output) until the backward
+    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)] until W
+    input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
+    sends: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    peak: int = 0
+    start: float = 0.0  # when the current action started (after its inputs arrived)
+
+    def shape_key(self, mb: int) -> tuple:
+        return tuple(self.microbatches[mb][0].shape)
+
+    @staticmethod
+    def take(store: dict, key) -> tuple[torch.Tensor, float]:
+        """Pop a tensor; if it is still arriving, wait and report how long."""
+        value = store.pop(key)
+        if not isinstance(value, tuple):
+            return value, 0.0
+        t0 = time.time()
+        value[0].wait()
+        return value[1], time.time() - t0

@@ -1,0 +1,35 @@
+"""Activation memory of one tensor-parallel layer, as minipar's layers keep it.
+
+Korthikanti et al. 2022 (arXiv 2205.05198, eqs. 2 and 4) count what a transformer layer
+keeps for backward with tensor and sequence parallelism. ``activation_elements_per_layer``
+counts it for minipar's own layers (``minipar.parallel.tp``, fused attention, no
+dropout); ``minipar.meter.saved_tensor_elements`` measures the same thing on a real layer,
+and the tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+from minipar.model import GPTConfig
+
+
+def activation_elements_per_layer(cfg: GPTConfig, batch: int, tp: int,
+                                  sequence_parallel: bool) -> int:
+    """Elements one layer keeps for backward on one tp rank, as minipar implements it
+    (dropout = 0, SDPA attention); b = batch, s = seq_len, h, f = d_ff, a, t = tp:
+
+    * outside the tensor-parallel regions: the two layer-norm inputs and outputs (the
+      outputs are the qkv and fc inputs), 4sbh, and their mean and 1/std, 4sb;
+      divided by t only with sequence parallelism;
+    * inside (always divided by t): q, k, v (3sbh), the attention output (sbh, proj's
+      input), GELU's input and output (2sbf), SDPA's logsumexp (asb).
+
+    Korthikanti et al. (eqs. 2 and 4) count fp16 bytes: sbh(10 + 24/t + 5as/(ht))
+    without SP, sbh(34/t + 5as/(ht)) with. Ours, in elements: sbh(4 + 12/t) vs 16sbh/t
+    for f = 4h, plus the small sb terms. The differences: no dropout masks (the paper's
+    2sbh bytes; none at dropout 0), and no s x s scores (the 5as/(ht) term): fused
+    attention recomputes them in backward from the logsumexp.
+    """
+    b, s, h, f, a, t = batch, cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_head, tp
+    outside = 4 * s * b * h + 4 * s * b
+    inside = 4 * s * b * h + 2 * s * b * f + a * s * b
+    return (outside // t if sequence_parallel else outside) + inside // t
