@@ -322,7 +322,9 @@ class Zero3(nn.Module):
         for f in u.flats:
             wire = f.grad if f.grad is not None else torch.zeros(
                 f.padded, dtype=self.grad_dtype, device=f.master.device)
-            wire = wire.to(self.reduce_dtype)
+            # the buffer now belongs to the collective: the next micro-batch's gradients
+            # go to a new one (it may arrive while this one is still on the wire)
+            f.grad, wire = None, wire.to(self.reduce_dtype)
             if self.average:
                 wire.div_(self.comm.size)
             if u.replicated:
@@ -330,20 +332,21 @@ class Zero3(nn.Module):
             else:
                 out = torch.empty(f.hi - f.lo, dtype=wire.dtype, device=wire.device)
                 pending = self.comm.reduce_scatter_into(out, wire, async_op=True)
-            self._inflight.append((f, out, pending))
+            self._inflight.append((f, wire, out, pending))
+        self.grad_bytes.observe(self._grads_held())
         while len(self._inflight) > self.max_inflight:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        f, out, pending = self._inflight.popleft()
+        f, _, out, pending = self._inflight.popleft()
         pending.wait()
         g = out.to(f.master.dtype)
         f.master.grad = g if f.master.grad is None else f.master.grad.add_(g)
-        f.grad = None
         self.grad_bytes.observe(self._grads_held())
 
     def _grads_held(self) -> int:
-        return storage_bytes([f.grad for f in self.flats] + [f.master.grad for f in self.flats])
+        return storage_bytes([f.grad for f in self.flats] + [f.master.grad for f in self.flats]
+                             + [t for _, wire, out, _ in self._inflight for t in (wire, out)])
 
     def finish_gradient_sync(self) -> None:
         """Reduce every unit with gradients not reduced yet (in unit order) and wait."""
