@@ -104,7 +104,7 @@ class Zero3(nn.Module):
                  reduce_dtype: torch.dtype | None = None,
                  replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
-                 max_inflight: int = 2):
+                 max_inflight: int = 1):
         super().__init__()
         self.module, self.comm = module, comm or Comm()
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
@@ -112,6 +112,9 @@ class Zero3(nn.Module):
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         if broadcast:  # every rank starts from rank 0's (fp32) weights and buffers
             broadcast_module(module, self.comm)
+        for p in module.parameters():  # frozen weights: replicated, in the compute dtype
+            if not p.requires_grad and param_dtype is not None and p.is_floating_point():
+                p.data = p.data.to(param_dtype)
         self.names = list(named)  # the reference names, in order
         self._name_of = {id(p): n for n, p in named.items()}
         self.units: list[_Unit] = []
@@ -260,11 +263,15 @@ class Zero3(nn.Module):
                 self._gather(u, async_op=True)
 
     def _end_of_backward(self) -> None:
-        """Free whatever is still gathered (a unit with a weight unused this pass)."""
+        """Free whatever is still gathered (a unit with a weight unused this pass), and
+        land the reductions in flight: after ``backward()`` the gradient shards are
+        complete, so an optimizer may step without a ``finish_gradient_sync`` (as FSDP)."""
         self._end_queued = False
         for u in self.units:
             u.in_backward = False
             self._free(u)
+        while self._inflight:
+            self._complete_oldest()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -332,10 +339,10 @@ class Zero3(nn.Module):
             else:
                 out = torch.empty(f.hi - f.lo, dtype=wire.dtype, device=wire.device)
                 pending = self.comm.reduce_scatter_into(out, wire, async_op=True)
+            while len(self._inflight) >= self.max_inflight:  # make room first: the
+                self._complete_oldest()  # buffers in flight are all the memory it costs
             self._inflight.append((f, wire, out, pending))
-        self.grad_bytes.observe(self._grads_held())
-        while len(self._inflight) > self.max_inflight:
-            self._complete_oldest()
+            self.grad_bytes.observe(self._grads_held())
 
     def _complete_oldest(self) -> None:
         f, _, out, pending = self._inflight.popleft()
