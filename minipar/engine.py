@@ -119,9 +119,13 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
         sync.publish_after(optimizer)
         return sync, optimizer, None
     precision = MixedPrecision(model, torch.bfloat16) if bf16 else None
+    bucket_mb = 25.0  # PyTorch DDP's default
+    if cfg.zero == 2:  # a bucket per block: ZeRO-2 then holds one full-size bucket at most
+        bucket_mb = max((sum(p.numel() * p.element_size() for p in u.parameters())
+                         for u in units), default=bucket_mb * 2**20) / 2**20
     sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp, precision=precision,
                          average=False, shared=shared, overlap=cfg.ddp == "overlapped",
-                         bucket_mb=0 if cfg.ddp == "naive" else 25.0, **opt_kwargs)
+                         bucket_mb=0 if cfg.ddp == "naive" else bucket_mb, **opt_kwargs)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
     return sync, sync, precision
 
