@@ -56,24 +56,22 @@ from minipar.parallel.dp import (
     Reducer,
     bucket_params,
     claim_gradients,
-    global_grad_norm,
     trainable_params,
 )
 from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public here too)
     FlatParams,
+    ShardedState,
     all_reduce_grads,
+    clip_owned,
     consolidate,
-    full_state,
-    load_full_state,
-    owned_grads,
-    scale_grads,
+    held_grad_bytes,
     sharded_state,
 )
 
 MASTER_DTYPE = torch.float32  # the dtype the optimizer updates (mixed precision's masters)
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     """ZeRO stage 0-2 around ``optimizer_class(**defaults)``, over ``comm`` (the dp group).
 
     ``params``: a module, parameters, or torch-style group dicts (pass ``module=`` for
@@ -245,7 +243,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_bytes.observe(self._grads_held())
 
     def _grads_held(self) -> int:
-        return storage_bytes([f.grad for f in self.flats] + [f.master.grad for f in self.flats])
+        return held_grad_bytes(self.flats)
 
     def finish_gradient_sync(self) -> None:
         """Reduce every bucket not reduced yet, wait, and add the result to the shard."""
@@ -310,22 +308,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_bytes.reset(self._grads_held())
 
     # --- clipping, other groups, accounting -----------------------------------------
-    def grad_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, gradient elements) this rank owns after the sync: its shard of each
-        bucket (stage 0: everything, owned by dp rank 0). Over the dp group every element
-        is owned once: the pieces the one norm (``global_grad_norm``) is taken on."""
-        return owned_grads(self.flats, owns_unsharded=self.comm.rank == 0)
-
-    def scale_grads(self, factor: float | torch.Tensor) -> None:
-        scale_grads(self.flats, factor)
-
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the dp-wide gradient norm (data parallelism only); returns the norm."""
         if not self._synced:
             self.finish_gradient_sync()
-        norm = global_grad_norm((g for _, g in self.grad_shards()), [self.comm])
-        self.scale_grads((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return float(norm)
+        return clip_owned(self.flats, self.comm, max_norm)
 
     def all_reduce_grads(self, params: Iterable, comm: Comm) -> None:
         """Sum the synchronised gradients of ``params`` (or names) over another group
@@ -348,20 +335,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 + optimizer_state_bytes(self.inner)}
 
     # --- checkpoints (layout-free by name; see zero_state.py) -------------------------
-    def _gather(self, f: FlatParams, shard: torch.Tensor) -> torch.Tensor:
-        return shard if self.stage == 0 else self.comm.all_gather(shard.contiguous())
-
-    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
-        """(fp32 weights, optimizer states) by name, whole (collective over dp)."""
-        return full_state(self.flats, self.inner, self._gather)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return self.full_state_by_name()[0]
-
-    def load_full_state_by_name(self, states: dict, weights: dict | None = None,
-                                optimizer=None) -> None:
-        load_full_state(self.flats, self.inner, states, weights)
-        self.publish()
+    def _stepper(self, optimizer=None) -> torch.optim.Optimizer:
+        return self.inner  # (the state by name is always this optimizer's own)
 
     def state_dict(self) -> dict:
         """This rank's shard, with the layout to reassemble it (``consolidate``)."""

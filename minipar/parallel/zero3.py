@@ -2,16 +2,13 @@
 (Rajbhandari et al. 2019, arXiv 1910.02054, section 5.3; PyTorch FSDP, Zhao et al. 2023,
 arXiv 2304.11277).
 
-Stages 1-2 (``zero.py``) still hold every weight on every rank. Stage 3 keeps on each of
-the N ranks 1/N of the weights as well: a rank's model state is 16 Psi / N bytes. A
-*unit* (a transformer block; by default every module held in an ``nn.ModuleList``) is
-all-gathered just before its forward and freed right after; gathered again before its
-backward and freed once its gradients are out. Its gradient is then reduce-scattered at
-once, so a rank never holds more than a few units' full weights or gradients:
-3(N-1)/N of the weights moved per step, 1.5x data parallelism.
+Stage 3 keeps on each of the N ranks 1/N of the weights too (16 Psi / N bytes of model
+state). A *unit* (a block: by default every module of an ``nn.ModuleList``) is gathered
+just before its forward and freed after; gathered again for its backward, freed, and
+its gradient reduce-scattered at once: a rank holds a few units' full weights or
+gradients at most. 3(N-1)/N of the weights move per step, 1.5x data parallelism.
 
 What lives where (FSDP's choices):
-
 * the wrapper's ``parameters()`` are the fp32 *master shards*, one per unit: give them
   to any torch optimizer; each gradient has its shard's shape. After ``optimizer.step()``
   call ``publish()`` (or ``publish_after(optimizer)`` once) to share the new weights.
@@ -25,12 +22,10 @@ What lives where (FSDP's choices):
 * modules of the types in ``replicate`` (small norms, say) are not sharded: their
   weights stay gathered and their gradients are all-reduced.
 
-The wrapped module's trainable weights become plain tensors (views of their unit's flat
-buffer, which has no storage while the unit is free): the module's own code runs as
-written. Place the module on its device before wrapping. Every rank must run the same
-units in the same order (the model's control flow must not depend on a rank's data),
-and units gather through ``__call__`` (their hooks). The zero-bubble schedule's
-deferred weight gradient is not supported (refused by ``config.validate``).
+The module's trainable weights become plain tensors viewing their unit's flat buffer
+(no storage while the unit is free): its own code runs as written. Wrap it on its
+device. Every rank runs the same units in the same order, through ``__call__``. The
+zero-bubble schedule's deferred W pass is refused (``config.validate``).
 """
 
 from __future__ import annotations
@@ -45,14 +40,13 @@ from torch import nn
 
 from minipar.comm import Comm, Pending
 from minipar.meter import PeakBytes, optimizer_state_bytes, storage_bytes
-from minipar.parallel.dp import broadcast_module, global_grad_norm
+from minipar.parallel.dp import broadcast_module
 from minipar.parallel.zero_state import (
     FlatParams,
+    ShardedState,
     all_reduce_grads,
-    full_state,
-    load_full_state,
-    owned_grads,
-    scale_grads,
+    clip_owned,
+    held_grad_bytes,
 )
 
 MASTER_DTYPE = torch.float32
@@ -86,7 +80,7 @@ def _tensors(x) -> Iterator[torch.Tensor]:
             yield from _tensors(y)
 
 
-class Zero3(nn.Module):
+class Zero3(ShardedState, nn.Module):
     """Shard ``module``'s trainable weights over ``comm`` (the dp group), ZeRO-3 style.
 
     ``units``: the modules gathered as one (default ``default_units``); a weight outside
@@ -130,10 +124,9 @@ class Zero3(nn.Module):
         self._inflight: deque = deque()
         self._sync, self._end_queued = True, False
         self.param_bytes, self.grad_bytes = PeakBytes(), PeakBytes()
-        self._grad_hooks = []
+        self._grad_hooks = [t.register_post_accumulate_grad_hook(self._on_grad)
+                            for u in self.units for t in u.leaves]
         for u in self.units:
-            self._grad_hooks += [t.register_post_accumulate_grad_hook(self._on_grad)
-                            for t in u.leaves]
             self._grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(
                 u.leaves, partial(self._unit_grads_computed, u), mode="all"))
         for m in self._triggers:
@@ -317,9 +310,8 @@ class Zero3(nn.Module):
                 self._reduce(u)
 
     def _unit_grads_computed(self, u: _Unit, grads: list[torch.Tensor | None]) -> None:
-        """Once per backward, when the unit's last gradient is computed: a weight with
-        none was not used and counts as arrived (zero), so the unit's reduce-scatter
-        starts at the same point of the backward on every rank."""
+        """Once per backward: a weight with no gradient was unused and counts as arrived
+        (zero), so the reduce-scatter starts at the same point on every rank."""
         for t, g in zip(u.leaves, grads):
             if g is None:
                 self._arrived(t)
@@ -352,8 +344,7 @@ class Zero3(nn.Module):
         self.grad_bytes.observe(self._grads_held())
 
     def _grads_held(self) -> int:
-        return storage_bytes([f.grad for f in self.flats] + [f.master.grad for f in self.flats]
-                             + [t for _, wire, out, _ in self._inflight for t in (wire, out)])
+        return held_grad_bytes(self.flats, [t for _, w, o, _ in self._inflight for t in (w, o)])
 
     def finish_gradient_sync(self) -> None:
         """Reduce every unit with gradients not reduced yet (in unit order) and wait."""
@@ -387,19 +378,10 @@ class Zero3(nn.Module):
         self.param_bytes.reset(self._params_held())
 
     # --- clipping, other groups, accounting, checkpoints -----------------------------------
-    def grad_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, gradient elements) this rank owns; every element once over dp."""
-        return owned_grads(self.flats, owns_unsharded=self.comm.rank == 0)
-
-    def scale_grads(self, factor: float | torch.Tensor) -> None:
-        scale_grads(self.flats, factor)
-
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the dp-wide gradient norm (data parallelism only); returns the norm."""
         self.finish_gradient_sync()
-        norm = global_grad_norm((g for _, g in self.grad_shards()), [self.comm])
-        self.scale_grads((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return float(norm)
+        return clip_owned(self.flats, self.comm, max_norm)
 
     def all_reduce_grads(self, names: Iterable[str], comm: Comm) -> None:
         """Sum the gradient shards of ``names`` over another group (see ``shared``)."""
@@ -414,20 +396,5 @@ class Zero3(nn.Module):
                                            if f.shard.data_ptr() != f.master.data_ptr())
                 + (optimizer_state_bytes(optimizer) if optimizer is not None else 0)}
 
-    def _gather_state(self, f: FlatParams, shard: torch.Tensor) -> torch.Tensor:
-        unsharded = f.lo == 0 and f.hi == f.padded
-        return shard if unsharded else self.comm.all_gather(shard.contiguous())
-
-    def full_state_by_name(self, optimizer: torch.optim.Optimizer | None = None):
-        """(fp32 weights, ``optimizer``'s states) by reference name, whole (collective)."""
-        return full_state(self.flats, optimizer or torch.optim.SGD(self.shards, lr=0.0),
-                          self._gather_state)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return self.full_state_by_name()[0]
-
-    def load_full_state_by_name(self, states: dict, weights: dict | None = None,
-                                optimizer: torch.optim.Optimizer | None = None) -> None:
-        load_full_state(self.flats, optimizer or torch.optim.SGD(self.shards, lr=0.0),
-                        states, weights)
-        self.publish()
+    def _stepper(self, optimizer):
+        return optimizer or torch.optim.SGD(self.shards, lr=0.0)  # (no state)

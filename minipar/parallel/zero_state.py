@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from minipar.comm import Comm
+from minipar.meter import storage_bytes
+from minipar.parallel.dp import global_grad_norm
 
 
 class FlatParams:
@@ -92,6 +94,26 @@ def owned_grads(flats: list[FlatParams], owns_unsharded: bool
                 yield f.names[k], f.master.grad[a:b]
 
 
+def clip_owned(flats: list[FlatParams], comm: Comm, max_norm: float) -> float:
+    """Clip by the norm over ``comm`` (data parallelism alone); returns the norm."""
+    norm = global_grad_norm((g for _, g in owned_grads(flats, comm.rank == 0)), [comm])
+    scale_grads(flats, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return float(norm)
+
+
+def held_grad_bytes(flats: list[FlatParams], extra: list = ()) -> int:
+    """Gradient bytes alive now: full-size buffers, fp32 shards, ``extra`` (in flight)."""
+    return storage_bytes([f.grad for f in flats] + [f.master.grad for f in flats] + list(extra))
+
+
+def gatherer(comm: Comm) -> Callable[[FlatParams, torch.Tensor], torch.Tensor]:
+    """(flat, shard) -> the whole padded flat: all-gathered over ``comm`` if sharded."""
+    def gather(f: FlatParams, shard: torch.Tensor) -> torch.Tensor:
+        unsharded = f.lo == 0 and f.hi == f.padded
+        return shard if unsharded else comm.all_gather(shard.contiguous())
+    return gather
+
+
 def scale_grads(flats: list[FlatParams], factor: float | torch.Tensor) -> None:
     grads = [f.master.grad for f in flats if f.master.grad is not None]
     if grads:
@@ -111,6 +133,42 @@ def all_reduce_grads(flats: list[FlatParams], names: set[str], comm: Comm) -> No
         for g, a, b in parts:
             g[a:b].copy_(flat[o:o + b - a])
             o += b - a
+
+
+class ShardedState:
+    """What ``ZeroOptimizer`` and ``Zero3`` share over their ``flats`` and ``comm``: the
+    gradient elements a rank owns, and the training state by name (checkpoints)."""
+
+    flats: list[FlatParams]
+    comm: Comm
+
+    def _stepper(self, optimizer):  # the optimizer whose state is keyed by the masters
+        raise NotImplementedError
+
+    def publish(self) -> None:
+        raise NotImplementedError
+
+    def grad_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, gradient elements) this rank owns after the sync: its shard of each
+        flat (an unsharded one: owned by rank 0). Over the dp group every element is
+        owned once: the pieces the one norm (``global_grad_norm``) is taken on."""
+        return owned_grads(self.flats, owns_unsharded=self.comm.rank == 0)
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        scale_grads(self.flats, factor)
+
+    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
+        """(fp32 weights, optimizer states) by reference name, whole (collective)."""
+        return full_state(self.flats, self._stepper(optimizer), gatherer(self.comm))
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.full_state_by_name()[0]
+
+    def load_full_state_by_name(self, states: dict, weights: dict | None = None,
+                                optimizer=None) -> None:
+        """Take this rank's shard of whole states (and fp32 weights) by name."""
+        load_full_state(self.flats, self._stepper(optimizer), states, weights)
+        self.publish()
 
 
 def _elementwise(v) -> bool:
