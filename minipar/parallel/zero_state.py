@@ -141,12 +141,19 @@ class ShardedState:
 
     flats: list[FlatParams]
     comm: Comm
+    _grad_hooks: list
 
     def _stepper(self, optimizer):  # the optimizer whose state is keyed by the masters
         raise NotImplementedError
 
     def publish(self) -> None:
         raise NotImplementedError
+
+    def remove(self) -> None:
+        """Remove the gradient hooks (the model keeps its weights as they are)."""
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
 
     def grad_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, gradient elements) this rank owns after the sync: its shard of each
