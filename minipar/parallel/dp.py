@@ -208,8 +208,23 @@ class Reducer:
         self._next = 0
 
 
+class NoSync:
+    """``no_sync()``, PyTorch DDP's name: backwards inside only accumulate gradients
+    locally; nothing is reduced until a synchronised backward or the next sync."""
+
+    _sync = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+
 # --- the wrapper -----------------------------------------------------------------------
-class DataParallel(nn.Module):
+class DataParallel(NoSync, nn.Module):
     """Wrap ``module`` for data parallelism over ``comm`` (the mesh's dp group).
 
     ``ddp(*args)`` runs the module (``forward``). After backward call ``finish_gradient_sync()``;
@@ -274,15 +289,6 @@ class DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside only accumulate gradients; nothing is communicated."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
 
     # --- backward hook: the gradient of ``p`` is final for this backward --------------
     def _on_grad(self, p: nn.Parameter) -> None:

@@ -43,8 +43,7 @@ Use::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -184,15 +183,6 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         return flats
 
     # --- gradients: hook, reduce (in bucket order), accumulate into the shard ---------
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate full-size gradients locally; none is reduced."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def _on_grad(self, p: nn.Parameter) -> None:
         i, k = self._where[id(p)]
         f = self.flats[i]

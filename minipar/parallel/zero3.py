@@ -281,15 +281,6 @@ class Zero3(ShardedState, nn.Module):
         return self.module(*args, **kwargs)
 
     # --- gradients: accumulate per unit, reduce-scatter as each unit completes ----------
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside keep full-size unit gradients; reduced at the next sync."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def _on_grad(self, t: torch.Tensor) -> None:
         f, k = self._where[id(t)]
         if f.grad is None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from minipar.comm import Comm
 from minipar.meter import storage_bytes
-from minipar.parallel.dp import global_grad_norm
+from minipar.parallel.dp import NoSync, global_grad_norm
 
 
 class FlatParams:
@@ -135,7 +135,7 @@ def all_reduce_grads(flats: list[FlatParams], names: set[str], comm: Comm) -> No
             o += b - a
 
 
-class ShardedState:
+class ShardedState(NoSync):
     """What ``ZeroOptimizer`` and ``Zero3`` share over their ``flats`` and ``comm``: the
     gradient elements a rank owns, and the training state by name (checkpoints)."""
 
