@@ -6,7 +6,7 @@ Three pairs train the same GPT (same seed, same batch per rank, AdamW, fp32) on 
   (also 25 MiB buckets, overlapped);
 * minipar ZeRO-1 (``ZeroOptimizer(stage=1)``) vs ``ZeroRedundancyOptimizer`` on top of
   DDP (PyTorch's ZeRO-1 needs DDP for the gradient all-reduce);
-* minipar ZeRO-3 (``ZeroOptimizer(stage=3)``, a unit per block) vs FSDP2
+* minipar ZeRO-3 (``Zero3``, a unit per block, fp32) vs FSDP2
   ``fully_shard`` (each block, then the root).
 
 A step is forward, backward, gradient sync and optimizer step. The six configurations
@@ -35,6 +35,7 @@ from minipar.data import MarkovData, split_batch
 from minipar.model import GPT, GPTConfig
 from minipar.parallel.dp import DataParallel
 from minipar.parallel.zero import ZeroOptimizer
+from minipar.parallel.zero3 import Zero3
 
 PAIRS = [("ddp", "minipar DataParallel", "torch DDP"),
          ("zero1", "minipar ZeRO-1", "torch ZeroRedundancyOptimizer"),
@@ -67,8 +68,10 @@ def _build(kind: str, cfg: GPTConfig):
                                       lr=LR)
         return _loop(ddp, opt)
     if kind == "minipar-zero3":
-        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, comm=Comm(), lr=LR)
-        return _loop(model, opt)
+        sharded = Zero3(model, Comm())
+        opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
+        sharded.publish_after(opt)
+        return _loop(sharded, opt)
     if kind == "torch-zero3":
         from peers import fsdp2  # benchmarks/peers.py: the PyTorch-native peers
         from torch.distributed.device_mesh import init_device_mesh

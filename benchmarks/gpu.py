@@ -134,8 +134,7 @@ def run_minipar(cfg: TrainConfig, steps: int, warmup: int, compile_: bool) -> di
     losses, times = _timed(lambda s: train_step(cfg, rm, parts, data, s)["loss"],
                            steps, warmup, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    for w in parts.dp_wrappers:  # release the gradient hooks (and with them the model)
-        w.remove()
+    parts.data_parallel.remove()  # release the gradient hooks (and with them the model)
     parts.executor.close()
     return {"losses": losses, "times": times, "peak_bytes": peak}
 

@@ -24,11 +24,27 @@ from minipar.parity import compare, final_parameters
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def covering() -> list[dict]:
+def _test_engine():
     spec = importlib.util.spec_from_file_location("test_engine", ROOT / "tests/test_engine.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [dict(d) for d in module.COVERING]
+    return module
+
+
+def covering() -> list[dict]:
+    """The engine tests' covering layouts, their plain-SGD set, dropout and tied models."""
+    t = _test_engine()
+    tied = {"overrides": {"tie_embeddings": True}}
+    return ([dict(d) for d in t.COVERING]
+            + [{**d, **t.SGD} for d in t.SGD_COVERING]
+            + [{**d, "dropout": 0.1} for d in (dict(dp=2), dict(microbatches=2),
+                                              dict(pp=2, microbatches=2), dict(tp=2),
+                                              dict(tp=2, sp=True))]
+            + [{**d, **tied} for d in (dict(pp=2, microbatches=2),
+                                       dict(pp=2, schedule="zb", microbatches=2),
+                                       dict(pp=2, tp=2, schedule="interleaved", virtual=2,
+                                            microbatches=4),
+                                       dict(schedule="zb", microbatches=2))])
 
 
 def family(layout: dict) -> str:
@@ -36,11 +52,17 @@ def family(layout: dict) -> str:
     name = " x ".join(axes) or "1"
     if layout.get("zero"):
         name += f" zero{layout['zero']}"
+    for knob, word in (("optimizer", "sgd"), ("dropout", "dropout"), ("overrides", "tied")):
+        if layout.get(knob) not in (None, "adamw", 0, 0.0):
+            name += " " + word
     return name
 
 
+REFERENCE_KNOBS = ("optimizer", "grad_clip", "lr", "warmup", "dropout", "overrides")
+
+
 def drift(layout: dict, dtype: str, steps: int = 5) -> dict:
-    knobs = {k: layout.pop(k) for k in ("optimizer", "grad_clip", "lr") if k in layout}
+    knobs = {k: layout.pop(k) for k in REFERENCE_KNOBS if k in layout}
     with tempfile.TemporaryDirectory() as save:
         cfg = TrainConfig(steps=steps, dtype=dtype, save=save, **layout, **knobs)
         run = train(cfg)
@@ -59,7 +81,7 @@ def main() -> None:
     dtypes = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
     rows = []
     for dtype in dtypes:
-        for layout in covering():
+        for layout in covering() if dtype == "fp32" else _test_engine().COVERING:
             name = " ".join(f"{k}={v}" for k, v in layout.items())
             d = drift(dict(layout), dtype)
             rows.append({"dtype": dtype, "layout": name, "family": family(layout), **d})

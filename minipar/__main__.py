@@ -191,7 +191,7 @@ def _print_run(cfg, record: dict) -> None:
                 for d in ("dp", "pp", "tp")]
         print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {' '.join(kib)}"
               f"{'':>20}{sent[0]:>8.1f}K {sent[1]:>8.1f}K {sent[2]:>8.1f}K")
-    print("(bytes held by this rank at the end of a step, activations at their peak; "
+    print("(bytes this rank held at their peak within a step; "
           "bytes sent as a ring algorithm puts them on the wire)")
 
 

@@ -43,19 +43,10 @@ STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 def local_state(rm: RankMesh, parts) -> tuple[dict, dict]:
     """This rank's fp32 weights and optimizer states by name, in tp-shard shapes."""
-    weights, states = {}, {}
-    if hasattr(parts.optimizer, "full_state_by_name"):  # ZeRO: gathers over dp
-        weights, states = parts.optimizer.full_state_by_name(
-            dict(parts.model.named_parameters()))
-        return weights, {n: {k: v for k, v in st.items() if k in STATE_KEYS}
-                         for n, st in states.items()}
-    for name, p in parts.model.named_parameters():
-        holder = parts.precision.master(p) if parts.precision is not None else p
-        weights[name] = holder.detach().float().cpu().clone()
-        st = parts.optimizer.state.get(holder, {})
-        states[name] = {k: v.detach().cpu().clone() for k, v in st.items()
-                        if k in STATE_KEYS}
-    return weights, states
+    # ZeRO 0-3 keep them sharded over dp: gathered here (collective over dp)
+    weights, states = parts.data_parallel.full_state_by_name(parts.optimizer)
+    return weights, {n: {k: v for k, v in st.items() if k in STATE_KEYS}
+                     for n, st in states.items()}
 
 
 def save(directory: str, step: int, cfg, rm: RankMesh, parts) -> str:
@@ -360,8 +351,7 @@ def locked(directory: str):
             os.unlink(path)
 
 
-def load_optimizer_state(rm: RankMesh, model, optimizer, precision, full: dict,
-                         weights: dict | None = None) -> None:
+def load_optimizer_state(rm: RankMesh, parts, full: dict, weights: dict) -> None:
     """Put full optimizer states (by name) into this rank's optimizer, resharded.
     ``weights``: the full fp32 weights, which ZeRO's masters are loaded from."""
     from minipar.parallel.tp import shard_tensor, tp_shard_dim
@@ -371,19 +361,11 @@ def load_optimizer_state(rm: RankMesh, model, optimizer, precision, full: dict,
             return t.clone()
         return shard_tensor(name, t, rm.coords.tp, rm.mesh.tp).clone()
 
-    if hasattr(optimizer, "load_full_state_by_name"):  # ZeRO keeps its shard of it
-        named = dict(model.named_parameters())
-        optimizer.load_full_state_by_name(
-            {n: {k: mine(n, v) for k, v in full[n].items()} for n in named if n in full},
-            {n: mine(n, weights[n]).float() for n in named if n in weights})
-        return
-    for name, p in model.named_parameters():
-        if name not in full or not full[name]:
-            continue
-        holder = precision.master(p) if precision is not None else p
-        optimizer.state[holder] = {k: mine(name, v).to(holder.device)
-                                   if k != "step" else v.clone()
-                                   for k, v in full[name].items()}
+    # ZeRO 0-3 keep their shard of it
+    parts.data_parallel.load_full_state_by_name(
+        {n: {k: mine(n, v) for k, v in full[n].items()} for n in parts.names if n in full},
+        {n: mine(n, weights[n]).float() for n in parts.names if n in weights},
+        parts.optimizer)
 
 
 def prune(directory: str, keep: int) -> list[str]:

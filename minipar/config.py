@@ -151,12 +151,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         if cfg.microbatches % cfg.pp:
             raise ValueError(f"--schedule interleaved needs --microbatches divisible by "
                              f"--pp ({cfg.microbatches} % {cfg.pp} != 0)")
-    if cfg.zero == 3 and cfg.pp > 1 and cfg.schedule == "zb":
+    if cfg.zero == 3 and cfg.schedule == "zb":  # at every pp: W runs at pp = 1 too
         raise ValueError("--zero 3 with --schedule zb is not supported: the split weight "
                          "gradient (W) runs after ZeRO-3 has freed the layer's weights")
-    if cfg.pp > 1 and model.tie_embeddings and cfg.zero > 0:
-        raise ValueError(f"model {cfg.model!r} ties its embeddings: with pp > 1 that needs "
-                         "--zero 0 for now (ZeRO cannot yet sum a weight two stages share)")
     if not (isinstance(cfg.dropout, (int, float)) and 0.0 <= cfg.dropout < 1.0):
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
     check_batch_split(cfg.batch_size, cfg.dp, cfg.microbatches)

@@ -8,10 +8,10 @@ from the outside, in this order:
    (``parallel/tp.py``);
 2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
    the rest of the reference model is dropped;
-3. recomputation replaces blocks (``parallel/recompute.py``), then mixed precision
-   (fp32 masters of bf16 weights);
-4. data parallelism wraps the chunks (ZeRO 0: ``parallel/dp.py``) or shards optimizer
-   states, gradients and parameters over the dp group (ZeRO 1-3: ``parallel/zero.py``).
+3. recomputation replaces blocks (``parallel/recompute.py``);
+4. data parallelism, in one place (``data_parallel``): ZeRO 0-2 (``parallel/zero.py``,
+   replicated or sharded optimizer states and gradients, bf16 weights with fp32
+   masters) or ZeRO-3 (``parallel/zero3.py``, the weights sharded too).
 
 A step: this replica's rows of the step's global batch (the same tokens whatever the
 layout; only these rows are built) cut into micro-batches; the schedule runs forward
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -55,19 +55,20 @@ __all__ = ["TrainConfig", "validate", "train", "rank_main", "build", "Parts"]
 class Parts:
     """What one rank trains, once composed."""
 
-    model: torch.nn.Module  # StageLayers: this rank's (sharded) layers, under the reference names
+    model: torch.nn.Module  # StageLayers: this rank's (sharded) layers, reference names
     chunks: list  # this rank's pipeline chunks (PipelineStage modules, sharing them)
-    optimizer: object  # a torch optimizer (ZeRO 0) or a ZeroOptimizer
+    optimizer: torch.optim.Optimizer  # steps on what data_parallel exposes
     executor: object  # the PipelineExecutor
-    dp_wrappers: list  # DataParallel wrappers (ZeRO 0)
-    precision: object | None  # MixedPrecision with bf16
+    data_parallel: object  # ZeroOptimizer (ZeRO 0-2) or Zero3: the gradient sync
+    precision: object | None  # MixedPrecision (bf16, ZeRO 0-2), for its loss scale
+    names: list[str]  # reference names of this rank's trainable weights
+    sp_names: list[str]  # weights whose gradient is also summed over tp (SP norms)
+    tied_names: list[str]  # a tied embedding's copy, summed over the embedding group
 
 
 def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Parts:
-    """Compose this rank's part: tp -> pp -> recompute -> precision -> dp/ZeRO."""
-    from minipar.parallel.dp import DataParallel
+    """Compose this rank's part: tp -> pp -> recompute -> data parallel (ZeRO 0-3)."""
     from minipar.parallel.pp import PipelineExecutor, StageLayers, build_stage
-    from minipar.parallel.precision import MixedPrecision
     from minipar.parallel.recompute import apply_recompute
     from minipar.parallel.schedules import make_schedule
     from minipar.parallel.tp import apply_tensor_parallel
@@ -83,94 +84,102 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
     model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
     del full  # the layers no chunk took go with it
     model.to(device_for(cfg))
-    precision = MixedPrecision(model, torch.bfloat16) if cfg.dtype == "bf16" else None
-    opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
-    wrappers: list = []
-    if cfg.zero == 0:
-        # With one replica there is nothing to reduce: no wrapper, no gradient buckets
-        # (they would cost a copy per gradient and 2 bytes per parameter held all run).
-        if rm.dp.size > 1:
-            wrappers = [DataParallel(c, rm.dp, mode=cfg.ddp, average=False) for c in stage]
-        params = precision.parameters() if precision else list(model.parameters())
-        optimizer = opt_cls(params, **opt_kwargs)
-    else:
-        from minipar.parallel.zero import ZeroOptimizer
-
-        optimizer = ZeroOptimizer(model, opt_cls, comm=rm.dp, stage=cfg.zero,
-                                  precision=precision, average=False,
-                                  units=[b for c in stage for b in c.blocks.values()],
-                                  **opt_kwargs)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # parameters whose gradient is summed over another group after the dp reduction:
+    # sequence parallelism's replicated norms (over tp) and a tied embedding's two
+    # copies on the first and last stage (over the embedding group)
+    sp_names = [n for n, p in named if getattr(p, "sequence_parallel", False)]
+    tied = ("tok_emb.weight", "head.weight") if model.cfg.tie_embeddings and rm.embed else ()
+    tied_names = [n for n, _ in named if n in tied]
+    sync, optimizer, precision = data_parallel(
+        cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names)
     actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
-    # DataParallel works through gradient hooks, so the executor runs the chunks directly.
+    # The data-parallel layer works through hooks, so the executor runs the chunks.
     # A synchronize after every action makes the GPU timeline true but stalls the host
     # (a few % of a small model's step): only when a trace is asked for.
     executor = PipelineExecutor(stage, rm.pp, actions,
                                 synchronize=bool(cfg.trace) and device_for(cfg).type == "cuda")
+    parts = Parts(model, stage, optimizer, executor, sync, precision, [n for n, _ in named],
+                  sp_names, tied_names)
     if full_state is not None and full_state.get("optimizer") is not None:
         from minipar.checkpoint import load_optimizer_state
 
-        load_optimizer_state(rm, model, optimizer, precision, full_state["optimizer"],
-                             full_state["model"])
-    return Parts(model, stage, optimizer, executor, wrappers, precision)
+        load_optimizer_state(rm, parts, full_state["optimizer"], full_state["model"])
+    return parts
+
+
+def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units: list,
+                  shared: list[str]) -> tuple:
+    """The one place that picks the data-parallel layout: (gradient sync, optimizer,
+    precision). Every ZeRO stage offers the same calls to the step below:
+    ``finish_gradient_sync``, ``grad_shards``, ``scale_grads``, ``all_reduce_grads``,
+    ``zero_grad``, ``memory_bytes``, ``full_state_by_name`` (checkpoints).
+
+    ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
+    and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
+    plain torch optimizer (``parallel/zero3.py``). Gradients are summed, not averaged:
+    the executor already divides each micro-batch loss by dp * m (``loss_scale``).
+    """
+    from minipar.parallel.precision import MixedPrecision
+    from minipar.parallel.zero import ZeroOptimizer
+    from minipar.parallel.zero3 import Zero3
+
+    opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
+    bf16 = cfg.dtype == "bf16"
+    if cfg.zero == 3:
+        sync = Zero3(model, rm.dp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
+                     shared=shared, average=False)
+        optimizer = opt_cls(sync.parameters(), **opt_kwargs)
+        sync.publish_after(optimizer)
+        return sync, optimizer, None
+    precision = MixedPrecision(model, torch.bfloat16) if bf16 else None
+    bucket_mb = 25.0  # PyTorch DDP's default
+    if cfg.zero == 2:  # a bucket per block: ZeRO-2 then holds one full-size bucket at most
+        bucket_mb = max((sum(p.numel() * p.element_size() for p in u.parameters())
+                         for u in units), default=bucket_mb * 2**20) / 2**20
+    sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp, precision=precision,
+                         average=False, shared=shared, overlap=cfg.ddp == "overlapped",
+                         bucket_mb=0 if cfg.ddp == "naive" else bucket_mb, **opt_kwargs)
+    sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
+    return sync, sync, precision
+
+
+def loss_scale(cfg: TrainConfig) -> float:
+    """What each micro-batch loss is multiplied by: the dp reduction sums, so the sum of
+    dp * m scaled losses is the global batch's mean loss."""
+    return 1.0 / (cfg.dp * cfg.microbatches)
 
 
 def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor:
     """Scale the gradients so their global L2 norm is at most ``cfg.grad_clip``.
 
-    The true global norm counts every parameter once: tensor-parallel shards are summed
-    over tp (replicated parameters counted on tp rank 0 only), stages over pp, and with
-    ZeRO the gradient shards over dp. Returns the norm before clipping, as a 0-dim
-    tensor on the compute device: the clip factor ``min(1, clip / norm)`` is computed
-    and applied there too, as ``torch.nn.utils.clip_grad_norm_`` does, so the host never
-    waits for the GPU in the middle of a step (read the norm after the update).
+    The one gradient norm of every layout (``dp.global_grad_norm``): each element is
+    counted once, on the rank that owns it: its ZeRO shard over dp, tensor-parallel
+    shards over tp (replicated parameters on tp rank 0 only), stages over pp. Returns
+    the norm before clipping, as a 0-dim tensor on the compute device: the clip factor
+    ``min(1, clip / norm)`` is computed and applied there too, as
+    ``torch.nn.utils.clip_grad_norm_`` does (read the norm after the update).
     """
+    from minipar.parallel.dp import global_grad_norm
     from minipar.parallel.pp import tied_copy
     from minipar.parallel.tp import tp_shard_dim
 
-    def counted(name: str) -> bool:  # replicated across tp: counted on tp rank 0 only
+    def counted(name: str) -> bool:
         if tied_copy(name, parts.model.cfg):  # the last stage's copy of a tied embedding
             return False
-        return rm.coords.tp == 0 or tp_shard_dim(name) is not None
+        return rm.coords.tp == 0 or tp_shard_dim(name) is not None  # replicated: tp 0
 
-    total = torch.zeros((), dtype=torch.float32, device=device_for(cfg))
-    if cfg.zero == 0:
-        mine = []
-        for name, p in parts.model.named_parameters():  # a tied weight once
-            grad = (parts.precision.master(p).grad if parts.precision is not None
-                    and p.requires_grad else p.grad)
-            if grad is not None and counted(name):
-                mine.append(grad.detach().float())
-        # on the compute device, fused, as clip_grad_norm_ does (no .cpu() per tensor)
-        if mine:
-            total += torch.nn.utils.get_total_norm(mine, 2.0).to(total.device).square()
-    else:  # this rank's share of ZeRO's fp32 gradient shards; disjoint over dp
-        total += parts.optimizer.grad_norm_sq(count=counted).to(total.device)
-        rm.dp.all_reduce(total)
-    rm.tp.all_reduce(total)
-    rm.pp.all_reduce(total)
-    norm = total.sqrt()
+    mine = [g for name, g in parts.data_parallel.grad_shards() if counted(name)]
+    norm = global_grad_norm(mine, [rm.dp, rm.tp, rm.pp], device=device_for(cfg))
     if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by 1.0 if below
-        _scale_grads(cfg, parts, (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0))
+        parts.data_parallel.scale_grads((cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0))
     return norm
-
-
-def _scale_grads(cfg: TrainConfig, parts: Parts, factor: torch.Tensor) -> None:
-    if cfg.zero:
-        parts.optimizer.scale_grads(factor)
-    elif parts.precision is not None:
-        parts.precision.scale_grads(factor)
-    else:
-        for p in parts.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
 
 
 def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
                step: int) -> dict:
     """One optimizer step on the global batch of ``step``. Returns loss and timeline."""
     from minipar.model import set_dropout_key
-    from minipar.parallel.pp import sync_tied_grads, tied_parameters
-    from minipar.parallel.tp import sync_sequence_parallel_grads
 
     lr = lr_at(step, cfg)
     for group in parts.optimizer.param_groups:
@@ -184,39 +193,23 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
         first = (rm.coords.dp * cfg.microbatches + mb) * mb_size
         for chunk in parts.chunks:
             set_dropout_key(chunk, cfg.seed, step, first)
-    with ExitStack() as stack:  # accumulate over all micro-batches; sync once below
-        for w in parts.dp_wrappers if cfg.zero == 0 else [parts.optimizer]:
-            stack.enter_context(w.no_sync())
-        result = parts.executor.step(micro, loss_scale=1.0 / (cfg.dp * cfg.microbatches),
-                                     loss_as_tensor=True,  # read at the end of the step
-                                     before_compute=key_dropout if parts.model.cfg.dropout
-                                     else None)
-    if cfg.zero == 0:
-        for w in parts.dp_wrappers:
-            w.finish_gradient_sync()
-        sync_sequence_parallel_grads(parts.model, rm.tp)
-        sync_tied_grads(parts.model, rm.embed)  # pp > 1: first and last stage's copies
-        if parts.precision is not None:
-            parts.precision.unscale_grads()
-    else:
-        parts.optimizer.finish_gradient_sync()
-        # sequence parallelism: layer-norm gradients summed over tp, on ZeRO's shards
-        parts.optimizer.all_reduce_grads(
-            [p for p in parts.model.parameters() if getattr(p, "sequence_parallel", False)],
-            rm.tp)
-        if rm.embed is not None:  # tied embedding's two copies (refused at pp > 1 for now)
-            parts.optimizer.all_reduce_grads(tied_parameters(parts.model), rm.embed)
-    grads_held = _model_state_bytes(cfg, parts)["grads"]  # while the gradients exist
+    # the gradients are reduced over dp during the backwards (the last micro-batch's,
+    # or each one's with ZeRO-3); the sync finishes what is still in flight
+    result = parts.executor.step(micro, loss_scale=loss_scale(cfg),
+                                 loss_as_tensor=True,  # read at the end of the step
+                                 before_compute=key_dropout if parts.model.cfg.dropout
+                                 else None)
+    sync = parts.data_parallel
+    sync.finish_gradient_sync()
+    # sequence parallelism: layer-norm gradients summed over tp, on the shards
+    sync.all_reduce_grads(parts.sp_names, rm.tp)
+    if rm.embed is not None:  # a tied embedding: the first and last stage's copies
+        sync.all_reduce_grads(parts.tied_names, rm.embed)
     norm = clip_gradients(cfg, rm, parts)
-    if cfg.zero == 0 and parts.precision is not None:
-        parts.precision.step(parts.optimizer)
-        parts.precision.zero_grad()
-    else:
-        parts.optimizer.step()
-        parts.optimizer.zero_grad(set_to_none=True)
-    # parameters and optimizer states after the update (Adam's moments exist from the
-    # first step on), gradients as they were before it
-    held = {**_model_state_bytes(cfg, parts), "grads": grads_held}
+    parts.optimizer.step()
+    # peaks of this step; parameters and optimizer states after the update
+    held = sync.memory_bytes(parts.optimizer)
+    sync.zero_grad()
     loss = None
     if result.loss is not None:  # last stage: the mean over the dp replicas
         t = result.loss.detach().to(torch.float64).reshape(1)
@@ -224,20 +217,6 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
         loss = float(t) / cfg.dp  # the step's one wait for the GPU (norm: already done)
     return {"loss": loss, "grad_norm": float(norm), "lr": lr, "timeline": result.timeline,
             "peak_in_flight": result.peak_in_flight, "memory": held}
-
-
-def _model_state_bytes(cfg: TrainConfig, parts: Parts) -> dict:
-    """Bytes of parameters, gradients and optimizer states this rank holds now."""
-    from minipar.meter import module_bytes, optimizer_state_bytes, storage_bytes
-
-    if cfg.zero:
-        return parts.optimizer.memory_bytes()
-    params, grads = module_bytes([parts.model])
-    opt = optimizer_state_bytes(parts.optimizer)
-    if parts.precision is not None:  # fp32 masters count as optimizer state (ZeRO paper)
-        opt += parts.precision.master_bytes()
-        grads += storage_bytes(m.grad for m in parts.precision.parameters())
-    return {"params": params, "grads": grads, "optimizer": opt}
 
 
 def _with_total(mem: dict) -> dict:
@@ -260,7 +239,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     data = make_data(cfg, parts.model.cfg.vocab_size, parts.model.cfg.seq_len)
     reports_loss = rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
     losses, norms, timeline, step_times, act_peak, evals = [], [], [], [], 0, []
-    param_storages = [p for p in parts.model.parameters()]
+    param_storages = [f.full for f in parts.data_parallel.flats]  # weights, not activations
     tokens_per_step = cfg.batch_size * parts.model.cfg.seq_len
     last_report = (start, time.time())
     for step in range(start, end):

@@ -15,11 +15,43 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-# The byte counters live with data parallelism, their first user; re-exported here.
-from minipar.parallel.dp import optimizer_state_bytes, storage_bytes
+__all__ = ["ActivationMeter", "PeakBytes", "module_bytes", "optimizer_state_bytes",
+           "saved_tensor_elements", "storage_bytes"]
 
-__all__ = ["ActivationMeter", "module_bytes", "optimizer_state_bytes", "saved_tensor_elements",
-           "storage_bytes"]
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            if s.nbytes():
+                seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of an optimizer's per-element state (Adam's two moments; not its step count)."""
+    return storage_bytes(t for state in optimizer.state.values() for t in state.values()
+                         if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+class PeakBytes:
+    """The most bytes a technique held at once during a step.
+
+    Sampling memory after the step would miss what lives only inside it (ZeRO-2's
+    full-size gradient buckets, ZeRO-3's gathered weights): the owner reports what it
+    holds each time that changes (``observe``); ``reset`` starts a new step's peak.
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def observe(self, nbytes: int) -> None:
+        self.peak = max(self.peak, nbytes)
+
+    def reset(self, nbytes: int = 0) -> None:
+        self.peak = nbytes
 
 
 def module_bytes(modules: Iterable[nn.Module]) -> tuple[int, int]:
@@ -45,7 +77,9 @@ class ActivationMeter:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        # by storage object, not address: ZeRO-3 frees and regathers a unit's weights
+        # into the same storage at another address
+        self._exclude = {t.untyped_storage()._cdata for t in exclude}
         self._live: dict[int, list] = {}  # storage ptr -> [bytes, refcount]
         self.current = 0
         self.peak = 0
@@ -53,7 +87,7 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
-        if ptr in self._exclude or t.device.type == "meta":
+        if t.untyped_storage()._cdata in self._exclude or t.device.type == "meta":
             return t
         entry = self._live.get(ptr)
         if entry is None:

@@ -363,6 +363,12 @@ def _mixed_precision(_: None) -> None:
     opt = torch.optim.SGD(mp.parameters(), lr=0.1)
     model.weight.grad = torch.full_like(model.weight, float("inf"))
     model.bias.grad = torch.zeros_like(model.bias)
+    try:  # the loss was never multiplied by S: dividing by it would be silently wrong
+        mp.step(opt)
+        raise AssertionError("unscaling gradients that were never scaled must fail")
+    except RuntimeError as e:
+        assert "scale_loss" in str(e)
+    mp.scale_loss(torch.zeros(()))  # (as if the gradients came from this loss)
     assert not mp.step(opt) and mp.scale == 2.0**15  # overflow: skipped, scale halved
     assert torch.equal(mp.master(model.weight), exact)
     mp.zero_grad()

@@ -36,7 +36,10 @@ unused here waits until ``finish_gradient_sync()``, and the buckets after it wai
 so the ranks never enter different collectives.
 
 The reusable pieces (``trainable_params``, ``bucket_params``, ``Reducer``,
-``storage_bytes``) are also what ``minipar.parallel.zero`` builds on.
+``global_grad_norm``) are also what ``minipar.parallel.zero`` builds on. The wrapper is
+an ``nn.Module`` shaped like ``torch.nn.parallel.DistributedDataParallel``: call it,
+ask it for ``parameters()`` or ``state_dict()`` (keys prefixed ``module.``), move the
+module to its device *before* wrapping (the gradient buckets are allocated there).
 """
 
 from __future__ import annotations
@@ -44,15 +47,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from minipar.comm import Comm, Pending
-
-if TYPE_CHECKING:
-    from minipar.parallel.precision import MixedPrecision
+from minipar.meter import optimizer_state_bytes, storage_bytes
 
 MODES = ("naive", "bucketed", "overlapped")
 MB = 2**20
@@ -94,21 +94,47 @@ def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[
     return buckets
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            if s.nbytes():
-                seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+def claim_gradients(params: Iterable[nn.Parameter], owner: str) -> None:
+    """Record that ``owner`` synchronises these parameters' gradients; refuse a second.
+
+    Two synchronisers on one parameter (``DataParallel`` and ``ZeroOptimizer``) would
+    each reduce the same gradient, silently (both hooks run; the sum is taken twice).
+    """
+    params = list(params)
+    for p in params:
+        other = getattr(p, "grad_synchronizer", None)
+        if other is not None:
+            raise ValueError(f"a parameter's gradient is already synchronised by {other}; "
+                             f"{owner} would reduce it a second time: use one of them")
+    for p in params:
+        p.grad_synchronizer = owner
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of an optimizer's per-element state (Adam's two moments; not its step count)."""
-    return storage_bytes(t for state in optimizer.state.values() for t in state.values()
-                         if isinstance(t, torch.Tensor) and t.dim() > 0)
+def release_gradients(params: Iterable[nn.Parameter]) -> None:
+    for p in params:
+        if hasattr(p, "grad_synchronizer"):
+            del p.grad_synchronizer
+
+
+def global_grad_norm(pieces: Iterable[torch.Tensor], groups: Iterable[Comm] = (),
+                     device: torch.device | None = None) -> torch.Tensor:
+    """The L2 norm of a gradient spread over ranks: the one norm every layout uses.
+
+    ``pieces``: the gradient elements this rank *owns*, each element of the model owned
+    by exactly one rank of the ``groups`` (a ZeRO shard over dp; a replicated tensor-
+    parallel weight on tp rank 0 only; a pipeline stage's own layers). The squared sum is
+    added up over each group. Computed on the device, fused (as
+    ``torch.nn.utils.clip_grad_norm_``): the host does not wait for the GPU here.
+    """
+    pieces = [t.detach().float() for t in pieces]
+    total = torch.zeros((), dtype=torch.float32,
+                        device=device or (pieces[0].device if pieces else None))
+    if pieces:
+        total += torch.nn.utils.get_total_norm(pieces, 2.0).to(total.device).square()
+    for group in groups:
+        if group.size > 1:
+            group.all_reduce(total)
+    return total.sqrt()
 
 
 def broadcast_module(module: nn.Module, comm: Comm,
@@ -182,11 +208,26 @@ class Reducer:
         self._next = 0
 
 
+class NoSync:
+    """``no_sync()``, PyTorch DDP's name: backwards inside only accumulate gradients
+    locally; nothing is reduced until a synchronised backward or the next sync."""
+
+    _sync = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+
 # --- the wrapper -----------------------------------------------------------------------
-class DataParallel:
+class DataParallel(NoSync, nn.Module):
     """Wrap ``module`` for data parallelism over ``comm`` (the mesh's dp group).
 
-    ``ddp(*args)`` runs the module. After backward call ``finish_gradient_sync()``;
+    ``ddp(*args)`` runs the module (``forward``). After backward call ``finish_gradient_sync()``;
     then any torch optimizer can step on ``module.parameters()``.
 
     ``average=True`` divides the summed gradients by the dp size (what a plain loop
@@ -201,12 +242,14 @@ class DataParallel:
     def __init__(self, module: nn.Module, comm: Comm | None = None, *,
                  mode: str = "overlapped", bucket_mb: float = 25.0, average: bool = True,
                  reduce_dtype: torch.dtype | None = None, find_unused: bool = False,
-                 broadcast: bool = True, precision: MixedPrecision | None = None):
+                 broadcast: bool = True, precision=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        super().__init__()
         self.module, self.comm, self.mode = module, comm or Comm(), mode
         self.average, self.reduce_dtype, self.find_unused = average, reduce_dtype, find_unused
         self.params = trainable_params(module)
+        claim_gradients(self.params, "DataParallel")
         if broadcast and precision is not None:  # share the fp32 masters, then round
             trainable = {id(p) for p in self.params}
             broadcast_module(module, self.comm, lambda p: precision.master(p).data
@@ -222,7 +265,7 @@ class DataParallel:
         self._wire: dict[int, torch.Tensor] = {}  # bucket -> tensor on the wire, if cast
         sizes = self._make_buckets(bucket_mb * MB) if mode != "naive" else []
         self._reducer = Reducer(sizes, self._start, self._complete)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for p in self.params]
 
     def _make_buckets(self, bucket_bytes: float) -> list[int]:
@@ -244,17 +287,8 @@ class DataParallel:
             self._buckets.append(flat)
         return [len(b) for b in buckets]
 
-    def __call__(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside only accumulate gradients; nothing is communicated."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
 
     # --- backward hook: the gradient of ``p`` is final for this backward --------------
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -316,20 +350,7 @@ class DataParallel:
             if n == 0:
                 p.grad = None
 
-    # --- what an engine needs for clipping and accounting -----------------------------
-    def grad_norm_sq(self) -> torch.Tensor:
-        """Squared L2 norm of the (synchronised, identical on every dp rank) gradients."""
-        total = torch.zeros((), dtype=torch.float32)
-        for p in self.params:
-            if p.grad is not None:
-                total += p.grad.float().pow(2).sum().to(total.device)
-        return total
-
-    def scale_grads(self, factor: float) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(factor)
-
+    # --- accounting ----------------------------------------------------------------
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer``.
 
@@ -349,6 +370,7 @@ class DataParallel:
 
     def remove(self) -> None:
         """Remove the gradient hooks (the module is left as it is)."""
-        for h in self._hooks:
+        for h in self._grad_hooks:
             h.remove()
-        self._hooks.clear()
+        self._grad_hooks.clear()
+        release_gradients(self.params)

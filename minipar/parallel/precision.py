@@ -11,7 +11,10 @@ bytes: the "2 + 2 + 12" the ZeRO paper counts (Rajbhandari et al. 2019, section 
 
 fp16 has a narrow range, so small gradients underflow to zero: *loss scaling* multiplies
 the loss by S before backward (all gradients grow by S) and divides the gradients by S
-in fp32. With dynamic scaling S halves when a gradient overflows (that step is skipped)
+in fp32. The division must match a multiplication that happened: ``unscale_factor``
+refuses to divide by S when ``scale_loss`` was not called since the last step (a caller
+who scaled nothing would otherwise train with gradients 65536x too small, silently).
+With dynamic scaling S halves when a gradient overflows (that step is skipped)
 and doubles after ``growth_interval`` good steps. bf16 has fp32's range: no scaling.
 
 Use (replicated optimizer, with or without ``DataParallel``)::
@@ -33,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minipar.parallel.dp import storage_bytes, trainable_params
+from minipar.meter import storage_bytes
 
 
 class MixedPrecision:
@@ -52,7 +55,7 @@ class MixedPrecision:
         self.dynamic = loss_scale == "dynamic"
         self.scale = 2.0**16 if self.dynamic else float(loss_scale or 1.0)
         self.growth_interval, self._good_steps = growth_interval, 0
-        self.params = trainable_params(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
             # The masters are taken before the cast: exactly the fp32 reference weights.
             self._masters = {id(p): nn.Parameter(p.detach().to(master_dtype, copy=True))
@@ -61,7 +64,7 @@ class MixedPrecision:
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
         self.skipped_steps = 0
-        self._unscaled, self._finite = False, True
+        self._unscaled, self._finite, self._loss_scaled = False, True, False
 
     # --- masters ------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -91,10 +94,22 @@ class MixedPrecision:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * S``; backward on this gives gradients scaled by S."""
+        self._loss_scaled = True
         return loss * self.scale if self.scaling else loss
+
+    def unscale_factor(self) -> float:
+        """1/S, the factor that turns this step's gradients back into true ones."""
+        if not self.scaling:
+            return 1.0
+        if not self._loss_scaled:
+            raise RuntimeError(f"loss scaling is on (S = {self.scale:g}) but scale_loss() was "
+                               "not called: backward on mp.scale_loss(loss), or build "
+                               "MixedPrecision(..., loss_scale=None)")
+        return self.inv_scale
 
     def update_scale(self, found_inf: bool) -> None:
         """After a step: halve S on overflow, double it after enough good steps."""
+        self._loss_scaled = False  # the next step's backward must scale again
         if not self.dynamic:
             return
         if found_inf:
@@ -109,9 +124,9 @@ class MixedPrecision:
         """Model gradients -> fp32 master gradients, divided by S; True if all finite.
 
         ``step`` calls it if needed; call it yourself before clipping (the norm must be
-        taken on the unscaled fp32 gradients: ``grad_norm_sq``, ``scale_grads``).
+        taken on the unscaled fp32 gradients: ``dp.global_grad_norm``, ``scale_grads``).
         """
-        finite = True
+        finite, factor = True, self.unscale_factor()
         for p in self.params:
             m = self.master(p)
             if p.grad is None:
@@ -119,15 +134,10 @@ class MixedPrecision:
                 continue
             m.grad = p.grad.to(self.master_dtype, copy=True)
             if self.scaling:
-                m.grad.mul_(self.inv_scale)
+                m.grad.mul_(factor)
                 finite = finite and bool(torch.isfinite(m.grad).all())
         self._unscaled, self._finite = True, finite
         return finite
-
-    def grad_norm_sq(self) -> torch.Tensor:
-        """Squared L2 norm of the fp32 master gradients (after ``unscale_grads``)."""
-        return sum((m.grad.pow(2).sum() for m in self.parameters() if m.grad is not None),
-                   torch.zeros((), dtype=self.master_dtype))
 
     def scale_grads(self, factor: float) -> None:
         # One foreach call, not a kernel launch per tensor (GPU speed; same values).

@@ -1,0 +1,391 @@
+"""ZeRO stage 3: shard the weights too, gather each unit just in time, free it after
+(Rajbhandari et al. 2019, arXiv 1910.02054, section 5.3; PyTorch FSDP, Zhao et al. 2023,
+arXiv 2304.11277).
+
+Stage 3 keeps on each of the N ranks 1/N of the weights too (16 Psi / N bytes of model
+state). A *unit* (a block: by default every module of an ``nn.ModuleList``) is gathered
+just before its forward and freed after; gathered again for its backward, freed, and
+its gradient reduce-scattered at once: a rank holds a few units' full weights or
+gradients at most. 3(N-1)/N of the weights move per step, 1.5x data parallelism.
+
+What lives where (FSDP's choices):
+* the wrapper's ``parameters()`` are the fp32 *master shards*, one per unit: give them
+  to any torch optimizer; each gradient has its shard's shape. After ``optimizer.step()``
+  call ``publish()`` (or ``publish_after(optimizer)`` once) to share the new weights.
+* compute runs on ``param_dtype`` (bf16, say) copies gathered per unit; the full fp32
+  model never exists on the device after construction (built one unit at a time).
+* gradients are accumulated per unit in ``grad_dtype`` (fp32) and reduced in
+  ``reduce_dtype`` (default the same). Under gradient accumulation each micro-batch's
+  backward reduce-scatters its units at once: between micro-batches a rank keeps only
+  its fp32 gradient shard (FSDP2's default; ``no_sync()`` keeps the full-size unit
+  gradients instead and reduces once, trading memory for communication).
+* modules of the types in ``replicate`` (small norms, say) are not sharded: their
+  weights stay gathered and their gradients are all-reduced.
+
+The module's trainable weights become plain tensors viewing their unit's flat buffer
+(no storage while the unit is free): its own code runs as written. Wrap it on its
+device. Every rank runs the same units in the same order, through ``__call__``. The
+zero-bubble schedule's deferred W pass is refused (``config.validate``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch import nn
+
+from minipar.comm import Comm, Pending
+from minipar.meter import PeakBytes, optimizer_state_bytes, storage_bytes
+from minipar.parallel.dp import broadcast_module
+from minipar.parallel.zero_state import (
+    FlatParams,
+    ShardedState,
+    all_reduce_grads,
+    clip_owned,
+    held_grad_bytes,
+)
+
+MASTER_DTYPE = torch.float32
+
+
+class _Unit:
+    """Weights gathered and freed together, when one of ``modules`` runs."""
+
+    def __init__(self, modules: list[nn.Module], flats: list[FlatParams], replicated: bool):
+        self.modules, self.flats, self.replicated = modules, flats, replicated
+        self.leaves = [t for f in flats for t in f.params]
+        self.state = "gathered" if replicated else "free"  # free / gathering / gathered
+        self.pending: list[Pending] = []
+        self.in_backward, self.dirty = False, False
+        self.waiting: set[int] = set()  # weights whose gradient this backward awaits
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """Every module held in an ``nn.ModuleList`` (a GPT's blocks)."""
+    return [m for ml in module.modules() if isinstance(ml, nn.ModuleList) for m in ml]
+
+
+def _tensors(x) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+class Zero3(ShardedState, nn.Module):
+    """Shard ``module``'s trainable weights over ``comm`` (the dp group), ZeRO-3 style.
+
+    ``units``: the modules gathered as one (default ``default_units``); a weight outside
+    every unit is gathered by the module that registers it (an embedding, a head; a tied
+    weight by each module that uses it). ``prefetch``: start gathering the next unit
+    (forward) or the previous one (backward) while this one computes. ``shared``: names
+    of weights that ``all_reduce_grads`` will sum over another group (each gets a flat of
+    its own). ``average``: divide the gradient sum by the dp size.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm | None = None, *,
+                 units: Iterable[nn.Module] | None = None,
+                 param_dtype: torch.dtype | None = None,
+                 grad_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype | None = None,
+                 replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
+                 prefetch: bool = True, average: bool = True, broadcast: bool = True,
+                 max_inflight: int = 1):
+        super().__init__()
+        self.module, self.comm = module, comm or Comm()
+        self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
+        self.prefetch, self.average, self.max_inflight = prefetch, average, max_inflight
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        if broadcast:  # every rank starts from rank 0's (fp32) weights and buffers
+            broadcast_module(module, self.comm)
+        for p in module.parameters():  # frozen weights: replicated, in the compute dtype
+            if not p.requires_grad and param_dtype is not None and p.is_floating_point():
+                p.data = p.data.to(param_dtype)
+        self.names = list(named)  # the reference names, in order
+        self._name_of = {id(p): n for n, p in named.items()}
+        self.units: list[_Unit] = []
+        self._triggers: list[nn.Module] = []
+        self._build(named, set(units) if units is not None else set(default_units(module)),
+                    replicate, set(shared), param_dtype)
+        self.shards = nn.ParameterList([f.master for u in self.units for f in u.flats])
+        self.flats = [f for u in self.units for f in u.flats]
+        self._unit_of = {id(t): u for u in self.units for t in u.leaves}
+        self._where = {id(t): (f, k) for f in self.flats for k, t in enumerate(f.params)}
+        self._units_of = {id(m): [u for u in self.units if any(x is m for x in u.modules)]
+                          for m in self._triggers}
+        self._inflight: deque = deque()
+        self._sync, self._end_queued = True, False
+        self.param_bytes, self.grad_bytes = PeakBytes(), PeakBytes()
+        self._grad_hooks = [t.register_post_accumulate_grad_hook(self._on_grad)
+                            for u in self.units for t in u.leaves]
+        for u in self.units:
+            self._grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                u.leaves, partial(self._unit_grads_computed, u), mode="all"))
+        for m in self._triggers:
+            self._grad_hooks += [m.register_forward_pre_hook(self._pre_forward),
+                            m.register_forward_hook(self._post_forward)]
+
+    # --- construction: who gathers what, one unit's fp32 values at a time -------------
+    def _build(self, named: dict, given: set, replicate: tuple, shared: set,
+               param_dtype: torch.dtype | None) -> None:
+        """A weight is gathered by the innermost given unit around the module that
+        registers it or, outside every unit, by that module itself; a weight registered
+        by several modules (a tied embedding and head) by each of them."""
+        trainable = {id(p) for p in named.values()}
+        triggers: dict[int, list[nn.Module]] = {}
+        owners: list[tuple[nn.Module, str, nn.Parameter]] = []
+        seen: set[int] = set()
+
+        def walk(m: nn.Module, unit: nn.Module | None) -> None:
+            if id(m) in seen:
+                return
+            seen.add(id(m))
+            unit = m if m in given else unit
+            for local, p in m.named_parameters(recurse=False):
+                if id(p) not in trainable:
+                    continue
+                owners.append((m, local, p))
+                t = unit if unit is not None else m
+                if all(t is not x for x in triggers.setdefault(id(p), [])):
+                    triggers[id(p)].append(t)
+                    if all(t is not x for x in self._triggers):
+                        self._triggers.append(t)
+            for child in m.children():
+                walk(child, unit)
+
+        walk(self.module, None)
+        by_set: dict[tuple, list[nn.Parameter]] = {}
+        for p in named.values():
+            mods = triggers[id(p)]
+            replicated = any(isinstance(m, replicate) for m in mods) if replicate else False
+            by_set.setdefault((tuple(sorted(map(id, mods))), replicated), []).append(p)
+        leaves: dict[int, torch.Tensor] = {}
+        parts, rank = self.comm.size, self.comm.rank
+        for (_, replicated), params in by_set.items():
+            groups = [[p for p in params if self._name_of[id(p)] not in shared]]
+            groups += [[p] for p in params if self._name_of[id(p)] in shared]
+            flats = []
+            for group in filter(None, groups):
+                dtype = param_dtype or group[0].dtype
+                f = FlatParams(group, [self._name_of[id(p)] for p in group], 0,
+                               [p.detach() for p in group], 0 if replicated else rank,
+                               1 if replicated else parts, dtype, MASTER_DTYPE,
+                               keep_full=False)
+                f.params = []  # the weights become plain leaves viewing the flat buffer
+                for p, o, n in zip(group, f.offsets, f.numels):
+                    leaf = torch.empty(0, dtype=dtype, device=p.device).requires_grad_()
+                    leaf.data = f.full[o:o + n].view(p.shape)
+                    leaves[id(p)] = leaf
+                    f.params.append(leaf)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free it
+                if not replicated:
+                    f.full.untyped_storage().resize_(0)  # gathered when used
+                flats.append(f)
+            self.units.append(_Unit(triggers[id(params[0])], flats, replicated))
+        for m, local, p in owners:  # swap each registered weight for its leaf
+            del m._parameters[local]
+            setattr(m, local, leaves[id(p)])
+        pos = {id(m): i for i, m in enumerate(self._triggers)}
+        # reduction order: backward finishes the last-used module first
+        self.units.sort(key=lambda u: -min(pos[id(m)] for m in u.modules))
+
+    # --- gather just in time, free right after ------------------------------------------
+    def _gather(self, u: _Unit, async_op: bool = False) -> None:
+        if u.state == "free":
+            for f in u.flats:
+                f.full.untyped_storage().resize_(f.padded * f.full.element_size())
+            u.pending = [self.comm.all_gather_into(f.full, f.shard, async_op=True)
+                         for f in u.flats]
+            u.state = "gathering"
+            self.param_bytes.observe(self._params_held())
+        if u.state == "gathering" and not async_op:
+            for pending in u.pending:
+                pending.wait()
+            u.pending, u.state = [], "gathered"
+
+    def _free(self, u: _Unit) -> None:
+        if u.state != "free" and not u.replicated:
+            self._gather(u)  # an in-flight gather must land before its buffer goes
+            for f in u.flats:
+                f.full.untyped_storage().resize_(0)
+            u.state = "free"
+
+    def _params_held(self) -> int:
+        return storage_bytes([f.full for f in self.flats] + [f.shard for f in self.flats])
+
+    def _neighbour(self, module: nn.Module, step: int) -> list[_Unit]:
+        """Units of the next (step=1) or previous (-1) module in registration order."""
+        i = next(i for i, m in enumerate(self._triggers) if m is module) + step
+        return self._units_of[id(self._triggers[i])] if 0 <= i < len(self._triggers) else []
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        for u in self._units_of[id(module)]:
+            self._gather(u)
+        if self.prefetch:
+            for u in self._neighbour(module, 1):
+                self._gather(u, async_op=True)
+
+    def _post_forward(self, module: nn.Module, args, output) -> None:
+        for u in self._units_of[id(module)]:
+            if not u.in_backward:  # (a recomputation inside backward keeps it)
+                self._free(u)
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, module))
+
+    def _pre_backward(self, module: nn.Module, grad: torch.Tensor) -> None:
+        """Runs when the gradient of the module's output is ready: its backward is next."""
+        if not self._end_queued:  # one clean-up at the end of this backward pass
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
+        for u in self._units_of[id(module)]:
+            self._gather(u)
+            if not u.in_backward:
+                u.in_backward, u.waiting = True, {id(t) for t in u.leaves}
+        if self.prefetch:
+            for u in self._neighbour(module, -1):
+                self._gather(u, async_op=True)
+
+    def _end_of_backward(self) -> None:
+        """Free whatever is still gathered (a unit with a weight unused this pass), and
+        land the reductions in flight: after ``backward()`` the gradient shards are
+        complete, so an optimizer may step without a ``finish_gradient_sync`` (as FSDP)."""
+        self._end_queued = False
+        for u in self.units:
+            u.in_backward = False
+            self._free(u)
+        while self._inflight:
+            self._complete_oldest()
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Hold every unit's full weights for a while (evaluation, inspection)."""
+        for u in self.units:
+            self._gather(u)
+        try:
+            yield
+        finally:
+            for u in self.units:
+                self._free(u)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # --- gradients: accumulate per unit, reduce-scatter as each unit completes ----------
+    def _on_grad(self, t: torch.Tensor) -> None:
+        f, k = self._where[id(t)]
+        if f.grad is None:
+            f.grad = torch.zeros(f.padded, dtype=self.grad_dtype, device=t.device)
+            self.grad_bytes.observe(self._grads_held())
+        f.grad[f.offsets[k]:f.offsets[k] + f.numels[k]].add_(t.grad.reshape(-1))
+        t.grad = None
+        self._arrived(t)
+
+    def _arrived(self, t: torch.Tensor) -> None:
+        u = self._unit_of[id(t)]
+        u.dirty = True
+        u.waiting.discard(id(t))
+        if u.in_backward and not u.waiting:  # the unit's backward is done
+            u.in_backward = False
+            self._free(u)
+            if self._sync:
+                self._reduce(u)
+
+    def _unit_grads_computed(self, u: _Unit, grads: list[torch.Tensor | None]) -> None:
+        """Once per backward: a weight with no gradient was unused and counts as arrived
+        (zero), so the reduce-scatter starts at the same point on every rank."""
+        for t, g in zip(u.leaves, grads):
+            if g is None:
+                self._arrived(t)
+
+    def _reduce(self, u: _Unit) -> None:
+        u.dirty = False
+        for f in u.flats:
+            wire = f.grad if f.grad is not None else torch.zeros(
+                f.padded, dtype=self.grad_dtype, device=f.master.device)
+            # the buffer now belongs to the collective: the next micro-batch's gradients
+            # go to a new one (it may arrive while this one is still on the wire)
+            f.grad, wire = None, wire.to(self.reduce_dtype)
+            if self.average:
+                wire.div_(self.comm.size)
+            if u.replicated:
+                out, pending = wire, self.comm.all_reduce(wire, async_op=True)
+            else:
+                out = torch.empty(f.hi - f.lo, dtype=wire.dtype, device=wire.device)
+                pending = self.comm.reduce_scatter_into(out, wire, async_op=True)
+            while len(self._inflight) >= self.max_inflight:  # make room first: the
+                self._complete_oldest()  # buffers in flight are all the memory it costs
+            self._inflight.append((f, wire, out, pending))
+            self.grad_bytes.observe(self._grads_held())
+
+    def _complete_oldest(self) -> None:
+        f, _, out, pending = self._inflight.popleft()
+        pending.wait()
+        g = out.to(f.master.dtype)
+        f.master.grad = g if f.master.grad is None else f.master.grad.add_(g)
+        self.grad_bytes.observe(self._grads_held())
+
+    def _grads_held(self) -> int:
+        return held_grad_bytes(self.flats, [t for _, w, o, _ in self._inflight for t in (w, o)])
+
+    def finish_gradient_sync(self) -> None:
+        """Reduce every unit with gradients not reduced yet (in unit order) and wait."""
+        for u in self.units:
+            u.in_backward = False
+            self._free(u)
+            if u.dirty:
+                self._reduce(u)
+        while self._inflight:
+            self._complete_oldest()
+
+    # --- after the optimizer step --------------------------------------------------------
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The updated fp32 master shards -> the shards (or replicas) gathered from."""
+        for u in self.units:
+            for f in u.flats:
+                if u.replicated:
+                    f.full.copy_(f.master)
+                if f.shard.data_ptr() != f.master.data_ptr():
+                    f.shard.copy_(f.master)
+
+    def publish_after(self, optimizer: torch.optim.Optimizer):
+        """Call ``publish`` after every ``optimizer.step()`` (a torch step hook)."""
+        return optimizer.register_step_post_hook(lambda *_: self.publish())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for f in self.flats:
+            f.master.grad, f.grad = None, None
+        self.grad_bytes.reset(0)
+        self.param_bytes.reset(self._params_held())
+
+    # --- clipping, other groups, accounting, checkpoints -----------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the dp-wide gradient norm (data parallelism only); returns the norm."""
+        self.finish_gradient_sync()
+        return clip_owned(self.flats, self.comm, max_norm)
+
+    def all_reduce_grads(self, names: Iterable[str], comm: Comm) -> None:
+        """Sum the gradient shards of ``names`` over another group (see ``shared``)."""
+        all_reduce_grads(self.flats, set(names), comm)
+
+    def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Peak bytes of this step: weights (shards and gathered units), gradients (unit
+        buffers and fp32 shards); optimizer: fp32 master shards and ``optimizer``'s state."""
+        return {"params": max(self.param_bytes.peak, self._params_held()),
+                "grads": max(self.grad_bytes.peak, self._grads_held()),
+                "optimizer": storage_bytes(f.master for f in self.flats
+                                           if f.shard.data_ptr() != f.master.data_ptr())
+                + (optimizer_state_bytes(optimizer) if optimizer is not None else 0)}
+
+    def _stepper(self, optimizer):
+        return optimizer or torch.optim.SGD(self.shards, lr=0.0)  # (no state)

@@ -1,0 +1,289 @@
+"""The flat, sharded layout ZeRO keeps its state in, and its state saved by name.
+
+Shared by ``zero.py`` (stages 0-2) and ``zero3.py`` (stage 3). The parameters of one
+bucket or unit are laid end to end in one buffer, padded with zeros to a multiple of the
+N ranks that share it; rank r owns the contiguous shard [r*S, (r+1)*S) and keeps its
+*master* (the fp32 values the optimizer updates). A checkpoint must not depend on that
+layout (the dp size, the buckets, the stage): ``full_state`` gathers each parameter's
+weights and optimizer states back *by name*, and ``load_full_state`` takes a rank's
+slice of them, so a run saved at one layout resumes at any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from minipar.comm import Comm
+from minipar.meter import storage_bytes
+from minipar.parallel.dp import NoSync, global_grad_norm
+
+
+class FlatParams:
+    """Parameters laid end to end in one buffer padded to ``parts`` equal shards.
+
+    ``master``: this rank's shard [lo, hi) in ``master_dtype``, the parameter the optimizer
+    updates (the whole buffer itself when it is unsharded and already of that dtype).
+    ``full``: the whole buffer in the compute ``dtype`` (``keep_full=False``: left
+    unfilled, for ZeRO-3 to gather into). ``shard``: ZeRO-3's all-gather source,
+    this rank's shard in the compute dtype. ``grad``: the full-size gradient buffer while
+    gradients accumulate (else None). Only one unit's fp32 values exist at a time here.
+    """
+
+    def __init__(self, params: list, names: list[str], group: int,
+                 sources: list[torch.Tensor], rank: int, parts: int, dtype: torch.dtype,
+                 master_dtype: torch.dtype = torch.float32, keep_full: bool = True):
+        self.params, self.names, self.group = params, names, group
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:k]) for k in range(len(params))]
+        self.numel = sum(self.numels)
+        self.padded = -(-self.numel // parts) * parts
+        size = self.padded // parts
+        self.lo, self.hi = rank * size, (rank + 1) * size
+        device = sources[0].device
+        flat = torch.zeros(self.padded, dtype=master_dtype, device=device)
+        with torch.no_grad():
+            for src, o, n in zip(sources, self.offsets, self.numels):
+                flat[o:o + n].copy_(src.reshape(-1))
+        self.shard: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+        if keep_full and parts == 1 and dtype == master_dtype:
+            self.full, self.master = flat, nn.Parameter(flat)  # one buffer, no copy
+        elif keep_full:
+            self.master = nn.Parameter(flat[self.lo:self.hi].clone())
+            self.full = flat.to(dtype)
+        else:
+            self.master = nn.Parameter(flat[self.lo:self.hi].clone())
+            self.shard = self.master.data if dtype == master_dtype else \
+                self.master.detach().to(dtype)
+            self.full = torch.empty(self.padded, dtype=dtype, device=device)
+            if parts == 1:
+                self.full.copy_(self.shard)
+
+    def bind(self) -> None:
+        """Make the parameters views of the flat buffer (an all-gather updates them)."""
+        for p, o, n in zip(self.params, self.offsets, self.numels):
+            p.data = self.full[o:o + n].view_as(p)
+
+    def owned(self) -> Iterator[tuple[int, int, int]]:
+        """(k, a, b): the part of parameter k inside this rank's shard, as [a, b) of it."""
+        for k, (o, n) in enumerate(zip(self.offsets, self.numels)):
+            a, b = max(o, self.lo), min(o + n, self.hi)
+            if a < b:
+                yield k, a - self.lo, b - self.lo
+
+    def slice(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of the flat made of ``tensors`` (one per parameter)."""
+        flat = torch.zeros(self.padded, dtype=tensors[0].dtype)
+        for t, o, n in zip(tensors, self.offsets, self.numels):
+            flat[o:o + n] = t.reshape(-1).cpu()
+        return flat[self.lo:self.hi].clone().to(self.master.device)
+
+
+def owned_grads(flats: list[FlatParams], owns_unsharded: bool
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, gradient elements) this rank owns: its shard of each flat's fp32 gradient;
+    of an unsharded flat (replicated on every rank) only if ``owns_unsharded``. Over the
+    ranks sharing the flats every element is owned once."""
+    for f in flats:
+        if f.master.grad is not None and (owns_unsharded or f.lo != 0 or f.hi != f.padded):
+            for k, a, b in f.owned():
+                yield f.names[k], f.master.grad[a:b]
+
+
+def clip_owned(flats: list[FlatParams], comm: Comm, max_norm: float) -> float:
+    """Clip by the norm over ``comm`` (data parallelism alone); returns the norm."""
+    norm = global_grad_norm((g for _, g in owned_grads(flats, comm.rank == 0)), [comm])
+    scale_grads(flats, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return float(norm)
+
+
+def held_grad_bytes(flats: list[FlatParams], extra: list = ()) -> int:
+    """Gradient bytes alive now: full-size buffers, fp32 shards, ``extra`` (in flight)."""
+    return storage_bytes([f.grad for f in flats] + [f.master.grad for f in flats] + list(extra))
+
+
+def gatherer(comm: Comm) -> Callable[[FlatParams, torch.Tensor], torch.Tensor]:
+    """(flat, shard) -> the whole padded flat: all-gathered over ``comm`` if sharded."""
+    def gather(f: FlatParams, shard: torch.Tensor) -> torch.Tensor:
+        unsharded = f.lo == 0 and f.hi == f.padded
+        return shard if unsharded else comm.all_gather(shard.contiguous())
+    return gather
+
+
+def scale_grads(flats: list[FlatParams], factor: float | torch.Tensor) -> None:
+    grads = [f.master.grad for f in flats if f.master.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
+
+
+def all_reduce_grads(flats: list[FlatParams], names: set[str], comm: Comm) -> None:
+    """Sum the gradient shards of the parameters ``names`` over another group ``comm``.
+    Exact when each such parameter has a flat of its own (its shard is then the same
+    slice on every rank of ``comm``, whatever else those ranks hold)."""
+    parts = [(f.master.grad, a, b) for f in flats if f.master.grad is not None
+             for k, a, b in f.owned() if f.names[k] in names]
+    if comm.size > 1 and parts:
+        flat = torch.cat([g[a:b] for g, a, b in parts])
+        comm.all_reduce(flat)
+        o = 0
+        for g, a, b in parts:
+            g[a:b].copy_(flat[o:o + b - a])
+            o += b - a
+
+
+class ShardedState(NoSync):
+    """What ``ZeroOptimizer`` and ``Zero3`` share over their ``flats`` and ``comm``: the
+    gradient elements a rank owns, and the training state by name (checkpoints)."""
+
+    flats: list[FlatParams]
+    comm: Comm
+    _grad_hooks: list
+
+    def _stepper(self, optimizer):  # the optimizer whose state is keyed by the masters
+        raise NotImplementedError
+
+    def publish(self) -> None:
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Remove the gradient hooks (the model keeps its weights as they are)."""
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
+
+    def grad_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, gradient elements) this rank owns after the sync: its shard of each
+        flat (an unsharded one: owned by rank 0). Over the dp group every element is
+        owned once: the pieces the one norm (``global_grad_norm``) is taken on."""
+        return owned_grads(self.flats, owns_unsharded=self.comm.rank == 0)
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        scale_grads(self.flats, factor)
+
+    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
+        """(fp32 weights, optimizer states) by reference name, whole (collective)."""
+        return full_state(self.flats, self._stepper(optimizer), gatherer(self.comm))
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.full_state_by_name()[0]
+
+    def load_full_state_by_name(self, states: dict, weights: dict | None = None,
+                                optimizer=None) -> None:
+        """Take this rank's shard of whole states (and fp32 weights) by name."""
+        load_full_state(self.flats, self._stepper(optimizer), states, weights)
+        self.publish()
+
+
+def _elementwise(v) -> bool:
+    """An optimizer state with one value per element (Adam's moments; not its step)."""
+    return isinstance(v, torch.Tensor) and v.dim() > 0
+
+
+def _cloned(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _cloned(v) for k, v in x.items()}
+    return [_cloned(v) for v in x] if isinstance(x, list) else x
+
+
+def full_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
+               gather: Callable[[FlatParams, torch.Tensor], torch.Tensor],
+               names: dict[int, str] | None = None) -> tuple[dict, dict]:
+    """(fp32 weights, optimizer states) of every parameter by name, whole, on the CPU.
+    ``gather(f, shard)``: the whole padded flat (an all-gather over the ranks sharing it)."""
+    weights, states = {}, {}
+    for f in flats:
+        master = gather(f, f.master.detach())
+        state = {k: gather(f, v) if _elementwise(v) else v
+                 for k, v in optimizer.state.get(f.master, {}).items()}
+        for k, (p, shape, o, n) in enumerate(zip(f.params, f.shapes, f.offsets, f.numels)):
+            name = names[id(p)] if names else f.names[k]
+            weights[name] = master[o:o + n].view(shape).cpu().clone()
+            states[name] = {k: (v[o:o + n].view(shape) if _elementwise(v) else v)
+                            .cpu().clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in state.items()}
+    return weights, states
+
+
+def load_full_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
+                    states: dict, weights: dict | None = None) -> None:
+    """Take this rank's shard of whole states (and fp32 weights, if given) by name."""
+    with torch.no_grad():
+        for f in flats:
+            if weights is not None:
+                f.master.copy_(f.slice([weights[n] for n in f.names]))
+            first = states.get(f.names[0])
+            if first:
+                optimizer.state[f.master] = {
+                    k: f.slice([states[n][k] for n in f.names]) if _elementwise(v)
+                    else (v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in first.items()}
+
+
+def sharded_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer, comm: Comm,
+                  stage: int, loss_scale: float | None) -> dict:
+    """One rank's shard of the optimizer, with the layout to reassemble it."""
+    index = {id(p): i for i, p in enumerate(
+        p for g in optimizer.param_groups for p in g["params"])}
+    return {
+        "format": "minipar.zero/1", "stage": stage,
+        "dp_size": comm.size, "dp_rank": comm.rank,
+        "flats": [{"names": f.names, "shapes": f.shapes, "numel": f.numel,
+                   "padded": f.padded, "lo": f.lo, "hi": f.hi,
+                   "index": index[id(f.master)]} for f in flats],
+        "masters": [f.master.detach().clone() for f in flats],
+        "optimizer": _cloned(optimizer.state_dict()),  # a snapshot, not aliases
+        "loss_scale": loss_scale,
+    }
+
+
+def load_sharded_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
+                       comm: Comm, sd: dict) -> None:
+    """Load a shard saved with the same layout (else: ``consolidate`` and
+    ``load_full_state``)."""
+    mine = sharded_state(flats, optimizer, comm, sd["stage"], None)
+    if (sd["dp_size"], sd["dp_rank"], sd["flats"]) != \
+            (mine["dp_size"], mine["dp_rank"], mine["flats"]):
+        raise ValueError("checkpoint layout differs from this optimizer's; reshard with "
+                         "consolidate() and load_full_state_by_name()")
+    with torch.no_grad():
+        for f, m in zip(flats, sd["masters"]):
+            f.master.copy_(m)
+    optimizer.load_state_dict(_cloned(sd["optimizer"]))  # torch would alias it
+
+
+def consolidate(shards: list[dict]) -> dict:
+    """Reassemble the dp ranks' ``state_dict()``s into one layout-free state by name:
+    ``{"params": {name: fp32}, "state": {name: {key: tensor}}, "param_groups": [...]}``."""
+    shards = sorted(shards, key=lambda s: s["dp_rank"])
+    params, state, groups = {}, {}, {}
+    for i, flat in enumerate(shards[0]["flats"]):
+        whole = {"master": torch.zeros(flat["padded"])}
+        for s in shards:
+            lo, hi = s["flats"][i]["lo"], s["flats"][i]["hi"]
+            whole["master"][lo:hi] = s["masters"][i]
+            for k, v in s["optimizer"]["state"].get(flat["index"], {}).items():
+                if _elementwise(v):
+                    whole.setdefault(k, torch.zeros(flat["padded"], dtype=v.dtype))[lo:hi] = v
+                else:
+                    whole.setdefault(k, v)
+        o = 0
+        for name, shape in zip(flat["names"], flat["shapes"]):
+            n = torch.Size(shape).numel()
+            views = {k: v[o:o + n].view(shape).clone() if _elementwise(v) else v
+                     for k, v in whole.items()}
+            params[name] = views.pop("master")
+            state[name] = views
+            o += n
+        for g in shards[0]["optimizer"]["param_groups"]:
+            if flat["index"] in g["params"]:
+                entry = groups.setdefault(id(g), {**{k: v for k, v in g.items()
+                                                     if k != "params"}, "names": []})
+                entry["names"] += flat["names"]
+    return {"params": params, "state": state, "param_groups": list(groups.values()),
+            "loss_scale": shards[0].get("loss_scale")}
