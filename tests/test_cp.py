@@ -23,11 +23,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from minipar.comm import Comm
 from minipar.launch import launch
-from minipar.model import Block, CausalSelfAttention, GPTConfig
+from minipar.model import Block, GPTConfig
 from minipar.parallel import cp as cpmod
 from minipar.parallel.cp import (
     RingAttention,
@@ -176,18 +175,6 @@ def _mutated(mutation: str, layout: str) -> dict:
         cpmod.merge_attention, cpmod.block_plan = saved
 
 
-class _RingSelfAttention(CausalSelfAttention):
-    """The model's attention, same parameters, the ring as its core: what a plan builds."""
-
-    def __init__(self, attn: CausalSelfAttention, ring: RingAttention) -> None:
-        nn.Module.__init__(self)
-        self.n_head, self.head_dim, self.dropout = attn.n_head, attn.head_dim, attn.dropout
-        self.qkv, self.proj, self.ring = attn.qkv, attn.proj, ring
-
-    def core(self, q, k, v):
-        return self.ring(q, k, v)
-
-
 def _block(layout: str) -> dict:
     """A whole transformer layer on a sequence shard: outputs, input and weight grads."""
     comm = Comm(dim="cp")
@@ -195,7 +182,7 @@ def _block(layout: str) -> dict:
     torch.manual_seed(0)
     ref = Block(BLOCK_CFG)
     block = copy.deepcopy(ref)
-    block.attn = _RingSelfAttention(block.attn, RingAttention(comm, layout))
+    block.attn.core = RingAttention(comm, layout)  # what a plan entry does: a submodule
     g = torch.Generator().manual_seed(3)
     x, w = (torch.randn(B, S, BLOCK_CFG.d_model, generator=g) for _ in range(2))
     x_full = x.clone().requires_grad_()
