@@ -53,16 +53,23 @@ GiB = 2**30
 
 
 class RandomTokens:
-    """Uniform random tokens, the batch a function of (seed, step) like ``MarkovData``'s
-    (whose V x V transition matrix would take 10 GB for a 50k vocabulary)."""
+    """Uniform random tokens; row r of step s depends on (seed, s, r) only, like
+    ``minipar.data.MarkovData`` (``rows`` builds only the rows a replica needs)."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int = 0) -> None:
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        t = torch.randint(self.vocab_size, (batch_size, self.seq_len + 1), generator=g)
+    def rows(self, step: int, row_indices, split: str = "train"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for r in row_indices:  # one generator per row: a row is the same in any layout
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + int(r))
+            out.append(torch.randint(self.vocab_size, (self.seq_len + 1,), generator=g))
+        t = torch.stack(out)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows(step, range(batch_size))
 
 
 def _sync(device: torch.device) -> None:
