@@ -86,16 +86,20 @@ class Tolerance:
     param: float  # absolute, on every final parameter
 
 
-# About 3x the worst drift measured over the covering layouts (benchmarks/parity_drift.py,
-# 5 steps of `tiny`, AdamW + clipping, CPU/gloo; docs/benchmarks.md has the table):
-#   fp32 worst: loss 4.8e-7, grad 6.3e-7 (dp x pp x tp zero1), param 1.3e-5 (zero3 3-D);
-#   bf16 worst: loss 1.4e-3 (pp), grad 1.1e-2 (dp), param 5.0e-3 (tp, zero2 3-D).
-# Summation order is the only fp32 difference; AdamW turns a 1e-7 gradient difference
-# on a near-zero gradient into a visible weight difference, hence the looser param bound.
+# About 3x the worst drift measured over the covering layouts (benchmarks/parity_drift.py:
+# the engine tests' covering set, its plain-SGD set, dropout 0.1 and tied embeddings;
+# 5 steps of `tiny` on the Markov data, CPU/gloo; table in docs/benchmarks.md):
+#   fp32 worst: loss 7.2e-7, grad 8.5e-6, param 2.7e-5 (all three: tp 2 with dropout);
+#            without dropout: loss 4.8e-7, grad 7.2e-6 (tied pp2 tp2), param 1.2e-5;
+#            plain SGD: loss 4.8e-7, grad 2.1e-7, param 1.2e-7.
+#   bf16 worst: loss 2.0e-3 (pp x tp), grad 2.0e-2 (tp), param 5.4e-3 (tp).
+# Summation order is the only fp32 difference; AdamW divides each gradient by its own
+# running size, so a 1e-7 difference on a near-zero gradient becomes a visible weight
+# difference and the later steps' gradients follow: the bounds grow with the steps.
 # A scaling bug is a factor of 2 at least: the gradient check sees it at any of these.
 TOLERANCES = {
-    "fp32": Tolerance(loss=1.5e-6, grad_rel=2e-6, param=4e-5),
-    "bf16": Tolerance(loss=4e-3, grad_rel=3e-2, param=1.5e-2),
+    "fp32": Tolerance(loss=2e-6, grad_rel=2.5e-5, param=8e-5),
+    "bf16": Tolerance(loss=6e-3, grad_rel=6e-2, param=1.6e-2),
 }
 
 
