@@ -60,6 +60,9 @@ EXERCISES: dict[str, Exercise] = {
     "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
     "memory_formula": Exercise(
         "06", "memory per device with the pipeline term", ("in_flight", "device_memory")),
+    "debug_pipeline": Exercise(
+        "04", "debugging lab: a pipeline's gradients off by a factor",
+        ("microbatch_loss_scale",)),
 }
 
 
