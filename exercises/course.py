@@ -143,7 +143,8 @@ def predict(question: str, guess: float | None, measured: float, unit: str = "",
               f"the run measured {got}")
         return None
     close = abs(guess - measured) <= tol * max(abs(measured), 1e-12)
-    verdict = f"within {tol:.0%}" if close else f"off by {guess / measured:.3g}x" if measured else "off"
+    verdict = (f"within {tol:.0%}" if close else
+               f"off by {guess / measured:.3g}x" if measured else "off")
     print(f"{question}: you predicted {guess:{fmt}}{u}, the run measured {got} ({verdict})")
     return close
 

@@ -1,4 +1,5 @@
-# Your copy of this debugging lab, generated from solutions/debug_pipeline.py by tools/make_exercises.py.
+# Your copy of this debugging lab, generated from solutions/debug_pipeline.py
+# by tools/make_exercises.py.
 # It runs, but something in it is wrong: find it with the lesson's instruments,
 # fix it, then check your work with
 #     from exercises.check import check; check("debug_pipeline")

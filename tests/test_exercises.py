@@ -97,7 +97,7 @@ def test_every_exercise_has_three_hint_levels(name: str, capsys) -> None:
     for level in (1, 2, 3):
         hint(name, level)
     out = capsys.readouterr().out
-    assert out.count(f"{name}, hint ") == 3 and len(out.splitlines()) > 6
+    assert out.count(f"{name}, hint ") == 3 and len(out.splitlines()) >= 6
 
 
 def test_predict_treats_none_as_unanswered(capsys) -> None:

@@ -49,7 +49,8 @@ BUG_MARK = "# FIND THE BUG HERE"
 HEADER = ("# Your copy of this exercise, generated from {src} by tools/make_exercises.py.\n"
           "# Fill in the blanks (each raises NotImplementedError), then check your work with\n"
           "#     from exercises.check import check; check(\"{name}\")\n")
-LAB_HEADER = ("# Your copy of this debugging lab, generated from {src} by tools/make_exercises.py.\n"
+LAB_HEADER = ("# Your copy of this debugging lab, generated from {src}\n"
+              "# by tools/make_exercises.py.\n"
               "# It runs, but something in it is wrong: find it with the lesson's instruments,\n"
               "# fix it, then check your work with\n"
               "#     from exercises.check import check; check(\"{name}\")\n")
