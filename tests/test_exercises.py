@@ -247,3 +247,46 @@ def test_regenerating_keeps_a_learners_answers(tmp_path) -> None:
     src.write_text(src.read_text() + "Y = 3\n")
     gen.write(tmp_path)
     assert (tmp_path / "exercises" / "ex.py.bak").read_text() == answered
+
+
+# --- checker messages show expected against got ----------------------------------
+MESSAGE_MUTANTS = {
+    # name: (exercise, text in its solution, replacement, words the report must say)
+    "ring_contributions": (
+        "ring_allreduce", "send_i, recv_i = (rank - step) % n, (rank - step - 1) % n",
+        "send_i, recv_i = (rank + step) % n, (rank - step - 1) % n",
+        ["expected chunk 1 to hold the contributions of ranks {0, 1, 2}",
+         "chunk 1 holds ranks {0, 2}"]),
+    "1f1b_diff": (
+        "pipeline_1f1b", "        warm = min(pp - r - 1, microbatches)\n",
+        "        warm = min(pp - r, microbatches)\n",
+        ["differs from 1F1B", "rank 0, position 1: expected B0, got F1"]),
+    "ddp_world_size": (
+        "ddp_buckets", "flat = self.flat[i] / self.comm.size", "flat = self.flat[i]",
+        ["your gradients are exactly 2.0x the whole-batch gradient = world size (2)"]),
+    "ddp_launch_when_full": (
+        "ddp_buckets",
+        "        while (self.next_to_launch < len(self.buckets)\n"
+        "               and len(self.ready[self.next_to_launch])\n"
+        "               == len(self.buckets[self.next_to_launch])):\n"
+        "            self._launch(self.next_to_launch)\n"
+        "            self.next_to_launch += 1\n",
+        "        b = self.bucket_of[id(p)]\n"
+        "        if len(self.ready[b]) == len(self.buckets[b]):\n"
+        "            self._launch(b)\n"
+        "            self.next_to_launch = max(self.next_to_launch, b + 1)\n",
+        ["expected all-reduces of buckets [0, 1, 2], got [1, 0, 2]"]),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MESSAGE_MUTANTS))
+def test_checker_shows_expected_against_got(mutant: str, tmp_path, monkeypatch) -> None:
+    name, old, new, words = MESSAGE_MUTANTS[mutant]
+    source = (ROOT / "solutions" / f"{name}.py").read_text()
+    assert source.count(old) == 1, f"mutant {mutant} no longer matches the solution"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = _package(tmp_path, f"msg_{mutant}", {f"{name}.py": source.replace(old, new)})
+    text = str(run_one(name, impl=pkg, timeout=20))
+    assert text.startswith(f"FAIL  {name}: "), text
+    for word in words:
+        assert word in text, f"{word!r} missing from the report:\n{text}"
