@@ -69,3 +69,18 @@ def reference_step() -> dict:
     norm = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()
                if p.grad is not None) ** 0.5
     return {"loss": float(loss.detach()), "grad_norm": norm}
+
+
+def gradient_audit(microbatches: int = 4) -> None:
+    """Run the pipeline and one process; print losses, gradient norms and the audit."""
+    from minipar.launch import launch
+    from minipar.parity import audit
+
+    ref = reference_step()
+    out = launch(pipeline_step, 2, args=(microbatches,), timeout=60)[0]
+    ratio = out["grad_norm"] / ref["grad_norm"]
+    print(f"loss:          one process {ref['loss']:.5f}   pipeline {out['loss']:.5f}")
+    print(f"gradient norm: one process {ref['grad_norm']:.5f}   pipeline "
+          f"{out['grad_norm']:.5f}   ratio {ratio:.4f}")
+    print("audit:", audit([ratio], {"microbatches": microbatches, "pp": 2})
+          or "the gradients agree with one process")

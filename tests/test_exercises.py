@@ -290,3 +290,30 @@ def test_checker_shows_expected_against_got(mutant: str, tmp_path, monkeypatch) 
     assert text.startswith(f"FAIL  {name}: "), text
     for word in words:
         assert word in text, f"{word!r} missing from the report:\n{text}"
+
+
+# --- the design puzzles are solvable, and the instruments say so -------------------
+def test_schedule_puzzles_have_solutions(capsys) -> None:
+    from minipar.parallel.schedules import COMPUTE, make_schedule
+    from solutions.course import score_schedule
+
+    def compute(name, p, m, v=1):
+        return [[a for a in acts if a.kind in COMPUTE] for acts in make_schedule(name, p, m, v)]
+    assert score_schedule(None, 0.12, 3) is None
+    assert score_schedule(compute("zb", 3, 6), 0.12, max_in_flight=3)["passed"]
+    assert not score_schedule(compute("1f1b", 3, 6), 0.12, max_in_flight=3)["passed"]
+    assert score_schedule(compute("interleaved", 2, 4, 2), 0.125)["passed"]
+    assert not score_schedule([list(reversed(r)) for r in compute("1f1b", 2, 4)], 1.0)["passed"]
+    out = capsys.readouterr().out
+    assert "not answered yet" in out and "PASS" in out and "not a valid schedule" in out
+
+
+def test_layout_puzzle_has_a_solution(capsys) -> None:
+    from solutions.course import score_layout
+    budget = dict(model="gpt-13b", cluster="a100x64", global_batch=1024, memory_cap=30e9,
+                  step_target=13.5)
+    assert score_layout(None, **budget) is None
+    assert not score_layout(dict(tp=4, pp=4, dp=4), **budget)["passed"]  # too slow
+    assert not score_layout(dict(tp=1, pp=1, dp=64, zero=3), **budget)["passed"]
+    assert score_layout(dict(tp=1, pp=8, dp=8, zero=1, schedule="zb",
+                             recompute="selective"), **budget)["passed"]
