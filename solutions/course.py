@@ -76,6 +76,13 @@ HINTS: dict[str, dict[int, str]] = {
            "micro-batches in flight (GPipe m, 1F1B p - s, ZB-H1 p), plus the embedding "
            "or head on the edge stages.",
     },
+    "debug_deadlock": {
+        1: "Read the hang report: which operation is every rank stuck in, and who would "
+           "have to act first to free it?",
+        2: "A blocking receive on every rank at once waits for a send that nobody has "
+           "posted yet. Make the send not wait (isend), or let half of the ranks send "
+           "first.",
+    },
     "debug_pipeline": {
         1: "Run gradient_audit(): it prints the ratio of this run's gradient norm to one "
            "process. Which size of the layout equals that ratio?",
