@@ -215,3 +215,15 @@ def test_dashboards_print_their_numbers():
     assert "chunks of 1/v stage" in dash.note.value
     mem = memory_dashboard()
     assert all(k in mem.note.value for k in ("params", "grads", "optimizer", "activations"))
+
+
+def test_tp_shard_figure_colours_one_slice_per_weight_and_rank():
+    from minipar.viz import tp_shard_figure
+    for t in (1, 2, 4):
+        fig = tp_shard_figure(t)
+        coloured = [s for s in fig.layout.shapes if s.fillcolor not in ("#D9D9D9", "white")]
+        # per rank: its fc slice, its proj slice, the GELU slice, the partial sum
+        assert len(coloured) == 4 * t
+        texts = [a.text for a in fig.layout.annotations]
+        assert sum(x in ("f", "g") for x in texts) == 2 * t
+        assert fig.to_json() == tp_shard_figure(t).to_json()
