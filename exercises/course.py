@@ -136,8 +136,11 @@ def hint(name: str, level: int = 1, function: str | None = None) -> None:
 
 
 def predict(question: str, guess: float | None, measured: float, unit: str = "",
-            tol: float = 0.05, fmt: str = ".4g") -> bool | None:
+            tol: float = 0.05, fmt: str = ".4g", by: str = "the run measured") -> bool | None:
     """Print your ``guess`` beside the ``measured`` value; ``None``: not answered yet.
+
+    ``by`` says where the value came from ("the run measured", "the simulation gives",
+    "the formula gives"): a number computed from theory is not called a measurement.
 
     Returns True when the guess is within ``tol`` (relative) of the measurement, False
     when it is not, None when there is no guess. Never raises on a wrong guess: a
@@ -147,12 +150,12 @@ def predict(question: str, guess: float | None, measured: float, unit: str = "",
     got = f"{measured:{fmt}}{u}"
     if guess is None:
         print(f"{question}: not answered yet (set your guess above and rerun); "
-              f"the run measured {got}")
+              f"{by} {got}")
         return None
     close = abs(guess - measured) <= tol * max(abs(measured), 1e-12)
     verdict = (f"within {tol:.0%}" if close else
                f"off by {guess / measured:.3g}x" if measured else "off")
-    print(f"{question}: you predicted {guess:{fmt}}{u}, the run measured {got} ({verdict})")
+    print(f"{question}: you predicted {guess:{fmt}}{u}, {by} {got} ({verdict})")
     return close
 
 

@@ -110,6 +110,8 @@ def test_predict_treats_none_as_unanswered(capsys) -> None:
     assert out[0] == ("bytes: not answered yet (set your guess above and rerun); "
                       "the run measured 1000 B")
     assert out[1] == "bytes: you predicted 2000 B, the run measured 1000 B (off by 2x)"
+    predict("bubble", 0.2, 0.25, by="the simulation gives")
+    assert capsys.readouterr().out.endswith("the simulation gives 0.25 (off by 0.8x)\n")
 
 
 # --- the checker catches typical mistakes (mutants of the solution) ----------------
