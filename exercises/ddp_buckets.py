@@ -44,15 +44,11 @@ def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
     its own (a bucket is never empty). Bytes of a parameter: ``p.numel() *
     p.element_size()``.
     """
-    # HINT: loop over reversed(params) keeping a current list and its byte count; close
-    #   the current list (append it to the result) when it is non-empty and the next
-    #   parameter would overflow it. Do not forget the last bucket.
     # YOUR CODE HERE
     raise NotImplementedError(
         'bucket_params in exercises/ddp_buckets.py is not implemented yet. Hint: '
-        'loop over reversed(params) keeping a current list and its byte count; '
-        'close the current list (append it to the result) when it is non-empty '
-        'and the next parameter would overflow it. Do not forget the last bucket.')
+        "ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the idea) or 3 "
+        '(the formula), from exercises.course')
 
 
 class BucketedDDP:
@@ -89,15 +85,11 @@ class BucketedDDP:
 
     def _on_grad(self, p: nn.Parameter) -> None:
         """Hook: ``p.grad`` is final. Mark it; launch every bucket that may now start."""
-        # HINT: add id(p) to self.ready[its bucket]. If self.overlap, then while bucket
-        #   self.next_to_launch exists and all its parameters are ready, self._launch it
-        #   (and move self.next_to_launch on).
         # YOUR CODE HERE
         raise NotImplementedError(
-            '_on_grad in exercises/ddp_buckets.py is not implemented yet. Hint: add '
-            'id(p) to self.ready[its bucket]. If self.overlap, then while bucket '
-            'self.next_to_launch exists and all its parameters are ready, '
-            'self._launch it (and move self.next_to_launch on).')
+            '_on_grad in exercises/ddp_buckets.py is not implemented yet. Hint: ask '
+            "for one with hint('ddp_buckets', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
     def _launch(self, i: int) -> None:
         """Start the asynchronous all-reduce of bucket ``i``.
@@ -107,31 +99,20 @@ class BucketedDDP:
         ``Pending`` that ``comm.all_reduce(flat, async_op=True)`` returns in
         ``self.pending[i]``.
         """
-        # HINT: torch.cat([ (p.grad if p.grad is not None else torch.zeros_like(p))
-        #   .reshape(-1) for p in self.buckets[i] ]) makes the flat copy; then
-        #   self.pending[i] = self.comm.all_reduce(flat, async_op=True).
         # YOUR CODE HERE
         raise NotImplementedError(
-            '_launch in exercises/ddp_buckets.py is not implemented yet. Hint: '
-            'torch.cat([ (p.grad if p.grad is not None else torch.zeros_like(p)) '
-            '.reshape(-1) for p in self.buckets[i] ]) makes the flat copy; then '
-            'self.pending[i] = self.comm.all_reduce(flat, async_op=True).')
+            '_launch in exercises/ddp_buckets.py is not implemented yet. Hint: ask '
+            "for one with hint('ddp_buckets', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
     def finish_gradient_sync(self) -> None:
         """Launch the buckets not started yet (in order), wait for all, then write
         each bucket's sum divided by ``comm.size`` back into its parameters' ``.grad``."""
-        # HINT: launch buckets self.next_to_launch .. len-1; then for each bucket: wait
-        #   on its Pending, divide the flat tensor by self.comm.size, and copy consecutive
-        #   slices of it back, p.grad = flat[offset:offset + p.numel()].view_as(p).clone().
-        #   End with self.reset() so the next backward starts clean.
         # YOUR CODE HERE
         raise NotImplementedError(
             'finish_gradient_sync in exercises/ddp_buckets.py is not implemented yet.'
-            ' Hint: launch buckets self.next_to_launch .. len-1; then for each '
-            'bucket: wait on its Pending, divide the flat tensor by self.comm.size, '
-            'and copy consecutive slices of it back, p.grad = flat[offset:offset + '
-            'p.numel()].view_as(p).clone(). End with self.reset() so the next '
-            'backward starts clean.')
+            " Hint: ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the idea) "
+            'or 3 (the formula), from exercises.course')
 
     def remove(self) -> None:
         """Take the hooks off the module's parameters."""

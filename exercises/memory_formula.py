@@ -57,30 +57,21 @@ def model_state_bytes(n_params: int, dp: int, zero: int, dtype: str = "bf16") ->
     """{"params", "grads", "optimizer"}: bytes on one rank holding ``n_params`` before
     ZeRO, with ZeRO ``zero`` (0-3) over ``dp`` ranks."""
     w, g, o = BYTES_PER_PARAM[dtype]
-    # HINT: shard = math.ceil(n_params / dp). The optimizer state is sharded from stage 1
-    #   on, the gradients from stage 2, the weights from stage 3; unsharded states count
-    #   n_params. Multiply by the bytes per parameter w, g, o.
     # YOUR CODE HERE
     raise NotImplementedError(
         'model_state_bytes in exercises/memory_formula.py is not implemented yet.'
-        ' Hint: shard = math.ceil(n_params / dp). The optimizer state is sharded '
-        'from stage 1 on, the gradients from stage 2, the weights from stage 3; '
-        'unsharded states count n_params. Multiply by the bytes per parameter w, '
-        'g, o.')
+        " Hint: ask for one with hint('memory_formula', 1) (a nudge), 2 (the "
+        'idea) or 3 (the formula), from exercises.course')
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
     """Micro-batches whose activations ``stage`` holds at its peak: "gpipe", "1f1b" or
     "zb" (one chunk per stage)."""
-    # HINT: gpipe: every forward before any backward, so m. 1f1b: stage s runs p - s - 1
-    #   warm-up forwards plus one, so min(m, p - s). zb (ZB-H1) holds each activation until
-    #   its late weight pass: min(m, p) on every stage.
     # YOUR CODE HERE
     raise NotImplementedError(
         'in_flight in exercises/memory_formula.py is not implemented yet. Hint: '
-        'gpipe: every forward before any backward, so m. 1f1b: stage s runs p - s'
-        ' - 1 warm-up forwards plus one, so min(m, p - s). zb (ZB-H1) holds each '
-        'activation until its late weight pass: min(m, p) on every stage.')
+        "ask for one with hint('memory_formula', 1) (a nudge), 2 (the idea) or 3 "
+        '(the formula), from exercises.course')
 
 
 def stage_memory(cfg: GPTConfig | str, stage: int, dp: int = 1, pp: int = 1, tp: int = 1,
@@ -92,25 +83,18 @@ def stage_memory(cfg: GPTConfig | str, stage: int, dp: int = 1, pp: int = 1, tp:
     cfg = get_config(cfg)
     n_params = stage_params(cfg, pp, tp, stage)  # this rank's parameters after tp and pp
     per_layer = sum(layer_activations(cfg, 1, tp, sp, recompute, dtype).values())
-    # HINT: k = in_flight(...) for this stage; activations = (per_layer * layers on this
-    #   stage (stage_layers(cfg.n_layer, pp, stage)) + edge_bytes(...)) * k, rounded with
-    #   int(round(...)); add model_state_bytes(n_params, dp, zero, dtype) and a "total".
     # YOUR CODE HERE
     raise NotImplementedError(
         'stage_memory in exercises/memory_formula.py is not implemented yet. '
-        'Hint: k = in_flight(...) for this stage; activations = (per_layer * '
-        'layers on this stage (stage_layers(cfg.n_layer, pp, stage)) + '
-        'edge_bytes(...)) * k, rounded with int(round(...)); add '
-        'model_state_bytes(n_params, dp, zero, dtype) and a "total".')
+        "Hint: ask for one with hint('memory_formula', 1) (a nudge), 2 (the idea)"
+        ' or 3 (the formula), from exercises.course')
 
 
 def device_memory(cfg: GPTConfig | str, **layout) -> dict:
     """``stage_memory`` of the most loaded stage (the first or the last), plus "stage"."""
     pp = layout.get("pp", 1)
-    # HINT: compute stage_memory for stage 0 and stage pp - 1 and return the one with the
-    #   larger "total", with its stage number added as "stage".
     # YOUR CODE HERE
     raise NotImplementedError(
         'device_memory in exercises/memory_formula.py is not implemented yet. '
-        'Hint: compute stage_memory for stage 0 and stage pp - 1 and return the '
-        'one with the larger "total", with its stage number added as "stage".')
+        "Hint: ask for one with hint('memory_formula', 1) (a nudge), 2 (the idea)"
+        ' or 3 (the formula), from exercises.course')

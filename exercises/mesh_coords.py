@@ -29,37 +29,30 @@ ORDERS = {"megatron": ("pp", "dp", "tp"), "pp-inside-dp": ("dp", "pp", "tp")}
 def coords(rank: int, dp: int, pp: int, tp: int, order: str = "megatron") -> tuple[int, int, int]:
     """(dp, pp, tp) coordinates of global ``rank`` under ``order``."""
     sizes = {"dp": dp, "pp": pp, "tp": tp}
-    # HINT: peel digits off from the fastest dimension: for name in reversed(ORDERS[order]):
-    #   digit = rank % sizes[name]; rank //= sizes[name]. Return (dp, pp, tp) in that order.
     # YOUR CODE HERE
     raise NotImplementedError(
-        'coords in exercises/mesh_coords.py is not implemented yet. Hint: peel '
-        'digits off from the fastest dimension: for name in '
-        'reversed(ORDERS[order]): digit = rank % sizes[name]; rank //= '
-        'sizes[name]. Return (dp, pp, tp) in that order.')
+        'coords in exercises/mesh_coords.py is not implemented yet. Hint: ask for'
+        " one with hint('mesh_coords', 1) (a nudge), 2 (the idea) or 3 (the "
+        'formula), from exercises.course')
 
 
 def rank(c: tuple[int, int, int], dp: int, pp: int, tp: int, order: str = "megatron") -> int:
     """The global rank at coordinates ``c = (dp, pp, tp)`` under ``order``."""
     sizes = {"dp": dp, "pp": pp, "tp": tp}
     values = dict(zip(("dp", "pp", "tp"), c))
-    # HINT: Horner's rule over the slowest-first order: r = 0; for name in ORDERS[order]:
-    #   r = r * sizes[name] + values[name].
     # YOUR CODE HERE
     raise NotImplementedError(
-        "rank in exercises/mesh_coords.py is not implemented yet. Hint: Horner's "
-        'rule over the slowest-first order: r = 0; for name in ORDERS[order]: r ='
-        ' r * sizes[name] + values[name].')
+        'rank in exercises/mesh_coords.py is not implemented yet. Hint: ask for '
+        "one with hint('mesh_coords', 1) (a nudge), 2 (the idea) or 3 (the "
+        'formula), from exercises.course')
 
 
 def group(dim: str, r: int, dp: int, pp: int, tp: int, order: str = "megatron") -> list[int]:
     """The ranks sharing every coordinate with rank ``r`` except ``dim`` (in order of
     that coordinate): the members of ``r``'s ``dim`` process group."""
     sizes = {"dp": dp, "pp": pp, "tp": tp}
-    # HINT: take coords(r, ...), replace the coordinate of dim by 0, 1, ..., sizes[dim] - 1
-    #   and turn each back into a rank with rank(...).
     # YOUR CODE HERE
     raise NotImplementedError(
-        'group in exercises/mesh_coords.py is not implemented yet. Hint: take '
-        'coords(r, ...), replace the coordinate of dim by 0, 1, ..., sizes[dim] -'
-        ' 1 and turn each back into a rank with rank(...).')
+        'group in exercises/mesh_coords.py is not implemented yet. Hint: ask for '
+        "one with hint('mesh_coords', 1) (a nudge), 2 (the idea) or 3 (the "
+        'formula), from exercises.course')

@@ -38,16 +38,11 @@ def one_f_one_b_compute(pp: int, microbatches: int) -> Schedule:
     Returns ``pp`` lists; list r holds ``Action("F", i, r)`` and ``Action("B", i, r)``
     for every micro-batch i (2 m actions) and nothing else.
     """
-    # HINT: for rank r, warm = min(pp - r - 1, microbatches) forwards F0..F(warm-1);
-    #   then for i in range(microbatches - warm): F(warm + i) followed by B(i);
-    #   then the remaining backwards B(microbatches - warm) .. B(microbatches - 1).
     # YOUR CODE HERE
     raise NotImplementedError(
         'one_f_one_b_compute in exercises/pipeline_1f1b.py is not implemented '
-        'yet. Hint: for rank r, warm = min(pp - r - 1, microbatches) forwards '
-        'F0..F(warm-1); then for i in range(microbatches - warm): F(warm + i) '
-        'followed by B(i); then the remaining backwards B(microbatches - warm) ..'
-        ' B(microbatches - 1).')
+        "yet. Hint: ask for one with hint('pipeline_1f1b', 1) (a nudge), 2 (the "
+        'idea) or 3 (the formula), from exercises.course')
 
 
 def one_f_one_b(pp: int, microbatches: int) -> Schedule:
@@ -61,21 +56,17 @@ def peak_in_flight(actions: Schedule) -> list[int]:
     That count times one micro-batch's activations (for this rank's layers) is the
     activation memory the rank needs. Ignore the SEND/RECV actions.
     """
-    # HINT: walk each rank's list with a counter: +1 at every "F", -1 at every "B";
-    #   keep the largest value it reaches.
     # YOUR CODE HERE
     raise NotImplementedError(
         'peak_in_flight in exercises/pipeline_1f1b.py is not implemented yet. '
-        'Hint: walk each rank\'s list with a counter: +1 at every "F", -1 at every'
-        ' "B"; keep the largest value it reaches.')
+        "Hint: ask for one with hint('pipeline_1f1b', 1) (a nudge), 2 (the idea) "
+        'or 3 (the formula), from exercises.course')
 
 
 def bubble_fraction(pp: int, microbatches: int) -> float:
     """The idle share of a 1F1B step, with a backward twice as long as a forward."""
-    # HINT: the step lasts (m + p - 1) forward-and-backward slots, of which each rank is
-    #   busy during m: the idle share is (p - 1) / (m + p - 1).
     # YOUR CODE HERE
     raise NotImplementedError(
         'bubble_fraction in exercises/pipeline_1f1b.py is not implemented yet. '
-        'Hint: the step lasts (m + p - 1) forward-and-backward slots, of which '
-        'each rank is busy during m: the idle share is (p - 1) / (m + p - 1).')
+        "Hint: ask for one with hint('pipeline_1f1b', 1) (a nudge), 2 (the idea) "
+        'or 3 (the formula), from exercises.course')

@@ -78,18 +78,11 @@ def ring_reduce_scatter(comm: Comm, chunks: list[torch.Tensor]) -> int:
     returns, ``chunks[(rank + 1) % size]`` holds the sum of that chunk over all ranks;
     the other chunks hold partial sums. Returns ``(rank + 1) % size``.
     """
-    # HINT: at step s = 0 .. size-2, send chunks[(rank - s) % size] to the right
-    #   neighbour (rank + 1) % size and receive, from the left neighbour, into a scratch
-    #   buffer shaped like chunks[(rank - s - 1) % size]; then add the buffer to that
-    #   chunk. Use exchange() so the sends cannot deadlock.
     # YOUR CODE HERE
     raise NotImplementedError(
         'ring_reduce_scatter in exercises/ring_allreduce.py is not implemented '
-        'yet. Hint: at step s = 0 .. size-2, send chunks[(rank - s) % size] to '
-        'the right neighbour (rank + 1) % size and receive, from the left '
-        'neighbour, into a scratch buffer shaped like chunks[(rank - s - 1) % '
-        'size]; then add the buffer to that chunk. Use exchange() so the sends '
-        'cannot deadlock.')
+        "yet. Hint: ask for one with hint('ring_allreduce', 1) (a nudge), 2 (the "
+        'idea) or 3 (the formula), from exercises.course')
 
 
 def ring_all_gather(comm: Comm, chunks: list[torch.Tensor], owned: int) -> None:
@@ -99,16 +92,11 @@ def ring_all_gather(comm: Comm, chunks: list[torch.Tensor], owned: int) -> None:
     complete chunk is ``owned - 1`` (mod size), as ``ring_reduce_scatter`` leaves them.
     The other chunks may hold anything; they are overwritten, never added to.
     """
-    # HINT: at step s = 0 .. size-2, send chunks[(owned - s) % size] to the right and
-    #   receive straight into chunks[(owned - s - 1) % size] from the left: this time the
-    #   incoming chunk replaces what was there, so no scratch buffer is needed.
     # YOUR CODE HERE
     raise NotImplementedError(
         'ring_all_gather in exercises/ring_allreduce.py is not implemented yet. '
-        'Hint: at step s = 0 .. size-2, send chunks[(owned - s) % size] to the '
-        'right and receive straight into chunks[(owned - s - 1) % size] from the '
-        'left: this time the incoming chunk replaces what was there, so no '
-        'scratch buffer is needed.')
+        "Hint: ask for one with hint('ring_allreduce', 1) (a nudge), 2 (the idea)"
+        ' or 3 (the formula), from exercises.course')
 
 
 def ring_all_reduce(comm: Comm, t: torch.Tensor) -> torch.Tensor:
@@ -123,13 +111,8 @@ def ring_all_reduce(comm: Comm, t: torch.Tensor) -> torch.Tensor:
         flat = t.contiguous()
         ring_all_reduce(comm, flat)
         return t.copy_(flat)
-    # HINT: t.view(-1) is a flat view of t's storage; torch.tensor_split(flat, comm.size)
-    #   cuts it into views, so updating the chunks updates t. Run ring_reduce_scatter on
-    #   the chunks, then ring_all_gather with the index it returns.
     # YOUR CODE HERE
     raise NotImplementedError(
         'ring_all_reduce in exercises/ring_allreduce.py is not implemented yet. '
-        "Hint: t.view(-1) is a flat view of t's storage; torch.tensor_split(flat,"
-        ' comm.size) cuts it into views, so updating the chunks updates t. Run '
-        'ring_reduce_scatter on the chunks, then ring_all_gather with the index '
-        'it returns.')
+        "Hint: ask for one with hint('ring_allreduce', 1) (a nudge), 2 (the idea)"
+        ' or 3 (the formula), from exercises.course')

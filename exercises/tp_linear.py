@@ -44,22 +44,19 @@ class CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        # HINT: keep comm on ctx (ctx.comm = comm) for backward, and return x as it is.
         # YOUR CODE HERE
         raise NotImplementedError(
-            'forward in exercises/tp_linear.py is not implemented yet. Hint: keep '
-            'comm on ctx (ctx.comm = comm) for backward, and return x as it is.')
+            'forward in exercises/tp_linear.py is not implemented yet. Hint: ask for '
+            "one with hint('tp_linear', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # HINT: all-reduce a contiguous copy of grad (grad.contiguous().clone()) with
-        #   ctx.comm.all_reduce, and return it together with None (comm needs no gradient).
         # YOUR CODE HERE
         raise NotImplementedError(
-            'backward in exercises/tp_linear.py is not implemented yet. Hint: all-'
-            'reduce a contiguous copy of grad (grad.contiguous().clone()) with '
-            'ctx.comm.all_reduce, and return it together with None (comm needs no '
-            'gradient).')
+            'backward in exercises/tp_linear.py is not implemented yet. Hint: ask for'
+            " one with hint('tp_linear', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -67,21 +64,19 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        # HINT: all-reduce a contiguous copy of x (never the input itself: autograd may
-        #   still need it) and return the copy.
         # YOUR CODE HERE
         raise NotImplementedError(
-            'forward in exercises/tp_linear.py is not implemented yet. Hint: all-'
-            'reduce a contiguous copy of x (never the input itself: autograd may '
-            'still need it) and return the copy.')
+            'forward in exercises/tp_linear.py is not implemented yet. Hint: ask for '
+            "one with hint('tp_linear', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # HINT: the identity: return grad, None.
         # YOUR CODE HERE
         raise NotImplementedError(
-            'backward in exercises/tp_linear.py is not implemented yet. Hint: the '
-            'identity: return grad, None.')
+            'backward in exercises/tp_linear.py is not implemented yet. Hint: ask for'
+            " one with hint('tp_linear', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
 
 class ColumnParallelLinear(nn.Module):
@@ -92,23 +87,18 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, comm: Comm):
         super().__init__()
         self.comm = comm
-        # HINT: the weight is [out, in]: take rows. torch.chunk(full.weight.detach(),
-        #   comm.size, dim=0)[comm.rank].clone() wrapped in nn.Parameter; the bias (if any)
-        #   is chunked the same way along its only dimension. Set self.weight, self.bias.
         # YOUR CODE HERE
         raise NotImplementedError(
-            '__init__ in exercises/tp_linear.py is not implemented yet. Hint: the '
-            'weight is [out, in]: take rows. torch.chunk(full.weight.detach(), '
-            'comm.size, dim=0)[comm.rank].clone() wrapped in nn.Parameter; the bias '
-            '(if any) is chunked the same way along its only dimension. Set '
-            'self.weight, self.bias.')
+            '__init__ in exercises/tp_linear.py is not implemented yet. Hint: ask for'
+            " one with hint('tp_linear', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HINT: F.linear(CopyToTP.apply(x, self.comm), self.weight, self.bias)
         # YOUR CODE HERE
         raise NotImplementedError(
-            'forward in exercises/tp_linear.py is not implemented yet. Hint: '
-            'F.linear(CopyToTP.apply(x, self.comm), self.weight, self.bias)')
+            'forward in exercises/tp_linear.py is not implemented yet. Hint: ask for '
+            "one with hint('tp_linear', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
 
 class RowParallelLinear(nn.Module):
@@ -119,23 +109,18 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, comm: Comm):
         super().__init__()
         self.comm = comm
-        # HINT: take columns of the weight: torch.chunk(..., comm.size, dim=1). The bias
-        #   is not split: every rank keeps all of it (added once, after the all-reduce).
         # YOUR CODE HERE
         raise NotImplementedError(
-            '__init__ in exercises/tp_linear.py is not implemented yet. Hint: take '
-            'columns of the weight: torch.chunk(..., comm.size, dim=1). The bias is '
-            'not split: every rank keeps all of it (added once, after the all-'
-            'reduce).')
+            '__init__ in exercises/tp_linear.py is not implemented yet. Hint: ask for'
+            " one with hint('tp_linear', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HINT: the partial sum F.linear(x, self.weight) (no bias!), through
-        #   ReduceFromTP.apply(..., self.comm), then add self.bias if there is one.
         # YOUR CODE HERE
         raise NotImplementedError(
-            'forward in exercises/tp_linear.py is not implemented yet. Hint: the '
-            'partial sum F.linear(x, self.weight) (no bias!), through '
-            'ReduceFromTP.apply(..., self.comm), then add self.bias if there is one.')
+            'forward in exercises/tp_linear.py is not implemented yet. Hint: ask for '
+            "one with hint('tp_linear', 1) (a nudge), 2 (the idea) or 3 (the "
+            'formula), from exercises.course')
 
 
 class ParallelMLP(nn.Module):

@@ -39,11 +39,11 @@ def shard_range(numel: int, world: int, rank: int) -> tuple[int, int]:
     """The slice [lo, hi) of a flat vector of ``numel`` elements, padded to a multiple of
     ``world``, that ``rank`` owns. Every shard has ceil(numel / world) elements; ``hi``
     may pass ``numel`` (the tail is padding)."""
-    # HINT: size = math.ceil(numel / world); rank r owns [r * size, (r + 1) * size).
     # YOUR CODE HERE
     raise NotImplementedError(
-        'shard_range in exercises/zero1.py is not implemented yet. Hint: size = '
-        'math.ceil(numel / world); rank r owns [r * size, (r + 1) * size).')
+        'shard_range in exercises/zero1.py is not implemented yet. Hint: ask for '
+        "one with hint('zero1', 1) (a nudge), 2 (the idea) or 3 (the formula), "
+        'from exercises.course')
 
 
 class Zero1:
@@ -83,17 +83,11 @@ class Zero1:
 
     def step(self) -> None:
         """Reduce-scatter the gradients, step this rank's shard, all-gather the weights."""
-        # HINT: grad = self.comm.reduce_scatter(self.flatten([p.grad for p in
-        #   self.params])) gives this rank's summed shard; divide it by self.comm.size,
-        #   make it self.shard.grad, call self.optimizer.step(), then
-        #   self.unflatten_into_params(self.comm.all_gather(self.shard.detach())).
         # YOUR CODE HERE
         raise NotImplementedError(
-            'step in exercises/zero1.py is not implemented yet. Hint: grad = '
-            'self.comm.reduce_scatter(self.flatten([p.grad for p in self.params])) '
-            "gives this rank's summed shard; divide it by self.comm.size, make it "
-            'self.shard.grad, call self.optimizer.step(), then '
-            'self.unflatten_into_params(self.comm.all_gather(self.shard.detach())).')
+            'step in exercises/zero1.py is not implemented yet. Hint: ask for one '
+            "with hint('zero1', 1) (a nudge), 2 (the idea) or 3 (the formula), from "
+            'exercises.course')
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -47,6 +47,8 @@ EXERCISES: dict[str, Exercise] = {
     "ring_allreduce": Exercise(
         "00", "ring all-reduce from send/recv",
         ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")),
+    "debug_deadlock": Exercise(
+        "00", "debugging lab: a ring shift that hangs", ("shift_right",), timeout=5.0),
     "ddp_buckets": Exercise(
         "01", "bucketed, overlapped gradient all-reduce",
         ("bucket_params", "BucketedDDP")),
@@ -57,6 +59,9 @@ EXERCISES: dict[str, Exercise] = {
         ("CopyToTP", "ReduceFromTP", "ColumnParallelLinear", "RowParallelLinear")),
     "pipeline_1f1b": Exercise(
         "04", "the 1F1B schedule as data", ("one_f_one_b_compute", "peak_in_flight")),
+    "debug_pipeline": Exercise(
+        "04", "debugging lab: a pipeline's gradients off by a factor",
+        ("microbatch_loss_scale",)),
     "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
     "memory_formula": Exercise(
         "06", "memory per device with the pipeline term", ("in_flight", "device_memory")),
@@ -238,7 +243,7 @@ def overview(impl: str | None = None) -> list[dict]:
     for name, ex in EXERCISES.items():
         spec = importlib.util.find_spec(f"{impl}.{name}")
         text = open(spec.origin).read() if spec and spec.origin else ""
-        blanks = text.count("# YOUR CODE HERE")
+        blanks = text.count("# YOUR CODE HERE") + text.count("# FIND THE BUG HERE")
         rows.append({"lesson": ex.lesson, "exercise": name, "title": ex.title,
                      "file": f"{impl}/{name}.py", "blanks": blanks})
     print(f"{'lesson':<7}{'exercise':<18}{'blanks left':<13}what you build")

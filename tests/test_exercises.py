@@ -62,16 +62,56 @@ def test_exercise_passes_its_check(name: str, impl: str, capsys) -> None:
 
 
 # --- the generated blanks fail cleanly (built fresh from solutions/, not your copy) -
-@pytest.mark.parametrize("name", list(EXERCISES))
+LABS = {"debug_deadlock": ["FAIL", "the ranks hung", "recv on world"],
+        "debug_pipeline": ["FAIL", "expected 2.74815 (one process), got 10.99259",
+                            "4 = microbatches", "divided by m"]}
+
+
+@pytest.mark.parametrize("name", [n for n in EXERCISES if n not in LABS])
 def test_blank_reports_not_implemented(name: str, tmp_path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
     blank = gen.generate(ROOT / "solutions" / f"{name}.py", ROOT / "solutions")
+    assert gen.HINT not in blank, "hints stay behind hint(), never in the blank"
     pkg = _package(tmp_path, f"blank_{name}", {f"{name}.py": blank})
     result = run_one(name, impl=pkg, timeout=30)
     assert result.status == "todo", str(result)
     assert str(result).startswith(f"TODO  {name}: not implemented yet (")
     assert f"exercises/{name}.py" in result.message
-    assert result.hint, "a blank's hint must reach the learner"
+    assert f"hint({name!r}, 1)" in result.hint, "the TODO says how to ask for a hint"
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_planted_bug_fails_with_the_audit(name: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    buggy = gen.generate(ROOT / "solutions" / f"{name}.py", ROOT / "solutions")
+    assert gen.BUG_MARK in buggy and "NotImplementedError" not in buggy
+    pkg = _package(tmp_path, f"bug_{name}", {f"{name}.py": buggy})
+    text = str(run_one(name, impl=pkg, timeout=30))
+    for word in LABS[name]:
+        assert word in text, f"{word!r} missing from the report:\n{text}"
+
+
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_every_exercise_has_three_hint_levels(name: str, capsys) -> None:
+    from solutions.course import HINTS, hint
+    assert set(HINTS[name]) == {1, 2}
+    for level in (1, 2, 3):
+        hint(name, level)
+    out = capsys.readouterr().out
+    assert out.count(f"{name}, hint ") == 3 and len(out.splitlines()) >= 6
+
+
+def test_predict_treats_none_as_unanswered(capsys) -> None:
+    from solutions.course import predict
+    assert predict("bytes", None, 1000.0, "B") is None
+    assert predict("bytes", 2000, 1000.0, "B") is False
+    assert predict("bytes", 1010, 1000.0, "B") is True
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("bytes: not answered yet (set your guess above and rerun); "
+                      "the run measured 1000 B")
+    assert out[1] == "bytes: you predicted 2000 B, the run measured 1000 B (off by 2x)"
+    predict("bubble", 0.2, 0.25, by="the simulation gives")
+    assert capsys.readouterr().out.endswith("the simulation gives 0.25 (off by 0.8x)\n")
 
 
 # --- the checker catches typical mistakes (mutants of the solution) ----------------
@@ -157,8 +197,21 @@ def test_generator_replaces_blocks_with_hinted_blanks() -> None:
     exec(compile(out, "m.py", "exec"), namespace)
     with pytest.raises(NotImplementedError) as err:
         namespace["f"](3)
-    assert str(err.value) == ("f in exercises/m.py is not implemented yet. "
-                              "Hint: double it, then add y.")
+    assert str(err.value) == ("f in exercises/m.py is not implemented yet. Hint: ask for "
+                              "one with hint('m', 1) (a nudge), 2 (the idea) or 3 (the "
+                              "formula), from exercises.course")
+    assert "double it" not in out  # the hint stays in solutions/, behind hint()
+
+
+def test_generator_plants_a_bug() -> None:
+    src = ("def f(m):\n"
+           "    ### BEGIN SOLUTION\n"
+           "    return 1 / m\n"
+           "    ### PLANTED BUG\n"
+           "    # return 1.0  # as it comes\n"
+           "    ### END SOLUTION\n")
+    out = gen.strip_solutions(src, "exercises/m.py")
+    assert out == "def f(m):\n    # FIND THE BUG HERE\n    return 1.0  # as it comes\n"
 
 
 @pytest.mark.parametrize("src", [
@@ -197,3 +250,73 @@ def test_regenerating_keeps_a_learners_answers(tmp_path) -> None:
     src.write_text(src.read_text() + "Y = 3\n")
     gen.write(tmp_path)
     assert (tmp_path / "exercises" / "ex.py.bak").read_text() == answered
+
+
+# --- checker messages show expected against got ----------------------------------
+MESSAGE_MUTANTS = {
+    # name: (exercise, text in its solution, replacement, words the report must say)
+    "ring_contributions": (
+        "ring_allreduce", "send_i, recv_i = (rank - step) % n, (rank - step - 1) % n",
+        "send_i, recv_i = (rank + step) % n, (rank - step - 1) % n",
+        ["expected chunk 1 to hold the contributions of ranks {0, 1, 2}",
+         "chunk 1 holds ranks {0, 2}"]),
+    "1f1b_diff": (
+        "pipeline_1f1b", "        warm = min(pp - r - 1, microbatches)\n",
+        "        warm = min(pp - r, microbatches)\n",
+        ["differs from 1F1B", "rank 0, position 1: expected B0, got F1"]),
+    "ddp_world_size": (
+        "ddp_buckets", "flat = self.flat[i] / self.comm.size", "flat = self.flat[i]",
+        ["your gradients are exactly 2.0x the whole-batch gradient = world size (2)"]),
+    "ddp_launch_when_full": (
+        "ddp_buckets",
+        "        while (self.next_to_launch < len(self.buckets)\n"
+        "               and len(self.ready[self.next_to_launch])\n"
+        "               == len(self.buckets[self.next_to_launch])):\n"
+        "            self._launch(self.next_to_launch)\n"
+        "            self.next_to_launch += 1\n",
+        "        b = self.bucket_of[id(p)]\n"
+        "        if len(self.ready[b]) == len(self.buckets[b]):\n"
+        "            self._launch(b)\n"
+        "            self.next_to_launch = max(self.next_to_launch, b + 1)\n",
+        ["expected all-reduces of buckets [0, 1, 2], got [1, 0, 2]"]),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MESSAGE_MUTANTS))
+def test_checker_shows_expected_against_got(mutant: str, tmp_path, monkeypatch) -> None:
+    name, old, new, words = MESSAGE_MUTANTS[mutant]
+    source = (ROOT / "solutions" / f"{name}.py").read_text()
+    assert source.count(old) == 1, f"mutant {mutant} no longer matches the solution"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = _package(tmp_path, f"msg_{mutant}", {f"{name}.py": source.replace(old, new)})
+    text = str(run_one(name, impl=pkg, timeout=20))
+    assert text.startswith(f"FAIL  {name}: "), text
+    for word in words:
+        assert word in text, f"{word!r} missing from the report:\n{text}"
+
+
+# --- the design puzzles are solvable, and the instruments say so -------------------
+def test_schedule_puzzles_have_solutions(capsys) -> None:
+    from minipar.parallel.schedules import COMPUTE, make_schedule
+    from solutions.course import score_schedule
+
+    def compute(name, p, m, v=1):
+        return [[a for a in acts if a.kind in COMPUTE] for acts in make_schedule(name, p, m, v)]
+    assert score_schedule(None, 0.12, 3) is None
+    assert score_schedule(compute("zb", 3, 6), 0.12, max_in_flight=3)["passed"]
+    assert not score_schedule(compute("1f1b", 3, 6), 0.12, max_in_flight=3)["passed"]
+    assert score_schedule(compute("interleaved", 2, 4, 2), 0.125)["passed"]
+    assert not score_schedule([list(reversed(r)) for r in compute("1f1b", 2, 4)], 1.0)["passed"]
+    out = capsys.readouterr().out
+    assert "not answered yet" in out and "PASS" in out and "not a valid schedule" in out
+
+
+def test_layout_puzzle_has_a_solution(capsys) -> None:
+    from solutions.course import score_layout
+    budget = dict(model="gpt-13b", cluster="a100x64", global_batch=1024, memory_cap=30e9,
+                  step_target=13.5)
+    assert score_layout(None, **budget) is None
+    assert not score_layout(dict(tp=4, pp=4, dp=4), **budget)["passed"]  # too slow
+    assert not score_layout(dict(tp=1, pp=1, dp=64, zero=3), **budget)["passed"]
+    assert score_layout(dict(tp=1, pp=8, dp=8, zero=1, schedule="zb",
+                             recompute="selective"), **budget)["passed"]

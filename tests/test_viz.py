@@ -186,3 +186,44 @@ def test_dashboards_redraw_from_their_controls():
 def test_plan_dashboard_explains():
     dash = plan_dashboard("gpt-1.3b", "dgx-a100")
     assert "Best:" in dash.note.value and dash.last.data
+
+
+def test_timelines_share_one_unit_and_list_w_once():
+    """Interleaving must not look slower because its bars are chunks: every schedule is
+    drawn in forwards of a whole stage, on one shared time axis; W is in the legend once
+    even when only a lower timeline has W blocks."""
+    one = schedule_timeline("1f1b", 4, 8)
+    inter = schedule_timeline("interleaved", 4, 8, 2)
+    zb = schedule_timeline("zb", 3, 6)
+    end = {k: max(s.end for row in tl for s in row)
+           for k, tl in (("1f1b", one), ("interleaved", inter))}
+    assert end["interleaved"] < end["1f1b"]
+    fig = timeline_figure({"1F1B": one, "ZB-H1": zb})
+    legend = [t.name for t in fig.data if t.showlegend]
+    assert legend.count("weight gradient") == 1 and len(legend) == len(set(legend))
+    assert fig.layout.xaxis2.matches == "x" or fig.layout.xaxis.matches == "x2"
+    bars = sum(len(t.y) for t in timeline_figure(zb).data if t.name != "idle (bubble)")
+    assert bars == 3 * 6 * 3  # ZB-H1 on 3 ranks: F, B and W of 6 micro-batches each
+
+
+def test_dashboards_print_their_numbers():
+    dash = pipeline_dashboard()
+    assert "bubble" in dash.note.value and "peak held" in dash.note.value
+    assert dash.controls["virtual"].layout.display == "none"  # v applies to interleaved only
+    dash.controls["schedule"].value = "interleaved"
+    assert dash.controls["virtual"].layout.display is None
+    assert "chunks of 1/v stage" in dash.note.value
+    mem = memory_dashboard()
+    assert all(k in mem.note.value for k in ("params", "grads", "optimizer", "activations"))
+
+
+def test_tp_shard_figure_colours_one_slice_per_weight_and_rank():
+    from minipar.viz import tp_shard_figure
+    for t in (1, 2, 4):
+        fig = tp_shard_figure(t)
+        coloured = [s for s in fig.layout.shapes if s.fillcolor not in ("#D9D9D9", "white")]
+        # per rank: its fc slice, its proj slice, the GELU slice, the partial sum
+        assert len(coloured) == 4 * t
+        texts = [a.text for a in fig.layout.annotations]
+        assert sum(x in ("f", "g") for x in texts) == 2 * t
+        assert fig.to_json() == tp_shard_figure(t).to_json()

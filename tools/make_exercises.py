@@ -2,16 +2,21 @@
 
 Every ``.py`` file under ``solutions/`` is copied to the same place under ``exercises/``.
 Inside it, each block between a ``### BEGIN SOLUTION`` line and a ``### END SOLUTION``
-line is replaced by a blank that raises ``NotImplementedError``. The blank keeps the
-block's ``# HINT:`` comment lines (a hint may run over several ``# HINT:`` lines, or
-continue on the ``#`` lines right after it) and puts the hint in the error message, so
-the checker can tell the learner what is missing and where to start:
+line is replaced by a blank that raises ``NotImplementedError``. The blank carries no
+hint: the block's ``# HINT:`` comment lines (a hint may run over several ``# HINT:`` lines,
+or continue on the ``#`` lines right after it) stay in ``solutions/``, where
+``hint(name, 3)`` (``solutions/course.py``) reads them when the learner asks; the error
+message says how to ask:
 
     def ring_all_reduce(comm, t):                 def ring_all_reduce(comm, t):
-        ### BEGIN SOLUTION                             # HINT: split t into comm.size ...
+        ### BEGIN SOLUTION                             # YOUR CODE HERE
         # HINT: split t into comm.size ...   ->        raise NotImplementedError(
-        chunks = ...                                       "ring_all_reduce is not ...")
-        ### END SOLUTION
+        chunks = ...                                       "ring_all_reduce in ... is not
+        ### END SOLUTION                                   implemented yet. Hint: ...")
+
+A debugging lab plants a bug instead of a blank: a block may end with a ``### PLANTED BUG``
+line followed by commented-out lines (``# code``); the exercise gets those lines
+uncommented (the bug), the solution keeps the code above the marker (the fix).
 
 Files without markers are copied as they are (``__init__.py``), except the checker: its
 cases (``checks/``) stay in ``solutions/`` and run from there, and ``exercises/check.py``
@@ -39,9 +44,16 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 HINT = "# HINT:"
 BLANK_MARK = "# YOUR CODE HERE"
+BUG = "### PLANTED BUG"
+BUG_MARK = "# FIND THE BUG HERE"
 HEADER = ("# Your copy of this exercise, generated from {src} by tools/make_exercises.py.\n"
           "# Fill in the blanks (each raises NotImplementedError), then check your work with\n"
           "#     from exercises.check import check; check(\"{name}\")\n")
+LAB_HEADER = ("# Your copy of this debugging lab, generated from {src}\n"
+              "# by tools/make_exercises.py.\n"
+              "# It runs, but something in it is wrong: find it with the lesson's instruments,\n"
+              "# fix it, then check your work with\n"
+              "#     from exercises.check import check; check(\"{name}\")\n")
 PLAIN_HEADER = ("# Generated from {src} by tools/make_exercises.py: "
                 "edit that file, not this one.\n")
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
@@ -76,17 +88,13 @@ def _hints(block: list[str]) -> list[str]:
     return out
 
 
-def _blank(indent: str, function: str | None, hints: list[str], path: str) -> list[str]:
-    """The lines that replace a solution block: its hints, and a raise that carries them."""
+def _blank(indent: str, function: str | None, name: str, path: str) -> list[str]:
+    """The lines that replace a solution block: a raise that says how to ask for a hint."""
     where = f"{function} in {path}" if function else path
-    message = f"{where} is not implemented yet."
-    if hints:
-        message += " Hint: " + " ".join(hints)
-    out = []
-    for k, hint in enumerate(hints):
-        out.append(f"{indent}{HINT if k == 0 else '#  '} {hint}\n")
-    out.append(f"{indent}{BLANK_MARK}\n")
-    out.append(f"{indent}raise NotImplementedError(\n")
+    message = (f"{where} is not implemented yet. Hint: ask for one with "
+               f"hint({name!r}, 1) (a nudge), 2 (the idea) or 3 (the formula), "
+               f"from exercises.course")
+    out = [f"{indent}{BLANK_MARK}\n", f"{indent}raise NotImplementedError(\n"]
     pieces = textwrap.wrap(message, 72, drop_whitespace=False)
     for k, piece in enumerate(pieces):
         end = ")" if k == len(pieces) - 1 else ""
@@ -94,7 +102,20 @@ def _blank(indent: str, function: str | None, hints: list[str], path: str) -> li
     return out
 
 
-def strip_solutions(text: str, exercise_path: str) -> str:
+def _planted(block: list[str], indent: str) -> list[str] | None:
+    """The uncommented lines after ``### PLANTED BUG`` in a block, or None if none."""
+    marks = [k for k, line in enumerate(block) if line.strip() == BUG]
+    if not marks:
+        return None
+    out = [f"{indent}{BUG_MARK}\n"]
+    for line in block[marks[0] + 1:]:
+        stripped = line.strip()
+        body = stripped[2:] if stripped.startswith("# ") else stripped.lstrip("#")
+        out.append(f"{indent}{body}\n" if body else "\n")
+    return out
+
+
+def strip_solutions(text: str, exercise_path: str, name: str = "") -> str:
     """The exercise version of a solution file's text (markers replaced by blanks)."""
     lines = text.splitlines(keepends=True)
     out: list[str] = []
@@ -116,7 +137,10 @@ def strip_solutions(text: str, exercise_path: str) -> str:
             raise MarkerError(f"{exercise_path}:{start + 1}: {BEGIN} is not closed by {END}")
         block = lines[start + 1:i]
         function = _enclosing_function(lines, start, len(indent))
-        out.extend(_blank(indent, function, _hints(block), exercise_path))
+        planted = _planted(block, indent)
+        name = name or Path(exercise_path).stem
+        out.extend(planted if planted is not None else
+                   _blank(indent, function, name, exercise_path))
         i += 1
     return "".join(out)
 
@@ -163,9 +187,10 @@ def generate(src: Path, solutions: Path) -> str:
         return PLAIN_HEADER.format(src=src_name) + CHECK_SHIM
     if not any(line.strip() in (BEGIN, END) for line in text.splitlines()):
         return PLAIN_HEADER.format(src=src_name) + text
-    body = strip_solutions(text, f"exercises/{rel}")
     name = rel.removesuffix(".py").replace("/", ".")
-    return HEADER.format(src=src_name, name=name) + body
+    body = strip_solutions(text, f"exercises/{rel}", name)
+    header = LAB_HEADER if any(line.strip() == BUG for line in text.splitlines()) else HEADER
+    return header.format(src=src_name, name=name) + body
 
 
 def expected_files(root: Path = ROOT) -> dict[Path, str]:

@@ -5,6 +5,7 @@
 * ``memory_figure``    memory per rank by part, theory beside measurement
 * ``comm_figure``      bytes per dimension and op, measured beside predicted
 * ``plan_figure``      the planner's ranking: step-time terms and memory
+* ``tp_shard_figure``  the tensor-parallel MLP shard by shard, with f and g
 * ``widgets``          ipywidgets dashboards over these (import it in a notebook)
 
 Figures are deterministic: the same arguments give the same JSON (no random ids), so
@@ -21,6 +22,8 @@ from minipar.viz.timeline import (
     schedule_timeline,
     timeline_figure,
 )
+from minipar.viz.tp import tp_shard_figure
 
 __all__ = ["comm_figure", "memory_figure", "mesh_figure", "mesh_traces", "plan_figure",
-           "bubble_curve_figure", "normalise", "schedule_timeline", "timeline_figure"]
+           "bubble_curve_figure", "normalise", "schedule_timeline", "timeline_figure",
+           "tp_shard_figure"]

@@ -3,7 +3,7 @@
 Each rank gets one bar per source: the theory (``minipar.theory.memory``) and, when
 given, what the run measured (``minipar.meter``) right beside it, on a two-level axis
 (rank, then source). Rows are dicts with the keys of ``memory_breakdown``; a missing
-key counts as 0, an extra ``other`` key (buffers, the syllabus's asserted "working
+key counts as 0, an extra ``other`` key (buffers, a claim's asserted "working
 memory") is drawn as its own layer.
 """
 

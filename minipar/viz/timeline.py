@@ -60,8 +60,12 @@ def idle_spans(records: Sequence[dict], step: float) -> list[tuple[float, float]
 
 
 def timeline_traces(timeline: Sequence[Sequence], virtual: int = 1, row: int = 1,
-                    legend: bool = True) -> list[go.Bar]:
-    """Horizontal bars, one trace per action kind plus one for the idle time."""
+                    legend: bool | set = True) -> list[go.Bar]:
+    """Horizontal bars, one trace per action kind plus one for the idle time.
+
+    ``legend``: True (every kind drawn gets a legend entry), False, or the set of kinds
+    already in the legend (updated: a stacked figure lists each kind once, W included
+    even when only a lower timeline has W blocks)."""
     rows = normalise(timeline)
     step = max((r["end"] for recs in rows for r in recs), default=0.0)
     traces = []
@@ -81,10 +85,13 @@ def timeline_traces(timeline: Sequence[Sequence], virtual: int = 1, row: int = 1
                 text.append(label)
         if not y and kind == "W":
             continue
+        show = legend if isinstance(legend, bool) else kind not in legend
+        if isinstance(legend, set):
+            legend.add(kind)
         traces.append(go.Bar(
             y=y, x=width, base=base, orientation="h", text=text, textposition="inside",
             insidetextanchor="middle", name=NAMES[kind], legendgroup=kind,
-            showlegend=legend, marker={"color": COLOURS[kind],
+            showlegend=show, marker={"color": COLOURS[kind],
                                        "line": {"color": "white", "width": 1}},
             hovertemplate="%{y}: %{base:.3g} to %{customdata:.3g}<extra>" + NAMES[kind]
                           + " %{text}</extra>",
@@ -94,14 +101,20 @@ def timeline_traces(timeline: Sequence[Sequence], virtual: int = 1, row: int = 1
 
 
 def timeline_figure(timelines: Sequence | dict, virtual: int = 1,
-                    unit: str = "time") -> go.Figure:
+                    unit: str = "time", shared: bool = True) -> go.Figure:
     """A timeline (per rank, a list of records), or several stacked one above the other
-    given as a dict ``{title: timeline}`` (e.g. ``{"theory": t1, "measured": t2}``)."""
+    given as a dict ``{title: timeline}`` (e.g. ``{"theory": t1, "measured": t2}``).
+
+    Stacked timelines share one time axis (``shared=True``), so equal lengths mean equal
+    times: give them all in one unit (``schedule_timeline`` measures every schedule in
+    forwards of a whole stage). Pass ``shared=False`` for timelines in different units
+    (theory in unit times above a measurement in seconds)."""
     named = dict(timelines) if isinstance(timelines, dict) else {"": timelines}
     fig = make_subplots(rows=len(named), cols=1, subplot_titles=list(named),
-                        vertical_spacing=0.12)
+                        vertical_spacing=0.12, shared_xaxes=shared)
+    shown: set = set()
     for i, tl in enumerate(named.values(), 1):
-        for trace in timeline_traces(tl, virtual, i, legend=i == 1):
+        for trace in timeline_traces(tl, virtual, i, legend=shown):
             fig.add_trace(trace, row=i, col=1)
         ranks = [f"rank {r}" for r in range(len(tl))]
         fig.update_yaxes(categoryorder="array", categoryarray=ranks[::-1], row=i, col=1)
@@ -114,11 +127,16 @@ def timeline_figure(timelines: Sequence | dict, virtual: int = 1,
 
 def schedule_timeline(schedule: str, pp: int, microbatches: int,
                       virtual: int = 1) -> list[list]:
-    """The theoretical timeline of a schedule (unit times: F 1, B 2; split B 1 + W 1)."""
+    """The theoretical timeline of a schedule in one unit for every schedule: the
+    forward of a whole stage takes 1, its backward 2 (split: B 1 + W 1). A chunk of an
+    interleaved schedule is 1/v of a stage, so its actions take 1/v of those times:
+    interleaving shortens the step instead of seeming to stretch it."""
     from minipar.parallel.schedules import make_schedule
-    from minipar.theory.bubble import simulate
+    from minipar.theory.bubble import UNIT_COST, simulate
 
-    return simulate(make_schedule(schedule, pp, microbatches, virtual))
+    v = virtual if schedule == "interleaved" else 1
+    cost = {k: c / v for k, c in UNIT_COST.items()}
+    return simulate(make_schedule(schedule, pp, microbatches, v), cost)
 
 
 def bubble_curve_figure(pp: int = 4, max_microbatches: int = 32,

@@ -98,16 +98,51 @@ def mesh_dashboard() -> Dashboard:
                      lambda dp, pp, tp, color_by: mesh_figure(dp, pp, tp, color_by))
 
 
+def pipeline_text(schedule: str, pp: int, microbatches: int, virtual: int) -> str:
+    """The numbers behind the pipeline dashboard's picture, as one line of HTML."""
+    from minipar.parallel.schedules import make_schedule
+    from minipar.theory.bubble import bubble_stats, peak_in_flight
+
+    v = virtual if schedule == "interleaved" else 1
+    st = bubble_stats(schedule_timeline(schedule, pp, microbatches, v))
+    held = peak_in_flight(make_schedule(schedule, pp, microbatches, v))
+    unit = "chunks of 1/v stage" if v > 1 else "micro-batches"
+    return (f"step {st['step_time']:.2f} stage-forwards; bubble {st['bubble_fraction']:.1%} "
+            f"of the step ({st['bubble_ratio']:.1%} of the work); peak held per rank "
+            f"({unit}): {held}")
+
+
 def pipeline_dashboard() -> Dashboard:
-    """The theoretical timeline of a schedule; the bubble shows as grey."""
+    """The theoretical timeline of a schedule; the bubble shows as grey. Every schedule
+    is drawn in one unit (a whole stage's forward = 1), and the v slider shows only for
+    the interleaved schedule, the one it applies to."""
     def make(schedule, pp, microbatches, virtual):
         v = virtual if schedule == "interleaved" else 1
         return timeline_figure(schedule_timeline(schedule, pp, microbatches, v), v,
-                               unit="time (forward = 1)")
-    return Dashboard({"schedule": _pick("schedule", ["gpipe", "1f1b", "interleaved", "zb"],
-                                        "1f1b"),
-                      "pp": _slider("pp", 2, 8, 4), "microbatches": _slider("m", 1, 16, 8),
-                      "virtual": _slider("v", 1, 4, 2)}, make)
+                               unit="time (one stage's forward = 1)")
+    v = _slider("v", 2, 4, 2)
+    pick = _pick("schedule", ["gpipe", "1f1b", "interleaved", "zb"], "1f1b")
+
+    def show_v(_change=None) -> None:
+        v.layout.display = None if pick.value == "interleaved" else "none"
+    pick.observe(show_v, names="value")
+    show_v()
+    return Dashboard({"schedule": pick, "pp": _slider("pp", 2, 8, 4),
+                      "microbatches": _slider("m", 1, 16, 8), "virtual": v},
+                     make, pipeline_text)
+
+
+def memory_text(model, dp, pp, tp, zero, dtype, recompute, sp, microbatches) -> str:
+    """The numbers behind the memory dashboard: each term on the busiest rank."""
+    rows = memory_per_rank(get_model(model), dp, pp, tp, zero=zero, dtype=dtype,
+                           microbatches=microbatches, sp=sp, recompute=recompute)
+    top = max(rows, key=lambda r: r["total"])
+    big = top["total"] > 1e8
+    scale, unit = (1e9, "GB") if big else (1e6, "MB")
+    parts = ", ".join(f"{k} {top[k] / scale:.3g}" for k in
+                      ("params", "grads", "optimizer", "activations"))
+    return (f"busiest rank {top['rank']} (stage {top['stage']}): {parts}; total "
+            f"{top['total'] / scale:.3g} {unit}")
 
 
 def memory_dashboard(model: str = "tiny") -> Dashboard:
@@ -123,7 +158,7 @@ def memory_dashboard(model: str = "tiny") -> Dashboard:
                       "dtype": _pick("dtype", ["fp32", "bf16"], "bf16"),
                       "recompute": _pick("recompute", ["none", "selective", "full"], "none"),
                       "sp": W.Checkbox(value=False, description="sequence parallel"),
-                      "microbatches": _slider("m", 1, 32, 4)}, make)
+                      "microbatches": _slider("m", 1, 32, 4)}, make, memory_text)
 
 
 def plan_dashboard(model: str = "gpt3-175b", cluster: str = "a100x1024") -> Dashboard:

@@ -21,6 +21,7 @@ from minipar.model import GPT, get_config
 
 from ..check import expect
 
+WORLD = 2
 BUCKET_BYTES = 40_000  # several buckets for the two-layer tiny GPT (about 0.5 MB)
 TOL = 1e-5
 
@@ -61,6 +62,54 @@ def _check_bucketing(mod) -> None:
                "push it over bucket_bytes; a too-large parameter sits alone")
 
 
+class _Pending:
+    def wait(self) -> None:
+        pass
+
+
+class _RecordingComm:
+    """A stand-in for ``Comm`` on 2 ranks that records which tensors were all-reduced,
+    in order, and reduces nothing (so hooks can be fired by hand, in any order)."""
+
+    size, rank = 2, 0
+
+    def __init__(self) -> None:
+        self.launched: list[torch.Tensor] = []
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        pass
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
+        self.launched.append(t.clone())
+        return _Pending() if async_op else t
+
+
+def _check_hook_order(mod) -> None:
+    """Hooks that fire out of bucket order must not change the order of the all-reduces.
+
+    Six parameters of 40 bytes, buckets of 80: bucket 0 = params 5, 4; bucket 1 = 3, 2;
+    bucket 2 = 1, 0. The hooks fire for 3, 2 first (bucket 1 complete before bucket 0),
+    as they can when autograd finishes a later layer first on one rank only.
+    """
+    params = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(10)) for _ in range(6))
+    comm = _RecordingComm()
+    ddp = mod.BucketedDDP(params, comm, bucket_bytes=80, overlap=True)
+    bucket_of = {id(p): i for i, b in enumerate(ddp.buckets) for p in b}
+    fired = [3, 2, 5, 4, 1, 0]
+    for i in fired:
+        params[i].grad = torch.full((10,), float(i))
+        ddp._on_grad(params[i])
+    ddp.finish_gradient_sync()
+    order = [bucket_of[id(params[int(t[0])])] for t in comm.launched]
+    ddp.remove()
+    expect(order == [0, 1, 2],
+           f"hooks fired for parameters {fired} (bucket 1 was complete before bucket 0); "
+           f"expected all-reduces of buckets [0, 1, 2], got {order}",
+           "launch strictly in bucket order: another rank's hooks may fire in another "
+           "order, and two ranks that issue their all-reduces in different orders sum "
+           "different buckets together (or hang)")
+
+
 def _rank_cases(impl: str, overlap: bool) -> dict:
     mod = importlib.import_module(f"{impl}.ddp_buckets")
     comm = Comm()
@@ -84,8 +133,10 @@ def _rank_cases(impl: str, overlap: bool) -> dict:
         worst = max(float((p.grad - q.grad).abs().max()) if p.grad is not None else
                     float("inf") for p, q in zip(model.parameters(), ref.parameters()))
         bucket_numels = [sum(p.numel() for p in b) for b in ddp.buckets]
+        norm = [sum(float(p.grad.double().pow(2).sum()) for p in m.parameters()
+                    if p.grad is not None) ** 0.5 for m in (model, ref)]
         facts["steps"].append({
-            "worst": worst,
+            "worst": worst, "ratio": norm[0] / norm[1] if norm[1] else float("nan"),
             "ops": [r.op for r in records],
             "numels": [r.nbytes // 4 for r in records if r.op == "all_reduce"],
             "bucket_numels": bucket_numels,
@@ -105,8 +156,13 @@ def _judge(rank: int, overlap: bool, f: dict) -> None:
            f"bucket_bytes={BUCKET_BYTES} {where}", "check bucket_params")
     for step, s in enumerate(f["steps"]):
         at = f"{where}, step {step}"
+        ratio = s["ratio"]
+        scale = (f"your gradients are exactly {ratio:.1f}x the whole-batch gradient "
+                 f"= world size ({WORLD}): " if abs(ratio - WORLD) < 1e-3 else
+                 f"your gradient norm is {ratio:.3g}x the whole-batch gradient's; ")
         expect(s["worst"] < TOL,
-               f"gradients differ from the whole-batch gradient by {s['worst']:.3g} {at}",
+               f"{scale}gradients differ from the whole-batch gradient by up to "
+               f"{s['worst']:.3g} {at}",
                "after waiting, divide each bucket's sum by comm.size and copy its slices "
                "back in the bucket's parameter order (the order of self.buckets[i])")
         others = sorted(set(s["ops"]) - {"all_reduce"})
@@ -134,8 +190,9 @@ def _judge(rank: int, overlap: bool, f: dict) -> None:
 def run(impl: str, timeout: float) -> str:
     """Bucketing rules here, then gradients and the log on 2 ranks, overlap on and off."""
     _check_bucketing(importlib.import_module(f"{impl}.ddp_buckets"))
+    _check_hook_order(importlib.import_module(f"{impl}.ddp_buckets"))
     for overlap in (True, False):
-        for rank, facts in enumerate(launch(_rank_cases, 2, args=(impl, overlap),
+        for rank, facts in enumerate(launch(_rank_cases, WORLD, args=(impl, overlap),
                                             timeout=timeout)):
             _judge(rank, overlap, facts)
     return ("bucketing rule ok; on 2 ranks gradients equal the whole batch's, one "

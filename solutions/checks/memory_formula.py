@@ -1,5 +1,5 @@
 """Cases for the memory formula exercise (lesson 06): model states by ZeRO stage, the
-micro-batches in flight per schedule, and whole devices on layouts of the syllabus
+micro-batches in flight per schedule, and whole devices on layouts of the worked-example
 models, each against ``minipar.theory.memory``."""
 
 from __future__ import annotations

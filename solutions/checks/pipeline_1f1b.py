@@ -27,6 +27,19 @@ CFG = get_config("tiny").with_(n_layer=4)
 BATCH, M = 12, 3
 
 
+def _diff(got, want) -> str | None:
+    """The first position where two per-rank compute orders differ, in words."""
+    for r, (g, w) in enumerate(zip(got, want)):
+        for k in range(max(len(g), len(w))):
+            a = g[k].short() if k < len(g) else "nothing"
+            b = w[k].short() if k < len(w) else "nothing"
+            if a != b:
+                return (f"rank {r}, position {k}: expected {b}, got {a} (rank {r} runs "
+                        f"{' '.join(x.short() for x in g)}; 1F1B runs "
+                        f"{' '.join(x.short() for x in w)})")
+    return None
+
+
 def _pure(mod) -> None:
     for p in range(1, 5):
         for m in range(1, 8):
@@ -50,6 +63,13 @@ def _pure(mod) -> None:
                 validate(actions)
             except ScheduleError as e:
                 raise AssertionError(f"the schedule {where} does not run: {e}") from None
+            reference = [[a for a in acts if a.kind in ("F", "B")]
+                         for acts in make_schedule("1f1b", p, m)]
+            diff = _diff(compute, reference)
+            gpipe = bubble.peak_in_flight(actions) == [m] * p and m > 1
+            expect(diff is None, f"your compute order {where} differs from 1F1B: {diff}",
+                   "that is GPipe's order: all forwards first holds m micro-batches"
+                   if gpipe else "hint('pipeline_1f1b', 2) describes the three phases")
             frac = bubble.bubble_stats(bubble.simulate(actions))["bubble_fraction"]
             ref = bubble.bubble_stats(bubble.simulate(make_schedule("1f1b", p, m)))
             expect(abs(frac - ref["bubble_fraction"]) < 1e-9,

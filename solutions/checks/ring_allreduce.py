@@ -39,11 +39,28 @@ def _ops(comm: Comm) -> dict[str, int]:
     return ops
 
 
+def _contributors(value: float, n: int) -> str:
+    """Which ranks' inputs a probe chunk holds: rank r contributed 2**r, once each."""
+    if value != int(value) or not 0 <= value < 2 ** n:
+        return f"an impossible mix ({value:g}: some rank's input was added twice)"
+    ranks = [r for r in range(n) if int(value) >> r & 1]
+    return "{" + ", ".join(map(str, ranks)) + "}"
+
+
+def _probe(mod, comm: Comm) -> list[float]:
+    """Reduce-scatter chunks where rank r holds 2**r everywhere; the value of each chunk
+    afterwards says which ranks' contributions reached it."""
+    chunks = [torch.full((2,), 2.0 ** comm.rank) for _ in range(comm.size)]
+    mod.ring_reduce_scatter(comm, chunks)
+    return [float(c[0]) for c in chunks]
+
+
 def _rank_cases(impl: str, shapes: tuple[tuple[int, ...], ...]) -> list[dict]:
     """Run on every rank: each function on each shape; return facts, not verdicts."""
     mod = importlib.import_module(f"{impl}.ring_allreduce")
     comm = Comm()
     n, rank = comm.size, comm.rank
+    probe = _probe(mod, comm)
     facts = []
     for case, shape in enumerate(shapes):
         xs = _inputs(shape, n, case)
@@ -69,7 +86,7 @@ def _rank_cases(impl: str, shapes: tuple[tuple[int, ...], ...]) -> list[dict]:
         t = xs[rank].clone()
         out = mod.ring_all_reduce(comm, t)
         facts.append({
-            "shape": shape, "owned": owned, "rs_ok": rs_ok, "rs_ops": rs_ops,
+            "shape": shape, "owned": owned, "probe": probe, "rs_ok": rs_ok, "rs_ops": rs_ops,
             "ag_ok": ag_ok, "ag_ops": ag_ops,
             "ar_same": out is t, "ar_ok": torch.equal(t, total),
             "ar_ops": _ops(comm), "ar_wire": comm.log.total("nbytes", op="send"),
@@ -84,17 +101,22 @@ def _judge(n: int, rank: int, f: dict) -> None:
            f"ring_reduce_scatter returned {f['owned']!r} {where}; expected {want_owned}",
            "return (rank + 1) % size: after size-1 steps that is the chunk that has "
            "collected every rank's contribution")
-    expect(f["rs_ok"], f"ring_reduce_scatter: chunk {want_owned} is not the full sum {where}",
-           "at step s send chunk (rank - s) % size and add what arrives into chunk "
-           "(rank - s - 1) % size; receive into a fresh buffer, then add")
+    held = "; ".join(f"chunk {k} holds ranks {_contributors(v, n)}"
+                     for k, v in enumerate(f["probe"]))
+    expect(f["rs_ok"], f"ring_reduce_scatter: chunk {want_owned} is not the full sum {where}: "
+           f"expected chunk {want_owned} to hold the contributions of ranks "
+           f"{_contributors(2 ** n - 1, n)}; after your reduce-scatter (rank r adding 2**r) "
+           f"rank {rank}'s {held}",
+           "the chunk a rank sends must be the one it added to in the previous step; "
+           "hint('ring_allreduce', 2) for the idea")
     expect(set(f["rs_ops"]) <= P2P and f["rs_ops"].get("send", 0) == n - 1,
            f"ring_reduce_scatter used {f['rs_ops'] or 'no counted ops'} {where}; "
            f"expected exactly {n - 1} sends and receives",
            "one exchange per step, size-1 steps, only through comm (send/recv/isend/"
            "irecv); calling torch.distributed directly bypasses the count")
     expect(f["ag_ok"], f"ring_all_gather left some chunks wrong {where}",
-           "at step s send chunk (owned - s) % size and receive into chunk "
-           "(owned - s - 1) % size; received chunks replace, never add")
+           "start from the chunk you own and walk the same way as the reduce-scatter; "
+           "received chunks replace, never add")
     expect(set(f["ag_ops"]) <= P2P and f["ag_ops"].get("send", 0) == n - 1,
            f"ring_all_gather used {f['ag_ops'] or 'no counted ops'} {where}; "
            f"expected exactly {n - 1} sends and receives",

@@ -1,0 +1,86 @@
+# Your copy of this debugging lab, generated from solutions/debug_pipeline.py
+# by tools/make_exercises.py.
+# It runs, but something in it is wrong: find it with the lesson's instruments,
+# fix it, then check your work with
+#     from exercises.check import check; check("debug_pipeline")
+"""Lesson 04 debugging lab: a pipeline whose gradients are wrong by a simple factor.
+
+Two ranks train the tiny GPT as a 2-stage 1F1B pipeline over ``m`` micro-batches. The
+loss each rank prints agrees with one process to float rounding, and yet the run does
+not train like one process: its *gradients* are off. A loss comparison cannot see it (the
+loss is computed before the error enters), which is why minipar's parity checks compare
+gradient norms too.
+
+Find the bug with the gradient audit (``gradient_audit()`` in the lesson, or
+``minipar.parity.audit``): it compares this run's gradient norm with one process and
+names the size of the layout that explains the ratio. Then fix the line marked below,
+and ``check("debug_pipeline")``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minipar.comm import Comm
+from minipar.data import MarkovData, split_batch
+from minipar.model import GPT, get_config
+from minipar.parallel.pp import PipelineExecutor, build_stage
+from minipar.parallel.schedules import make_schedule
+
+CFG = get_config("tiny").with_(n_layer=4)
+BATCH = 8
+
+
+def microbatch_loss_scale(microbatches: int) -> float:
+    """What each micro-batch's loss is multiplied by before its backward."""
+    # FIND THE BUG HERE
+    return 1.0  # each micro-batch's loss, as it comes
+
+
+def grad_norm(chunks) -> float:
+    """The gradient norm over every rank's parameters (an all-reduce of the squares)."""
+    comm = Comm()
+    sq = sum(float(p.grad.double().pow(2).sum()) for c in chunks for p in c.parameters()
+             if p.grad is not None)
+    total = torch.tensor([sq], dtype=torch.float64)
+    comm.all_reduce(total)
+    return float(total.sqrt())
+
+
+def pipeline_step(microbatches: int) -> dict:
+    """One 1F1B step on every rank of the job; the loss and the global gradient norm."""
+    comm = Comm()
+    torch.manual_seed(0)
+    chunks = build_stage(GPT(CFG), comm.rank, comm.size)
+    ex = PipelineExecutor(chunks, comm, make_schedule("1f1b", comm.size, microbatches))
+    x, y = MarkovData(CFG.vocab_size, CFG.seq_len).batch(0, BATCH)
+    res = ex.step(split_batch(x, y, 0, 1, microbatches), broadcast_loss=True,
+                  loss_scale=microbatch_loss_scale(microbatches))
+    return {"loss": res.loss, "grad_norm": grad_norm(chunks)}
+
+
+def reference_step() -> dict:
+    """The same step in one process on the whole batch: the loss and gradient norm."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = MarkovData(CFG.vocab_size, CFG.seq_len).batch(0, BATCH)
+    loss = model(x, y)
+    loss.backward()
+    norm = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()
+               if p.grad is not None) ** 0.5
+    return {"loss": float(loss.detach()), "grad_norm": norm}
+
+
+def gradient_audit(microbatches: int = 4) -> None:
+    """Run the pipeline and one process; print losses, gradient norms and the audit."""
+    from minipar.launch import launch
+    from minipar.parity import audit
+
+    ref = reference_step()
+    out = launch(pipeline_step, 2, args=(microbatches,), timeout=60)[0]
+    ratio = out["grad_norm"] / ref["grad_norm"]
+    print(f"loss:          one process {ref['loss']:.5f}   pipeline {out['loss']:.5f}")
+    print(f"gradient norm: one process {ref['grad_norm']:.5f}   pipeline "
+          f"{out['grad_norm']:.5f}   ratio {ratio:.4f}")
+    print("audit:", audit([ratio], {"microbatches": microbatches, "pp": 2})
+          or "the gradients agree with one process")
