@@ -119,6 +119,7 @@ def _timed(step_fn, steps: int, warmup: int, device: torch.device) -> tuple[list
     losses, times = [], []
     with _attention_context(device):
         for step in range(warmup + steps):
+            _sync(device)  # start from an idle device (ranks of a job time alike)
             t0 = time.perf_counter()
             losses.append(step_fn(step))
             _sync(device)

@@ -89,7 +89,8 @@ from gpu import (  # noqa: E402
     RandomTokens,
     _attention_context,
     _sync,
-    matmul_tflops,  # noqa: E402
+    _timed,
+    matmul_tflops,
 )
 
 from minipar.comm import wire_bytes  # noqa: E402
@@ -449,19 +450,6 @@ def section_parity(run: Run) -> None:
 
 
 # --- speed: one configuration per launch -------------------------------------------------
-def _timed(step_fn, steps: int, warmup: int, device: torch.device) -> tuple[list, list]:
-    losses, times = [], []
-    with _attention_context(device):
-        for step in range(warmup + steps):
-            _sync(device)
-            t0 = time.perf_counter()
-            losses.append(step_fn(step))
-            _sync(device)
-            if step >= warmup:
-                times.append(time.perf_counter() - t0)
-    return losses, times
-
-
 def _speed_rank(spec: dict) -> dict:
     """One configuration on this rank: build, warm up, time; returns times, losses and
     the peak allocated memory (plus, for minipar's pipelines, a synchronised timeline)."""
