@@ -136,6 +136,12 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
     bf16 = cfg.dtype == "bf16"
+    if cfg.offload:  # ZeRO-Offload: the inner optimizer steps host copies of the shards
+        from functools import partial
+
+        from minipar.parallel.offload import OffloadOptimizer
+
+        opt_cls = partial(OffloadOptimizer, optimizer_cls=opt_cls, overlap=False)
     if cfg.zero == 3:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
                      shared=shared, average=False)

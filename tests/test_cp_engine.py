@@ -83,3 +83,41 @@ def test_cp_mutations_fail_the_check(monkeypatch, mutation: str) -> None:
     _broken(monkeypatch, mutation)
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), f"{mutation} passed the check: {broken.describe()}"
+
+
+# --- ZeRO-Offload -----------------------------------------------------------------------
+OFFLOAD = [
+    dict(offload=True),
+    dict(offload=True, dp=2, microbatches=2),
+    dict(offload=True, dp=2, zero=1),
+    dict(offload=True, dp=2, zero=2, microbatches=2),
+    dict(offload=True, cp=2, tp=2, pp=2, microbatches=2, zero=1),
+]
+
+
+@pytest.mark.parametrize("layout", OFFLOAD, ids=_id)
+def test_offload_matches_single_device(layout: dict) -> None:
+    run = assert_parity(**layout)
+    for r in run["ranks"]:  # the states live on the host, not in the device's count
+        assert r["memory"]["host_optimizer"] > 0
+        if layout.get("zero", 0) == 0:  # fp32, stage 0: the master is the weights
+            assert r["memory"]["optimizer"] == 0
+
+
+@pytest.mark.parametrize("layout", [dict(offload=True, dp=2, zero=1),
+                                    dict(offload=True, dp=2, zero=2)], ids=_id)
+def test_offload_plain_sgd_and_bf16(layout: dict) -> None:
+    assert_parity(**layout, **SGD)
+    assert_parity(BF16, dtype="bf16", **layout)
+
+
+def test_offload_mutation_fails_the_check(monkeypatch) -> None:
+    """Host gradients never zeroed: each step adds the previous ones (a classic offload
+    bug: the host accumulator outlives the device's zero_grad)."""
+    from minipar.parallel.offload import OffloadOptimizer
+
+    cfg = TrainConfig(steps=3, timeout=240, offload=True, dp=2, zero=1, **SGD)
+    ref = {k: v[:3] for k, v in reference(**SGD).items() if k in ("losses", "grad_norms")}
+    monkeypatch.setattr(OffloadOptimizer, "zero_grad", lambda self, set_to_none=True: None)
+    broken = compare(train(cfg), ref)
+    assert not broken.ok(FP32), broken.describe()
