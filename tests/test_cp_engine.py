@@ -121,3 +121,23 @@ def test_offload_mutation_fails_the_check(monkeypatch) -> None:
     monkeypatch.setattr(OffloadOptimizer, "zero_grad", lambda self, set_to_none=True: None)
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), broken.describe()
+
+
+@pytest.mark.parametrize("layout", [dict(cp=2, tp=2, microbatches=2),
+                                    dict(cp=4, recompute="selective")], ids=_id)
+def test_counted_ring_bytes_equal_the_theory(layout: dict) -> None:
+    """Every ring message of a real run, counted under ``cp``, equals
+    ``theory.comm_volume``'s prediction (the per-layer ``theory.context.ring_bytes``)."""
+    from minipar.theory.comm_volume import comm_volume
+
+    steps = 2
+    cfg = TrainConfig(steps=steps, timeout=240, **layout)
+    run = train(cfg)
+    m = cfg.microbatches
+    predicted = comm_volume(cfg.model_config(), tp=cfg.tp, cp=cfg.cp, dtype="fp32",
+                            microbatch_size=cfg.batch_size // m, microbatches=m,
+                            recompute=cfg.recompute)["cp"]
+    for r in run["ranks"]:
+        measured = {op: {k: x[k] // steps for k in ("calls", "bytes", "wire_bytes")}
+                    for op, x in r["comm"]["cp"].items()}
+        assert measured == predicted
