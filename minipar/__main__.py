@@ -285,11 +285,15 @@ def _cmd_memory(args) -> int:
     mem = memory_breakdown(cfg, args.dp, args.pp, args.tp, args.zero, args.dtype,
                            args.optimizer, args.microbatch_size, args.microbatches,
                            args.schedule, args.sp, args.recompute, params=args.params,
-                           virtual=args.virtual, accounting=args.accounting)
+                           virtual=args.virtual, accounting=args.accounting, cp=args.cp,
+                           offload=args.offload)
     what = _model_label(args) if cfg is not None else f"{args.params:,} parameters"
-    print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp} "
-          f"zero={args.zero} {args.dtype} (stage {mem['stage']}, the most loaded)")
-    for key in ("params", "grads", "optimizer", "activations", "loss_workspace", "total"):
+    cp = f" cp={args.cp}" if args.cp > 1 else ""
+    print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp}{cp} "
+          f"zero={args.zero}{' offload' if args.offload else ''} {args.dtype} "
+          f"(stage {mem['stage']}, the most loaded)")
+    for key in ("params", "grads", "optimizer", "activations", "loss_workspace", "total",
+                "host"):
         if key in mem:
             print(f"  {key:<12}{_gb(mem[key])}   {mem[key]:>18,} bytes")
     _write_json(args.json, mem)
@@ -374,9 +378,11 @@ def _add_theory(sub) -> None:
     _add_model_args(m, None)
     m.add_argument("--params", type=parse_count,
                    help="parameter count alone (7.5e9, 7.5B): model states only")
-    for dim in ("dp", "pp", "tp"):
+    for dim in ("dp", "pp", "tp", "cp"):
         m.add_argument(f"--{dim}", type=int, default=1)
     m.add_argument("--zero", type=int, default=0, choices=range(4))
+    m.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: optimizer states on the host (reported as host)")
     m.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
     m.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     m.add_argument("--microbatch-size", type=int, default=1)

@@ -228,6 +228,8 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
     parts.optimizer.step()
     # peaks of this step; parameters and optimizer states after the update
     held = sync.memory_bytes(parts.optimizer)
+    # ZeRO-Offload: host <-> device bytes of this step (the inner OffloadOptimizer's)
+    offload = getattr(getattr(parts.optimizer, "inner", None), "last_traffic", None)
     sync.zero_grad()
     loss = None
     if result.loss is not None:  # last stage: the mean over the dp replicas, cp shards
@@ -235,7 +237,7 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
         rm.dp_cp.all_reduce(t)
         loss = float(t) / (cfg.dp * cfg.cp)  # the step's one wait for the GPU
     return {"loss": loss, "grad_norm": float(norm), "lr": lr, "timeline": result.timeline,
-            "peak_in_flight": result.peak_in_flight, "memory": held}
+            "peak_in_flight": result.peak_in_flight, "memory": held, "offload": offload}
 
 
 def _with_total(mem: dict) -> dict:
@@ -299,6 +301,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         "peak_in_flight": out["peak_in_flight"] if end > start else 0,
         "comm": rm.log.summary(),
         "comm_bytes_per_step": rm.log.total("wire_bytes") / max(1, end - start),
+        "offload_bytes": out["offload"] if end > start else None,  # last step, host<->device
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,

@@ -141,3 +141,21 @@ def test_counted_ring_bytes_equal_the_theory(layout: dict) -> None:
         measured = {op: {k: x[k] // steps for k in ("calls", "bytes", "wire_bytes")}
                     for op, x in r["comm"]["cp"].items()}
         assert measured == predicted
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_offload_traffic_equals_the_theory(zero: int) -> None:
+    """The host <-> device bytes a step moves (``OffloadOptimizer.last_traffic``) are
+    ``theory.offload.zero_offload_traffic`` of the parameters this rank holds (up to
+    the flat buffers' padding, a few elements per bucket)."""
+    from minipar.model import GPT
+    from minipar.theory.offload import zero_offload_traffic
+
+    cfg = TrainConfig(steps=1, timeout=240, offload=True, dp=2, zero=zero)
+    run = train(cfg)
+    n = GPT(cfg.model_config()).num_params()
+    want = zero_offload_traffic(n, dp=2, zero=zero)
+    for r in run["ranks"]:
+        got = r["offload_bytes"]
+        for k in ("to_host", "to_device"):
+            assert got[k] == pytest.approx(want[k], rel=2e-3)
