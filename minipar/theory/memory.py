@@ -368,16 +368,18 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
 
 
 def memory_per_rank(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
-                    tp: int = 1, *, order: str = "megatron", **kw) -> list[dict]:
+                    tp: int = 1, *, order: str = "megatron", cp: int = 1,
+                    **kw) -> list[dict]:
     """``memory_per_stage`` laid out over the ranks of a ``Mesh(dp, pp, tp, order)``:
     one row per global rank, with its ``rank`` and mesh coordinates added (the shape
     the memory figure takes, beside what each rank of a run measures)."""
     from minipar.mesh import Mesh  # layout only; no process groups
 
-    mesh = Mesh(dp, pp, tp, order)
-    stages = memory_per_stage(cfg, dp, pp, tp, **kw)
+    mesh = Mesh(dp, pp, tp, order, cp=cp)
+    stages = memory_per_stage(cfg, dp, pp, tp, cp=cp, **kw)
     rows = []
     for r in range(mesh.world_size):
         c = mesh.coords(r)
-        rows.append({"rank": r, "dp": c.dp, "pp": c.pp, "tp": c.tp, **stages[c.pp]})
+        rows.append({"rank": r, "dp": c.dp, "pp": c.pp, "tp": c.tp, "cp": c.cp,
+                     **stages[c.pp]})
     return rows
