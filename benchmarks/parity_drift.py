@@ -7,6 +7,9 @@ relative gradient-norm difference and the worst final-parameter difference again
 worst observed drift, so a real bug (a factor of 2 at least) cannot hide under it.
 
     .venv/bin/python benchmarks/parity_drift.py [--dtype fp32|bf16|both] [--json FILE]
+        [--set engine|cp]
+
+``--set cp``: the context-parallel and offload layouts of ``tests/test_cp_engine.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from minipar.parity import compare, final_parameters
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _test_engine():
-    spec = importlib.util.spec_from_file_location("test_engine", ROOT / "tests/test_engine.py")
+def _test_engine(name: str = "test_engine"):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))  # test_cp_engine imports test_engine
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"tests/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -47,8 +53,24 @@ def covering() -> list[dict]:
                                        dict(schedule="zb", microbatches=2))])
 
 
+def cp_covering() -> list[dict]:
+    """``tests/test_cp_engine.py``'s layouts: cp alone and composed, SGD, offload."""
+    t = _test_engine("test_cp_engine")
+    sgd = [dict(cp=2), dict(cp=2, dp=2, zero=2, microbatches=2),
+           dict(cp=2, tp=2, pp=2, microbatches=2)]
+    offload_sgd = [dict(offload=True, dp=2, zero=1), dict(offload=True, dp=2, zero=2)]
+    return ([dict(d) for d in t.CP_COVERING] + [{**d, **t.SGD} for d in sgd]
+            + [dict(d) for d in t.OFFLOAD] + [{**d, **t.SGD} for d in offload_sgd])
+
+
+def cp_bf16() -> list[dict]:
+    return [dict(cp=2, dp=2, zero=1), dict(offload=True, dp=2, zero=1),
+            dict(offload=True, dp=2, zero=2)]
+
+
 def family(layout: dict) -> str:
-    axes = [k for k in ("dp", "pp", "tp") if layout.get(k, 1) > 1]
+    axes = [k for k in ("dp", "pp", "tp", "cp") if layout.get(k, 1) > 1]
+    axes += ["offload"] if layout.get("offload") else []
     name = " x ".join(axes) or "1"
     if layout.get("zero"):
         name += f" zero{layout['zero']}"
@@ -77,11 +99,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="both", choices=("fp32", "bf16", "both"))
     ap.add_argument("--json")
+    ap.add_argument("--set", default="engine", choices=("engine", "cp"))
     args = ap.parse_args()
     dtypes = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
     rows = []
     for dtype in dtypes:
-        for layout in covering() if dtype == "fp32" else _test_engine().COVERING:
+        if args.set == "cp":
+            layouts = cp_covering() if dtype == "fp32" else cp_bf16()
+        else:
+            layouts = covering() if dtype == "fp32" else _test_engine().COVERING
+        for layout in layouts:
             name = " ".join(f"{k}={v}" for k, v in layout.items())
             d = drift(dict(layout), dtype)
             rows.append({"dtype": dtype, "layout": name, "family": family(layout), **d})

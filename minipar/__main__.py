@@ -20,11 +20,15 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train the GPT on 1 or dp*pp*tp ranks")
+    p = sub.add_parser("train", help="train the GPT on 1 or dp*pp*tp*cp ranks")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per layer")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks per sequence (ring attention, zig-zag)")
     p.add_argument("--zero", type=int, default=0, choices=range(4), help="ZeRO stage")
+    p.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: fp32 masters, optimizer states and step on the host")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
     p.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved)")
     p.add_argument("--microbatches", type=int, default=1)
@@ -92,7 +96,7 @@ def train_config(args) -> TrainConfig:
         heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
         warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
         save_every=args.save_every, keep=args.keep, log_every=args.log_every,
-        timeout=args.timeout, dropout=args.dropout)
+        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload)
 
 
 def _cmd_train(args) -> int:
@@ -164,7 +168,8 @@ def _print_run(cfg, record: dict) -> None:
     head = f"{'step':>5}  {'loss':>9}  {'grad norm':>9}"
     if ref:
         head += f"  {'1 process':>9}  {'diff':>8}  {'grad norm':>9}  {'rel diff':>8}"
-    print(f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={cfg.zero} "
+    print(f"dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} {f'cp={cfg.cp} ' if cfg.cp > 1 else ''}"
+          f"zero={cfg.zero} {'offload ' if cfg.offload else ''}"
           f"{'schedule=' + cfg.schedule + ' ' if cfg.pp > 1 else ''}"
           f"microbatches={cfg.microbatches} {cfg.dtype}: {record['world_size']} ranks")
     print(head)
@@ -182,15 +187,19 @@ def _print_run(cfg, record: dict) -> None:
         print(record["audit"])
     print()
     steps = max(1, len(record["losses"]))
-    print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} "
-          f"{'optim':>9} {'activ':>9}   sent per step on:  {'dp':>9} {'pp':>9} {'tp':>9}")
+    # with cp: a cp column, and the ring's bytes and dp x cp's gradient sums (dp_cp)
+    dims = ("dp", "pp", "tp", "cp", "dp_cp") if cfg.cp > 1 else ("dp", "pp", "tp")
+    coords = ("dp", "pp", "tp", "cp") if cfg.cp > 1 else ("dp", "pp", "tp")
+    print(f"{'rank':>4} " + " ".join(f"{d:>3}" for d in coords) + f" {'params':>9} "
+          f"{'grads':>9} {'optim':>9} {'activ':>9}   sent per step on: "
+          + " ".join(f"{d:>9}" for d in dims))
     for r in record["ranks"]:
         m, c = r["memory"], r["coords"]
         kib = [f"{m[k] / 1024:>8.0f}K" for k in ("params", "grads", "optimizer", "activations")]
         sent = [sum(o["wire_bytes"] for o in r["comm"].get(d, {}).values()) / steps / 1024
-                for d in ("dp", "pp", "tp")]
-        print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {' '.join(kib)}"
-              f"{'':>20}{sent[0]:>8.1f}K {sent[1]:>8.1f}K {sent[2]:>8.1f}K")
+                for d in dims]
+        print(f"{r['rank']:>4} " + " ".join(f"{c[d]:>3}" for d in coords) + f" {' '.join(kib)}"
+              f"{'':>19}" + " ".join(f"{x:>8.1f}K" for x in sent))
     print("(bytes this rank held at their peak within a step; "
           "bytes sent as a ring algorithm puts them on the wire)")
 
@@ -276,11 +285,15 @@ def _cmd_memory(args) -> int:
     mem = memory_breakdown(cfg, args.dp, args.pp, args.tp, args.zero, args.dtype,
                            args.optimizer, args.microbatch_size, args.microbatches,
                            args.schedule, args.sp, args.recompute, params=args.params,
-                           virtual=args.virtual, accounting=args.accounting)
+                           virtual=args.virtual, accounting=args.accounting, cp=args.cp,
+                           offload=args.offload)
     what = _model_label(args) if cfg is not None else f"{args.params:,} parameters"
-    print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp} "
-          f"zero={args.zero} {args.dtype} (stage {mem['stage']}, the most loaded)")
-    for key in ("params", "grads", "optimizer", "activations", "loss_workspace", "total"):
+    cp = f" cp={args.cp}" if args.cp > 1 else ""
+    print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp}{cp} "
+          f"zero={args.zero}{' offload' if args.offload else ''} {args.dtype} "
+          f"(stage {mem['stage']}, the most loaded)")
+    for key in ("params", "grads", "optimizer", "activations", "loss_workspace", "total",
+                "host"):
         if key in mem:
             print(f"  {key:<12}{_gb(mem[key])}   {mem[key]:>18,} bytes")
     _write_json(args.json, mem)
@@ -365,9 +378,11 @@ def _add_theory(sub) -> None:
     _add_model_args(m, None)
     m.add_argument("--params", type=parse_count,
                    help="parameter count alone (7.5e9, 7.5B): model states only")
-    for dim in ("dp", "pp", "tp"):
+    for dim in ("dp", "pp", "tp", "cp"):
         m.add_argument(f"--{dim}", type=int, default=1)
     m.add_argument("--zero", type=int, default=0, choices=range(4))
+    m.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: optimizer states on the host (reported as host)")
     m.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
     m.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     m.add_argument("--microbatch-size", type=int, default=1)

@@ -71,10 +71,18 @@ class TrainConfig:
     keep: int = 0  # checkpoints kept in --save (the last K); 0: all
     log_every: int = 1  # progress report every N steps
     dropout: float = 0.0  # the model's dropout (masks keyed by position: any layout)
+    # --- context parallelism and ZeRO-Offload (issue 20) ---
+    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
+    offload: bool = False  # ZeRO-Offload: fp32 masters, optimizer states and step on the host
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
+
+    def layout_name(self) -> str:
+        """``dp=2 x pp=2 x tp=2`` (and ``x cp=C`` when cp > 1)."""
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp} x pp={self.pp} x tp={self.tp}{cp}"
 
     def model_config(self) -> GPTConfig:
         """The preset, with ``overrides``, the size flags, and the data's vocabulary."""
@@ -121,7 +129,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     from minipar import checks
     from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 
-    for name in ("dp", "pp", "tp", "steps", "microbatches", "virtual", "batch_size"):
+    for name in ("dp", "pp", "tp", "cp", "steps", "microbatches", "virtual", "batch_size"):
         checks.positive(name.replace("_", "-"), getattr(cfg, name))
     _choice("zero", cfg.zero, (0, 1, 2, 3))
     _choice("schedule", cfg.schedule, SCHEDULE_NAMES)
@@ -133,7 +141,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _choice("ddp", cfg.ddp, ("naive", "bucketed", "overlapped"))
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     if world_size is not None and world_size != cfg.world_size:
-        raise ValueError(f"layout dp={cfg.dp} x pp={cfg.pp} x tp={cfg.tp} = {cfg.world_size} "
+        raise ValueError(f"layout {cfg.layout_name()} = {cfg.world_size} "
                          f"ranks does not match the job's world size {world_size}")
     from minipar.corpus import check_source
 
@@ -157,6 +165,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if not (isinstance(cfg.dropout, (int, float)) and 0.0 <= cfg.dropout < 1.0):
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
     check_batch_split(cfg.batch_size, cfg.dp, cfg.microbatches)
+    _check_cp_and_offload(cfg, model)
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ValueError(f"--stop-at must be between 1 and --steps ({cfg.steps}), "
                          f"got {cfg.stop_at}")
@@ -168,6 +177,22 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_device(cfg)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
+
+
+def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
+    """Context parallelism cuts each sequence into 2 * cp equal chunks (zig-zag), and
+    sequence parallelism then cuts a cp shard by tp; offload composes with ZeRO 0-2."""
+    if cfg.cp > 1:
+        if model.seq_len % (2 * cfg.cp):
+            raise ValueError(f"--cp {cfg.cp} needs a sequence length divisible by 2*cp="
+                             f"{2 * cfg.cp} (the zig-zag split's chunks); seq_len is "
+                             f"{model.seq_len}")
+        if cfg.sp and (model.seq_len // cfg.cp) % cfg.tp:
+            raise ValueError(f"--sp with --cp {cfg.cp} needs seq_len/cp="
+                             f"{model.seq_len // cfg.cp} divisible by --tp {cfg.tp}")
+    if cfg.offload and cfg.zero == 3:
+        raise ValueError("--offload with --zero 3 is not supported: ZeRO-3's fp32 shards are "
+                         "the module's own parameters; use --zero 0, 1 or 2")
 
 
 def _check_files(cfg: TrainConfig) -> None:

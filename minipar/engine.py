@@ -5,7 +5,9 @@ run's seed (so every layout starts from the same weights), then applies the tech
 from the outside, in this order:
 
 1. tensor parallelism replaces submodules by sharded ones, following a printable plan
-   (``parallel/tp.py``);
+   (``parallel/tp.py``); context parallelism then replaces the attention cores by the
+   ring, the position embedding and dropouts by their sequence-shard versions
+   (``parallel/cp_plan.py``);
 2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
    the rest of the reference model is dropped;
 3. recomputation replaces blocks (``parallel/recompute.py``);
@@ -14,11 +16,12 @@ from the outside, in this order:
    masters) or ZeRO-3 (``parallel/zero3.py``, the weights sharded too).
 
 A step: this replica's rows of the step's global batch (the same tokens whatever the
-layout; only these rows are built) cut into micro-batches; the schedule runs forward
-and backward of all of them (pp = 1: a one-stage schedule, i.e. gradient accumulation);
-gradients are synchronised, clipped on the true global norm, and the optimizer steps.
-Each micro-batch loss is scaled by 1/(dp * m) and the dp reduction sums, so the
-gradient is exactly that of the global batch's mean loss on one device.
+layout; only these rows are built) cut into micro-batches, and of each row this cp
+rank's tokens; the schedule runs forward and backward of all of them (pp = 1: a
+one-stage schedule, i.e. gradient accumulation); gradients are synchronised, clipped on
+the true global norm, and the optimizer steps. Each micro-batch loss (a mean over
+its tokens) is scaled by 1/(dp * cp * m) and the data-parallel reduction sums over dp x
+cp, so the gradient is exactly that of the global batch's mean loss on one device.
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
         full.load_state_dict(full_state["model"])
     if cfg.tp > 1:
         apply_tensor_parallel(full, rm.tp, sequence_parallel=cfg.sp)
+    if cfg.cp > 1:  # after tp: the cp styles see (and keep) sequence parallelism's slice
+        from minipar.parallel.cp_plan import apply_context_parallel
+
+        apply_context_parallel(full, rm.cp)
     stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual)
     apply_recompute(stage, cfg.recompute)
     model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
@@ -118,7 +125,10 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
     and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
     plain torch optimizer (``parallel/zero3.py``). Gradients are summed, not averaged:
-    the executor already divides each micro-batch loss by dp * m (``loss_scale``).
+    the executor already divides each micro-batch loss by dp * cp * m (``loss_scale``).
+    The group is dp x cp (``rm.dp_cp``, just dp when cp = 1): the weights are replicated
+    over both, so their gradients are summed, and ZeRO shards, over both (as
+    Megatron-Core's distributed optimizer does with context parallelism).
     """
     from minipar.parallel.precision import MixedPrecision
     from minipar.parallel.zero import ZeroOptimizer
@@ -126,8 +136,14 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
     bf16 = cfg.dtype == "bf16"
+    if cfg.offload:  # ZeRO-Offload: the inner optimizer steps host copies of the shards
+        from functools import partial
+
+        from minipar.parallel.offload import OffloadOptimizer
+
+        opt_cls = partial(OffloadOptimizer, optimizer_cls=opt_cls, overlap=False)
     if cfg.zero == 3:
-        sync = Zero3(model, rm.dp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
+        sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
                      shared=shared, average=False)
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
@@ -137,7 +153,7 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     if cfg.zero == 2:  # a bucket per block: ZeRO-2 then holds one full-size bucket at most
         bucket_mb = max((sum(p.numel() * p.element_size() for p in u.parameters())
                          for u in units), default=bucket_mb * 2**20) / 2**20
-    sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp, precision=precision,
+    sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp_cp, precision=precision,
                          average=False, shared=shared, overlap=cfg.ddp == "overlapped",
                          bucket_mb=0 if cfg.ddp == "naive" else bucket_mb, **opt_kwargs)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
@@ -145,16 +161,18 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
 
 def loss_scale(cfg: TrainConfig) -> float:
-    """What each micro-batch loss is multiplied by: the dp reduction sums, so the sum of
-    dp * m scaled losses is the global batch's mean loss."""
-    return 1.0 / (cfg.dp * cfg.microbatches)
+    """What each micro-batch loss is multiplied by: the dp x cp reduction sums, so the
+    sum of dp * cp * m scaled losses is the global batch's mean loss. (A cp shard's loss
+    is the mean over its tokens; every shard has seq_len / cp of them, so this equals
+    its token sum over the global token count.)"""
+    return 1.0 / (cfg.dp * cfg.cp * cfg.microbatches)
 
 
 def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor:
     """Scale the gradients so their global L2 norm is at most ``cfg.grad_clip``.
 
     The one gradient norm of every layout (``dp.global_grad_norm``): each element is
-    counted once, on the rank that owns it: its ZeRO shard over dp, tensor-parallel
+    counted once, on the rank that owns it: its ZeRO shard over dp x cp, tensor-parallel
     shards over tp (replicated parameters on tp rank 0 only), stages over pp. Returns
     the norm before clipping, as a 0-dim tensor on the compute device: the clip factor
     ``min(1, clip / norm)`` is computed and applied there too, as
@@ -170,7 +188,7 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor
         return rm.coords.tp == 0 or tp_shard_dim(name) is not None  # replicated: tp 0
 
     mine = [g for name, g in parts.data_parallel.grad_shards() if counted(name)]
-    norm = global_grad_norm(mine, [rm.dp, rm.tp, rm.pp], device=device_for(cfg))
+    norm = global_grad_norm(mine, [rm.dp_cp, rm.tp, rm.pp], device=device_for(cfg))
     if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by 1.0 if below
         parts.data_parallel.scale_grads((cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0))
     return norm
@@ -180,12 +198,13 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
                step: int) -> dict:
     """One optimizer step on the global batch of ``step``. Returns loss and timeline."""
     from minipar.model import set_dropout_key
+    from minipar.parallel.cp_plan import shard_batch
 
     lr = lr_at(step, cfg)
     for group in parts.optimizer.param_groups:
         group["lr"] = lr
     device = device_for(cfg)  # only this replica's rows are built (data.local_batches)
-    micro = [(a.to(device), b.to(device)) for a, b in local_batches(
+    micro = [tuple(t.to(device) for t in shard_batch(a, b, rm.cp)) for a, b in local_batches(
         data, step, cfg.batch_size, rm.coords.dp, cfg.dp, cfg.microbatches)]
     mb_size = cfg.batch_size // (cfg.dp * cfg.microbatches)
 
@@ -209,14 +228,16 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
     parts.optimizer.step()
     # peaks of this step; parameters and optimizer states after the update
     held = sync.memory_bytes(parts.optimizer)
+    # ZeRO-Offload: host <-> device bytes of this step (the inner OffloadOptimizer's)
+    offload = getattr(getattr(parts.optimizer, "inner", None), "last_traffic", None)
     sync.zero_grad()
     loss = None
-    if result.loss is not None:  # last stage: the mean over the dp replicas
+    if result.loss is not None:  # last stage: the mean over the dp replicas, cp shards
         t = result.loss.detach().to(torch.float64).reshape(1)
-        rm.dp.all_reduce(t)
-        loss = float(t) / cfg.dp  # the step's one wait for the GPU (norm: already done)
+        rm.dp_cp.all_reduce(t)
+        loss = float(t) / (cfg.dp * cfg.cp)  # the step's one wait for the GPU
     return {"loss": loss, "grad_norm": float(norm), "lr": lr, "timeline": result.timeline,
-            "peak_in_flight": result.peak_in_flight, "memory": held}
+            "peak_in_flight": result.peak_in_flight, "memory": held, "offload": offload}
 
 
 def _with_total(mem: dict) -> dict:
@@ -226,7 +247,7 @@ def _with_total(mem: dict) -> dict:
 
 def rank_main(cfg: TrainConfig) -> dict:
     """Train on this rank (inside ``launch`` or torchrun); return this rank's record."""
-    mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order)
+    mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp)
     rm = mesh.connect()
     full_state, start = None, 0
     if cfg.resume:
@@ -237,7 +258,8 @@ def rank_main(cfg: TrainConfig) -> dict:
                          f"{end}: nothing to train")
     parts = build(cfg, rm, full_state)
     data = make_data(cfg, parts.model.cfg.vocab_size, parts.model.cfg.seq_len)
-    reports_loss = rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
+    reports_loss = (rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
+                    and rm.coords.cp == 0)
     losses, norms, timeline, step_times, act_peak, evals = [], [], [], [], 0, []
     param_storages = [f.full for f in parts.data_parallel.flats]  # weights, not activations
     tokens_per_step = cfg.batch_size * parts.model.cfg.seq_len
@@ -279,6 +301,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         "peak_in_flight": out["peak_in_flight"] if end > start else 0,
         "comm": rm.log.summary(),
         "comm_bytes_per_step": rm.log.total("wire_bytes") / max(1, end - start),
+        "offload_bytes": out["offload"] if end > start else None,  # last step, host<->device
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
@@ -307,7 +330,7 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
     from minipar.trace import write_chrome_trace
 
     ranks = sorted(ranks, key=lambda r: r["rank"])
-    last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order).rank(dp=0, pp=cfg.pp - 1, tp=0)
+    last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp).rank(dp=0, pp=cfg.pp - 1)
     record = {"config": cfg.to_dict(), "losses": ranks[last]["losses"],
               "first_step": ranks[last].get("first_step", 0),
               "eval": ranks[last].get("eval", []), "seconds": seconds,
@@ -323,7 +346,7 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
 
 
 def train(cfg: TrainConfig, progress=None, report=None) -> dict:
-    """Run a training job: spawn dp*pp*tp local ranks, or join a torchrun job.
+    """Run a training job: spawn dp*pp*tp*cp local ranks, or join a torchrun job.
 
     ``progress(step, loss)`` and ``report({step, loss, tokens_per_s, val_loss})`` are
     called here every ``log_every`` steps. Returns the run's record: ``losses`` (one

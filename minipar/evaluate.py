@@ -56,6 +56,8 @@ def evaluate(cfg, rm, chunks: list, data: TokenSource, device: torch.device) -> 
     Collective over the whole mesh. Returns the loss on the last pipeline stage (every
     dp and tp rank there), ``None`` elsewhere.
     """
+    from minipar.parallel.cp_plan import shard_batch
+
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()
@@ -64,6 +66,7 @@ def evaluate(cfg, rm, chunks: list, data: TokenSource, device: torch.device) -> 
         for i in range(cfg.eval_batches):
             for x, y in local_batches(data, i, cfg.batch_size, rm.coords.dp, cfg.dp,
                                       cfg.microbatches, split="val"):
+                x, y = shard_batch(x, y, rm.cp)  # this cp rank's tokens of each row
                 loss = forward_only(chunks, rm.pp, x.to(device), y.to(device))
                 if loss is not None:
                     total += loss.double()
@@ -71,10 +74,11 @@ def evaluate(cfg, rm, chunks: list, data: TokenSource, device: torch.device) -> 
     finally:
         for c, mode in zip(chunks, modes):
             c.train(mode)
-    rm.dp.all_reduce(total)  # every replica's rows: equal counts, so the mean of means
+    # every replica's rows, every cp shard: equal counts, so the mean of means
+    rm.dp_cp.all_reduce(total)
     if rm.coords.pp != cfg.pp - 1:
         return None
-    return float(total) / (count * cfg.dp)
+    return float(total) / (count * cfg.dp * cfg.cp)
 
 
 @torch.no_grad()

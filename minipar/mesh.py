@@ -1,15 +1,24 @@
 """The device mesh: which rank plays which role, and the process groups that follow.
 
-A run of ``dp * pp * tp`` ranks is a 3-D grid. Every rank has coordinates
-``(dp, pp, tp)`` and belongs to three groups, one per dimension: the ranks that differ
+A run of ``dp * pp * tp * cp`` ranks is a 4-D grid. Every rank has coordinates
+``(dp, pp, tp, cp)`` and belongs to one group per dimension: the ranks that differ
 from it in that coordinate only. Tensor-parallel partners exchange activations in every
 layer, so they must be neighbours (same node, fastest links): tp varies fastest in the
-rank numbering. What comes next is a convention:
+rank numbering. Context-parallel partners (the sequence split, ``parallel/cp.py``) pass
+key/value blocks around a ring in every layer: they come next. What follows is a
+convention:
 
-* ``order="megatron"`` (default, Megatron-LM and torchtitan): rank = (pp, dp, tp) with
-  tp fastest, then dp, pp outermost. Data-parallel replicas of one stage sit close.
-* ``order="pp-inside-dp"`` (picotron, some tutorials): rank = (dp, pp, tp). One whole
+* ``order="megatron"`` (default, Megatron-Core and torchtitan): rank = (pp, dp, cp, tp)
+  with tp fastest, then cp, dp, pp outermost. Data-parallel replicas of one stage sit
+  close.
+* ``order="pp-inside-dp"`` (picotron, some tutorials): rank = (dp, pp, cp, tp). One whole
   pipeline replica is a block of consecutive ranks.
+
+``cp`` is keyword-only (``Mesh(2, 2, 2, cp=2)``): ``Mesh(dp, pp, tp, order)`` keeps
+meaning what it always did. Weights are replicated over cp as over dp, so their
+gradients are summed over both: the *dp_cp group* (the ranks that differ only in dp and
+cp) is where the data-parallel layer reduces and shards (as Megatron-Core's
+distributed optimizer does over its data-parallel-with-context-parallel group).
 
 ``Mesh`` is pure layout, usable without any process (the lessons draw it). Inside a run,
 ``Mesh.connect(rank)`` creates the process groups and returns a ``RankMesh``. Nothing
@@ -27,11 +36,11 @@ import torch.distributed as dist
 
 from minipar.comm import Comm, CommLog
 
-DIMS = ("dp", "pp", "tp")
+DIMS = ("dp", "pp", "tp", "cp")
 ORDERS = {
     # slowest -> fastest varying coordinate
-    "megatron": ("pp", "dp", "tp"),
-    "pp-inside-dp": ("dp", "pp", "tp"),
+    "megatron": ("pp", "dp", "cp", "tp"),
+    "pp-inside-dp": ("dp", "pp", "cp", "tp"),
 }
 
 
@@ -44,16 +53,18 @@ class Coords(NamedTuple):
     dp: int
     pp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """A dp x pp x tp layout of ``world_size`` ranks."""
+    """A dp x pp x tp x cp layout of ``world_size`` ranks (``cp`` keyword-only)."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
     order: str = "megatron"
+    cp: int = field(default=1, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in DIMS:
@@ -63,24 +74,31 @@ class Mesh:
 
     @classmethod
     def for_world(cls, world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1,
-                  order: str = "megatron") -> Mesh:
-        """A mesh filling ``world_size``; dp defaults to what pp and tp leave."""
-        _check_size("pp", pp)
-        _check_size("tp", tp)
-        if world_size % (pp * tp):
-            raise ValueError(f"world size {world_size} is not divisible by pp*tp={pp * tp}")
-        dp = world_size // (pp * tp) if dp is None else dp
-        mesh = cls(dp, pp, tp, order)
+                  order: str = "megatron", cp: int = 1) -> Mesh:
+        """A mesh filling ``world_size``; dp defaults to what pp, tp and cp leave."""
+        for name, size in (("pp", pp), ("tp", tp), ("cp", cp)):
+            _check_size(name, size)
+        rest = pp * tp * cp
+        if world_size % rest:
+            what = "pp*tp" if cp == 1 else "pp*tp*cp"
+            raise ValueError(f"world size {world_size} is not divisible by {what}={rest}")
+        dp = world_size // rest if dp is None else dp
+        mesh = cls(dp, pp, tp, order, cp=cp)
         if mesh.world_size != world_size:
             raise ValueError(
-                f"layout dp={dp} x pp={pp} x tp={tp} = {mesh.world_size} ranks "
+                f"layout {mesh.layout_name()} = {mesh.world_size} ranks "
                 f"does not match world size {world_size}"
             )
         return mesh
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
+
+    def layout_name(self) -> str:
+        """``dp=2 x pp=2 x tp=2`` (and ``x cp=C`` when cp > 1)."""
+        dims = DIMS if self.cp > 1 else DIMS[:3]
+        return " x ".join(f"{d}={getattr(self, d)}" for d in dims)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -97,9 +115,9 @@ class Mesh:
             rank //= size
         return Coords(**digits)
 
-    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0, cp: int = 0) -> int:
         """The global rank at the given coordinates."""
-        coords = {"dp": dp, "pp": pp, "tp": tp}
+        coords = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
         for name, c in coords.items():
             if not 0 <= c < getattr(self, name):
                 raise ValueError(f"coordinate {name}={c} is outside 0..{getattr(self, name) - 1}")
@@ -113,11 +131,19 @@ class Mesh:
         c = self.coords(rank)._asdict()
         return [self.rank(**{**c, dim: i}) for i in range(getattr(self, dim))]
 
+    def dp_cp_ranks(self, rank: int) -> list[int]:
+        """The ranks that share ``rank``'s pp and tp coordinates: its replicas over dp and
+        cp, ordered by (dp, cp) with cp fastest. Where the data-parallel layer sums."""
+        c = self.coords(rank)
+        return [self.rank(d, c.pp, c.tp, k) for d in range(self.dp) for k in range(self.cp)]
+
     def groups(self, dim: str) -> list[list[int]]:
         """Every group of one dimension, each a list of global ranks, ordered."""
         seen: dict[tuple[int, ...], None] = {}
+        ranks_of = self.dp_cp_ranks if dim == "dp_cp" else (
+            lambda r: self.group_ranks(dim, r))
         for r in range(self.world_size):
-            seen.setdefault(tuple(self.group_ranks(dim, r)), None)
+            seen.setdefault(tuple(ranks_of(r)), None)
         return [list(g) for g in seen]
 
     def table(self) -> list[dict]:
@@ -131,12 +157,12 @@ class Mesh:
         return rows
 
     def embedding_group(self, rank: int) -> list[int]:
-        """The first and last pp ranks with ``rank``'s dp and tp coordinates: where a
+        """The first and last pp ranks with ``rank``'s dp, tp and cp coordinates: where a
         tied embedding lives twice (Megatron's embedding group). One rank when pp = 1;
         [] for a rank of a middle stage."""
         c = self.coords(rank)
         ends = sorted({0, self.pp - 1})
-        return [self.rank(c.dp, p, c.tp) for p in ends] if c.pp in ends else []
+        return [self.rank(c.dp, p, c.tp, c.cp) for p in ends] if c.pp in ends else []
 
     def embedding_groups(self) -> list[list[int]]:
         """Every embedding group, in rank order of their first member."""
@@ -145,12 +171,14 @@ class Mesh:
 
     def describe(self) -> str:
         """A printable table of the layout."""
-        head = f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3}  dp group     pp group     tp group"
-        lines = [head]
+        dims = DIMS if self.cp > 1 else DIMS[:3]  # the cp columns only when there is cp
+        head = f"{'rank':>4} " + " ".join(f"{d:>3}" for d in dims) + "  " + "  ".join(
+            f"{d + ' group':<11}" for d in dims)
+        lines = [head.rstrip()]
         for row in self.table():
             lines.append(
-                f"{row['rank']:>4} {row['dp']:>3} {row['pp']:>3} {row['tp']:>3}  "
-                + "  ".join(f"{str(row[d + '_group']):<11}" for d in DIMS)
+                f"{row['rank']:>4} " + " ".join(f"{row[d]:>3}" for d in dims) + "  "
+                + "  ".join(f"{str(row[d + '_group']):<11}" for d in dims)
             )
         return "\n".join(lines)
 
@@ -170,11 +198,13 @@ class Mesh:
         rank = dist.get_rank() if rank is None else rank
         log = CommLog() if log is None else log
         comms = {}
-        for dim in DIMS:
+        # dp_cp is its own (counted) group only when there is cp; else it is dp itself
+        for dim in (*DIMS, "dp_cp") if self.cp > 1 else DIMS:
             for ranks in self.groups(dim):
                 group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
                 if rank in ranks:
                     comms[dim] = Comm(group, dim, log, ranks)
+        comms.setdefault("dp_cp", comms["dp"])
         # pp = 1: one weight, no copies to sum, no group
         for ranks in map(list, self.embedding_groups() if self.pp > 1 else []):
             group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
@@ -206,6 +236,17 @@ class RankMesh:
     @property
     def tp(self) -> Comm:
         return self.comms["tp"]
+
+    @property
+    def cp(self) -> Comm:
+        """The context-parallel group: the ring of ranks sharing one sequence."""
+        return self.comms["cp"]
+
+    @property
+    def dp_cp(self) -> Comm:
+        """dp x cp: the replicas of this rank's weights; the data-parallel layer's group
+        (the same group as ``dp`` when cp = 1)."""
+        return self.comms["dp_cp"]
 
     @property
     def embed(self) -> Comm | None:

@@ -38,9 +38,11 @@ def chrome_trace(ranks: list[dict]) -> dict:
     starts += [c["start"] for r in ranks for c in r.get("comm_records", [])]
     t0 = min(starts) if starts else 0.0
     events = []
+    with_cp = any(r.get("coords", {}).get("cp") for r in ranks)  # a run with cp > 1
     for r in ranks:
         c = r.get("coords", {})
-        label = f"rank {r['rank']} (dp{c.get('dp', 0)} pp{c.get('pp', 0)} tp{c.get('tp', 0)})"
+        cp = f" cp{c.get('cp', 0)}" if with_cp else ""
+        label = f"rank {r['rank']} (dp{c.get('dp', 0)} pp{c.get('pp', 0)} tp{c.get('tp', 0)}{cp})"
         events.extend(_events(r["rank"], label, r.get("timeline", []),
                               r.get("comm_records", []), t0))
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -130,6 +130,8 @@ CASES = [
     ("memory pp above layers", "memory --pp 1000", "8 layers cannot fill pp=1000"),
     ("memory microbatches zero", "memory --microbatches 0", "--microbatches must be a"),
     ("memory sp without tp", "memory --sp", "--sp (sequence parallelism) splits along tp"),
+    ("memory cp not cutting", "memory --cp 3", "needs a sequence length divisible by 2*cp=6"),
+    ("memory cp zero", "memory --cp 0", "--cp must be a positive integer, got 0"),
     ("memory tp not dividing", "memory --tp 3", "is not divisible by tp=3"),
     ("memory hidden vs heads", "memory --hidden 100", "d_model=100 is not divisible by"),
     ("memory unknown model", "memory --model nope", "unknown model preset 'nope'"),

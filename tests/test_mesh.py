@@ -17,6 +17,7 @@ from minipar.launch import launch
 from minipar.mesh import DIMS, ORDERS, Mesh
 
 ORDER_NAMES = list(ORDERS)
+DIMS3 = ("dp", "pp", "tp")  # the dimensions of size 2 in the 8-rank connect test
 
 
 def all_meshes(max_world: int = 8):
@@ -88,7 +89,7 @@ def test_table_and_describe_agree_with_coords():
     rows = mesh.table()
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]
     for row in rows:
-        assert (row["dp"], row["pp"], row["tp"]) == tuple(mesh.coords(row["rank"]))
+        assert (row["dp"], row["pp"], row["tp"], row["cp"]) == tuple(mesh.coords(row["rank"]))
         assert row["tp_group"] == mesh.group_ranks("tp", row["rank"])
     lines = mesh.describe().splitlines()
     assert len(lines) == 1 + mesh.world_size and lines[0].split()[:4] == ["rank", "dp", "pp", "tp"]
@@ -146,7 +147,7 @@ def _connect_and_reduce(order: str) -> dict:
     rm = Mesh(2, 2, 2, order).connect()
     out = {"rank": rm.rank, "coords": tuple(rm.coords), "wrong_world": wrong_world,
            "world": (rm.world.size, rm.world.rank, rm.world.ranks)}
-    for dim in DIMS:
+    for dim in DIMS3:
         comm = rm.comms[dim]
         t = torch.tensor([float(rm.rank)])
         comm.all_reduce(t)
@@ -166,14 +167,14 @@ def test_connect_gives_each_rank_its_groups(order):
         assert res["rank"] == rank and res["coords"] == tuple(mesh.coords(rank))
         assert "needs 4 ranks, the job has 8" in res["wrong_world"]
         assert res["world"] == (8, rank, list(range(8)))
-        for dim in DIMS:
+        for dim in DIMS3:
             size, local, ranks, name, total = res[dim]
             assert ranks == mesh.group_ranks(dim, rank) and size == 2 and name == dim
             assert local == ranks.index(rank) == getattr(mesh.coords(rank), dim)
             assert total == sum(ranks)  # the all-reduce really ran on that group
         ranks, name, total = res["embed"]
         assert ranks == mesh.embedding_group(rank) and name == "embed" and total == sum(ranks)
-        assert res["logged"] == [("all_reduce", d) for d in sorted((*DIMS, "embed"))]
+        assert res["logged"] == [("all_reduce", d) for d in sorted((*DIMS3, "embed"))]
 
 
 @pytest.mark.parametrize("order", ORDER_NAMES)
@@ -189,3 +190,45 @@ def test_embedding_groups_join_first_and_last_stage_of_each_dp_tp_coordinate(ord
     middle = [r for r in range(mesh.world_size) if mesh.coords(r).pp in (1, 2)]
     assert all(mesh.embedding_group(r) == [] for r in middle)
     assert Mesh(2, 1, 2).embedding_group(3) == [3]  # pp = 1: one weight, nothing to sum
+
+
+@pytest.mark.parametrize("order", ORDER_NAMES)
+def test_cp_sits_between_tp_and_dp(order):
+    """Megatron-Core's order: tp fastest, then cp, then dp (pp-inside-dp keeps cp next
+    to tp too); every coordinate round-trips and dp_cp joins the replicas of a weight."""
+    mesh = Mesh(2, 2, 2, order, cp=2)
+    assert mesh.world_size == 16 and mesh.shape == {"dp": 2, "pp": 2, "tp": 2, "cp": 2}
+    oracle = enumerated(mesh)
+    for rank, coords in enumerate(oracle):
+        assert mesh.coords(rank)._asdict() == coords and mesh.rank(**coords) == rank
+    assert mesh.group_ranks("cp", 0) == [0, 2]  # next after the tp pair
+    assert mesh.group_ranks("tp", 0) == [0, 1]
+    for r in range(16):
+        c = mesh.coords(r)
+        group = mesh.dp_cp_ranks(r)
+        assert len(group) == 4 and r in group
+        assert {(mesh.coords(g).pp, mesh.coords(g).tp) for g in group} == {(c.pp, c.tp)}
+    groups = mesh.groups("dp_cp")  # one per (pp, tp): a partition of the world
+    assert len(groups) == 4 and sorted(r for g in groups for r in g) == list(range(16))
+    assert Mesh.for_world(8, tp=2, cp=2) == Mesh(2, 1, 2, cp=2)
+    head = mesh.describe().splitlines()[0].split()
+    assert head[:5] == ["rank", "dp", "pp", "tp", "cp"] and "cp" in head[5:]
+
+
+def _connect_cp() -> dict:
+    rm = Mesh(2, 1, 1, cp=2).connect()
+    out = {}
+    for name in ("cp", "dp", "dp_cp"):
+        t = torch.tensor([float(rm.rank)])
+        getattr(rm, name).all_reduce(t)
+        out[name] = (getattr(rm, name).ranks, getattr(rm, name).dim, t.item())
+    return out
+
+
+def test_connect_builds_counted_cp_and_dp_cp_groups():
+    results = launch(_connect_cp, 4, timeout=60)
+    mesh = Mesh(2, 1, 1, cp=2)
+    for rank, res in enumerate(results):
+        assert res["cp"] == (mesh.group_ranks("cp", rank), "cp", sum(res["cp"][0]))
+        assert res["dp"][0] == mesh.group_ranks("dp", rank)
+        assert res["dp_cp"] == ([0, 1, 2, 3], "dp_cp", 6.0)

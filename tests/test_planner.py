@@ -27,7 +27,7 @@ def test_every_kept_layout_is_possible(gpt3_plan):
     cfg, cl = gpt3_plan.model, gpt3_plan.cluster
     assert len(gpt3_plan) > 10
     for lay in gpt3_plan:
-        assert lay.tp * lay.pp * lay.dp == cl.gpus
+        assert lay.tp * lay.pp * lay.dp * lay.cp == cl.gpus
         assert lay.tp <= cl.gpus_per_node
         assert cfg.n_head % lay.tp == 0 and cfg.n_layer % lay.pp == 0
         assert lay.dp * lay.microbatch_size * lay.microbatches == gpt3_plan.global_batch
@@ -175,3 +175,35 @@ def test_plan_command_reads_a_calibration(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"collectives": {}}))
     assert main(["plan", "--calibrate", str(bad)]) == 2
+
+
+def test_planner_considers_context_parallelism_for_long_sequences():
+    """cp > 1 is enumerated only where each rank keeps min_cp_tokens of a sequence; it
+    divides the activations and books the ring under cp."""
+    from minipar.theory.memory import memory_breakdown
+    from minipar.theory.models import get_model
+    from minipar.theory.planner import evaluate, plan
+
+    long = get_model("gpt-1.3b").with_(seq_len=32768)
+    result = plan(long, "dgx-a100", schedules=("1f1b",), zero_stages=(1, 3))
+    cps = {lay.cp for lay in result}
+    assert max(cps) > 1 and all(32768 // c >= 4096 for c in cps)
+    short = plan("gpt-1.3b", "dgx-a100", schedules=("1f1b",), zero_stages=(1, 3))
+    assert {lay.cp for lay in short} == {1}
+    one = memory_breakdown(long, dp=2, tp=4, zero=1)
+    two = memory_breakdown(long, dp=1, tp=4, cp=2, zero=1)
+    assert two["activations"] == pytest.approx(one["activations"] / 2, rel=1e-6)
+    assert two["optimizer"] == one["optimizer"]  # ZeRO shards over dp x cp = 2 either way
+    lay = evaluate(long, "dgx-a100", tp=4, pp=1, dp=1, cp=2, zero=1)
+    assert lay.traffic["cp"] > 0 and "cp=2" in lay.label()
+
+
+def test_memory_model_with_offload_moves_the_states_to_the_host():
+    from minipar.theory.memory import memory_breakdown
+
+    on = memory_breakdown("gpt-1.3b", dp=8, zero=2, offload=True)
+    off = memory_breakdown("gpt-1.3b", dp=8, zero=2)
+    assert 3 * on["optimizer"] == off["optimizer"] and on["host"] > 0  # 4 of 12 B left
+    assert on["total"] < off["total"]
+    fp32 = memory_breakdown("tiny", dtype="fp32", offload=True)
+    assert fp32["optimizer"] == 0  # fp32, stage 0: the master is the weights

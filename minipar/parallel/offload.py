@@ -33,7 +33,14 @@ Use::
     opt.last_traffic                  # {"to_host": bytes, "to_device": bytes}
 
 When a gradient is not final when accumulated (data parallelism still has to reduce
-it), pass ``overlap=False`` and call ``offload_grads()`` after the reduction.
+it), pass ``overlap=False`` and call ``offload_grads()`` after the reduction. That is
+how the engine composes it with ZeRO 0-2 (``train --offload``): ``ZeroOptimizer`` builds
+its inner optimizer with ``optimizer_class=partial(OffloadOptimizer, optimizer_cls=...,
+overlap=False)`` on its fp32 master shards, so the gradient is reduced (stage 0) or
+reduce-scattered (1, 2) on the device first and only this rank's shard crosses to the
+host; the new shard comes back and is published (all-gathered) as before. The device
+then keeps the fp32 master shard the update lands in (none in fp32 at stage 0, where
+the master is the weights); the states and the step are on the host.
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[nn.Parameter], optimizer_cls: type =
                  torch.optim.AdamW, *, param_dtype: torch.dtype | None = None,
                  overlap: bool = True, **optimizer_kwargs) -> None:
+        params = list(params)
+        if params and isinstance(params[0], dict):  # param groups (as ZeroOptimizer passes)
+            params = [p for g in params for p in g["params"]]
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("OffloadOptimizer got no trainable parameters")
@@ -164,6 +174,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for p, m in zip(self.params, self.masters):
             p.grad = None
             m.grad.zero_()  # the host accumulator is reused, never reallocated
+
+    def host_master(self, p: torch.Tensor) -> torch.Tensor:
+        """The host fp32 master of device parameter ``p`` (its state's key)."""
+        return self.masters[self._index[id(p)]]
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

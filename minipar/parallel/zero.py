@@ -294,6 +294,8 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
+        if self.inner is not None:  # an offloaded inner optimizer zeroes its host grads
+            self.inner.zero_grad(set_to_none=True)
         self._arrivals.clear()
         self.grad_bytes.reset(self._grads_held())
 
@@ -318,11 +320,15 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         weights = list(self.module.parameters()) if self.module else \
             [p for g in self.param_groups for p in g["params"]]
         full = {f.full.untyped_storage().data_ptr() for f in self.flats}
-        return {"params": storage_bytes(weights),
-                "grads": max(self.grad_bytes.peak, self._grads_held()),
-                "optimizer": storage_bytes(f.master for f in self.flats if
-                                           f.master.untyped_storage().data_ptr() not in full)
-                + optimizer_state_bytes(self.inner)}
+        host = getattr(self.inner, "host_bytes", None)  # ZeRO-Offload: states on the host
+        out = {"params": storage_bytes(weights),
+               "grads": max(self.grad_bytes.peak, self._grads_held()),
+               "optimizer": storage_bytes(f.master for f in self.flats if
+                                          f.master.untyped_storage().data_ptr() not in full)
+               + (0 if host else optimizer_state_bytes(self.inner))}
+        if host:
+            out["host_optimizer"] = host()
+        return out
 
     # --- checkpoints (layout-free by name; see zero_state.py) -------------------------
     def _stepper(self, optimizer=None) -> torch.optim.Optimizer:

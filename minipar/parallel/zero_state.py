@@ -199,8 +199,8 @@ def full_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
     weights, states = {}, {}
     for f in flats:
         master = gather(f, f.master.detach())
-        state = {k: gather(f, v) if _elementwise(v) else v
-                 for k, v in optimizer.state.get(f.master, {}).items()}
+        state = {k: gather(f, v.to(f.master.device)) if _elementwise(v) else v
+                 for k, v in optimizer.state.get(_key(optimizer, f.master), {}).items()}
         for k, (p, shape, o, n) in enumerate(zip(f.params, f.shapes, f.offsets, f.numels)):
             name = names[id(p)] if names else f.names[k]
             weights[name] = master[o:o + n].view(shape).cpu().clone()
@@ -215,14 +215,24 @@ def load_full_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
     """Take this rank's shard of whole states (and fp32 weights, if given) by name."""
     with torch.no_grad():
         for f in flats:
+            key = _key(optimizer, f.master)
             if weights is not None:
                 f.master.copy_(f.slice([weights[n] for n in f.names]))
+                if key is not f.master:  # offloaded: the host master too
+                    key.copy_(f.master)
             first = states.get(f.names[0])
             if first:
-                optimizer.state[f.master] = {
-                    k: f.slice([states[n][k] for n in f.names]) if _elementwise(v)
-                    else (v.clone() if isinstance(v, torch.Tensor) else v)
+                optimizer.state[key] = {
+                    k: f.slice([states[n][k] for n in f.names]).to(key.device)
+                    if _elementwise(v) else (v.clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in first.items()}
+
+
+def _key(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> torch.Tensor:
+    """The tensor ``optimizer`` keys ``master``'s state by: itself, or its host copy
+    (``OffloadOptimizer.host_master``, ZeRO-Offload)."""
+    host = getattr(optimizer, "host_master", None)
+    return master if host is None else host(master)
 
 
 def sharded_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer, comm: Comm,
@@ -235,7 +245,7 @@ def sharded_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer, com
         "dp_size": comm.size, "dp_rank": comm.rank,
         "flats": [{"names": f.names, "shapes": f.shapes, "numel": f.numel,
                    "padded": f.padded, "lo": f.lo, "hi": f.hi,
-                   "index": index[id(f.master)]} for f in flats],
+                   "index": index[id(_key(optimizer, f.master))]} for f in flats],
         "masters": [f.master.detach().clone() for f in flats],
         "optimizer": _cloned(optimizer.state_dict()),  # a snapshot, not aliases
         "loss_scale": loss_scale,

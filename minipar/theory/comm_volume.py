@@ -38,6 +38,13 @@ micro-batches, e bytes per activation element):
   embedding group), booked under its own dimension, ``embed``, as the comm log does.
   Not predicted: ``minipar.parallel.pp``'s one small shape header per boundary the
   first time a shape crosses it, and its optional broadcast of the loss.
+* cp, context parallel (Liu et al. 2023, arXiv 2310.01889; ``minipar.theory.context``):
+  each rank holds s/C tokens, so every tp, pp and loss figure above uses s/C; per layer
+  and micro-batch the ring sends C-1 k|v messages forward and C-1 k|v plus C-1 fp32
+  dk|dv accumulators backward (``ring_bytes``), under ``cp``; recomputation (full or
+  selective) runs the forward ring again. The weights are replicated over cp as over
+  dp: the data-parallel traffic is that of a dp*cp group, booked under ``dp_cp`` (the
+  comm log's name for it) when C > 1.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from collections import defaultdict
 
 from minipar.comm import wire_bytes
 from minipar.model import GPTConfig
+from minipar.theory.context import ring_bytes
 from minipar.theory.memory import _ALIASES, state_bytes
 from minipar.theory.models import get_model
 from minipar.theory.params import check_divisible, param_table, stage_layers, stage_params
@@ -63,7 +71,7 @@ def _add(out: dict, dim: str, op: str, calls: int, nbytes: int, n: int) -> None:
 
 
 def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
-              microbatches: int = 1) -> dict:
+              microbatches: int = 1, dim: str = "dp") -> dict:
     """Data-parallel traffic of one rank holding ``n_params`` parameters (before ZeRO):
     an all-reduce of the gradients (stage 0), or reduce-scatter + all-gather (ZeRO
     paper, Sec. 7.2: the same 2 Psi per rank for stages 1 and 2, 3 Psi for stage 3)."""
@@ -72,16 +80,16 @@ def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
     pw, pg, _ = state_bytes(dtype)
     padded = math.ceil(n_params / dp) * dp  # flat buffers padded to a multiple of dp
     if zero == 0:
-        _add(out, "dp", "all_reduce", 1, n_params * pg, dp)
+        _add(out, dim, "all_reduce", 1, n_params * pg, dp)
     elif zero == 1:
-        _add(out, "dp", "reduce_scatter", 1, padded * pg, dp)
-        _add(out, "dp", "all_gather", 1, padded * pw, dp)
+        _add(out, dim, "reduce_scatter", 1, padded * pg, dp)
+        _add(out, dim, "all_gather", 1, padded * pw, dp)
     elif zero == 2:
-        _add(out, "dp", "reduce_scatter", microbatches, padded * pg, dp)
-        _add(out, "dp", "all_gather", 1, padded * pw, dp)
+        _add(out, dim, "reduce_scatter", microbatches, padded * pg, dp)
+        _add(out, dim, "all_gather", 1, padded * pw, dp)
     elif zero == 3:
-        _add(out, "dp", "reduce_scatter", microbatches, padded * pg, dp)
-        _add(out, "dp", "all_gather", 2 * microbatches, padded * pw, dp)
+        _add(out, dim, "reduce_scatter", microbatches, padded * pg, dp)
+        _add(out, dim, "all_gather", 2 * microbatches, padded * pw, dp)
     else:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
     return out
@@ -90,8 +98,8 @@ def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
 def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
                 zero: int = 0, dtype: str = "bf16", microbatch_size: int = 1,
                 microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
-                recompute: str = "none", *, virtual: int = 1,
-                stage: int = 0) -> dict[str, dict[str, dict[str, int]]]:
+                recompute: str = "none", *, virtual: int = 1, stage: int = 0,
+                cp: int = 1) -> dict[str, dict[str, dict[str, int]]]:
     """Predicted ``CommLog.summary()`` of one rank of pipeline stage ``stage`` for one
     training step (``microbatches`` micro-batches of ``microbatch_size`` sequences).
     ``schedule`` does not change the bytes, only when they move."""
@@ -100,12 +108,14 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
     if sp and tp == 1:
         sp = False
     m = microbatches
-    s, b, h, v = cfg.seq_len, microbatch_size, cfg.d_model, cfg.vocab_size
+    # a cp rank holds s / cp tokens of each sequence: everything per token shrinks
+    s, b, h, v = cfg.seq_len // cp, microbatch_size, cfg.d_model, cfg.vocab_size
     e = 2 if _ALIASES.get(dtype, dtype) == "bf16" else 4
     first, last = stage == 0, stage == pp - 1
 
     # data parallel, for the parameters this rank holds
-    out = dp_volume(stage_params(cfg, pp, tp, stage, virtual), dp, zero, dtype, m)
+    out = dp_volume(stage_params(cfg, pp, tp, stage, virtual), dp * cp, zero, dtype, m,
+                    "dp_cp" if cp > 1 else "dp")
 
     # tensor parallel, per micro-batch: collectives of b*s*h activations
     layers = stage_layers(cfg.n_layer, pp, stage, virtual)
@@ -128,6 +138,19 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
         replicated += sum(p.numel for p in param_table(cfg) if not p.tp_split and (
             (p.where == "first" and first) or (p.where == "last" and last)))
         _add(out, "tp", "all_reduce", 1, replicated * state_bytes(dtype)[1], tp)
+
+    # context parallel: the ring, per layer and micro-batch (k|v in the compute dtype,
+    # dk|dv accumulators in fp32); recomputation runs the forward ring again
+    if cp > 1:
+        ring = ring_bytes(b, cfg.seq_len, h // tp, cp, e)
+        fwd = 1 + (1 if recompute in ("full", "selective") else 0)
+        calls = layers * m * (fwd * ring["forward"]["calls"] + ring["backward"]["calls"])
+        nbytes = layers * m * (fwd * ring["forward"]["bytes"] + ring["backward"]["bytes"])
+        for op in ("send", "recv"):
+            st = out["cp"][op]
+            st["calls"] += calls
+            st["bytes"] += nbytes
+            st["wire_bytes"] += nbytes if op == "send" else 0
 
     # pipeline: sends to the next chunk and gradients back, per micro-batch
     boundary = act // (tp if sp else 1)

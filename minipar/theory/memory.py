@@ -283,18 +283,34 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
                      recompute: str = "none", *, params: int | None = None,
                      virtual: int = 1, accounting: str = "korthikanti",
-                     stages: list[int] | None = None) -> list[dict]:
+                     stages: list[int] | None = None, cp: int = 1,
+                     offload: bool = False) -> list[dict]:
     """``memory_breakdown`` for each pipeline stage (or the listed ``stages``); every
-    data- and tensor-parallel rank of a stage holds the same (up to ZeRO padding)."""
+    data-, tensor- and context-parallel rank of a stage holds the same (up to ZeRO
+    padding).
+
+    Context parallelism (``cp``, ``minipar.theory.context``): a rank keeps s / cp tokens
+    of every sequence, so its activations divide by cp (ring attention stores no s x s
+    scores; with ``accounting="korthikanti"`` that term is divided by cp too, as the
+    kernel does not keep it at all); the weights are replicated over cp, so ZeRO shards
+    over dp * cp. ZeRO-Offload (``offload``, Ren et al. 2021; ``theory.offload``): the
+    optimizer states leave the device; minipar keeps the fp32 master shard the update
+    lands in on the device (none in fp32 at stage 0, where the master is the weights),
+    and ``host`` counts what the host holds (master, gradient, states, landing
+    buffers).
+    """
     from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 
     if cfg is None and params is None:
         raise ValueError("give a model config (or preset name) or params=N")
-    for flag, value in (("dp", dp), ("pp", pp), ("tp", tp), ("virtual", virtual),
+    for flag, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp), ("virtual", virtual),
                         ("microbatch-size", microbatch_size), ("microbatches", microbatches),
                         ("params", params)):
         positive(flag, value)
     cfg = get_model(cfg) if cfg is not None else None
+    if cfg is not None and cfg.seq_len % (2 * cp):
+        raise ValueError(f"--cp {cp} needs a sequence length divisible by 2*cp={2 * cp} "
+                         f"(the zig-zag split's chunks); seq_len is {cfg.seq_len}")
     stages = list(range(pp)) if stages is None else stages
     out = []
     for s in stages:
@@ -304,9 +320,17 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         else:
             n = stage_params(cfg, pp, tp, s, virtual)
             act = stage_activations(cfg, pp, tp, s, microbatch_size, microbatches, schedule,
-                                    virtual, sp, recompute, dtype, accounting)
-        row = {"stage": s, "n_params": n, **model_states(n, dp, zero, dtype, optimizer),
+                                    virtual, sp, recompute, dtype, accounting) / cp
+        row = {"stage": s, "n_params": n, **model_states(n, dp * cp, zero, dtype, optimizer),
                "activations": int(round(act))}
+        if offload:
+            from minipar.theory.offload import offload_memory
+
+            pw = state_bytes(dtype, optimizer)[0]
+            shard = math.ceil(n / (dp * cp)) if zero >= 1 else n
+            states = state_bytes("fp32", optimizer)[2]  # the moments, fp32, on the host
+            row["host"] = offload_memory(n, pw, states, dp * cp, zero)["host"]
+            row["optimizer"] = 0 if (dtype == "fp32" and zero == 0) else shard * 4
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
             ws = loss_workspace(cfg, microbatch_size, tp, accounting) if s == pp - 1 else 0
@@ -322,9 +346,10 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
                      recompute: str = "none", *, params: int | None = None,
                      virtual: int = 1, accounting: str = "korthikanti",
-                     stage: int | None = None) -> dict:
+                     stage: int | None = None, cp: int = 1, offload: bool = False) -> dict:
     """Bytes on the most loaded device (or on ``stage``): keys ``params``, ``grads``,
     ``optimizer``, ``activations``, ``total``, plus ``stage`` and ``n_params``
+    (and ``host`` with ``offload``: bytes in host memory, not in ``total``)
     (and ``loss_workspace`` with ``accounting="fused"``, counted in ``total``).
 
     With ``params=N`` and no config: model states only, N / (pp * tp) per rank.
@@ -337,25 +362,27 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         return memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
                                 microbatches, schedule, sp, recompute, params=params,
                                 virtual=virtual, accounting=accounting,
-                                stages=[stage])[0]
+                                stages=[stage], cp=cp, offload=offload)[0]
     rows = memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
                             microbatches, schedule, sp, recompute, params=params,
                             virtual=virtual, accounting=accounting,
-                            stages=sorted({0, pp - 1}))
+                            stages=sorted({0, pp - 1}), cp=cp, offload=offload)
     return max(rows, key=lambda r: r["total"])
 
 
 def memory_per_rank(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
-                    tp: int = 1, *, order: str = "megatron", **kw) -> list[dict]:
+                    tp: int = 1, *, order: str = "megatron", cp: int = 1,
+                    **kw) -> list[dict]:
     """``memory_per_stage`` laid out over the ranks of a ``Mesh(dp, pp, tp, order)``:
     one row per global rank, with its ``rank`` and mesh coordinates added (the shape
     the memory figure takes, beside what each rank of a run measures)."""
     from minipar.mesh import Mesh  # layout only; no process groups
 
-    mesh = Mesh(dp, pp, tp, order)
-    stages = memory_per_stage(cfg, dp, pp, tp, **kw)
+    mesh = Mesh(dp, pp, tp, order, cp=cp)
+    stages = memory_per_stage(cfg, dp, pp, tp, cp=cp, **kw)
     rows = []
     for r in range(mesh.world_size):
         c = mesh.coords(r)
-        rows.append({"rank": r, "dp": c.dp, "pp": c.pp, "tp": c.tp, **stages[c.pp]})
+        rows.append({"rank": r, "dp": c.dp, "pp": c.pp, "tp": c.tp, "cp": c.cp,
+                     **stages[c.pp]})
     return rows

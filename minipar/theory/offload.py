@@ -25,6 +25,20 @@ def offload_traffic(n_params: int, param_bytes: int = 2, grad_bytes: int | None 
     return {"to_host": n * grad_bytes * microbatches, "to_device": n * param_bytes}
 
 
+def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0) -> dict[str, int]:
+    """Host-device bytes of one rank per step as ``train --offload`` composes offload with
+    ZeRO 0-2 (``engine.data_parallel``): the gradient is reduced on the device first
+    (all-reduce at stage 0, reduce-scatter at 1-2) and accumulated there over the
+    micro-batches, so only this rank's fp32 shard goes to the host, once per step; the
+    updated fp32 master shard comes back (then cast and all-gathered on the device).
+    ``{"to_host": 4 S, "to_device": 4 S}``, S = n / dp (padded) at stages 1-2, n at 0.
+    The paper's stream (16-bit, per micro-batch: ``offload_traffic``) moves less per
+    element but every micro-batch; this one trades that for the device-side reduction.
+    """
+    shard = -(-n_params // dp) if zero >= 1 else n_params
+    return {"to_host": 4 * shard, "to_device": 4 * shard}
+
+
 def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
                    dp: int = 1, zero: int = 0) -> dict[str, int]:
     """Model-state bytes per rank on the device and on the host, with offload.

@@ -1,10 +1,12 @@
 """The planner: every layout of a model on a cluster, filtered, timed, ranked, explained.
 
-A layout is a choice of tensor (tp), pipeline (pp) and data (dp) parallel sizes with
-tp * pp * dp = GPUs, a ZeRO stage, a micro-batch size (which fixes the number of
-micro-batches m = global batch / (dp * b)), a pipeline schedule, sequence parallelism
-and activation recomputation. The planner enumerates them, drops the impossible ones
-(with the reason), estimates the step time of the rest and sorts them.
+A layout is a choice of tensor (tp), pipeline (pp), data (dp) and context (cp)
+parallel sizes with tp * pp * dp * cp = GPUs (cp > 1 only for sequences long enough that
+each rank keeps ``min_cp_tokens`` or more), a ZeRO stage, a micro-batch size (which
+fixes the number of micro-batches m = global batch / (dp * b)), a pipeline schedule,
+sequence parallelism and activation recomputation. The planner enumerates them, drops
+the impossible ones (with the reason), estimates the step time of the rest and sorts
+them.
 
 The step-time model is deliberately simple, so that every term can be read and argued
 with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
@@ -17,7 +19,10 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                parallel collectives sit on the critical path)
     dp       = the same, minus what hides behind compute: gradient reduction overlaps the
                backward of the last micro-batch; ZeRO-3's gathers prefetch during compute
-    step     = compute + bubble + tp + pp + exposed dp
+    cp       = the ring's wire bytes / bandwidth + calls * latency, exposed only when a
+               rank's s / cp tokens are too few to hide a ring step behind its block's
+               compute (``theory.context.min_local_tokens_to_hide_ring``)
+    step     = compute + bubble + tp + exposed cp + pp + exposed dp
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
 across nodes (network), read off the rank layout (``minipar.mesh.Mesh``); a calibrated
@@ -38,11 +43,12 @@ from minipar.model import GPTConfig
 from minipar.theory.bubble import bubble_ratio_formula
 from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
+from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.memory import memory_breakdown
 from minipar.theory.models import get_model
 from minipar.theory.params import hardware_flops_per_token, model_flops_per_token
 
-TIME_KEYS = ("compute", "bubble", "tp", "pp", "dp")
+TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp")
 
 
 @dataclass
@@ -64,6 +70,7 @@ class Layout:
     traffic: dict = field(default_factory=dict)  # wire bytes per step, per dimension
     mfu: float = 0.0
     fits: bool = True
+    cp: int = 1
 
     @property
     def step_time(self) -> float:
@@ -74,7 +81,8 @@ class Layout:
             f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else ""))
         extras = (" sp" if self.sp else "") + (
             f" recompute={self.recompute}" if self.recompute != "none" else "")
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero} "
                 f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}")
 
     def to_dict(self) -> dict:
@@ -83,10 +91,11 @@ class Layout:
 
 @lru_cache(maxsize=4096)
 def _group_spans_nodes(dp: int, pp: int, tp: int, dim: str, order: str,
-                       gpus_per_node: int) -> bool:
+                       gpus_per_node: int, cp: int = 1) -> bool:
     """Does rank 0's group along ``dim`` cross a node boundary? (All groups of one
     dimension have the same shape, so rank 0's answers for all.)"""
-    ranks = Mesh(dp, pp, tp, order).group_ranks(dim, 0)
+    mesh = Mesh(dp, pp, tp, order, cp=cp)
+    ranks = mesh.dp_cp_ranks(0) if dim == "dp" and cp > 1 else mesh.group_ranks(dim, 0)
     return len({r // gpus_per_node for r in ranks}) > 1
 
 
@@ -104,14 +113,15 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
              recompute: str = "none", *, dtype: str = "bf16", optimizer: str = "adam",
              matmul_efficiency: float = 0.7, memory_fraction: float = 0.9,
              accounting: str = "korthikanti", order: str = "megatron",
-             overlap: bool = True) -> Layout:
+             overlap: bool = True, cp: int = 1) -> Layout:
     """Memory and step-time estimate of one layout (raises ValueError if it cannot be
     built at all: sizes that do not divide). ``fits`` says whether it fits in
     ``memory_fraction`` of a GPU's memory (the rest for the CUDA context, buffers and
     fragmentation)."""
     cfg, cluster = get_model(cfg), get_cluster(cluster)
-    if tp * pp * dp != cluster.gpus:
-        raise ValueError(f"tp*pp*dp = {tp * pp * dp} is not the cluster's {cluster.gpus} GPUs")
+    if tp * pp * dp * cp != cluster.gpus:
+        raise ValueError(f"tp*pp*dp*cp = {tp * pp * dp * cp} is not the cluster's "
+                         f"{cluster.gpus} GPUs")
     global_batch = cluster.gpus if global_batch is None else global_batch
     if global_batch % (dp * microbatch_size):
         raise ValueError(f"global batch {global_batch} is not divisible by dp*b = "
@@ -121,9 +131,10 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     common = dict(dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype, microbatch_size=microbatch_size,
                   microbatches=m, schedule=schedule, sp=sp, recompute=recompute)
     mem = memory_breakdown(cfg, optimizer=optimizer, virtual=virtual, accounting=accounting,
-                           **common)
+                           cp=cp, **common)
     # the busiest rank for communication: a stage with both neighbours when pp > 2
-    vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), **common)
+    vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, **common)
+    vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
 
     tokens = global_batch * cfg.seq_len
     peak = cluster.peak_flops
@@ -132,10 +143,16 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     bubble = compute * bubble_ratio_formula(schedule, pp, m, virtual) if pp > 1 else 0.0
 
     def spans(dim: str) -> bool:
-        n = {"dp": dp, "pp": pp, "tp": tp}[dim]
-        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node)
+        n = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp}[dim]
+        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node,
+                                            cp)
 
-    t = {d: _comm_seconds(vol, d, cluster, spans(d)) for d in ("tp", "pp", "dp")}
+    t = {d: _comm_seconds(vol, d, cluster, spans(d)) for d in ("tp", "cp", "pp", "dp")}
+    if cp > 1:  # the ring hides behind the block compute once the local shard is long
+        bw = cluster.link("send", spans("cp"))[0]
+        e = 2 if dtype == "bf16" else 4
+        if cfg.seq_len // cp >= min_local_tokens_to_hide_ring(cluster.matmul_rate, bw, e):
+            t["cp"] = 0.0
     if overlap:
         window = compute if zero == 3 else compute / m * 2 / 3  # last backward only
         t["dp"] = max(0.0, t["dp"] - window)
@@ -143,10 +160,10 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     time["step"] = sum(time[k] for k in TIME_KEYS)
     achieved = model_flops_per_token(cfg) * tokens / time["step"]
     traffic = {d: sum(x["wire_bytes"] for x in vol.get(d, {}).values())
-               for d in ("tp", "pp", "dp")}
+               for d in ("tp", "cp", "pp", "dp")}
     return Layout(tp, pp, dp, zero, microbatch_size, m, schedule, virtual, sp, recompute,
                   memory=mem, time=time, traffic=traffic, mfu=achieved / (cluster.gpus * peak),
-                  fits=mem["total"] <= memory_fraction * cluster.gpu_memory)
+                  fits=mem["total"] <= memory_fraction * cluster.gpu_memory, cp=cp)
 
 
 @dataclass
@@ -191,15 +208,19 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
          *, zero_stages: tuple[int, ...] = (0, 1, 2, 3),
          recomputes: tuple[str, ...] = ("none", "selective", "full"),
          schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb"),
-         max_microbatch_size: int = 8, sp: bool = True, **settings) -> Plan:
+         max_microbatch_size: int = 8, sp: bool = True, min_cp_tokens: int = 4096,
+         **settings) -> Plan:
     """Enumerate, filter and rank the layouts of ``cfg`` on ``cluster``.
 
     Rejected (and counted by reason): tp above the GPUs of one node (its collectives
     would cross the network every layer), tp not dividing heads / FFN / vocabulary,
     pp not dividing the layers, a batch that does not split over dp, and layouts that
     do not fit in memory. ``sp=True`` turns on sequence parallelism wherever tp > 1
-    (same traffic, less memory). ``settings`` go to ``evaluate`` (dtype, optimizer,
-    matmul_efficiency, memory_fraction, accounting, order, overlap).
+    (same traffic, less memory). Context parallelism: cp = 2, 4, ... while each rank
+    keeps at least ``min_cp_tokens`` tokens of a sequence (seq_len / cp; below that
+    the ring cannot hide behind the blocks' compute), within a node with tp.
+    ``settings`` go to ``evaluate`` (dtype, optimizer, matmul_efficiency,
+    memory_fraction, accounting, order, overlap).
     """
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     gpus = cluster.gpus
@@ -224,13 +245,17 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
             reject("tp does not divide the model", f"tp={tp} does not divide {bad[0]}="
                    f"{getattr(cfg, bad[0])}")
             continue
-        for pp in range(1, cfg.n_layer + 1):
-            if (gpus // tp) % pp:
+        cps = [c for c in _powers_of_two(gpus // tp) if c == 1 or (
+            cfg.seq_len % (2 * c) == 0 and cfg.seq_len // c >= min_cp_tokens
+            and tp * c <= cluster.gpus_per_node)]
+        for pp, cp in ((p, c) for c in cps for p in range(1, cfg.n_layer + 1)):
+            if (gpus // (tp * cp)) % pp:
                 continue
             if cfg.n_layer % pp:
-                reject("pp does not divide the layers", f"pp={pp}, {cfg.n_layer} layers")
+                if cp == 1:
+                    reject("pp does not divide the layers", f"pp={pp}, {cfg.n_layer} layers")
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * pp * cp)
             if global_batch % dp:
                 reject("batch does not split over dp", f"batch {global_batch}, dp={dp}")
                 continue
@@ -243,7 +268,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                     for zero in zero_stages:
                         for rc in recomputes:
                             lay = evaluate(cfg, cluster, tp, pp, dp, zero, b, global_batch,
-                                           schedule, v, sp and tp > 1, rc, **settings)
+                                           schedule, v, sp and tp > 1, rc, cp=cp,
+                                           **settings)
                             if lay.fits:
                                 layouts.append(lay)
                             else:

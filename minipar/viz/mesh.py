@@ -29,7 +29,8 @@ def _group_key(row: dict, color_by: str, gpus_per_node: int | None) -> tuple:
 
 
 def _hover(row: dict, gpus_per_node: int | None) -> str:
-    lines = [f"rank {row['rank']}", f"dp={row['dp']} pp={row['pp']} tp={row['tp']}"]
+    lines = [f"rank {row['rank']}",
+             f"dp={row['dp']} pp={row['pp']} tp={row['tp']} cp={row['cp']}"]
     lines += [f"{d} group {row[f'{d}_group']}" for d in DIMS]
     if gpus_per_node:
         lines.append(f"node {row['rank'] // gpus_per_node}")
@@ -54,7 +55,9 @@ def mesh_traces(mesh: Mesh, color_by: str = "tp", gpus_per_node: int | None = No
         name = f"node {key[0]}" if color_by == "node" else f"{color_by} group {list(key)}"
         colour = PALETTE[i % len(PALETTE)]
         traces.append(go.Scatter3d(
-            x=[r["tp"] for r in rows], y=[r["dp"] for r in rows], z=[r["pp"] for r in rows],
+            # cp shares the x axis with tp: x = cp * tp_size + tp (tp fastest, then cp)
+            x=[r["cp"] * mesh.tp + r["tp"] for r in rows], y=[r["dp"] for r in rows],
+            z=[r["pp"] for r in rows],
             mode="lines+markers+text" if color_by in DIMS else "markers+text",
             text=[str(r["rank"]) for r in rows], textposition="top center",
             hovertext=[_hover(r, gpus_per_node) for r in rows], hoverinfo="text",
@@ -65,24 +68,29 @@ def mesh_traces(mesh: Mesh, color_by: str = "tp", gpus_per_node: int | None = No
 
 def mesh_figure(dp: int | Mesh = 2, pp: int = 2, tp: int = 2, color_by: str = "tp",
                 orders: tuple[str, ...] = tuple(ORDERS), gpus_per_node: int | None = None,
-                height: int = 480) -> go.Figure:
+                height: int = 480, cp: int = 1) -> go.Figure:
     """The mesh once per rank order in ``orders``, side by side (one 3-D scene each).
 
     ``dp`` may be a ``Mesh``; then its own order is drawn unless ``orders`` is given.
+    With context parallelism (``cp`` > 1) the x axis holds cp * tp positions: the tp
+    groups of cp rank 0, then those of cp rank 1, ...; ``color_by="cp"`` draws the rings.
     """
     if isinstance(dp, Mesh):
         mesh, orders = dp, orders if orders != tuple(ORDERS) else (dp.order,)
-        dp, pp, tp = mesh.dp, mesh.pp, mesh.tp
+        dp, pp, tp, cp = mesh.dp, mesh.pp, mesh.tp, mesh.cp
     fig = make_subplots(rows=1, cols=len(orders), specs=[[{"type": "scene"}] * len(orders)],
                         subplot_titles=[f"order: {o}" for o in orders])
     for i, order in enumerate(orders):
         scene = "scene" if i == 0 else f"scene{i + 1}"
-        for trace in mesh_traces(Mesh(dp, pp, tp, order), color_by, gpus_per_node, scene,
+        for trace in mesh_traces(Mesh(dp, pp, tp, order, cp=cp), color_by, gpus_per_node, scene,
                                  legend=i == 0):
             fig.add_trace(trace)
-        axes = {f"{a}axis": {"title": t, "dtick": 1} for a, t in zip("xyz", ("tp", "dp", "pp"))}
+        x_title = "tp" if cp == 1 else "cp * tp_size + tp"
+        axes = {f"{a}axis": {"title": t, "dtick": 1}
+                for a, t in zip("xyz", (x_title, "dp", "pp"))}
         fig.update_layout({scene: {**axes, "aspectmode": "cube"}})
-    fig.update_layout(title=f"mesh dp={dp} pp={pp} tp={tp}: {dp * pp * tp} ranks, "
+    cps = f" cp={cp}" if cp > 1 else ""
+    fig.update_layout(title=f"mesh dp={dp} pp={pp} tp={tp}{cps}: {dp * pp * tp * cp} ranks, "
                             f"coloured by {color_by}", height=height,
                       margin={"l": 0, "r": 0, "t": 60, "b": 0}, uirevision="mesh")
     return fig

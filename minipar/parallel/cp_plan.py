@@ -1,0 +1,164 @@
+"""Context parallelism applied to a GPT: the plan a cp rank follows.
+
+``parallel/cp.py`` holds the technique (the zig-zag split, the ring, the merge rule);
+this file puts it into a model the way tensor parallelism is put in: a plan of
+module-name patterns and styles, applied by ``parallelize_module`` (``parallel/tp.py``),
+reference names kept (Liu et al. 2023, arXiv 2310.01889; Megatron-Core's context
+parallelism, which splits the sequence in 2C chunks for the causal balance).
+
+A cp rank holds ``seq_len / cp`` tokens of every row (its two zig-zag chunks) for every
+layer. What changes in the model:
+
+* ``blocks.*.attn.core`` becomes ``RingAttention``: the only layer that needs the other
+  tokens (keys and values travel around the cp ring).
+* ``pos_emb`` looks up the rank's *global* positions (``ShardPositions``), not 0..t-1.
+* each dropout (``drop``, ``blocks.*.resid_drop*``) draws the single device's mask for
+  those global positions (``ShardDropout``): the mask is a hash of the position, so a
+  shard of two separate chunks is masked chunk by chunk.
+
+Everything else is token-wise and runs unchanged on the local tokens. Composes with
+tensor parallelism (heads by tp, sequence by cp) and with sequence parallelism (the
+cp-local sequence is further cut by tp: the styles see the SP module they replace and
+look up that slice). The loss of a shard is the mean over its tokens; all shards have
+the same number of tokens, so 1/cp of the sum of the cp shards' means is the row
+mean: the engine scales each micro-batch loss by 1/(dp * cp * m) and the data-parallel
+layer sums the gradients over the dp x cp group (the weights are replicated over cp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minipar.comm import Comm
+from minipar.model import KeyedDropout
+from minipar.parallel.cp import RingAttention, check_cp, positions, shard_sequence
+from minipar.parallel.sp import SequenceParallelDropout, SequenceShardedEmbedding
+from minipar.parallel.tp import parallelize_module
+
+
+class ShardPositions(nn.Module):
+    """The position embedding of a cp rank: the full (replicated) table, looked up at
+    this rank's global positions. Under sequence parallelism too (``sp``: the tp group),
+    only this tp rank's slice of them. Keeps the name ``pos_emb.weight``."""
+
+    def __init__(self, weight: nn.Parameter, global_positions: torch.Tensor,
+                 sp: Comm | None = None) -> None:
+        super().__init__()
+        self.weight, self.sp = weight, sp
+        # not a buffer: buffers are broadcast from rank 0 by the data-parallel layer,
+        # and these differ by cp rank (a tensor of seq_len / cp integers)
+        self.positions = global_positions
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        if self.positions.device != pos.device:
+            self.positions = self.positions.to(pos.device)
+        p = self.positions[pos]  # local index -> global position
+        if self.sp is not None:
+            p = p.chunk(self.sp.size)[self.sp.rank]
+        return F.embedding(p, self.weight)
+
+
+class ShardDropout(KeyedDropout):
+    """Dropout of tokens at arbitrary global positions: the reference's mask for each.
+
+    ``global_positions`` (the tokens this module sees, in local order) is cut into runs
+    of consecutive positions (a zig-zag shard has two); each run is masked as the
+    single device masks those positions (``KeyedDropout.keep_mask`` with its offset).
+    """
+
+    def __init__(self, p: float, site: int, global_positions: torch.Tensor) -> None:
+        super().__init__(p, site)
+        pos = global_positions.tolist()
+        self.runs: list[tuple[int, int]] = []  # (length, first global position)
+        for i, q in enumerate(pos):
+            if i and q == pos[i - 1] + 1:
+                self.runs[-1] = (self.runs[-1][0] + 1, self.runs[-1][1])
+            else:
+                self.runs.append((1, q))
+        self.length = len(pos)
+
+    def forward(self, x: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        b, s, h = x.shape
+        if s != self.length:
+            raise ValueError(f"a context-parallel shard of {self.length} tokens got {s}")
+        keep = torch.cat([self.keep_mask(torch.Size((b, n, h)), first + position_offset,
+                                         x.device) for n, first in self.runs], dim=1)
+        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, site={self.site}, runs={self.runs}"
+
+
+def _sp_slice(pos: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """The part of the cp shard's positions that a sequence-parallel module sees."""
+    comm = module.comm
+    return pos.chunk(comm.size)[comm.rank]
+
+
+@dataclass(frozen=True)
+class RingAttentionCore:
+    """``attn.core`` -> ``RingAttention`` over the cp group."""
+
+    layout: str = "zigzag"
+
+    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+        return RingAttention(comm, self.layout)
+
+
+@dataclass(frozen=True)
+class ShardedPositions:
+    """``pos_emb`` (plain or sequence-parallel) -> ``ShardPositions``."""
+
+    seq_len: int
+    layout: str = "zigzag"
+
+    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+        pos = positions(self.seq_len, comm.rank, comm.size, self.layout)
+        sp = module.comm if isinstance(module, SequenceShardedEmbedding) else None
+        return ShardPositions(module.weight, pos, sp)
+
+
+@dataclass(frozen=True)
+class ShardedDropout:
+    """A ``KeyedDropout`` (plain or sequence-parallel) -> ``ShardDropout``."""
+
+    seq_len: int
+    layout: str = "zigzag"
+
+    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+        pos = positions(self.seq_len, comm.rank, comm.size, self.layout)
+        if isinstance(module, SequenceParallelDropout):
+            pos = _sp_slice(pos, module)
+        return ShardDropout(module.p, module.site, pos)
+
+
+def context_parallel_plan(seq_len: int, layout: str = "zigzag") -> dict[str, object]:
+    """The cp plan of a ``GPT``, as module-name pattern -> style (``describe_plan``)."""
+    return {"pos_emb": ShardedPositions(seq_len, layout),
+            "drop": ShardedDropout(seq_len, layout),
+            "blocks.*.resid_drop*": ShardedDropout(seq_len, layout),
+            "blocks.*.attn.core": RingAttentionCore(layout)}
+
+
+def apply_context_parallel(model: nn.Module, comm: Comm, layout: str = "zigzag") -> nn.Module:
+    """Give ``model`` (a full ``GPT``, after tensor parallelism if any) to the cp group
+    ``comm``, in place. Its forward then takes this rank's shard of each row
+    (``shard_batch``) and returns the mean loss over those tokens."""
+    check_cp(model.cfg.seq_len, comm.size)
+    return parallelize_module(model, comm, context_parallel_plan(model.cfg.seq_len, layout))
+
+
+def shard_batch(x: torch.Tensor, y: torch.Tensor, comm: Comm, layout: str = "zigzag"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This cp rank's tokens of a micro-batch: inputs and targets (already shifted by
+    one on the full sequence, so a target is still the token after its input)."""
+    if comm.size == 1:
+        return x, y
+    return (shard_sequence(x, comm.rank, comm.size, layout),
+            shard_sequence(y, comm.rank, comm.size, layout))
