@@ -65,6 +65,9 @@ EXERCISES: dict[str, Exercise] = {
     "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
     "memory_formula": Exercise(
         "06", "memory per device with the pipeline term", ("in_flight", "device_memory")),
+    "attention_merge": Exercise(
+        "07", "merge partial attention by log-sum-exp (ring attention)",
+        ("merge_attention",)),
 }
 
 

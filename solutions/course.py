@@ -76,6 +76,15 @@ HINTS: dict[str, dict[int, str]] = {
            "micro-batches in flight (GPipe m, 1F1B p - s, ZB-H1 p), plus the embedding "
            "or head on the edge stages.",
     },
+    "attention_merge": {
+        1: "Each part is a softmax normalised over its own keys. Over both key sets, the "
+           "denominator is the sum of the two parts' denominators. What is each part's "
+           "denominator, given its lse?",
+        2: "The union's mass is e^lse_a + e^lse_b, so lse = log(e^lse_a + e^lse_b). Part "
+           "A's output was divided by e^lse_a only; multiply it by e^lse_a / e^lse = "
+           "e^(lse_a - lse), likewise B, and add. Never compute e^lse itself: scores "
+           "can be large.",
+    },
     "debug_deadlock": {
         1: "Read the hang report: which operation is every rank stuck in, and who would "
            "have to act first to free it?",
