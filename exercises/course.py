@@ -93,6 +93,15 @@ HINTS: dict[str, dict[int, str]] = {
            "posted yet. Make the send not wait (isend), or let half of the ranks send "
            "first.",
     },
+    "debug_sp": {
+        1: "Run gradient_audit(): which parameters differ from one process, and what do "
+           "they have in common? Where in a layer are they used under sequence "
+           "parallelism?",
+        2: "The layer norms (and every parameter outside the tensor-parallel regions) run "
+           "on each rank's part of the sequence, so each rank's gradient is a partial "
+           "sum over its tokens. Nothing in the tp layers adds those parts: one all-reduce "
+           "over tp after the backward must.",
+    },
     "debug_pipeline": {
         1: "Run gradient_audit(): it prints the ratio of this run's gradient norm to one "
            "process. Which size of the layout equals that ratio?",
