@@ -50,7 +50,7 @@ def _cells(blocks: list[dict], opacity: float, name: str, cp: int,
         chosen = [b for b in blocks if b["kind"] == kind]
         traces.append(go.Scatter(
             x=[b["k"] for b in chosen], y=[b["q"] for b in chosen], mode="markers+text",
-            marker=dict(symbol=symbol, size=max(18, 200 // cp), opacity=opacity,
+            marker=dict(symbol=symbol, size=max(12, 140 // cp), opacity=opacity,
                         color=[PALETTE[b["rank"] % len(PALETTE)] for b in chosen],
                         line=dict(width=0)),
             text=[f"r{b['rank']}" for b in chosen], textfont=dict(size=10),
@@ -74,7 +74,7 @@ def ring_figure(cp: int = 4, layout: str = "zigzag") -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Scatter(  # the future: never computed
         x=[k for _, k in skipped], y=[q for q, _ in skipped], mode="markers",
-        marker=dict(symbol="square", size=max(18, 200 // cp), color=GREY),
+        marker=dict(symbol="square", size=max(12, 140 // cp), color=GREY),
         hovertext=["skipped: every key is in the future" for _ in skipped],
         hoverinfo="text", name="skipped", showlegend=False))
     per_step = 4  # traces per slider position: earlier (full, diag), now (full, diag)
@@ -84,9 +84,9 @@ def ring_figure(cp: int = 4, layout: str = "zigzag") -> go.Figure:
                        + _cells(steps[s], 1.0, "now", cp, s == 0))
 
     def title(s: int) -> str:
-        pairs = ", ".join(f"r{r}←k/v of r{(r - s) % cp}" for r in range(cp))
-        return (f"{layout} split, cp={cp}: ring step {s} of {cp - 1} "
-                f"({pairs})")
+        pairs = ", ".join(f"r{r} ← r{(r - s) % cp}" for r in range(cp))
+        return (f"{layout} split, cp={cp}: ring step {s} of {cp - 1}"
+                f"<br><sup>keys and values held: {pairs}</sup>")
 
     positions = []
     for s in range(cp):
@@ -96,7 +96,7 @@ def ring_figure(cp: int = 4, layout: str = "zigzag") -> go.Figure:
     owner = {c: r for r in range(cp) for c in chunk_ids(r, cp, layout)}
     labels = [f"{c} (r{owner[c]})" for c in range(n)]
     fig.update_layout(
-        title=title(0), height=520, width=620, plot_bgcolor="white",
+        title=title(0), height=540, width=620, plot_bgcolor="white",
         xaxis=dict(title="key chunk (its owner)", tickvals=list(range(n)), ticktext=labels,
                    range=[-0.6, n - 0.4], showgrid=False, zeroline=False),
         yaxis=dict(title="query chunk (its owner)", tickvals=list(range(n)),
