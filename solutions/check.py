@@ -57,6 +57,9 @@ EXERCISES: dict[str, Exercise] = {
     "tp_linear": Exercise(
         "03", "column- and row-parallel linear layers",
         ("CopyToTP", "ReduceFromTP", "ColumnParallelLinear", "RowParallelLinear")),
+    "debug_sp": Exercise(
+        "03", "debugging lab: sequence parallelism with partial gradients",
+        ("finish_gradients",)),
     "pipeline_1f1b": Exercise(
         "04", "the 1F1B schedule as data", ("one_f_one_b_compute", "peak_in_flight")),
     "debug_pipeline": Exercise(
@@ -65,6 +68,9 @@ EXERCISES: dict[str, Exercise] = {
     "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
     "memory_formula": Exercise(
         "06", "memory per device with the pipeline term", ("in_flight", "device_memory")),
+    "attention_merge": Exercise(
+        "07", "merge partial attention by log-sum-exp (ring attention)",
+        ("merge_attention",)),
 }
 
 

@@ -76,12 +76,30 @@ HINTS: dict[str, dict[int, str]] = {
            "micro-batches in flight (GPipe m, 1F1B p - s, ZB-H1 p), plus the embedding "
            "or head on the edge stages.",
     },
+    "attention_merge": {
+        1: "Each part is a softmax normalised over its own keys. Over both key sets, the "
+           "denominator is the sum of the two parts' denominators. What is each part's "
+           "denominator, given its lse?",
+        2: "The union's mass is e^lse_a + e^lse_b, so lse = log(e^lse_a + e^lse_b). Part "
+           "A's output was divided by e^lse_a only; multiply it by e^lse_a / e^lse = "
+           "e^(lse_a - lse), likewise B, and add. Never compute e^lse itself: scores "
+           "can be large.",
+    },
     "debug_deadlock": {
         1: "Read the hang report: which operation is every rank stuck in, and who would "
            "have to act first to free it?",
         2: "A blocking receive on every rank at once waits for a send that nobody has "
            "posted yet. Make the send not wait (isend), or let half of the ranks send "
            "first.",
+    },
+    "debug_sp": {
+        1: "Run gradient_audit(): which parameters differ from one process, and what do "
+           "they have in common? Where in a layer are they used under sequence "
+           "parallelism?",
+        2: "The layer norms (and every parameter outside the tensor-parallel regions) run "
+           "on each rank's part of the sequence, so each rank's gradient is a partial "
+           "sum over its tokens. Nothing in the tp layers adds those parts: one all-reduce "
+           "over tp after the backward must.",
     },
     "debug_pipeline": {
         1: "Run gradient_audit(): it prints the ratio of this run's gradient norm to one "

@@ -65,7 +65,10 @@ def test_exercise_passes_its_check(name: str, impl: str, capsys) -> None:
 LABS = {"debug_deadlock": ["FAIL", "the ranks hung", "recv on world"],
         "debug_pipeline": ["FAIL", "gradient norm expected", "(one process), got",
                             "gradients are 4x the reference", "4 = microbatches",
-                            "divided by m"]}
+                            "divided by m"],
+        "debug_sp": ["FAIL", "15 of 29 gradients differ from one process",
+                     "worst pos_emb.weight: off by 100%",
+                     "replicated parameters used on a sequence shard"]}
 
 
 @pytest.mark.parametrize("name", [n for n in EXERCISES if n not in LABS])
@@ -280,6 +283,24 @@ MESSAGE_MUTANTS = {
         "            self._launch(b)\n"
         "            self.next_to_launch = max(self.next_to_launch, b + 1)\n",
         ["expected all-reduces of buckets [0, 1, 2], got [1, 0, 2]"]),
+    "merge_averages": (
+        "attention_merge", "    return w_a * out_a + w_b * out_b, lse\n",
+        "    return (out_a + out_b) / 2, lse\n",
+        ["out[1, 1, 2, 3] expected 0.30772, got -0.12402", "you averaged the two parts"]),
+    "merge_sum_of_logs": (
+        "attention_merge", "    return w_a * out_a + w_b * out_b, lse\n",
+        "    return w_a * out_a + w_b * out_b, lse_a + lse_b\n",
+        ["lse[1, 0, 4] expected 3.42986, got 5.35390", "not the sum of the logs"]),
+    "merge_overflows": (
+        "attention_merge", "    lse = torch.logaddexp(lse_a, lse_b)\n",
+        "    lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))\n",
+        ["on large scores (log-sum-exps up to 228)", "holds inf or nan",
+         "exponentiate only differences"]),
+    "merge_no_unsqueeze": (
+        "attention_merge", "    return w_a * out_a + w_b * out_b, lse\n",
+        "    return (torch.exp(lse_a - lse) * out_a + torch.exp(lse_b - lse) * out_b, lse)\n",
+        ["merge_attention raised RuntimeError", "out_a has shape (2, 2, 5, 4)",
+         ".unsqueeze(-1)"]),
 }
 
 

@@ -227,3 +227,42 @@ def test_tp_shard_figure_colours_one_slice_per_weight_and_rank():
         texts = [a.text for a in fig.layout.annotations]
         assert sum(x in ("f", "g") for x in texts) == 2 * t
         assert fig.to_json() == tp_shard_figure(t).to_json()
+
+
+# --- context parallelism (lesson 07) ------------------------------------------------
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_figure_draws_every_block_once_at_its_step(cp, layout):
+    from minipar.parallel.cp import block_plan
+    from minipar.viz.cp import ring_blocks, ring_figure
+
+    fig = ring_figure(cp, layout)
+    slider = fig.layout.sliders[0]
+    assert len(slider.steps) == cp and len(fig.data) == 1 + 4 * cp
+    n = 2 * cp
+    skipped = fig.data[0]
+    assert sorted(zip(skipped.y, skipped.x)) == [(q, k) for q in range(n)
+                                                 for k in range(n) if k > q]
+    steps = ring_blocks(cp, layout)
+    assert [len(s) for s in steps] == [sum(len(block_plan(r, cp, layout)[s])
+                                           for r in range(cp)) for s in range(cp)]
+    cells = sorted((b["q"], b["k"]) for s in steps for b in s)
+    assert cells == [(q, k) for q in range(n) for k in range(n) if k <= q]  # each once
+    assert all(b["kind"] == "causal" for s in steps for b in s if b["q"] == b["k"])
+    for s, pos in enumerate(slider.steps):
+        visible = pos.args[0]["visible"]
+        now = [tr for tr, v in zip(fig.data, visible) if v and tr.name.startswith("now")]
+        assert sorted((q, k) for tr in now for q, k in zip(tr.y, tr.x)) == sorted(
+            (b["q"], b["k"]) for b in steps[s])
+        assert f"ring step {s}" in pos.args[1]["title.text"]
+
+
+def test_balance_figure_bars_are_the_counted_pairs():
+    from minipar.theory.context import causal_pairs_per_rank
+    from minipar.viz.cp import balance_figure
+
+    fig = balance_figure(1024, 4)
+    by_name = {tr.name: list(tr.y) for tr in fig.data}
+    assert by_name["zigzag"] == causal_pairs_per_rank(1024, 4, "zigzag")
+    assert by_name["contiguous"] == causal_pairs_per_rank(1024, 4, "contiguous")
+    assert len(set(by_name["zigzag"])) == 1

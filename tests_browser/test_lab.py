@@ -96,6 +96,13 @@ DASHBOARDS = {
     "06_planning_at_scale.ipynb": [("plan", "batch", "512")],
 }
 
+# Figures whose slider lives in the plotly layout (no kernel needed): the test drags the
+# slider to its last step; the figure's title must name that step and the visible
+# traces must change. Lesson 07's ring attention, step by step.
+PLOTLY_SLIDERS = {
+    "07_long_context_and_offload.ipynb": [("ring", "ring step 3 of 3")],
+}
+
 
 def left(cap: float) -> float:
     """Seconds to wait: ``cap``, cut to what is left of the module's budget."""
@@ -123,7 +130,9 @@ class Lab:
         for name in LESSONS:
             shutil.copy(REPO / "notebooks" / name, root / "notebooks" / name)
         (root / "notebooks" / BROKEN_NB).write_text(json.dumps(BROKEN))
-        for pkg in ("solutions", "exercises"):  # the lessons import their exercise checks
+        # The lessons import their exercise checks, and the engine of *this* checkout (not
+        # whichever minipar the venv's editable install points at).
+        for pkg in ("minipar", "solutions", "exercises"):
             (root / pkg).symlink_to(REPO / pkg, target_is_directory=True)
         settings = root / ".lab" / "settings"
         for rel, values in SETTINGS.items():
@@ -412,6 +421,30 @@ def check_dashboard(page: Page, kind: str, label: str, choice: str) -> str:
             f"{json.loads(after)[0]} traces, data changed")
 
 
+SLIDER_STATE_JS = ("gd => JSON.stringify([(gd.layout.title || {}).text,"
+                   " gd.data.map(t => t.visible)])")
+
+
+def check_plotly_slider(page: Page, kind: str, title_after: str) -> str:
+    """Click the end of a plotly slider's rail; the figure must redraw at that step."""
+    p = page.page
+    plot = p.locator(".js-plotly-plot").filter(has=p.locator(".slider-container")).first
+    assert plot.count() == 1, f"{kind}: no plotly figure with a slider"
+    plot.scroll_into_view_if_needed()
+    before = plot.evaluate(SLIDER_STATE_JS)
+    page.shot(f"slider_{kind}_before.png", near=plot)
+    box = plot.locator(".slider-rail-touch-rect").first.bounding_box()
+    assert box, f"{kind}: the slider's rail is not drawn"
+    p.mouse.click(box["x"] + box["width"] - 2, box["y"] + box["height"] / 2)
+    p.wait_for_function(f"([gd, old]) => ({SLIDER_STATE_JS})(gd) !== old",
+                        arg=[plot.element_handle(), before], timeout=left(30) * 1000)
+    after = plot.evaluate(SLIDER_STATE_JS)
+    page.shot(f"slider_{kind}_after.png", near=plot)
+    title = json.loads(after)[0] or ""
+    assert title_after in title, f"{kind}: after the slider moved the title is {title!r}"
+    return f"{kind} slider: moved to the last step, figure redrawn ({title_after})"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", LESSONS)
 def test_notebook_in_lab(lab: Lab, browser, name: str) -> None:
@@ -439,6 +472,10 @@ def test_notebook_in_lab(lab: Lab, browser, name: str) -> None:
             print(check_dashboard(page, *dashboard))
             problems = page.problems()
             assert not problems, f"{name} after the control moved:\n" + "\n".join(problems)
+        for kind, title_after in PLOTLY_SLIDERS.get(name, []):
+            print(check_plotly_slider(page, kind, title_after))
+            problems = page.problems()
+            assert not problems, f"{name} after the slider moved:\n" + "\n".join(problems)
         assert not page.blocked, f"{name}: requests that need the network {page.blocked}"
         assert not page.js_errors, f"{name}: page errors {page.js_errors}"
     finally:

@@ -6,6 +6,7 @@
 * ``comm_figure``      bytes per dimension and op, measured beside predicted
 * ``plan_figure``      the planner's ranking: step-time terms and memory
 * ``tp_shard_figure``  the tensor-parallel MLP shard by shard, with f and g
+* ``ring_figure``      ring attention step by step (a slider); ``balance_figure``: work per rank
 * ``widgets``          ipywidgets dashboards over these (import it in a notebook)
 
 Figures are deterministic: the same arguments give the same JSON (no random ids), so
@@ -13,6 +14,7 @@ saved notebooks do not change between runs.
 """
 
 from minipar.viz.comm import comm_figure
+from minipar.viz.cp import balance_figure, ring_figure
 from minipar.viz.memory import memory_figure
 from minipar.viz.mesh import mesh_figure, mesh_traces
 from minipar.viz.planner import plan_figure
@@ -24,6 +26,7 @@ from minipar.viz.timeline import (
 )
 from minipar.viz.tp import tp_shard_figure
 
-__all__ = ["comm_figure", "memory_figure", "mesh_figure", "mesh_traces", "plan_figure",
-           "bubble_curve_figure", "normalise", "schedule_timeline", "timeline_figure",
+__all__ = ["balance_figure", "ring_figure", "comm_figure", "memory_figure", "mesh_figure",
+           "mesh_traces", "plan_figure", "bubble_curve_figure", "normalise",
+           "schedule_timeline", "timeline_figure",
            "tp_shard_figure"]
