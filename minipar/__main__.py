@@ -1,4 +1,4 @@
-"""The command line: ``python -m minipar {train,sample,memory,bubble,plan,doctor}``.
+"""The command line: ``python -m minipar {train,sample,export,memory,bubble,plan,doctor}``.
 
 Every subcommand prints a readable table and, with ``--json PATH``, writes the same
 facts as JSON. Invalid input is rejected with one line before any process starts.
@@ -221,6 +221,16 @@ def _cmd_sample(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from minipar.export import export
+
+    out = export(args.resume, args.out)
+    print(f"wrote {out['path']}: {out['tensors']} tensors, {_gb(out['bytes'])}, "
+          f"step {out['step']}")
+    _write_json(args.json, out)
+    return 0
+
+
 def parse_count(text: str) -> int:
     """A parameter count: ``7500000000``, ``7.5e9``, ``7.5B``, ``350M``, ``1.2T``."""
     scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -415,11 +425,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     s.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest token")
     s.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("export", help="the full model of a checkpoint, as safetensors")
+    e.add_argument("--resume", required=True, help="checkpoint directory (train --save)")
+    e.add_argument("--out", required=True, help="the .safetensors file to write")
+    e.add_argument("--json")
     return parser
 
 
 COMMANDS = {"train": _cmd_train, "memory": _cmd_memory, "bubble": _cmd_bubble,
-            "plan": _cmd_plan, "doctor": _cmd_doctor, "sample": _cmd_sample}
+            "plan": _cmd_plan, "doctor": _cmd_doctor, "sample": _cmd_sample,
+            "export": _cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:
