@@ -225,7 +225,7 @@ def _cmd_export(args) -> int:
     from minipar.export import export
 
     out = export(args.resume, args.out)
-    print(f"wrote {out['path']}: {out['tensors']} tensors, {_gb(out['bytes'])}, "
+    print(f"wrote {out['path']}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB, "
           f"step {out['step']}")
     _write_json(args.json, out)
     return 0

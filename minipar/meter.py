@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["ActivationMeter", "HostPeak", "PeakBytes", "rss_bytes", "module_bytes", "optimizer_state_bytes",
-           "saved_tensor_elements", "storage_bytes"]
+__all__ = ["ActivationMeter", "HostPeak", "PeakBytes", "rss_bytes", "module_bytes",
+           "optimizer_state_bytes", "saved_tensor_elements", "storage_bytes"]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
