@@ -511,8 +511,7 @@ def _speed_rank(spec: dict) -> dict:
         from peers import fsdp2
         from torch.distributed.device_mesh import init_device_mesh
 
-        with torch.device("meta"):
-            model = GPT(mc)
+        model = GPT(mc, device="meta")  # FSDP2 materialises its shards
         model = fsdp2(model, init_device_mesh(device.type, (world,)), bf16=True,
                       recompute=spec.get("recompute", False), meta=True, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
