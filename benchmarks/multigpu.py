@@ -497,7 +497,7 @@ def _speed_rank(spec: dict) -> dict:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.manual_seed(0)
-        model = GPT(mc).to(device)
+        model = GPT(mc, device=device)
         masters = MasterWeights(model.parameters(), fused=cuda)
         model.to(torch.bfloat16)
         ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=25)
@@ -528,7 +528,7 @@ def _speed_rank(spec: dict) -> dict:
         from torch.distributed.tensor.parallel import loss_parallel
 
         torch.manual_seed(0)
-        model = dtensor_tp(GPT(mc).to(device), world, spec["sp"], device.type)
+        model = dtensor_tp(GPT(mc, device=device), world, spec["sp"], device.type)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
         def step_fn(s: int):
