@@ -183,16 +183,19 @@ def _print_run(cfg, record: dict) -> None:
     print()
     steps = max(1, len(record["losses"]))
     print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} "
-          f"{'optim':>9} {'activ':>9}   sent per step on:  {'dp':>9} {'pp':>9} {'tp':>9}")
+          f"{'optim':>9} {'activ':>9}   sent per step on:  {'dp':>9} {'pp':>9} {'tp':>9}"
+          f"  {'build':>6} {'host+':>8}")
     for r in record["ranks"]:
         m, c = r["memory"], r["coords"]
         kib = [f"{m[k] / 1024:>8.0f}K" for k in ("params", "grads", "optimizer", "activations")]
         sent = [sum(o["wire_bytes"] for o in r["comm"].get(d, {}).values()) / steps / 1024
                 for d in ("dp", "pp", "tp")]
         print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {' '.join(kib)}"
-              f"{'':>20}{sent[0]:>8.1f}K {sent[1]:>8.1f}K {sent[2]:>8.1f}K")
+              f"{'':>20}{sent[0]:>8.1f}K {sent[1]:>8.1f}K {sent[2]:>8.1f}K"
+              f"  {r.get('build_seconds', 0):>5.2f}s {r.get('host_peak_bytes', 0) / 2**20:>7.1f}M")
     print("(bytes this rank held at their peak within a step; "
-          "bytes sent as a ring algorithm puts them on the wire)")
+          "bytes sent as a ring algorithm puts them on the wire; build: seconds to\n"
+          " compose this rank's shards, host+: the host memory that added at its peak)")
 
 
 def _cmd_doctor(args) -> int:

@@ -368,8 +368,12 @@ class GPT(nn.Module):
         cfg = get_config(cfg)
         self.cfg = cfg
         with torch.device("meta"):  # shapes first; values below, one tensor at a time
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+            # (``_weight``: no init of a meta table; torch's normal_ on meta would import
+            # its Python reference ops, ~100 MB and seconds in every rank)
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                        _weight=torch.empty(cfg.vocab_size, cfg.d_model))
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model,
+                                        _weight=torch.empty(cfg.seq_len, cfg.d_model))
             self.drop = KeyedDropout(cfg.dropout, site=0)
             self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
             self.ln_f = nn.LayerNorm(cfg.d_model)
