@@ -292,10 +292,11 @@ def name_key(seed: int, name: str) -> int:
 
 def keyed_normal(key: int, shape: tuple[int, ...], std: float = 1.0,
                  device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32, chunk: int = 1 << 22) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, chunk: int = 1 << 16) -> torch.Tensor:
     """N(0, std^2) values, element i a function of (key, i) only (as ``KeyedDropout``'s
     masks): a 32-bit hash to a uniform, ``erfinv`` to a normal (in float64, so devices
-    agree). Made ``chunk`` elements at a time: the temporaries stay small."""
+    agree). Made ``chunk`` elements at a time: the temporaries stay small (and small
+    enough for the host allocator to reuse: large ones fragment its heap)."""
     numel = math.prod(shape)
     out = torch.empty(numel, dtype=dtype, device=device)
     for start in range(0, numel, chunk):

@@ -73,21 +73,22 @@ def test_reshard_from_overlapping_shards_only(saved_tp: int, tp: int) -> None:
 
 
 def _peaks(zero: int) -> list[dict]:
-    run = train(TrainConfig(model="small", layers=16, hidden=256, heads=8, dp=4, zero=zero,
+    run = train(TrainConfig(model="small", layers=16, hidden=512, heads=8, dp=4, zero=zero,
                             steps=1, batch_size=4, timeout=300))
     return run["ranks"]
 
 
 def test_zero3_builds_in_a_fraction_of_the_host_memory() -> None:
-    """dp 4, a 50 MB model: ZeRO-0 makes the whole model on each rank; ZeRO-3 makes each
+    """dp 4, a 200 MB model: ZeRO-0 makes the whole model on each rank; ZeRO-3 makes each
     unit's values one tensor at a time and keeps a quarter of them."""
     z0, z3 = _peaks(0), _peaks(3)
     model_bytes = 4 * sum(p.numel() for p in GPT(get_config("small").with_(
-        n_layer=16, d_model=256, d_ff=1024), device="meta").parameters())
+        n_layer=16, d_model=512, d_ff=2048), device="meta").parameters())
     print("host peak MB zero0", [r["host_peak_bytes"] / 2**20 for r in z0],
           "zero3", [r["host_peak_bytes"] / 2**20 for r in z3],
           "build s", [round(r["build_seconds"], 2) for r in z0],
           [round(r["build_seconds"], 2) for r in z3])
     assert min(r["host_peak_bytes"] for r in z0) >= model_bytes
     assert max(r["host_peak_bytes"] for r in z3) < 0.5 * min(r["host_peak_bytes"] for r in z0)
+    assert max(r["host_peak_bytes"] for r in z3) < 0.6 * model_bytes  # never the whole
     assert all(r["build_seconds"] > 0 for r in z0 + z3)
