@@ -7,11 +7,14 @@ of data-parallel replica 0 writes the tensor-parallel shards of the parameters o
 pipeline stage (ZeRO shards are gathered over dp first), one file per rank, plus a
 ``meta.json`` saying who wrote what.
 
-**Resharding** then needs no special case: ``load`` reassembles full tensors from the
-shards (``tp.unshard`` knows the fused q|k|v layout), and the engine builds the new
-layout from the full state exactly as it builds one from a fresh model. Every rank reads
-every file: simple and fine at the sizes minipar trains; a production system (torch
-DCP) reads only the byte ranges it needs.
+**Resharding, per shard.** A resuming rank reads only what it needs
+(``ShardReader``): a name's pipeline stage follows from the saved layout, so only the
+files of that stage whose tp shards overlap this rank's are opened, memory-mapped (a
+file's tensors are read when sliced), and this rank's tp slice is cut from them
+(``materialize.reshard``; the fused q|k|v layout included). The engine materialises its
+parameters from these slices exactly as it does from the initialisation, and ZeRO takes
+its dp shard of each, one bucket or unit at a time. ``load`` still reassembles the whole
+state (tests, the parity tools); ``export`` writes it as one safetensors file.
 
 **Atomic and durable.** Files go to ``step-N.tmp/`` and are fsynced; once every rank has
 written, rank 0 renames it to ``step-N/`` and then replaces the ``latest`` pointer
