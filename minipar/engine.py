@@ -49,6 +49,7 @@ from minipar.launch import launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
 from minipar.model import GPT, materialize
+from minipar.reshard import ShardReader, load_optimizer_state
 
 __all__ = ["TrainConfig", "validate", "train", "rank_main", "build", "Parts"]
 
@@ -74,7 +75,7 @@ def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
     """Compose this rank's part: tp -> pp -> recompute on the meta device, then this
     rank's shards only (``parallel/materialize.py``), then data parallel (ZeRO 0-3).
 
-    ``resume``: a ``checkpoint.ShardReader`` (or a checkpoint directory): the weights and
+    ``resume``: a ``reshard.ShardReader`` (or a checkpoint directory): the weights and
     optimizer states come from it, each rank reading only the shards it needs.
     Records ``build_seconds`` and ``host_peak_bytes`` (resident host memory growth).
     """
@@ -113,7 +114,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     del full  # the layers no chunk took go with it
     device = device_for(cfg)
     if isinstance(resume, str):
-        resume = checkpoint.ShardReader(resume, mcfg, rm.coords.tp, cfg.tp)
+        resume = ShardReader(resume, mcfg, rm.coords.tp, cfg.tp)
     # each weight's value, this rank's tp shard of it: the reference initialisation
     # (by name, from the seed) or the checkpoint's tensor, made one at a time
     values = resume.values(device) if resume is not None else \
@@ -139,7 +140,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     parts = Parts(model, stage, optimizer, executor, sync, precision, [n for n, _ in named],
                   sp_names, tied_names)
     if resume is not None:
-        checkpoint.load_optimizer_state(rm, parts, resume)
+        load_optimizer_state(rm, parts, resume)
         resume.close()
     return parts
 
@@ -268,7 +269,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     rm = mesh.connect()
     reader, start = None, 0
     if cfg.resume:  # each rank reads only the shards it needs
-        reader = checkpoint.ShardReader(cfg.resume, cfg.model_config(), rm.coords.tp, cfg.tp)
+        reader = ShardReader(cfg.resume, cfg.model_config(), rm.coords.tp, cfg.tp)
         start = reader.step
     end = cfg.steps if cfg.stop_at is None else cfg.stop_at
     if start >= end:  # validate says so before launch; here for a direct caller

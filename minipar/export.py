@@ -5,7 +5,7 @@ dtypes, shapes and byte offsets, then the raw tensors; no pickle, so loading run
 code, and a reader can map one tensor without reading the rest. ``export`` writes the
 single-device model's weights under their reference names (``blocks.5.mlp.fc.weight``;
 a tied head once, as ``tok_emb.weight``) with the model's sizes in the header's
-metadata; ``GPT.from_safetensors(path)`` or ``model.load_safetensors(gpt, path)`` loads it.
+metadata; ``GPT.from_safetensors(path)`` or ``load_safetensors(gpt, path)`` loads it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import os
 
 import torch
+from torch import nn
 
 
 def export(directory: str, out: str) -> dict:
@@ -21,8 +22,8 @@ def export(directory: str, out: str) -> dict:
     Returns ``{"path", "step", "tensors", "bytes"}``."""
     from safetensors.torch import save_file
 
-    from minipar.checkpoint import ShardReader
     from minipar.model import GPT
+    from minipar.reshard import ShardReader
     from minipar.sample import _run_card
 
     if not os.path.isdir(directory):
@@ -40,3 +41,42 @@ def export(directory: str, out: str) -> dict:
     os.replace(tmp, out)  # never a half-written file under the final name
     return {"path": out, "step": reader.step, "tensors": len(tensors),
             "bytes": os.path.getsize(out)}
+
+
+def load_safetensors(model: nn.Module, path: str,
+                     device: torch.device | str | None = None) -> nn.Module:
+    """Load a full model written by ``python -m minipar export`` (reference names) into
+    ``model`` (a ``GPT``, possibly on the meta device), one tensor at a time."""
+    from safetensors import safe_open
+
+    from minipar.model import materialize
+
+    with safe_open(path, "pt", device=str(device or "cpu")) as f:
+        have = set(f.keys())
+        named = dict(model.named_parameters())
+        missing = sorted(n for n in named if n not in have)
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} weights of this model "
+                             f"({missing[0]}, ...)")
+        for n, p in named.items():
+            if tuple(f.get_slice(n).get_shape()) != tuple(p.shape):
+                raise ValueError(f"{path}: {n} has shape {f.get_slice(n).get_shape()}, "
+                                 f"the model's is {tuple(p.shape)}")
+        materialize(model, lambda name, p: f.get_tensor(name).to(torch.float32))
+    return model
+
+
+def load_gpt(path: str, cfg=None, device: torch.device | str | None = None):
+    """A ``GPT`` holding the weights of an exported file (``GPT.from_safetensors``); the
+    sizes are read from the file's metadata unless ``cfg`` is given."""
+    from safetensors import safe_open
+
+    from minipar.model import GPT, GPTConfig
+
+    if cfg is None:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        if "minipar_config" not in meta:
+            raise ValueError(f"{path} carries no minipar model config: pass cfg")
+        cfg = GPTConfig(**json.loads(meta["minipar_config"]))
+    return load_safetensors(GPT(cfg, device="meta"), path, device)

@@ -257,8 +257,6 @@ def embed_tokens(tok_emb: nn.Module, pos_emb: nn.Module, drop: nn.Module,
     return drop(tok_emb(idx) + pos_emb(pos))
 
 
-# --- initialisation: per parameter, by name -----------------------------------------------
-
 def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: GPTConfig,
                    seed: int = 0, device: torch.device | str | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -281,13 +279,10 @@ def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: GPTConfi
     if len(shape) == 1:
         return torch.ones(shape, dtype=dtype, device=device)  # layer-norm gains
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
-    return keyed_normal(name_key(seed, name), shape, std, device, dtype)
-
-
-def name_key(seed: int, name: str) -> int:
-    """A 32-bit key from (seed, name), the same in every process (not Python's hash)."""
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
+    # a 32-bit key from (seed, name), the same in every process (not Python's hash)
+    key = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=4).digest(),
+                         "little")
+    return keyed_normal(key, shape, std, device, dtype)
 
 
 def keyed_normal(key: int, shape: tuple[int, ...], std: float = 1.0,
@@ -337,27 +332,6 @@ def materialize(module: nn.Module,
     return module
 
 
-def load_safetensors(model: nn.Module, path: str,
-                     device: torch.device | str | None = None) -> nn.Module:
-    """Load a full model written by ``python -m minipar export`` (reference names) into
-    ``model`` (a ``GPT``, possibly on the meta device), one tensor at a time."""
-    from safetensors import safe_open
-
-    with safe_open(path, "pt", device=str(device or "cpu")) as f:
-        have = set(f.keys())
-        named = dict(model.named_parameters())
-        missing = sorted(n for n in named if n not in have)
-        if missing:
-            raise ValueError(f"{path} lacks {len(missing)} weights of this model "
-                             f"({missing[0]}, ...)")
-        for n, p in named.items():
-            if tuple(f.get_slice(n).get_shape()) != tuple(p.shape):
-                raise ValueError(f"{path}: {n} has shape {f.get_slice(n).get_shape()}, "
-                                 f"the model's is {tuple(p.shape)}")
-        materialize(model, lambda name, p: f.get_tensor(name).to(torch.float32))
-    return model
-
-
 class GPT(nn.Module):
     """A decoder-only transformer. ``forward(idx, targets)`` returns the mean loss."""
 
@@ -398,21 +372,10 @@ class GPT(nn.Module):
     @classmethod
     def from_safetensors(cls, path: str, cfg: GPTConfig | str | None = None,
                          device: torch.device | str | None = None) -> GPT:
-        """A GPT holding the weights of a safetensors file (``python -m minipar export``);
-        the sizes are read from the file's metadata unless ``cfg`` is given."""
-        import json
+        """The model a ``python -m minipar export`` file holds (``minipar.export``)."""
+        from minipar.export import load_gpt
 
-        from safetensors import safe_open
-
-        if cfg is None:
-            with safe_open(path, "pt") as f:
-                meta = f.metadata() or {}
-            if "minipar_config" not in meta:
-                raise ValueError(f"{path} carries no minipar model config: pass cfg")
-            cfg = GPTConfig(**json.loads(meta["minipar_config"]))
-        model = cls(cfg, device="meta")
-        load_safetensors(model, path, device)
-        return model
+        return load_gpt(path, cfg, device)
 
     # The parts of the forward pass, for learners who run them one at a time.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

@@ -69,8 +69,8 @@ def _run_card(directory: str) -> tuple[GPTConfig, object | None]:
 
 def load_model(directory: str) -> tuple[GPT, object | None]:
     """The full single-device model from a checkpoint of any layout, and its tokenizer."""
-    from minipar.checkpoint import ShardReader
     from minipar.model import materialize
+    from minipar.reshard import ShardReader
 
     if not os.path.isdir(directory):
         raise ValueError(f"--resume {directory}: no such checkpoint directory")

@@ -172,8 +172,8 @@ def test_resume_with_compare_compares_the_same_steps(tmp_path, capsys) -> None:
 def test_a_rank_opens_only_the_shards_it_needs(saved) -> None:
     """The dp2 pp2 tp2 checkpoint: 4 files (pp x tp). A layer of stage 0 read at tp 4
     by rank 3 needs saved tp rank 1's file alone; at tp 1, both of stage 0's files."""
-    from minipar.checkpoint import ShardReader
     from minipar.parallel.tp import shard_tensor
+    from minipar.reshard import ShardReader
 
     d, _ = saved
     cfg = TrainConfig().model_config()

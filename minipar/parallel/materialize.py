@@ -21,7 +21,7 @@ ones it does. With ZeRO-3 even the local model is never whole: ``Zero3`` calls t
 ``values`` function unit by unit and keeps only its dp shard of each.
 
 Resuming from a checkpoint is the same with another ``values``: the checkpoint reader's
-slice of each saved tensor (``checkpoint.ShardReader.values``).
+slice of each saved tensor (``reshard.ShardReader.values``).
 """
 
 from __future__ import annotations
