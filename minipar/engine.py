@@ -79,16 +79,15 @@ def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
     optimizer states come from it, each rank reading only the shards it needs.
     Records ``build_seconds`` and ``host_peak_bytes`` (resident host memory growth).
     """
-    # Imported before measuring: a module's first import costs seconds and tens of MB
-    # that are not the build's (a torch optimizer's first construction imports dynamo).
-    import torch._dynamo  # noqa: F401
+    import importlib
 
-    import minipar.parallel.materialize  # noqa: F401
-    import minipar.parallel.pp  # noqa: F401
-    import minipar.parallel.recompute  # noqa: F401
-    import minipar.parallel.zero  # noqa: F401
-    import minipar.parallel.zero3  # noqa: F401
     from minipar.meter import HostPeak
+
+    # imported before measuring: a module's first import costs seconds and tens of MB
+    # that are not the build's (a torch optimizer's first construction imports dynamo)
+    for module in ("torch._dynamo", "minipar.parallel.materialize", "minipar.parallel.pp",
+                   "minipar.parallel.recompute", "minipar.parallel.zero3"):
+        importlib.import_module(module)
 
     t0 = time.perf_counter()
     with HostPeak() as host:

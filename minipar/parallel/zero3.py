@@ -90,10 +90,9 @@ class Zero3(ShardedState, nn.Module):
     of weights that ``all_reduce_grads`` will sum over another group (each gets a flat of
     its own). ``average``: divide the gradient sum by the dp size.
     ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
-    device (sharded initialisation, ``parallel/materialize.py``): each unit's weights
-    are made one at a time and only this rank's shard is kept, so neither the full
-    model nor the full local model ever exists; every rank computes the same values,
-    so nothing is broadcast.
+    device (``parallel/materialize.py``): each weight is made when its unit is built and
+    only this rank's shard kept (the local model never exists whole); nothing is
+    broadcast, every rank computes the same values.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, *,
@@ -189,8 +188,7 @@ class Zero3(ShardedState, nn.Module):
                                keep_full=False)
                 f.params = []  # the weights become plain leaves viewing the flat buffer
                 for p, o, n in zip(group, f.offsets, f.numels):
-                    leaf = torch.empty(0, dtype=dtype, device=f.master.device
-                                       ).requires_grad_()
+                    leaf = torch.empty(0, dtype=dtype, device=f.master.device).requires_grad_()
                     leaf.data = f.full[o:o + n].view(p.shape)
                     leaves[id(p)] = leaf
                     f.params.append(leaf)
