@@ -287,12 +287,14 @@ def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: GPTConfi
 
 def keyed_normal(key: int, shape: tuple[int, ...], std: float = 1.0,
                  device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32, chunk: int = 1 << 16) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, chunk: int | None = None) -> torch.Tensor:
     """N(0, std^2) values, element i a function of (key, i) only (as ``KeyedDropout``'s
     masks): a 32-bit hash to a uniform, ``erfinv`` to a normal (in float64, so devices
-    agree). Made ``chunk`` elements at a time: the temporaries stay small (and small
-    enough for the host allocator to reuse: large ones fragment its heap)."""
+    agree). ``chunk`` elements at a time (values independent of it): small on the host
+    (its allocator then reuses them; large ones fragment its heap), large on a GPU."""
     numel = math.prod(shape)
+    if chunk is None:
+        chunk = 1 << 16 if torch.device(device or "cpu").type == "cpu" else 1 << 24
     out = torch.empty(numel, dtype=dtype, device=device)
     for start in range(0, numel, chunk):
         h = torch.arange(start, min(numel, start + chunk), dtype=torch.int64, device=device)
