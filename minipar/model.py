@@ -365,9 +365,8 @@ class GPT(nn.Module):
     def reset_parameters(self, seed: int = 0, device: torch.device | str | None = None
                          ) -> None:
         """GPT-2 initialisation (``init_parameter``), every weight from (seed, its name)."""
-        device = torch.device(device) if device is not None else next(
-            (p.device for p in self.parameters() if p.device.type != "meta"),
-            torch.device("cpu"))
+        device = device or next((p.device for p in self.parameters()
+                                 if p.device.type != "meta"), torch.device("cpu"))
         materialize(self, lambda name, p: init_parameter(name, p.shape, self.cfg, seed,
                                                          device))
 
