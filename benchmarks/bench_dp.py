@@ -129,7 +129,7 @@ def main() -> None:
     a = ap.parse_args()
     cfg = GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=8,
                     d_model=a.d_model)
-    n = sum(p.numel() for p in GPT(cfg).parameters())
+    n = sum(p.numel() for p in GPT(cfg, device="meta").parameters())
     print(f"GPT d_model={a.d_model} layers={a.layers} seq={a.seq}: {n / 1e6:.2f}M params; "
           f"{a.batch} sequences per rank; AdamW fp32; gloo; torch {torch.__version__}")
     print(f"{'ranks':>5}  {'minipar':<22} {'s/step':>7}  {'torch':<30} {'s/step':>7}  "

@@ -152,8 +152,8 @@ def run_plain(cfg: TrainConfig, steps: int, warmup: int, compile_: bool) -> dict
     from minipar.config import lr_at
 
     device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
-    torch.manual_seed(cfg.seed)  # the same initial weights as the engine's build
-    model = GPT(cfg.model_config()).to(device)
+    # the same initial weights as the engine's build (by name, from the seed)
+    model = GPT(cfg.model_config(), seed=cfg.seed, device=device)
     masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     model.to(torch.bfloat16)
     params = list(model.parameters())

@@ -485,7 +485,7 @@ def _speed_rank(spec: dict) -> dict:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.manual_seed(0)
-        model = GPT(mc).to(device)
+        model = GPT(mc, device=device)
         masters = MasterWeights(model.parameters(), fused=cuda)
         model.to(torch.bfloat16)
         ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=25)
@@ -499,8 +499,7 @@ def _speed_rank(spec: dict) -> dict:
         from peers import fsdp2
         from torch.distributed.device_mesh import init_device_mesh
 
-        with torch.device("meta"):
-            model = GPT(mc)
+        model = GPT(mc, device="meta")  # FSDP2 materialises its shards
         model = fsdp2(model, init_device_mesh(device.type, (world,)), bf16=True,
                       recompute=spec.get("recompute", False), meta=True, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -517,7 +516,7 @@ def _speed_rank(spec: dict) -> dict:
         from torch.distributed.tensor.parallel import loss_parallel
 
         torch.manual_seed(0)
-        model = dtensor_tp(GPT(mc).to(device), world, spec["sp"], device.type)
+        model = dtensor_tp(GPT(mc, device=device), world, spec["sp"], device.type)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
         def step_fn(s: int):

@@ -1,4 +1,4 @@
-"""The command line: ``python -m minipar {train,sample,memory,bubble,plan,doctor}``.
+"""The command line: ``python -m minipar {train,sample,export,memory,bubble,plan,doctor}``.
 
 Every subcommand prints a readable table and, with ``--json PATH``, writes the same
 facts as JSON. Invalid input is rejected with one line before any process starts.
@@ -192,16 +192,19 @@ def _print_run(cfg, record: dict) -> None:
     coords = ("dp", "pp", "tp", "cp") if cfg.cp > 1 else ("dp", "pp", "tp")
     print(f"{'rank':>4} " + " ".join(f"{d:>3}" for d in coords) + f" {'params':>9} "
           f"{'grads':>9} {'optim':>9} {'activ':>9}   sent per step on: "
-          + " ".join(f"{d:>9}" for d in dims))
+          + " ".join(f"{d:>9}" for d in dims) + f"  {'build':>6} {'host+':>8}")
     for r in record["ranks"]:
         m, c = r["memory"], r["coords"]
         kib = [f"{m[k] / 1024:>8.0f}K" for k in ("params", "grads", "optimizer", "activations")]
         sent = [sum(o["wire_bytes"] for o in r["comm"].get(d, {}).values()) / steps / 1024
                 for d in dims]
         print(f"{r['rank']:>4} " + " ".join(f"{c[d]:>3}" for d in coords) + f" {' '.join(kib)}"
-              f"{'':>19}" + " ".join(f"{x:>8.1f}K" for x in sent))
+              f"{'':>19}" + " ".join(f"{x:>8.1f}K" for x in sent)
+              + f"  {r.get('build_seconds', 0):>5.2f}s"
+              f" {r.get('host_peak_bytes', 0) / 2**20:>7.1f}M")
     print("(bytes this rank held at their peak within a step; "
-          "bytes sent as a ring algorithm puts them on the wire)")
+          "bytes sent as a ring algorithm puts them on the wire; build: seconds to\n"
+          " compose this rank's shards, host+: the host memory that added at its peak)")
 
 
 def _cmd_doctor(args) -> int:
@@ -227,6 +230,16 @@ def _cmd_sample(args) -> int:
     from minipar.sample import sample
 
     print(sample(args.resume, args.prompt, args.tokens, args.temperature, args.seed))
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from minipar.export import export
+
+    out = export(args.resume, args.out)
+    print(f"wrote {out['path']}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB, "
+          f"step {out['step']}")
+    _write_json(args.json, out)
     return 0
 
 
@@ -430,11 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     s.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest token")
     s.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("export", help="the full model of a checkpoint, as safetensors")
+    e.add_argument("--resume", required=True, help="checkpoint directory (train --save)")
+    e.add_argument("--out", required=True, help="the .safetensors file to write")
+    e.add_argument("--json")
     return parser
 
 
 COMMANDS = {"train": _cmd_train, "memory": _cmd_memory, "bubble": _cmd_bubble,
-            "plan": _cmd_plan, "doctor": _cmd_doctor, "sample": _cmd_sample}
+            "plan": _cmd_plan, "doctor": _cmd_doctor, "sample": _cmd_sample,
+            "export": _cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,14 @@ of data-parallel replica 0 writes the tensor-parallel shards of the parameters o
 pipeline stage (ZeRO shards are gathered over dp first), one file per rank, plus a
 ``meta.json`` saying who wrote what.
 
-**Resharding** then needs no special case: ``load`` reassembles full tensors from the
-shards (``tp.unshard`` knows the fused q|k|v layout), and the engine builds the new
-layout from the full state exactly as it builds one from a fresh model. Every rank reads
-every file: simple and fine at the sizes minipar trains; a production system (torch
-DCP) reads only the byte ranges it needs.
+**Resharding, per shard.** A resuming rank reads only what it needs
+(``reshard.ShardReader``): a name's pipeline stage follows from the saved layout, so only the
+files of that stage whose tp shards overlap this rank's are opened, memory-mapped (a
+file's tensors are read when sliced), and this rank's tp slice is cut from them
+(``materialize.reshard``; the fused q|k|v layout included). The engine materialises its
+parameters from these slices exactly as it does from the initialisation, and ZeRO takes
+its dp shard of each, one bucket or unit at a time. ``load`` still reassembles the whole
+state (tests, the parity tools); ``export`` writes it as one safetensors file.
 
 **Atomic and durable.** Files go to ``step-N.tmp/`` and are fsynced; once every rank has
 written, rank 0 renames it to ``step-N/`` and then replaces the ``latest`` pointer
@@ -235,9 +238,9 @@ def load(directory: str) -> tuple[dict, int]:
     return {"model": model, "optimizer": optimizer}, meta["step"]
 
 
-def _load_shard(path: str) -> dict:
+def _load_shard(path: str, mmap: bool = False) -> dict:
     try:
-        blob = torch.load(path, weights_only=True)
+        blob = torch.load(path, weights_only=True, mmap=mmap)
         if not isinstance(blob, dict) or not {"weights", "states"} <= set(blob):
             raise ValueError("not a minipar shard")
         return blob
@@ -349,23 +352,6 @@ def locked(directory: str):
     finally:
         with suppress(OSError):
             os.unlink(path)
-
-
-def load_optimizer_state(rm: RankMesh, parts, full: dict, weights: dict) -> None:
-    """Put full optimizer states (by name) into this rank's optimizer, resharded.
-    ``weights``: the full fp32 weights, which ZeRO's masters are loaded from."""
-    from minipar.parallel.tp import shard_tensor, tp_shard_dim
-
-    def mine(name: str, t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or tp_shard_dim(name) is None or rm.mesh.tp == 1:
-            return t.clone()
-        return shard_tensor(name, t, rm.coords.tp, rm.mesh.tp).clone()
-
-    # ZeRO 0-3 keep their shard of it
-    parts.data_parallel.load_full_state_by_name(
-        {n: {k: mine(n, v) for k, v in full[n].items()} for n in parts.names if n in full},
-        {n: mine(n, weights[n]).float() for n in parts.names if n in weights},
-        parts.optimizer)
 
 
 def prune(directory: str, keep: int) -> list[str]:

@@ -177,6 +177,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_device(cfg)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
+    check_fits(cfg, model)
 
 
 def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
@@ -207,6 +208,91 @@ def _check_files(cfg: TrainConfig) -> None:
         checkpoint.check_resume(cfg.resume, cfg)
     if cfg.save is not None:
         checkpoint.check_save(cfg.save, cfg.resume)
+
+
+RUNTIME_BYTES = 300 * 2**20  # per rank: the interpreter, torch, communication buffers
+
+
+def predicted_bytes(cfg: TrainConfig, model: GPTConfig, **layout) -> int:
+    """Bytes the most loaded rank of ``cfg`` (with ``layout``'s fields changed) holds:
+    model states by ZeRO stage, activations by recompute and sp, the pipeline's
+    micro-batches in flight, the loss workspace (``theory.memory.memory_per_stage``)."""
+    from minipar.theory.memory import memory_per_stage
+
+    c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "zero", "microbatches", "sp",
+                                      "recompute", "schedule", "virtual")} | layout
+    rows = memory_per_stage(model, c["dp"], c["pp"], c["tp"], c["zero"], cfg.dtype,
+                            "sgd" if cfg.optimizer == "sgd" else "adam",
+                            max(1, cfg.batch_size // (c["dp"] * c["microbatches"])),
+                            c["microbatches"], c["schedule"], c["sp"], c["recompute"],
+                            virtual=c["virtual"], accounting="fused")
+    return max(r["total"] for r in rows)
+
+
+def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:
+    """(what, bytes, ranks sharing it): one GPU's memory under CUDA (ranks spread over
+    the GPUs), else the host's physical memory, which every local rank shares."""
+    import torch
+
+    from minipar.doctor import host_memory
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    if device_for(cfg).type == "cuda":
+        gpus = torch.cuda.device_count()
+        size = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
+        return "memory per GPU", size, -(-local // gpus)
+    return "host memory", host_memory()[0], local
+
+
+def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
+    """Refuse, before launch, a run whose predicted memory exceeds this machine's: per
+    GPU under CUDA, the whole host's for CPU ranks (they share it). The prediction is
+    the theory's (``predicted_bytes``) plus ``RUNTIME_BYTES`` per rank; only a run that
+    cannot fit even in all of the memory is refused (``doctor --model`` says when a fit
+    is tight). The message names the numbers and a layout of the same ranks that fits."""
+    what, have, sharing = machine_memory(cfg)
+    per_rank = predicted_bytes(cfg, model) + RUNTIME_BYTES
+    if per_rank * sharing <= have:
+        return
+    gib = 2**30
+    fix = _fitting_layout(cfg, model, have // sharing)
+    raise ValueError(
+        f"this run does not fit: {cfg.model} dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} "
+        f"zero={cfg.zero} {cfg.dtype} needs {per_rank / gib:.1f} GiB per rank"
+        + (f" x {sharing} ranks = {per_rank * sharing / gib:.1f} GiB" if sharing > 1 else "")
+        + f" of {what}, which has {have / gib:.1f} GiB; "
+        + (f"{fix[0]} would need {fix[1] / gib:.1f} GiB per rank" if fix else
+           f"no layout of {cfg.world_size} ranks fits: use more machines or a smaller model"))
+
+
+def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int) -> tuple | None:
+    """The first layout of the same world size that fits ``budget`` bytes per rank, in
+    the order: least ZeRO, least model parallelism (tp * pp), fewest micro-batches; or
+    None. Flags for it, and its bytes per rank."""
+    from minipar import checks
+    from minipar.parallel.tp import check_tp
+
+    world, found = cfg.world_size, []
+    for tp in (t for t in range(1, world + 1) if world % t == 0):
+        for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0):
+            dp = world // (tp * pp)
+            for m in sorted({cfg.microbatches, *(2**k for k in range(12))}):
+                try:
+                    check_tp(model, tp, cfg.sp)
+                    checks.layout(model, dp, pp, tp, 1, cfg.sp)
+                    check_batch_split(cfg.batch_size, dp, m)
+                except ValueError:
+                    continue
+                for zero in range(4):
+                    need = predicted_bytes(cfg, model, dp=dp, pp=pp, tp=tp, zero=zero,
+                                           microbatches=m, virtual=1,
+                                           schedule="1f1b") + RUNTIME_BYTES
+                    if need <= budget:
+                        found.append(((zero, tp * pp, m), dp, pp, tp, zero, m, need))
+    if not found:
+        return None
+    _, dp, pp, tp, zero, m, need = min(found, key=lambda f: f[0])
+    return f"--dp {dp} --pp {pp} --tp {tp} --zero {zero} --microbatches {m}", need
 
 
 def oversubscription(world_size: int) -> str | None:

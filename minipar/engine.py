@@ -1,8 +1,10 @@
 """Compose a GPT for a mesh and train it: the one training loop every layout shares.
 
-Every rank runs ``rank_main``. It builds the single-device reference model from the
-run's seed (so every layout starts from the same weights), then applies the techniques
-from the outside, in this order:
+Every rank runs ``rank_main``. It builds the single-device reference model on the meta
+device (shapes, no storage), applies the techniques from the outside in this order, and
+only then gives this rank's parameters their values, one at a time: the reference's
+initial values by name and seed (``parallel/materialize.py``), so every layout starts
+from the same weights without any rank holding the whole model:
 
 1. tensor parallelism replaces submodules by sharded ones, following a printable plan
    (``parallel/tp.py``); context parallelism then replaces the attention cores by the
@@ -49,7 +51,8 @@ from minipar.evaluate import evaluate, reference_eval
 from minipar.launch import launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
-from minipar.model import GPT
+from minipar.model import GPT, materialize
+from minipar.reshard import ShardReader, load_optimizer_state
 
 __all__ = ["TrainConfig", "validate", "train", "rank_main", "build", "Parts"]
 
@@ -67,19 +70,44 @@ class Parts:
     names: list[str]  # reference names of this rank's trainable weights
     sp_names: list[str]  # weights whose gradient is also summed over tp (SP norms)
     tied_names: list[str]  # a tied embedding's copy, summed over the embedding group
+    build_seconds: float = 0.0  # how long build took on this rank
+    host_peak_bytes: int = 0  # the resident host memory build added at its peak
 
 
-def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Parts:
-    """Compose this rank's part: tp -> pp -> recompute -> data parallel (ZeRO 0-3)."""
+def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
+    """Compose this rank's part: tp -> pp -> recompute on the meta device, then this
+    rank's shards only (``parallel/materialize.py``), then data parallel (ZeRO 0-3).
+
+    ``resume``: a ``reshard.ShardReader`` (or a checkpoint directory): the weights and
+    optimizer states come from it, each rank reading only the shards it needs.
+    Records ``build_seconds`` and ``host_peak_bytes`` (resident host memory growth).
+    """
+    import importlib
+
+    from minipar.meter import HostPeak
+
+    # imported before measuring: a module's first import costs seconds and tens of MB
+    # that are not the build's (a torch optimizer's first construction imports dynamo)
+    for module in ("torch._dynamo", "minipar.parallel.materialize", "minipar.parallel.pp",
+                   "minipar.parallel.recompute", "minipar.parallel.zero3"):
+        importlib.import_module(module)
+
+    t0 = time.perf_counter()
+    with HostPeak() as host:
+        parts = _build(cfg, rm, resume)
+    parts.build_seconds, parts.host_peak_bytes = time.perf_counter() - t0, host.peak
+    return parts
+
+
+def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
+    from minipar.parallel.materialize import init_values
     from minipar.parallel.pp import PipelineExecutor, StageLayers, build_stage
     from minipar.parallel.recompute import apply_recompute
     from minipar.parallel.schedules import make_schedule
     from minipar.parallel.tp import apply_tensor_parallel
 
-    torch.manual_seed(cfg.seed)
-    full = GPT(cfg.model_config())  # the reference weights, identical on every rank
-    if full_state is not None:
-        full.load_state_dict(full_state["model"])
+    mcfg = cfg.model_config()
+    full = GPT(mcfg, device="meta")  # shapes only: no rank ever holds the whole model
     if cfg.tp > 1:
         apply_tensor_parallel(full, rm.tp, sequence_parallel=cfg.sp)
     if cfg.cp > 1:  # after tp: the cp styles see (and keep) sequence parallelism's slice
@@ -90,7 +118,15 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
     apply_recompute(stage, cfg.recompute)
     model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
     del full  # the layers no chunk took go with it
-    model.to(device_for(cfg))
+    device = device_for(cfg)
+    if isinstance(resume, str):
+        resume = ShardReader(resume, mcfg, rm.coords.tp, cfg.tp)
+    # each weight's value, this rank's tp shard of it: the reference initialisation
+    # (by name, from the seed) or the checkpoint's tensor, made one at a time
+    values = resume.values(device) if resume is not None else \
+        init_values(mcfg, cfg.seed, rm.coords.tp, cfg.tp, device)
+    if cfg.zero != 3:  # ZeRO-3 makes each unit's shard inside its construction
+        materialize(model, values)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # parameters whose gradient is summed over another group after the dp reduction:
     # sequence parallelism's replicated norms (over tp) and a tied embedding's two
@@ -99,24 +135,24 @@ def build(cfg: TrainConfig, rm: RankMesh, full_state: dict | None = None) -> Par
     tied = ("tok_emb.weight", "head.weight") if model.cfg.tie_embeddings and rm.embed else ()
     tied_names = [n for n, _ in named if n in tied]
     sync, optimizer, precision = data_parallel(
-        cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names)
+        cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names,
+        values if cfg.zero == 3 else None)
     actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
     # The data-parallel layer works through hooks, so the executor runs the chunks.
     # A synchronize after every action makes the GPU timeline true but stalls the host
     # (a few % of a small model's step): only when a trace is asked for.
     executor = PipelineExecutor(stage, rm.pp, actions,
-                                synchronize=bool(cfg.trace) and device_for(cfg).type == "cuda")
+                                synchronize=bool(cfg.trace) and device.type == "cuda")
     parts = Parts(model, stage, optimizer, executor, sync, precision, [n for n, _ in named],
                   sp_names, tied_names)
-    if full_state is not None and full_state.get("optimizer") is not None:
-        from minipar.checkpoint import load_optimizer_state
-
-        load_optimizer_state(rm, parts, full_state["optimizer"], full_state["model"])
+    if resume is not None:
+        load_optimizer_state(rm, parts, resume)
+        resume.close()
     return parts
 
 
 def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units: list,
-                  shared: list[str]) -> tuple:
+                  shared: list[str], materialize=None) -> tuple:
     """The one place that picks the data-parallel layout: (gradient sync, optimizer,
     precision). Every ZeRO stage offers the same calls to the step below:
     ``finish_gradient_sync``, ``grad_shards``, ``scale_grads``, ``all_reduce_grads``,
@@ -124,11 +160,13 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
     and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
-    plain torch optimizer (``parallel/zero3.py``). Gradients are summed, not averaged:
-    the executor already divides each micro-batch loss by dp * cp * m (``loss_scale``).
-    The group is dp x cp (``rm.dp_cp``, just dp when cp = 1): the weights are replicated
-    over both, so their gradients are summed, and ZeRO shards, over both (as
-    Megatron-Core's distributed optimizer does with context parallelism).
+    plain torch optimizer (``parallel/zero3.py``), which makes each unit's shard from
+    ``materialize(name, p)`` (the model is then still on the meta device). Gradients are
+    summed, not averaged: the executor already divides each micro-batch loss by
+    dp * cp * m (``loss_scale``). The group is dp x cp (``rm.dp_cp``, just dp when
+    cp = 1): the weights are replicated over both, so their gradients are summed, and
+    ZeRO shards, over both (as Megatron-Core's distributed optimizer does with context
+    parallelism).
     """
     from minipar.parallel.precision import MixedPrecision
     from minipar.parallel.zero import ZeroOptimizer
@@ -144,7 +182,7 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
         opt_cls = partial(OffloadOptimizer, optimizer_cls=opt_cls, overlap=False)
     if cfg.zero == 3:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
-                     shared=shared, average=False)
+                     shared=shared, average=False, materialize=materialize)
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
         return sync, optimizer, None
@@ -249,14 +287,15 @@ def rank_main(cfg: TrainConfig) -> dict:
     """Train on this rank (inside ``launch`` or torchrun); return this rank's record."""
     mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp)
     rm = mesh.connect()
-    full_state, start = None, 0
-    if cfg.resume:
-        full_state, start = checkpoint.load(cfg.resume)
+    reader, start = None, 0
+    if cfg.resume:  # each rank reads only the shards it needs
+        reader = ShardReader(cfg.resume, cfg.model_config(), rm.coords.tp, cfg.tp)
+        start = reader.step
     end = cfg.steps if cfg.stop_at is None else cfg.stop_at
     if start >= end:  # validate says so before launch; here for a direct caller
         raise ValueError(f"the checkpoint is at step {start} and the run ends at step "
                          f"{end}: nothing to train")
-    parts = build(cfg, rm, full_state)
+    parts = build(cfg, rm, reader)
     data = make_data(cfg, parts.model.cfg.vocab_size, parts.model.cfg.seq_len)
     reports_loss = (rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
                     and rm.coords.cp == 0)
@@ -295,6 +334,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     last_step = [e for e in timeline if e["step"] == end - 1]
     return {
         "rank": rm.rank, "coords": rm.coords._asdict(), "first_step": start,
+        "build_seconds": parts.build_seconds, "host_peak_bytes": parts.host_peak_bytes,
         "losses": losses, "eval": evals,
         "grad_norms": norms, "step_seconds": step_times,
         "memory": _with_total({**out["memory"], "activations": act_peak}),
@@ -410,8 +450,8 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
     """
     from minipar.model import set_dropout_key
 
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config())
+    torch.manual_seed(cfg.seed)  # (the weights: from the seed by name, init_parameter)
+    model = GPT(cfg.model_config(), seed=cfg.seed)
     prepare_data(cfg)
     data = make_data(cfg, model.cfg.vocab_size, model.cfg.seq_len)
     opt = optimizer_class(cfg)(model.parameters(), **optimizer_kwargs(cfg))

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["ActivationMeter", "PeakBytes", "module_bytes", "optimizer_state_bytes",
-           "saved_tensor_elements", "storage_bytes"]
+__all__ = ["ActivationMeter", "HostPeak", "PeakBytes", "rss_bytes", "module_bytes",
+           "optimizer_state_bytes", "saved_tensor_elements", "storage_bytes"]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -137,3 +137,56 @@ def saved_tensor_elements(fn: Callable[[], object], params: Iterable[torch.Tenso
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(seen.values())
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm; else the peak)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _maxrss()
+
+
+def _maxrss() -> int:
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB else
+
+
+class HostPeak:
+    """Peak growth of this process's resident host memory inside a ``with`` block.
+
+    The kernel's high-water mark (``ru_maxrss``) is exact when the block sets a new one;
+    a thread sampling the resident size every millisecond covers the case where the
+    process was bigger before (a forked rank inherits its parent's mark). ``peak``:
+    bytes above the resident size at entry.
+    """
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval, self.peak = interval, 0
+
+    def __enter__(self) -> HostPeak:
+        import threading
+
+        self._start, self._max_before = rss_bytes(), _maxrss()
+        self._seen, self._stop = self._start, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._seen = max(self._seen, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        top = max(self._seen, rss_bytes())
+        if _maxrss() > self._max_before:  # a new high-water mark was set in the block
+            top = max(top, _maxrss())
+        self.peak = max(0, top - self._start)

@@ -21,7 +21,9 @@ dropout), and dropout masks are keyed by position in the global batch
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 
@@ -255,38 +257,126 @@ def embed_tokens(tok_emb: nn.Module, pos_emb: nn.Module, drop: nn.Module,
     return drop(tok_emb(idx) + pos_emb(pos))
 
 
+def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: GPTConfig,
+                   seed: int = 0, device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The initial value of parameter ``name`` (a reference name, full shape): GPT-2's
+    initialisation (Radford et al. 2019): N(0, 0.02), residual projections (``proj``)
+    scaled by 1/sqrt(2 L), layer-norm gains 1, biases 0.
+
+    The random values come from a counter-based generator keyed by (seed, name): element
+    i of the flattened tensor is a hash of (key, i) turned into a normal by the inverse
+    CDF. So a weight's value depends on neither which other weights exist nor the order
+    they are made in, nor (up to rounding of erfinv) the device: a rank that builds only
+    its shard of some weights gets exactly the single device's values. A tied head is the
+    token embedding (same name, same values).
+    """
+    if cfg.tie_embeddings and name.split(".")[-2:] == ["head", "weight"]:
+        name = name[:-len("head.weight")] + "tok_emb.weight"
+    shape = tuple(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=dtype, device=device)  # layer-norm gains
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
+    # a 32-bit key from (seed, name), the same in every process (not Python's hash)
+    key = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=4).digest(),
+                         "little")
+    return keyed_normal(key, shape, std, device, dtype)
+
+
+def keyed_normal(key: int, shape: tuple[int, ...], std: float = 1.0,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32, chunk: int | None = None) -> torch.Tensor:
+    """N(0, std^2) values, element i a function of (key, i) only (as ``KeyedDropout``'s
+    masks): a 32-bit hash to a uniform, ``erfinv`` to a normal (in float64, so devices
+    agree). ``chunk`` elements at a time (values independent of it): small on the host
+    (its allocator then reuses them; large ones fragment its heap), large on a GPU."""
+    numel = math.prod(shape)
+    if chunk is None:
+        chunk = 1 << 16 if torch.device(device or "cpu").type == "cpu" else 1 << 24
+    out = torch.empty(numel, dtype=dtype, device=device)
+    for start in range(0, numel, chunk):
+        h = torch.arange(start, min(numel, start + chunk), dtype=torch.int64, device=device)
+        hi = h >> 32  # (tensors over 2^32 elements: the high bits mixed in too)
+        h = _mix_(_mix_(h.bitwise_xor_(key)).bitwise_xor_(hi.mul_(0x2545F491)))
+        u = h.to(torch.float64).add_(0.5).mul_(2.0**-31).sub_(1.0)  # in (-1, 1)
+        out[start:start + len(u)] = u.erfinv_().mul_(std * math.sqrt(2.0))
+    return out.view(shape)
+
+
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """``_mix`` in place (the same values; fewer temporaries)."""
+    x.bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 16).mul_(0x45D9F3B).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 16).mul_(0x45D9F3B).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def materialize(module: nn.Module,
+                values: Callable[[str, nn.Parameter], torch.Tensor]) -> nn.Module:
+    """Give every parameter of ``module`` (on the meta device, or anywhere) the value
+    ``values(name, parameter)``, one parameter at a time. A parameter held by several
+    modules (a tied weight) is made once and stays shared; its attributes are kept."""
+    new: dict[int, nn.Parameter] = {}
+    names = {id(q): n for n, q in module.named_parameters()}  # a tied weight: first name
+    for m in module.modules():
+        for local, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in new:
+                with torch.no_grad():
+                    value = values(names[id(p)], p)
+                q = nn.Parameter(value, requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)  # e.g. sequence_parallel marks
+                new[id(p)] = q
+            m._parameters[local] = new[id(p)]
+    return module
+
+
 class GPT(nn.Module):
     """A decoder-only transformer. ``forward(idx, targets)`` returns the mean loss."""
 
-    def __init__(self, cfg: GPTConfig | str = "tiny") -> None:
+    def __init__(self, cfg: GPTConfig | str = "tiny", seed: int = 0,
+                 device: torch.device | str | None = None) -> None:
+        """``seed`` fixes every weight (``init_parameter``: by name, not by the order of
+        creation). ``device="meta"``: shapes only, no storage (``materialize`` later)."""
         super().__init__()
         cfg = get_config(cfg)
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = KeyedDropout(cfg.dropout, site=0)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        with torch.device("meta"):  # shapes first; values below, one tensor at a time
+            # (``_weight``: no init of a meta table; torch's normal_ on meta would import
+            # its Python reference ops, ~100 MB and seconds in every rank)
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                        _weight=torch.empty(cfg.vocab_size, cfg.d_model))
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model,
+                                        _weight=torch.empty(cfg.seq_len, cfg.d_model))
+            self.drop = KeyedDropout(cfg.dropout, site=0)
+            self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+            self.ln_f = nn.LayerNorm(cfg.d_model)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         self.loss_fn = CrossEntropy()
-        self.reset_parameters()
+        if torch.device(device or "cpu").type != "meta":
+            self.reset_parameters(seed, device)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                if name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.fill_(1.0)  # layer-norm gains
-            else:
-                std = 0.02
-                if name.endswith("proj.weight"):
-                    std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-                p.normal_(0.0, std)
+    def reset_parameters(self, seed: int = 0, device: torch.device | str | None = None
+                         ) -> None:
+        """GPT-2 initialisation (``init_parameter``), every weight from (seed, its name)."""
+        device = device or next((p.device for p in self.parameters()
+                                 if p.device.type != "meta"), torch.device("cpu"))
+        materialize(self, lambda name, p: init_parameter(name, p.shape, self.cfg, seed,
+                                                         device))
+
+    @classmethod
+    def from_safetensors(cls, path: str, cfg: GPTConfig | str | None = None,
+                         device: torch.device | str | None = None) -> GPT:
+        """The model a ``python -m minipar export`` file holds (``minipar.export``)."""
+        from minipar.export import load_gpt
+
+        return load_gpt(path, cfg, device)
 
     # The parts of the forward pass, for learners who run them one at a time.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

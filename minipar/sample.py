@@ -69,14 +69,14 @@ def _run_card(directory: str) -> tuple[GPTConfig, object | None]:
 
 def load_model(directory: str) -> tuple[GPT, object | None]:
     """The full single-device model from a checkpoint of any layout, and its tokenizer."""
-    from minipar.checkpoint import load
+    from minipar.model import materialize
+    from minipar.reshard import ShardReader
 
     if not os.path.isdir(directory):
         raise ValueError(f"--resume {directory}: no such checkpoint directory")
     model_cfg, tok = _run_card(directory)
-    state, _ = load(directory)
-    model = GPT(model_cfg)
-    model.load_state_dict(state["model"])
+    model = GPT(model_cfg, device="meta")  # then each weight straight from its shards
+    materialize(model, ShardReader(directory, model_cfg).values())
     return model.eval(), tok
 
 

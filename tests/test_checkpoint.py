@@ -167,3 +167,56 @@ def test_resume_with_compare_compares_the_same_steps(tmp_path, capsys) -> None:
     assert record["first_step"] == 2 and len(record["reference_losses"]) == 2
     assert max(abs(a - b) for a, b in zip(record["losses"], record["reference_losses"])) < 1e-4
     assert "    2  " in capsys.readouterr().out  # steps numbered from where it resumed
+
+
+def test_a_rank_opens_only_the_shards_it_needs(saved) -> None:
+    """The dp2 pp2 tp2 checkpoint: 4 files (pp x tp). A layer of stage 0 read at tp 4
+    by rank 3 needs saved tp rank 1's file alone; at tp 1, both of stage 0's files."""
+    from minipar.parallel.tp import shard_tensor
+    from minipar.reshard import ShardReader
+
+    d, _ = saved
+    cfg = TrainConfig().model_config()
+    full = checkpoint.load(d)[0]
+    files = {(i["pp_rank"], i["tp_rank"]): f for f, i in checkpoint.inspect(d)["files"].items()}
+    name = "blocks.1.mlp.fc.weight"
+    reader = ShardReader(d, cfg, tp_rank=3, tp=4)
+    assert torch.equal(reader.local(name), shard_tensor(name, full["model"][name], 3, 4))
+    assert torch.equal(reader.local(name, "exp_avg"),
+                       shard_tensor(name, full["optimizer"][name]["exp_avg"], 3, 4))
+    assert reader.opened == [files[(0, 1)]]
+    whole = ShardReader(d, cfg)
+    assert torch.equal(whole.local("head.weight"), full["model"]["head.weight"])
+    assert sorted(whole.opened) == sorted([files[(1, 0)], files[(1, 1)]])
+
+
+def test_resume_from_zero3_with_tied_pipeline_stages(tmp_path) -> None:
+    """Saved by ZeRO-3 with the tied embedding on two stages (two copies), resumed at
+    pp = 1 with ZeRO-1 (one weight): the same losses as the uninterrupted run."""
+    tied = dict(overrides={"tie_embeddings": True})
+    layout = dict(dp=2, pp=2, zero=3, microbatches=2, **tied)
+    full = run(**layout)
+    run(save=str(tmp_path), stop_at=HALF, **layout)
+    resumed = run(dp=2, tp=2, zero=1, resume=str(tmp_path), **tied)
+    assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
+
+
+def test_export_round_trip_into_one_device(saved, tmp_path) -> None:
+    """pp2 tp2 checkpoint -> export -> GPT.from_safetensors: the single-device model's
+    validation loss equals the one the run measured through its layout."""
+    from minipar.__main__ import main
+    from minipar.corpus import make_data
+    from minipar.evaluate import reference_eval
+    from minipar.model import GPT
+
+    d = str(tmp_path / "run")
+    cfg = TrainConfig(dp=2, pp=2, tp=2, microbatches=2, steps=2, eval_every=2,
+                      save=d, timeout=240)
+    record = train(cfg)
+    out = str(tmp_path / "model.safetensors")
+    assert main(["export", "--resume", d, "--out", out]) == 0
+    model = GPT.from_safetensors(out)
+    data = make_data(cfg, model.cfg.vocab_size, model.cfg.seq_len)
+    loss = reference_eval(model, data, cfg.batch_size, cfg.eval_batches)
+    assert abs(loss - record["eval"][-1]["loss"]) < 1e-5
+    assert main(["export", "--resume", d, "--out", str(tmp_path / "model.pt")]) == 2

@@ -44,3 +44,41 @@ def test_documented_error(case: dict, capsys: pytest.CaptureFixture) -> None:
 def test_torchrun_world_size_must_match_the_layout() -> None:
     with pytest.raises(ValueError, match="does not match the job's world size 8"):
         validate(TrainConfig(dp=2, tp=2), world_size=8)
+
+
+FIT_EXAMPLE = ("this run does not fit: gpt2-125m dp=2 pp=1 tp=1 zero=0 fp32 needs 11.3 GiB "
+               "per rank x 2 ranks = 22.6 GiB of host memory, which has 16.0 GiB; --dp 2 "
+               "--pp 1 --tp 1 --zero 0 --microbatches 2 would need 6.7 GiB per rank")
+
+
+def test_a_run_that_cannot_fit_is_refused_with_a_layout_that_does(monkeypatch, capsys) -> None:
+    """The prediction (theory.memory + 300 MiB a rank) against the whole host: the small
+    presets fit a 24 GiB laptop; on 16 GiB the documented line names a layout that fits
+    (checked to fit in turn); nothing fits a 1T model on 2 ranks."""
+    import minipar.doctor
+
+    assert FIT_EXAMPLE in DOC.read_text().replace("\n", " ")
+    monkeypatch.setattr(minipar.doctor, "host_memory", lambda: (24 * 2**30, 20 * 2**30))
+    validate(TrainConfig(model="gpt2-125m", dp=2))
+    validate(TrainConfig(model="gpt2-350m", dp=2, microbatches=4))
+    monkeypatch.setattr(minipar.doctor, "host_memory", lambda: (16 * 2**30, 16 * 2**30))
+    assert main(["train", "--model", "gpt2-125m", "--dp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == f"minipar train: error: {FIT_EXAMPLE}"
+    validate(TrainConfig(model="gpt2-125m", dp=2, microbatches=2))  # the suggestion fits
+    with pytest.raises(ValueError, match="no layout of 2 ranks fits"):
+        validate(TrainConfig(model="gpt-1t", dp=2))
+
+
+def test_per_gpu_memory_decides_under_cuda(monkeypatch) -> None:
+    """On GPUs each rank has its own device: gpt-13b on 4 x 80 GiB fits with tp 4, sp and
+    full recompute in bf16 (the GPU benchmark's run), not with dp 4."""
+    import minipar.config as config
+
+    monkeypatch.setattr(config, "machine_memory", lambda cfg: ("memory per GPU", 80 * 2**30, 1))
+    big = dict(model="gpt-13b", dtype="bf16", batch_size=8)
+    ok = TrainConfig(tp=4, sp=True, recompute="full", **big)
+    config.check_fits(ok, ok.model_config())
+    bad = TrainConfig(dp=4, **big)
+    with pytest.raises(ValueError, match=r"needs 219.2 GiB per rank of memory per GPU, "
+                                         r"which has 80.0 GiB; --dp 1 --pp 4"):
+        config.check_fits(bad, bad.model_config())

@@ -330,8 +330,7 @@ def test_fp16_loss_scaling_skips_overflowing_steps():
 
 def _different_start(stage: int) -> dict[str, torch.Tensor]:
     comm = Comm()
-    torch.manual_seed(comm.rank)  # every rank starts from other weights
-    model = GPT(GPT_CFG)
+    model = GPT(GPT_CFG, seed=comm.rank)  # every rank starts from other weights
     if stage == 3:
         return Zero3(model, comm, param_dtype=torch.bfloat16).full_parameters()
     mp = MixedPrecision(model, torch.bfloat16)
@@ -340,8 +339,7 @@ def _different_start(stage: int) -> dict[str, torch.Tensor]:
 
 
 def test_masters_broadcast_from_rank_zero():
-    torch.manual_seed(0)
-    rank0 = dict(GPT(GPT_CFG).named_parameters())
+    rank0 = dict(GPT(GPT_CFG, seed=0).named_parameters())
     for stage in (1, 3):
         for result in launch(_different_start, 2, args=(stage,), timeout=60):
             assert all(torch.equal(result[n], rank0[n]) for n in result)  # the fp32 values

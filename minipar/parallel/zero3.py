@@ -89,6 +89,10 @@ class Zero3(ShardedState, nn.Module):
     (forward) or the previous one (backward) while this one computes. ``shared``: names
     of weights that ``all_reduce_grads`` will sum over another group (each gets a flat of
     its own). ``average``: divide the gradient sum by the dp size.
+    ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
+    device (``parallel/materialize.py``): each weight is made when its unit is built and
+    only this rank's shard kept (the local model never exists whole); nothing is
+    broadcast, every rank computes the same values.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, *,
@@ -98,13 +102,14 @@ class Zero3(ShardedState, nn.Module):
                  reduce_dtype: torch.dtype | None = None,
                  replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
-                 max_inflight: int = 1):
+                 max_inflight: int = 1, materialize=None):
         super().__init__()
         self.module, self.comm = module, comm or Comm()
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
         self.prefetch, self.average, self.max_inflight = prefetch, average, max_inflight
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        if broadcast:  # every rank starts from rank 0's (fp32) weights and buffers
+        self._values = materialize
+        if broadcast and materialize is None:  # every rank starts from rank 0's weights
             broadcast_module(module, self.comm)
         for p in module.parameters():  # frozen weights: replicated, in the compute dtype
             if not p.requires_grad and param_dtype is not None and p.is_floating_point():
@@ -175,17 +180,20 @@ class Zero3(ShardedState, nn.Module):
             flats = []
             for group in filter(None, groups):
                 dtype = param_dtype or group[0].dtype
-                f = FlatParams(group, [self._name_of[id(p)] for p in group], 0,
-                               [p.detach() for p in group], 0 if replicated else rank,
+                names = [self._name_of[id(p)] for p in group]
+                sources = [p.detach() for p in group] if self._values is None else \
+                    (lambda k, g=group, ns=names: self._values(ns[k], g[k]))
+                f = FlatParams(group, names, 0, sources, 0 if replicated else rank,
                                1 if replicated else parts, dtype, MASTER_DTYPE,
                                keep_full=False)
                 f.params = []  # the weights become plain leaves viewing the flat buffer
                 for p, o, n in zip(group, f.offsets, f.numels):
-                    leaf = torch.empty(0, dtype=dtype, device=p.device).requires_grad_()
+                    leaf = torch.empty(0, dtype=dtype, device=f.master.device).requires_grad_()
                     leaf.data = f.full[o:o + n].view(p.shape)
                     leaves[id(p)] = leaf
                     f.params.append(leaf)
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free it
+                    if p.device.type != "meta":
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free it
                 if not replicated:
                     f.full.untyped_storage().resize_(0)  # gathered when used
                 flats.append(f)

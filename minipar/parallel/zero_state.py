@@ -43,25 +43,48 @@ class FlatParams:
         self.padded = -(-self.numel // parts) * parts
         size = self.padded // parts
         self.lo, self.hi = rank * size, (rank + 1) * size
+        self.shard: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+        if not keep_full:  # ZeRO-3: only this rank's shard is ever made, value by value
+            self._shard_only(sources, master_dtype, dtype, parts)
+            return
         device = sources[0].device
         flat = torch.zeros(self.padded, dtype=master_dtype, device=device)
         with torch.no_grad():
             for src, o, n in zip(sources, self.offsets, self.numels):
                 flat[o:o + n].copy_(src.reshape(-1))
-        self.shard: torch.Tensor | None = None
-        self.grad: torch.Tensor | None = None
-        if keep_full and parts == 1 and dtype == master_dtype:
+        if parts == 1 and dtype == master_dtype:
             self.full, self.master = flat, nn.Parameter(flat)  # one buffer, no copy
-        elif keep_full:
-            self.master = nn.Parameter(flat[self.lo:self.hi].clone())
-            self.full = flat.to(dtype)
         else:
             self.master = nn.Parameter(flat[self.lo:self.hi].clone())
-            self.shard = self.master.data if dtype == master_dtype else \
-                self.master.detach().to(dtype)
-            self.full = torch.empty(self.padded, dtype=dtype, device=device)
-            if parts == 1:
-                self.full.copy_(self.shard)
+            self.full = flat.to(dtype)
+
+    def _shard_only(self, sources, master_dtype: torch.dtype, dtype: torch.dtype,
+                    parts: int) -> None:
+        """``sources``: tensors, or ``source(k)`` making parameter k's value when asked
+        (sharded initialisation): only parameters overlapping [lo, hi) are made, one at
+        a time, and only their overlap is kept."""
+        make = sources if callable(sources) else sources.__getitem__
+        shard, device = None, None
+        with torch.no_grad():
+            for k, a, b in self.owned():
+                src = make(k)
+                if shard is None:
+                    device = src.device
+                    shard = torch.zeros(self.hi - self.lo, dtype=master_dtype, device=device)
+                o = self.offsets[k]
+                shard[a:b].copy_(src.reshape(-1)[self.lo + a - o:self.lo + b - o])
+                del src
+        if shard is None:  # all padding (a tiny flat over many ranks)
+            device = self.params[0].device if self.params[0].device.type != "meta" \
+                else make(0).device
+            shard = torch.zeros(self.hi - self.lo, dtype=master_dtype, device=device)
+        self.master = nn.Parameter(shard)
+        self.shard = self.master.data if dtype == master_dtype else \
+            self.master.detach().to(dtype)
+        self.full = torch.empty(self.padded, dtype=dtype, device=device)
+        if parts == 1:
+            self.full.copy_(self.shard)
 
     def bind(self) -> None:
         """Make the parameters views of the flat buffer (an all-gather updates them)."""

@@ -1,0 +1,82 @@
+"""The full model out of a checkpoint of any layout, as one safetensors file.
+
+safetensors (Hugging Face) is the field's exchange format: a JSON header of names,
+dtypes, shapes and byte offsets, then the raw tensors; no pickle, so loading runs no
+code, and a reader can map one tensor without reading the rest. ``export`` writes the
+single-device model's weights under their reference names (``blocks.5.mlp.fc.weight``;
+a tied head once, as ``tok_emb.weight``) with the model's sizes in the header's
+metadata; ``GPT.from_safetensors(path)`` or ``load_safetensors(gpt, path)`` loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+
+def export(directory: str, out: str) -> dict:
+    """Write the checkpoint in ``directory`` (any dp/pp/tp/ZeRO layout) to ``out``.
+    Returns ``{"path", "step", "tensors", "bytes"}``."""
+    from safetensors.torch import save_file
+
+    from minipar.model import GPT
+    from minipar.reshard import ShardReader
+    from minipar.sample import _run_card
+
+    if not os.path.isdir(directory):
+        raise ValueError(f"--resume {directory}: no such checkpoint directory")
+    if not out.endswith(".safetensors"):
+        raise ValueError(f"--out {out}: the file name must end in .safetensors")
+    cfg, _ = _run_card(directory)
+    reader = ShardReader(directory, cfg)  # tp = 1: each tensor whole, from its shards
+    names = [n for n, _ in GPT(cfg, device="meta").named_parameters()]
+    tensors = {n: reader.local(n).to(torch.float32).contiguous().clone() for n in names}
+    meta = {"minipar_config": json.dumps(cfg.to_dict()), "step": str(reader.step)}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, out)  # never a half-written file under the final name
+    return {"path": out, "step": reader.step, "tensors": len(tensors),
+            "bytes": os.path.getsize(out)}
+
+
+def load_safetensors(model: nn.Module, path: str,
+                     device: torch.device | str | None = None) -> nn.Module:
+    """Load a full model written by ``python -m minipar export`` (reference names) into
+    ``model`` (a ``GPT``, possibly on the meta device), one tensor at a time."""
+    from safetensors import safe_open
+
+    from minipar.model import materialize
+
+    with safe_open(path, "pt", device=str(device or "cpu")) as f:
+        have = set(f.keys())
+        named = dict(model.named_parameters())
+        missing = sorted(n for n in named if n not in have)
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} weights of this model "
+                             f"({missing[0]}, ...)")
+        for n, p in named.items():
+            if tuple(f.get_slice(n).get_shape()) != tuple(p.shape):
+                raise ValueError(f"{path}: {n} has shape {f.get_slice(n).get_shape()}, "
+                                 f"the model's is {tuple(p.shape)}")
+        materialize(model, lambda name, p: f.get_tensor(name).to(torch.float32))
+    return model
+
+
+def load_gpt(path: str, cfg=None, device: torch.device | str | None = None):
+    """A ``GPT`` holding the weights of an exported file (``GPT.from_safetensors``); the
+    sizes are read from the file's metadata unless ``cfg`` is given."""
+    from safetensors import safe_open
+
+    from minipar.model import GPT, GPTConfig
+
+    if cfg is None:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        if "minipar_config" not in meta:
+            raise ValueError(f"{path} carries no minipar model config: pass cfg")
+        cfg = GPTConfig(**json.loads(meta["minipar_config"]))
+    return load_safetensors(GPT(cfg, device="meta"), path, device)

@@ -1,0 +1,94 @@
+"""Sharded initialisation: each rank makes only its shard, with the reference's values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from minipar.config import TrainConfig
+from minipar.engine import train
+from minipar.model import GPT, get_config, init_parameter, keyed_normal
+from minipar.parallel.materialize import init_values, reshard
+from minipar.parallel.tp import shard_tensor
+
+TINY = get_config("tiny")
+SPLIT = ["tok_emb.weight", "blocks.3.attn.qkv.weight", "blocks.3.attn.qkv.bias",
+         "blocks.3.attn.proj.weight", "blocks.3.mlp.fc.weight", "blocks.3.mlp.proj.weight"]
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_a_tp_shard_is_the_slice_of_the_full_value(tp: int) -> None:
+    for name in SPLIT + ["blocks.3.ln1.weight", "pos_emb.weight"]:
+        full = dict(GPT(TINY, seed=7).named_parameters())[name].detach()
+        for r in range(tp):
+            want = shard_tensor(name, full, r, tp)
+            meta = nn.Parameter(torch.empty(want.shape, device="meta"))
+            got = init_values(TINY, 7, r, tp)(name, meta)
+            assert torch.equal(got, want), (name, tp, r)
+
+
+def test_a_value_depends_on_seed_and_name_only() -> None:
+    name = "blocks.1.attn.qkv.weight"
+    shallow = GPT(TINY.with_(n_layer=2), seed=5).blocks[1].attn.qkv.weight
+    deep = GPT(TINY, seed=5).blocks[1].attn.qkv.weight  # 6 more layers made around it
+    assert torch.equal(shallow, deep)
+    torch.manual_seed(123)  # torch's global generator plays no part
+    assert torch.equal(init_parameter(name, deep.shape, TINY, 5), deep)
+    assert not torch.equal(GPT(TINY, seed=6).blocks[1].attn.qkv.weight, deep)
+    assert not torch.equal(GPT(TINY, seed=5).blocks[2].attn.qkv.weight, deep)
+
+
+def test_gpt2_initialisation_statistics() -> None:
+    cfg = TINY.with_(d_model=256, n_head=8, d_ff=1024)
+    m = GPT(cfg, seed=0)
+    w, proj = m.blocks[0].mlp.fc.weight, m.blocks[0].mlp.proj.weight
+    assert abs(w.std().item() - 0.02) < 0.02 * 0.01 and abs(w.mean().item()) < 1e-4
+    assert abs(proj.std().item() - 0.02 / (2 * cfg.n_layer) ** 0.5) < 1e-4
+    assert torch.equal(m.blocks[0].ln1.weight, torch.ones(256))
+    assert torch.equal(m.blocks[0].mlp.fc.bias, torch.zeros(4 * 256))
+    tied = GPT(TINY.with_(tie_embeddings=True), seed=0)
+    assert tied.head.weight is tied.tok_emb.weight
+    assert torch.equal(init_parameter("head.weight", (64, 64), tied.cfg, 0),
+                       tied.tok_emb.weight)
+
+
+def test_chunks_and_meta() -> None:
+    assert torch.equal(keyed_normal(9, (300, 70), chunk=1000), keyed_normal(9, (300, 70)))
+    m = GPT(TINY, device="meta")
+    assert all(p.device.type == "meta" for p in m.parameters())
+
+
+@pytest.mark.parametrize("saved_tp,tp", [(2, 4), (4, 2), (2, 1), (4, 8), (8, 2)])
+def test_reshard_from_overlapping_shards_only(saved_tp: int, tp: int) -> None:
+    for name in SPLIT:
+        full = init_parameter(name, dict(GPT(TINY, device="meta").named_parameters())[
+            name].shape, TINY, 1)
+        saved = {s: shard_tensor(name, full, s, saved_tp) for s in range(saved_tp)}
+        from minipar.parallel.materialize import overlapping
+        for r in range(tp):
+            need = overlapping(saved_tp, r, tp)
+            got = reshard(name, {s: saved[s] for s in need}, saved_tp, r, tp)
+            assert torch.equal(got, shard_tensor(name, full, r, tp)), (name, r)
+
+
+def _peaks(zero: int) -> list[dict]:
+    run = train(TrainConfig(model="small", layers=16, hidden=512, heads=8, dp=4, zero=zero,
+                            steps=1, batch_size=4, timeout=300))
+    return run["ranks"]
+
+
+def test_zero3_builds_in_a_fraction_of_the_host_memory() -> None:
+    """dp 4, a 200 MB model: ZeRO-0 makes the whole model on each rank; ZeRO-3 makes each
+    unit's values one tensor at a time and keeps a quarter of them."""
+    z0, z3 = _peaks(0), _peaks(3)
+    model_bytes = 4 * sum(p.numel() for p in GPT(get_config("small").with_(
+        n_layer=16, d_model=512, d_ff=2048), device="meta").parameters())
+    print("host peak MB zero0", [r["host_peak_bytes"] / 2**20 for r in z0],
+          "zero3", [r["host_peak_bytes"] / 2**20 for r in z3],
+          "build s", [round(r["build_seconds"], 2) for r in z0],
+          [round(r["build_seconds"], 2) for r in z3])
+    assert min(r["host_peak_bytes"] for r in z0) >= model_bytes
+    assert max(r["host_peak_bytes"] for r in z3) < 0.5 * min(r["host_peak_bytes"] for r in z0)
+    assert max(r["host_peak_bytes"] for r in z3) < 0.6 * model_bytes  # never the whole
+    assert all(r["build_seconds"] > 0 for r in z0 + z3)
