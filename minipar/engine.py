@@ -1,30 +1,14 @@
-"""Compose a GPT for a mesh and train it: the one training loop every layout shares.
+"""Train a GPT on any layout: the loop every rank runs, and the job around it.
 
-Every rank runs ``rank_main``. It builds the single-device reference model on the meta
-device (shapes, no storage), applies the techniques from the outside in this order, and
-only then gives this rank's parameters their values, one at a time: the reference's
-initial values by name and seed (``parallel/materialize.py``), so every layout starts
-from the same weights without any rank holding the whole model:
-
-1. tensor parallelism replaces submodules by sharded ones, following a printable plan
-   (``parallel/tp.py``); context parallelism then replaces the attention cores by the
-   ring, the position embedding and dropouts by their sequence-shard versions
-   (``parallel/cp_plan.py``);
-2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
-   the rest of the reference model is dropped;
-3. recomputation replaces blocks (``parallel/recompute.py``);
-4. data parallelism, in one place (``data_parallel``): ZeRO 0-2 (``parallel/zero.py``,
-   replicated or sharded optimizer states and gradients, bf16 weights with fp32
-   masters) or ZeRO-3 (``parallel/zero3.py``, the weights sharded too).
-
-A step: this replica's rows of the step's global batch (the same tokens whatever the
-layout; only these rows are built) cut into micro-batches, and of each row this cp
-rank's tokens; the schedule runs forward and backward of all of them (pp = 1: a
-one-stage schedule, i.e. gradient accumulation); gradients are synchronised, clipped on
-the true global norm, and the optimizer steps. Each micro-batch loss (a mean over
-its tokens) is scaled by 1/(dp * cp * m) and the data-parallel reduction sums over dp x
-cp, so the gradient is exactly that of the global batch's mean loss on one device.
+``rank_main`` is what each rank runs (inside ``launch`` or torchrun): connect the mesh,
+``step.build`` this rank's part (tensor, context, pipeline parallelism, recomputation,
+data parallelism / ZeRO, in that order, from the meta device), then ``step.train_step``
+for every step, with evaluation, checkpoints and bounded per-step records. ``train``
+starts the ranks (or joins a torchrun job) and assembles their records;
+``train_reference`` is the yardstick every layout is compared with: the plain
+single-device loop, no minipar machinery at all.
 """
+
 
 from __future__ import annotations
 
@@ -32,7 +16,6 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
@@ -46,236 +29,16 @@ from minipar.config import (
     validate,
 )
 from minipar.corpus import make_data, prepare_data
-from minipar.data import TokenSource, local_batches
 from minipar.evaluate import evaluate, reference_eval
 from minipar.launch import launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
-from minipar.model import GPT, materialize
-from minipar.reshard import ShardReader, load_optimizer_state
+from minipar.model import GPT
+from minipar.reshard import ShardReader
+from minipar.step import Parts, build, train_step
 
-__all__ = ["TrainConfig", "validate", "train", "rank_main", "build", "Parts"]
-
-
-@dataclass
-class Parts:
-    """What one rank trains, once composed."""
-
-    model: torch.nn.Module  # StageLayers: this rank's (sharded) layers, reference names
-    chunks: list  # this rank's pipeline chunks (PipelineStage modules, sharing them)
-    optimizer: torch.optim.Optimizer  # steps on what data_parallel exposes
-    executor: object  # the PipelineExecutor
-    data_parallel: object  # ZeroOptimizer (ZeRO 0-2) or Zero3: the gradient sync
-    precision: object | None  # MixedPrecision (bf16, ZeRO 0-2), for its loss scale
-    names: list[str]  # reference names of this rank's trainable weights
-    sp_names: list[str]  # weights whose gradient is also summed over tp (SP norms)
-    tied_names: list[str]  # a tied embedding's copy, summed over the embedding group
-    build_seconds: float = 0.0  # how long build took on this rank
-    host_peak_bytes: int = 0  # the resident host memory build added at its peak
-
-
-def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
-    """Compose this rank's part: tp -> pp -> recompute on the meta device, then this
-    rank's shards only (``parallel/materialize.py``), then data parallel (ZeRO 0-3).
-
-    ``resume``: a ``reshard.ShardReader`` (or a checkpoint directory): the weights and
-    optimizer states come from it, each rank reading only the shards it needs.
-    Records ``build_seconds`` and ``host_peak_bytes`` (resident host memory growth).
-    """
-    import importlib
-
-    from minipar.meter import HostPeak
-
-    # imported before measuring: a module's first import costs seconds and tens of MB
-    # that are not the build's (a torch optimizer's first construction imports dynamo)
-    for module in ("torch._dynamo", "minipar.parallel.materialize", "minipar.parallel.pp",
-                   "minipar.parallel.recompute", "minipar.parallel.zero3"):
-        importlib.import_module(module)
-
-    t0 = time.perf_counter()
-    with HostPeak() as host:
-        parts = _build(cfg, rm, resume)
-    parts.build_seconds, parts.host_peak_bytes = time.perf_counter() - t0, host.peak
-    return parts
-
-
-def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
-    from minipar.parallel.materialize import init_values
-    from minipar.parallel.pp import PipelineExecutor, StageLayers, build_stage
-    from minipar.parallel.recompute import apply_recompute
-    from minipar.parallel.schedules import make_schedule
-    from minipar.parallel.tp import apply_tensor_parallel
-
-    mcfg = cfg.model_config()
-    full = GPT(mcfg, device="meta")  # shapes only: no rank ever holds the whole model
-    if cfg.tp > 1:
-        apply_tensor_parallel(full, rm.tp, sequence_parallel=cfg.sp)
-    if cfg.cp > 1:  # after tp: the cp styles see (and keep) sequence parallelism's slice
-        from minipar.parallel.cp_plan import apply_context_parallel
-
-        apply_context_parallel(full, rm.cp)
-    stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual)
-    apply_recompute(stage, cfg.recompute)
-    model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
-    del full  # the layers no chunk took go with it
-    device = device_for(cfg)
-    if isinstance(resume, str):
-        resume = ShardReader(resume, mcfg, rm.coords.tp, cfg.tp)
-    # each weight's value, this rank's tp shard of it: the reference initialisation
-    # (by name, from the seed) or the checkpoint's tensor, made one at a time
-    values = resume.values(device) if resume is not None else \
-        init_values(mcfg, cfg.seed, rm.coords.tp, cfg.tp, device)
-    if cfg.zero != 3:  # ZeRO-3 makes each unit's shard inside its construction
-        materialize(model, values)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    # parameters whose gradient is summed over another group after the dp reduction:
-    # sequence parallelism's replicated norms (over tp) and a tied embedding's two
-    # copies on the first and last stage (over the embedding group)
-    sp_names = [n for n, p in named if getattr(p, "sequence_parallel", False)]
-    tied = ("tok_emb.weight", "head.weight") if model.cfg.tie_embeddings and rm.embed else ()
-    tied_names = [n for n, _ in named if n in tied]
-    sync, optimizer, precision = data_parallel(
-        cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names,
-        values if cfg.zero == 3 else None)
-    actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
-    # The data-parallel layer works through hooks, so the executor runs the chunks.
-    # A synchronize after every action makes the GPU timeline true but stalls the host
-    # (a few % of a small model's step): only when a trace is asked for.
-    executor = PipelineExecutor(stage, rm.pp, actions,
-                                synchronize=bool(cfg.trace) and device.type == "cuda")
-    parts = Parts(model, stage, optimizer, executor, sync, precision, [n for n, _ in named],
-                  sp_names, tied_names)
-    if resume is not None:
-        load_optimizer_state(rm, parts, resume)
-        resume.close()
-    return parts
-
-
-def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units: list,
-                  shared: list[str], materialize=None) -> tuple:
-    """The one place that picks the data-parallel layout: (gradient sync, optimizer,
-    precision). Every ZeRO stage offers the same calls to the step below:
-    ``finish_gradient_sync``, ``grad_shards``, ``scale_grads``, ``all_reduce_grads``,
-    ``zero_grad``, ``memory_bytes``, ``full_state_by_name`` (checkpoints).
-
-    ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
-    and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
-    plain torch optimizer (``parallel/zero3.py``), which makes each unit's shard from
-    ``materialize(name, p)`` (the model is then still on the meta device). Gradients are
-    summed, not averaged: the executor already divides each micro-batch loss by
-    dp * cp * m (``loss_scale``). The group is dp x cp (``rm.dp_cp``, just dp when
-    cp = 1): the weights are replicated over both, so their gradients are summed, and
-    ZeRO shards, over both (as Megatron-Core's distributed optimizer does with context
-    parallelism).
-    """
-    from minipar.parallel.precision import MixedPrecision
-    from minipar.parallel.zero import ZeroOptimizer
-    from minipar.parallel.zero3 import Zero3
-
-    opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
-    bf16 = cfg.dtype == "bf16"
-    if cfg.offload:  # ZeRO-Offload: the inner optimizer steps host copies of the shards
-        from functools import partial
-
-        from minipar.parallel.offload import OffloadOptimizer
-
-        opt_cls = partial(OffloadOptimizer, optimizer_cls=opt_cls, overlap=False)
-    if cfg.zero == 3:
-        sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
-                     shared=shared, average=False, materialize=materialize)
-        optimizer = opt_cls(sync.parameters(), **opt_kwargs)
-        sync.publish_after(optimizer)
-        return sync, optimizer, None
-    precision = MixedPrecision(model, torch.bfloat16) if bf16 else None
-    bucket_mb = 25.0  # PyTorch DDP's default
-    if cfg.zero == 2:  # a bucket per block: ZeRO-2 then holds one full-size bucket at most
-        bucket_mb = max((sum(p.numel() * p.element_size() for p in u.parameters())
-                         for u in units), default=bucket_mb * 2**20) / 2**20
-    sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp_cp, precision=precision,
-                         average=False, shared=shared, overlap=cfg.ddp == "overlapped",
-                         bucket_mb=0 if cfg.ddp == "naive" else bucket_mb, **opt_kwargs)
-    sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
-    return sync, sync, precision
-
-
-def loss_scale(cfg: TrainConfig) -> float:
-    """What each micro-batch loss is multiplied by: the dp x cp reduction sums, so the
-    sum of dp * cp * m scaled losses is the global batch's mean loss. (A cp shard's loss
-    is the mean over its tokens; every shard has seq_len / cp of them, so this equals
-    its token sum over the global token count.)"""
-    return 1.0 / (cfg.dp * cfg.cp * cfg.microbatches)
-
-
-def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor:
-    """Scale the gradients so their global L2 norm is at most ``cfg.grad_clip``.
-
-    The one gradient norm of every layout (``dp.global_grad_norm``): each element is
-    counted once, on the rank that owns it: its ZeRO shard over dp x cp, tensor-parallel
-    shards over tp (replicated parameters on tp rank 0 only), stages over pp. Returns
-    the norm before clipping, as a 0-dim tensor on the compute device: the clip factor
-    ``min(1, clip / norm)`` is computed and applied there too, as
-    ``torch.nn.utils.clip_grad_norm_`` does (read the norm after the update).
-    """
-    from minipar.parallel.dp import global_grad_norm
-    from minipar.parallel.pp import tied_copy
-    from minipar.parallel.tp import tp_shard_dim
-
-    def counted(name: str) -> bool:
-        if tied_copy(name, parts.model.cfg):  # the last stage's copy of a tied embedding
-            return False
-        return rm.coords.tp == 0 or tp_shard_dim(name) is not None  # replicated: tp 0
-
-    mine = [g for name, g in parts.data_parallel.grad_shards() if counted(name)]
-    norm = global_grad_norm(mine, [rm.dp_cp, rm.tp, rm.pp], device=device_for(cfg))
-    if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by 1.0 if below
-        parts.data_parallel.scale_grads((cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0))
-    return norm
-
-
-def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
-               step: int) -> dict:
-    """One optimizer step on the global batch of ``step``. Returns loss and timeline."""
-    from minipar.model import set_dropout_key
-    from minipar.parallel.cp_plan import shard_batch
-
-    lr = lr_at(step, cfg)
-    for group in parts.optimizer.param_groups:
-        group["lr"] = lr
-    device = device_for(cfg)  # only this replica's rows are built (data.local_batches)
-    micro = [tuple(t.to(device) for t in shard_batch(a, b, rm.cp)) for a, b in local_batches(
-        data, step, cfg.batch_size, rm.coords.dp, cfg.dp, cfg.microbatches)]
-    mb_size = cfg.batch_size // (cfg.dp * cfg.microbatches)
-
-    def key_dropout(mb: int) -> None:  # masks by global sample: the reference's masks
-        first = (rm.coords.dp * cfg.microbatches + mb) * mb_size
-        for chunk in parts.chunks:
-            set_dropout_key(chunk, cfg.seed, step, first)
-    # the gradients are reduced over dp during the backwards (the last micro-batch's,
-    # or each one's with ZeRO-3); the sync finishes what is still in flight
-    result = parts.executor.step(micro, loss_scale=loss_scale(cfg),
-                                 loss_as_tensor=True,  # read at the end of the step
-                                 before_compute=key_dropout if parts.model.cfg.dropout
-                                 else None)
-    sync = parts.data_parallel
-    sync.finish_gradient_sync()
-    # sequence parallelism: layer-norm gradients summed over tp, on the shards
-    sync.all_reduce_grads(parts.sp_names, rm.tp)
-    if rm.embed is not None:  # a tied embedding: the first and last stage's copies
-        sync.all_reduce_grads(parts.tied_names, rm.embed)
-    norm = clip_gradients(cfg, rm, parts)
-    parts.optimizer.step()
-    # peaks of this step; parameters and optimizer states after the update
-    held = sync.memory_bytes(parts.optimizer)
-    # ZeRO-Offload: host <-> device bytes of this step (the inner OffloadOptimizer's)
-    offload = getattr(getattr(parts.optimizer, "inner", None), "last_traffic", None)
-    sync.zero_grad()
-    loss = None
-    if result.loss is not None:  # last stage: the mean over the dp replicas, cp shards
-        t = result.loss.detach().to(torch.float64).reshape(1)
-        rm.dp_cp.all_reduce(t)
-        loss = float(t) / (cfg.dp * cfg.cp)  # the step's one wait for the GPU
-    return {"loss": loss, "grad_norm": float(norm), "lr": lr, "timeline": result.timeline,
-            "peak_in_flight": result.peak_in_flight, "memory": held, "offload": offload}
+__all__ = ["TrainConfig", "validate", "train", "train_reference", "rank_main", "build",
+           "train_step", "Parts"]
 
 
 def _with_total(mem: dict) -> dict:

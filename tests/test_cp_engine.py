@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 from test_engine import BF16, FP32, SGD, assert_parity, reference
 
-from minipar import engine, mesh
+from minipar import mesh
+from minipar import step as step_module
 from minipar.config import TrainConfig
 from minipar.engine import train
 from minipar.parity import compare
@@ -68,7 +69,7 @@ def test_cp_ring_bytes_are_counted_and_evaluation_sees_every_shard() -> None:
 # --- mutations: the check must fail ---------------------------------------------------
 def _broken(monkeypatch, mutation: str) -> None:
     if mutation == "loss over the local tokens":  # 1/(dp m): forgets the cp shards
-        monkeypatch.setattr(engine, "loss_scale",
+        monkeypatch.setattr(step_module, "loss_scale",
                             lambda cfg: 1.0 / (cfg.dp * cfg.microbatches))
     else:  # the data-parallel layer sums over dp only: cp replicas drift apart
         monkeypatch.setattr(mesh.RankMesh, "dp_cp", property(lambda self: self.comms["dp"]))

@@ -18,7 +18,7 @@ from functools import cache
 import pytest
 import torch
 
-import minipar.engine as engine
+import minipar.step as step_module
 from minipar import checkpoint
 from minipar.config import TrainConfig
 from minipar.engine import train, train_reference
@@ -70,7 +70,7 @@ def test_plain_sgd_parity_every_zero_stage(zero: int) -> None:
 def test_a_missing_dp_divisor_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutation: each micro-batch loss divided by m only, not dp * m (forked ranks
     inherit the patch): the gradients are dp = 2 times too large."""
-    monkeypatch.setattr(engine, "loss_scale", lambda cfg: 1.0 / cfg.microbatches)
+    monkeypatch.setattr(step_module, "loss_scale", lambda cfg: 1.0 / cfg.microbatches)
     ref = reference(**SGD)
     run, params = run_with_params(dp=2, zero=1, **SGD)
     parity = compare(run, ref, params, ref["params"])

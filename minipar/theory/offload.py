@@ -27,7 +27,7 @@ def offload_traffic(n_params: int, param_bytes: int = 2, grad_bytes: int | None 
 
 def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0) -> dict[str, int]:
     """Host-device bytes of one rank per step as ``train --offload`` composes offload with
-    ZeRO 0-2 (``engine.data_parallel``): the gradient is reduced on the device first
+    ZeRO 0-2 (``step.data_parallel``): the gradient is reduced on the device first
     (all-reduce at stage 0, reduce-scatter at 1-2) and accumulated there over the
     micro-batches, so only this rank's fp32 shard goes to the host, once per step; the
     updated fp32 master shard comes back (then cast and all-gathered on the device).
