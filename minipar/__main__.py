@@ -16,8 +16,11 @@ from minipar.cli_theory import (
     _cmd_memory,
     _cmd_plan,
     _write_json,
+    parse_count,
 )
 from minipar.config import SCHEDULE_NAMES, TrainConfig
+
+__all__ = ["build_parser", "main", "parse_count", "train_config"]
 
 
 def _add_train(sub) -> None:
