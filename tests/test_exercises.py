@@ -67,7 +67,7 @@ LABS = {"debug_deadlock": ["FAIL", "the ranks hung", "recv on world"],
                             "gradients are 4x the reference", "4 = microbatches",
                             "divided by m"],
         "debug_sp": ["FAIL", "15 of 29 gradients differ from one process",
-                     "worst pos_emb.weight: off by 100%",
+                     "worst pos_emb.weight: off by",
                      "replicated parameters used on a sequence shard"]}
 
 
