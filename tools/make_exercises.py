@@ -173,6 +173,20 @@ def overview(impl="exercises"):
 '''
 
 
+COURSE_SHIM = '''"""The course's helpers: ``hint(name, level)``, ``predict(...)``, puzzle scores.
+
+They live once, in ``solutions/course.py`` (no answers in them to blank out); this module
+gives them to lessons under the ``exercises`` package.
+"""
+
+from solutions.course import LEVELS, hint, predict, score_layout, score_schedule  # noqa: F401
+'''
+
+# Plain modules (no blanks) the exercises package reaches through a few lines of
+# re-export rather than a second copy.
+SHIMS = {"check.py": CHECK_SHIM, "course.py": COURSE_SHIM}
+
+
 def _generated(rel: str) -> bool:
     """Whether ``solutions/<rel>`` has a counterpart in exercises/ (the cases do not)."""
     return not rel.startswith("checks/")
@@ -183,8 +197,8 @@ def generate(src: Path, solutions: Path) -> str:
     rel = src.relative_to(solutions).as_posix()
     text = src.read_text()
     src_name = f"solutions/{rel}"
-    if rel == "check.py":
-        return PLAIN_HEADER.format(src=src_name) + CHECK_SHIM
+    if rel in SHIMS:
+        return PLAIN_HEADER.format(src=src_name) + SHIMS[rel]
     if not any(line.strip() in (BEGIN, END) for line in text.splitlines()):
         return PLAIN_HEADER.format(src=src_name) + text
     name = rel.removesuffix(".py").replace("/", ".")
