@@ -208,10 +208,15 @@ class Zero3(ShardedState, nn.Module):
     # --- gather just in time, free right after ------------------------------------------
     def _gather(self, u: _Unit, async_op: bool = False) -> None:
         if u.state == "free":
+            u.pending = []
             for f in u.flats:
                 f.full.untyped_storage().resize_(f.padded * f.full.element_size())
-            u.pending = [self.comm.all_gather_into(f.full, f.shard, async_op=True)
-                         for f in u.flats]
+                # this rank's slot of the gathered buffer is its master shard in the
+                # compute dtype: cast it there and gather in place (no 16-bit shard kept)
+                own = f.full[f.lo:f.hi]
+                with torch.no_grad():
+                    own.copy_(f.master)
+                u.pending.append(self.comm.all_gather_into(f.full, own, async_op=True))
             u.state = "gathering"
             self.param_bytes.observe(self._params_held())
         if u.state == "gathering" and not async_op:
@@ -227,7 +232,9 @@ class Zero3(ShardedState, nn.Module):
             u.state = "free"
 
     def _params_held(self) -> int:
-        return storage_bytes([f.full for f in self.flats] + [f.shard for f in self.flats])
+        """Gathered buffers, plus the master shards when they are the compute weights."""
+        return storage_bytes([f.full for f in self.flats] + [
+            f.master for f in self.flats if f.full.dtype == f.master.dtype])
 
     def _neighbour(self, module: nn.Module, step: int) -> list[_Unit]:
         """Units of the next (step=1) or previous (-1) module in registration order."""
@@ -358,13 +365,12 @@ class Zero3(ShardedState, nn.Module):
     # --- after the optimizer step --------------------------------------------------------
     @torch.no_grad()
     def publish(self) -> None:
-        """The updated fp32 master shards -> the shards (or replicas) gathered from."""
+        """The updated fp32 masters -> the replicated units' weights (a sharded unit
+        casts its master when it is next gathered)."""
         for u in self.units:
-            for f in u.flats:
-                if u.replicated:
+            if u.replicated:
+                for f in u.flats:
                     f.full.copy_(f.master)
-                if f.shard.data_ptr() != f.master.data_ptr():
-                    f.shard.copy_(f.master)
 
     def publish_after(self, optimizer: torch.optim.Optimizer):
         """Call ``publish`` after every ``optimizer.step()`` (a torch step hook)."""
@@ -392,7 +398,7 @@ class Zero3(ShardedState, nn.Module):
         return {"params": max(self.param_bytes.peak, self._params_held()),
                 "grads": max(self.grad_bytes.peak, self._grads_held()),
                 "optimizer": storage_bytes(f.master for f in self.flats
-                                           if f.shard.data_ptr() != f.master.data_ptr())
+                                           if f.full.dtype != f.master.dtype)
                 + (optimizer_state_bytes(optimizer) if optimizer is not None else 0)}
 
     def _stepper(self, optimizer):

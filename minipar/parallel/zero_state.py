@@ -27,8 +27,9 @@ class FlatParams:
     ``master``: this rank's shard [lo, hi) in ``master_dtype``, the parameter the optimizer
     updates (the whole buffer itself when it is unsharded and already of that dtype).
     ``full``: the whole buffer in the compute ``dtype`` (``keep_full=False``: left
-    unfilled, for ZeRO-3 to gather into). ``shard``: ZeRO-3's all-gather source,
-    this rank's shard in the compute dtype. ``grad``: the full-size gradient buffer while
+    unfilled, for ZeRO-3 to gather into: it casts ``master`` into its own slot of
+    ``full`` and all-gathers in place, as FSDP2 does, so no 16-bit shard is kept between
+    steps). ``grad``: the full-size gradient buffer while
     gradients accumulate (else None). Only one unit's fp32 values exist at a time here.
     """
 
@@ -43,7 +44,6 @@ class FlatParams:
         self.padded = -(-self.numel // parts) * parts
         size = self.padded // parts
         self.lo, self.hi = rank * size, (rank + 1) * size
-        self.shard: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         if not keep_full:  # ZeRO-3: only this rank's shard is ever made, value by value
             self._shard_only(sources, master_dtype, dtype, parts)
@@ -80,11 +80,9 @@ class FlatParams:
                 else make(0).device
             shard = torch.zeros(self.hi - self.lo, dtype=master_dtype, device=device)
         self.master = nn.Parameter(shard)
-        self.shard = self.master.data if dtype == master_dtype else \
-            self.master.detach().to(dtype)
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
         if parts == 1:
-            self.full.copy_(self.shard)
+            self.full.copy_(self.master.detach())
 
     def bind(self) -> None:
         """Make the parameters views of the flat buffer (an all-gather updates them)."""
