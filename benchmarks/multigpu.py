@@ -78,6 +78,8 @@ import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
@@ -100,7 +102,7 @@ from minipar.model import get_config  # noqa: E402
 from minipar.theory.params import model_flops_per_token  # noqa: E402
 
 GiB = 2**30
-SECTIONS = ("calibrate", "parity", "speed", "scaling", "trace")
+SECTIONS = ("calibrate", "parity", "speed", "scaling", "trace", "cp", "overlap")
 SPEED_GROUPS = ("dp", "tp", "pp", "big")
 BIG_TRIES = 3  # planned layouts of the big model tried, best first, until one runs
 
@@ -729,12 +731,14 @@ def section_big(run: Run) -> None:
             accepted.append((lay, layout))
             if len(accepted) == BIG_TRIES:
                 break
+    big_rows: list = []
     for rank_in_plan, (lay, layout) in enumerate(accepted):
         # the planner's best layout minipar accepts; if it fails on the machine (out of
         # memory, say), the next one, so that one 13B figure comes back
         spec = minipar_spec(run, model, n, batch, **layout)
         rec = speed_row(run, "speed", f"minipar {model} planner #{rank_in_plan + 1} "
                         f"({lay.label()})", spec, "big", cap=s.big_cap_s)
+        big_rows.append(rec)
         if rec is not None:
             rec["planner_refused_before"] = refused[:10]
             rec["planner_predicted_step_s"] = lay.step_time
@@ -744,9 +748,69 @@ def section_big(run: Run) -> None:
         run.row("speed", f"minipar {model} planner", lambda: {
             "status": "refused", "reason": "no planned layout passes validate",
             "refused": refused[:10]}, group="big")
+    ran = next((layout for (_, layout), r in zip(accepted, big_rows) if r and
+                r.get("status") == "ok"), None)
+    tp_only = dict(tp=n, sp=True, recompute="full")  # the layout the build target names
+    for layout in [ran or tp_only] + ([tp_only] if ran and ran != tp_only else []):
+        cli_row(run, model, batch, layout)
     speed_row(run, "speed", f"torch FSDP2 {model} dp{n} activation checkpointing",
               peer_spec(run, "fsdp2", model, n, batch, recompute=True), "big",
               cap=s.big_cap_s)
+
+
+def cli_flags(layout: dict) -> list[str]:
+    """``python -m minipar train`` flags for a layout dict (defaults left out)."""
+    flags: list[str] = []
+    for key, value in layout.items():
+        if value in (None, False) or (key in ("dp", "pp", "tp", "virtual", "microbatches")
+                                      and value == 1) or (key, value) in (
+                ("zero", 0), ("recompute", "none"), ("schedule", "1f1b")):
+            continue
+        flags += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return flags
+
+
+def cli_row(run: Run, model: str, batch: int, layout: dict) -> dict | None:
+    """The big model trained by the command line itself (what an engineer types): its
+    JSON's per-rank build seconds, host and device peaks, step times and losses."""
+    s = run.sizes
+    path = os.path.join(run.args.out, f"train_{model}_{'_'.join(cli_flags(layout))}.json"
+                        .replace("-", ""))
+    cap = run.timeout(s.big_cap_s)
+    cmd = [sys.executable, "-m", "minipar", "train", "--model", model, "--backend",
+           run.backend, "--dtype", "bf16", "--batch-size", str(batch), "--steps",
+           str(s.warmup + 5), "--json", path, "--quiet", "--timeout",
+           str(int(cap - 10))] + cli_flags(layout) + (["--fused"] if run.cuda else [])
+
+    def go() -> dict:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=cap)
+        if done.returncode != 0:
+            return {"status": "error", "error": (done.stderr or done.stdout)[-2000:]}
+        with open(path) as f:
+            rec = json.load(f)
+        ranks = rec["ranks"]
+        per_step = [max(r["step_seconds"][i] for r in ranks)
+                    for i in range(len(ranks[0]["step_seconds"]))][s.warmup:]
+        step = statistics.median(per_step)
+        mc = get_config(model)
+        tokens = batch * mc.seq_len
+        mfu = tokens / step * model_flops_per_token(mc) / (run.n * DATASHEET_TFLOPS * 1e12)
+        peaks = [r.get("device_peak_bytes") or 0 for r in ranks]
+        return {"command": " ".join(["python"] + cmd[1:]), "step_s": step,
+                "step_s_all": per_step, "tokens_per_step": tokens,
+                "tokens_per_s": tokens / step, "mfu": mfu,
+                "build_seconds": [r["build_seconds"] for r in ranks],
+                "host_peak_gib": [r["host_peak_bytes"] / GiB for r in ranks],
+                "peak_gib": max(peaks) / GiB, "peak_gib_per_rank": [p / GiB for p in peaks],
+                "loss_first": rec["losses"][0], "loss_last": rec["losses"][-1],
+                "wall_s": rec["seconds"],
+                "brief": f"{1e3 * step:.0f} ms, MFU {100 * mfu:.1f}%, build "
+                         f"{max(r['build_seconds'] for r in ranks):.1f} s, peak "
+                         f"{max(peaks) / GiB:.1f} GiB"}
+
+    return run.row("speed", f"python -m minipar train {model} ({' '.join(cli_flags(layout))})",
+                   go, group="big", impl="minipar-cli", world=run.n, model=model, batch=batch,
+                   layout=layout)
 
 
 def section_scaling(run: Run) -> None:
@@ -798,7 +862,7 @@ def predict(run: Run) -> None:
     for r in rows:
         lay = dict(r["layout"])
         world, batch = r["world"], r["batch"]
-        if r["impl"] == "minipar":
+        if r["impl"] in ("minipar", "minipar-cli"):
             dp, pp, tp = lay.get("dp", 1), lay.get("pp", 1), lay.get("tp", 1)
             m = lay.get("microbatches", 1)
             knobs = dict(zero=lay.get("zero", 0), schedule=lay.get("schedule", "1f1b"),
@@ -815,7 +879,7 @@ def predict(run: Run) -> None:
                          # torch's zero-bubble peer loops 2 chunks; predicted as ZB-H1
                          virtual=2 if spec.get("schedule") == "interleaved" else 1,
                          recompute="full" if spec.get("recompute") else "none")
-        mc = get_config(r["model"]).with_(**r["spec"].get("overrides", {}))
+        mc = get_config(r["model"]).with_(**r.get("spec", {}).get("overrides", {}))
         try:
             est = evaluate(mc, _cluster(run, world), tp, pp, dp,
                            microbatch_size=batch // (dp * m), global_batch=batch,
@@ -882,10 +946,11 @@ def derived(report: dict) -> dict:
     for sched, v in (("1f1b", ""), ("interleaved", " v2"), ("zb", "")):
         ratio(f"minipar pp{n} {sched}{v}", f"torch pipelining pp{n} {sched}")
     big = [r for r in speed if r.get("group") == "big" and r.get("status") == "ok"]
-    mine = [r for r in big if r["impl"] == "minipar"]
-    peer = [r for r in big if r["impl"] != "minipar"]
-    if mine and peer:
-        ratio(mine[0]["name"], peer[0]["name"])
+    peer = [r for r in big if r["impl"] == "fsdp2"]
+    for impl in ("minipar", "minipar-cli"):  # engine rows, then the command line's
+        mine = [r for r in big if r["impl"] == impl]
+        if mine and peer:
+            ratio(mine[0]["name"], peer[0]["name"])
     base = next((r for r in speed if r["name"].startswith("minipar 1 GPU")
                  and r.get("status") == "ok"), None)
     if base:
@@ -1064,6 +1129,12 @@ def main() -> int:
                 section_scaling(run)
             elif name == "trace":
                 section_trace(run)
+            elif name == "cp":  # context parallelism and offload: benchmarks/mg_cp.py
+                from mg_cp import section_cp
+                section_cp(run)
+            elif name == "overlap":  # profiler-measured overlap: benchmarks/mg_overlap.py
+                from mg_overlap import section_overlap
+                section_overlap(run)
             run.save()
     finally:
         finish(run)

@@ -105,10 +105,16 @@ def rank_main(cfg: TrainConfig) -> dict:
         "comm": rm.log.summary(),
         "comm_bytes_per_step": rm.log.total("wire_bytes") / max(1, end - start),
         "offload_bytes": out["offload"] if end > start else None,  # last step, host<->device
+        "device_peak_bytes": _device_peak(device_for(cfg)),
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
     }
+
+
+def _device_peak(device: torch.device) -> int | None:
+    """The accelerator's peak allocated bytes over the whole run (None on the CPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def _save(cfg: TrainConfig, rm: RankMesh, parts: Parts, step: int) -> None:
