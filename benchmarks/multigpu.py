@@ -103,7 +103,7 @@ from minipar.theory.params import model_flops_per_token  # noqa: E402
 
 GiB = 2**30
 SECTIONS = ("calibrate", "parity", "speed", "scaling", "trace", "cp", "overlap")
-SPEED_GROUPS = ("dp", "tp", "pp", "big")
+SPEED_GROUPS = ("dp", "tp", "pp", "big", "big-layouts")
 BIG_TRIES = 3  # planned layouts of the big model tried, best first, until one runs
 
 
@@ -657,43 +657,51 @@ def _untied_if_needed(run: Run, model: str, **layout) -> dict:
         return {"tie_embeddings": False} if "tie" in str(e) else {}
 
 
+def speed_dp(run: Run) -> None:
+    s, n, model = run.sizes, run.n, run.sizes.speed_model
+    b = s.per_gpu_batch
+    speed_row(run, "speed", f"minipar 1 GPU b{b} (no reduction)",
+              minipar_spec(run, model, 1, b), "dp")
+    for z in range(4):
+        speed_row(run, "speed", f"minipar dp{n} zero{z}",
+                  minipar_spec(run, model, n, b * n, dp=n, zero=z), "dp")
+    speed_row(run, "speed", f"torch DDP dp{n}", peer_spec(run, "ddp", model, n, b * n), "dp")
+    speed_row(run, "speed", f"torch FSDP2 dp{n}", peer_spec(run, "fsdp2", model, n, b * n),
+              "dp")
+
+
+def speed_tp(run: Run) -> None:
+    s, n, model = run.sizes, run.n, run.sizes.speed_model
+    b = s.tp_batch
+    for sp in (True, False):
+        tag = " sp" if sp else ""
+        speed_row(run, "speed", f"minipar tp{n}{tag}",
+                  minipar_spec(run, model, n, b, tp=n, sp=sp), "tp")
+        speed_row(run, "speed", f"torch DTensor tp{n}{tag}",
+                  peer_spec(run, "dtensor", model, n, b, sp=sp), "tp")
+
+
+def speed_pp(run: Run) -> None:
+    s, n, model = run.sizes, run.n, run.sizes.speed_model
+    b = s.per_gpu_batch * n
+    m = b // s.pp_micro
+    for sched in ("1f1b", "interleaved", "zb"):
+        v = 2 if sched == "interleaved" else 1
+        ov = _untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched, virtual=v)
+        speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else ""),
+                  minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
+                               schedule=sched, virtual=v), "pp")
+        speed_row(run, "speed", f"torch pipelining pp{n} {sched}",
+                  peer_spec(run, "torch-pp", model, n, b, ov, schedule=sched,
+                            microbatches=m), "pp")
+
+
 def section_speed(run: Run, groups: list[str]) -> None:
-    s, n = run.sizes, run.n
-    model = s.speed_model
-    if "dp" in groups:
-        b = s.per_gpu_batch
-        speed_row(run, "speed", f"minipar 1 GPU b{b} (no reduction)",
-                  minipar_spec(run, model, 1, b), "dp")
-        for z in range(4):
-            speed_row(run, "speed", f"minipar dp{n} zero{z}",
-                      minipar_spec(run, model, n, b * n, dp=n, zero=z), "dp")
-        speed_row(run, "speed", f"torch DDP dp{n}", peer_spec(run, "ddp", model, n, b * n),
-                  "dp")
-        speed_row(run, "speed", f"torch FSDP2 dp{n}",
-                  peer_spec(run, "fsdp2", model, n, b * n), "dp")
-    if "tp" in groups:
-        b = s.tp_batch
-        for sp in (True, False):
-            tag = " sp" if sp else ""
-            speed_row(run, "speed", f"minipar tp{n}{tag}",
-                      minipar_spec(run, model, n, b, tp=n, sp=sp), "tp")
-            speed_row(run, "speed", f"torch DTensor tp{n}{tag}",
-                      peer_spec(run, "dtensor", model, n, b, sp=sp), "tp")
-    if "pp" in groups:
-        b = s.per_gpu_batch * n
-        m = b // s.pp_micro
-        for sched in ("1f1b", "interleaved", "zb"):
-            v = 2 if sched == "interleaved" else 1
-            ov = _untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched,
-                                   virtual=v)
-            speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else ""),
-                      minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
-                                   schedule=sched, virtual=v), "pp")
-            speed_row(run, "speed", f"torch pipelining pp{n} {sched}",
-                      peer_spec(run, "torch-pp", model, n, b, ov, schedule=sched,
-                                microbatches=m), "pp")
-    if "big" in groups:
-        section_big(run)
+    """The speed groups, in the order given (the most wanted first under a budget)."""
+    runners = {"dp": speed_dp, "tp": speed_tp, "pp": speed_pp, "big": section_big,
+               "big-layouts": big_layouts}
+    for g in groups:
+        runners[g](run)
 
 
 def _cluster(run: Run, world: int):
@@ -756,6 +764,20 @@ def section_big(run: Run) -> None:
     speed_row(run, "speed", f"torch FSDP2 {model} dp{n} activation checkpointing",
               peer_spec(run, "fsdp2", model, n, batch, recompute=True), "big",
               cap=s.big_cap_s)
+
+
+def big_layouts(run: Run) -> None:
+    """The big model in layouts beside the planner's, by hand: each fits; which is the
+    fastest is what the planner's first choice is checked against."""
+    n, model = run.n, run.sizes.big_model
+    batch = run.sizes.big_per_gpu * n
+    for name, layout in ((f"dp{n} zero3 recompute full", dict(dp=n, zero=3, recompute="full")),
+                         (f"dp{n} zero3 recompute selective m2",
+                          dict(dp=n, zero=3, recompute="selective", microbatches=2)),
+                         (f"dp{n} zero3 recompute full m2",
+                          dict(dp=n, zero=3, recompute="full", microbatches=2))):
+        speed_row(run, "speed", f"minipar {model} {name}",
+                  minipar_spec(run, model, n, batch, **layout), "big", cap=run.sizes.big_cap_s)
 
 
 def cli_flags(layout: dict) -> list[str]:
