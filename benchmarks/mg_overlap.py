@@ -22,7 +22,8 @@ kernels: the rows record the CPU side (events, collectives seen) and are 'refuse
 
     export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         NVSHMEM_DISABLE_NVLS=1
-    python benchmarks/multigpu.py --sections overlap --out $OUT --budget-s 400
+    # about 4 min on 4 x H100 (7 launches of about 30-35 s each)
+    python benchmarks/multigpu.py --sections overlap --out $OUT --budget-s 330
     python benchmarks/multigpu.py --device cpu --gpus 2 --sections overlap --out /tmp/x \\
         --budget-s 200   # the dry run
 """
