@@ -452,9 +452,10 @@ def section_parity(run: Run) -> None:
 
 
 # --- speed: one configuration per launch -------------------------------------------------
-def _speed_rank(spec: dict) -> dict:
-    """One configuration on this rank: build, warm up, time; returns times, losses and
-    the peak allocated memory (plus, for minipar's pipelines, a synchronised timeline)."""
+def _speed_build(spec: dict) -> types.SimpleNamespace:
+    """One configuration built on this rank: ``step_fn(step) -> loss`` and the pieces
+    (device, impl; cfg, rm, parts and data for minipar). ``_speed_rank`` times it;
+    ``mg_overlap`` profiles it."""
     import torch.distributed as dist
 
     from minipar.data import split_batch
@@ -464,8 +465,8 @@ def _speed_rank(spec: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mc = get_config(spec["model"]).with_(**spec.get("overrides", {}))
     data = RandomTokens(mc.vocab_size, mc.seq_len, 0)
-    batch, steps, warmup = spec["batch"], spec["steps"], spec["warmup"]
-    impl, extra = spec["impl"], {}
+    batch = spec["batch"]
+    impl, cfg, rm, parts = spec["impl"], None, None, None
     cuda = device.type == "cuda"
 
     def local(s: int):  # this rank's slice of the global batch (data parallel peers)
@@ -556,12 +557,24 @@ def _speed_rank(spec: dict) -> dict:
             return float(torch.stack(losses).float().mean()) if last else None
     else:
         raise ValueError(f"unknown impl {impl!r}")
+    return types.SimpleNamespace(step_fn=step_fn, device=device, impl=impl, cfg=cfg, rm=rm,
+                                 parts=parts, data=data)
 
+
+def _speed_rank(spec: dict) -> dict:
+    """One configuration on this rank: build, warm up, time; returns times, losses and
+    the peak allocated memory (plus, for minipar's pipelines, a synchronised timeline)."""
+    b = _speed_build(spec)
+    step_fn, device, impl, cfg, rm, parts, data = (b.step_fn, b.device, b.impl, b.cfg, b.rm,
+                                                   b.parts, b.data)
+    steps, warmup, cuda, extra = spec["steps"], spec["warmup"], device.type == "cuda", {}
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     losses, times = _timed(step_fn, steps, warmup, device)
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     if impl == "minipar" and cfg.pp > 1:  # two more steps, every action synchronised
+        from minipar.engine import train_step
+
         parts.executor.synchronize = cuda
         with _attention_context(device):
             for s in range(2):

@@ -68,3 +68,91 @@ def test_budget_spent_rows_are_skipped_not_lost(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((out / "multigpu.json").read_text())["sections"]["parity"]["rows"]
     assert rows and all(r["status"] == "skipped" for r in rows)
+
+
+# --- the overlap section (benchmarks/mg_overlap.py) --------------------------------------
+def _mg_overlap():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import mg_overlap
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mg_overlap
+
+
+def test_overlap_interval_arithmetic_on_synthetic_kernels(tmp_path) -> None:
+    ov = _mg_overlap()
+    assert ov.union([(3, 4), (0, 2), (1, 3), (5, 5), (6, 7)]) == [(0, 4), (6, 7)]
+    assert ov.length([(0, 2), (1, 3), (10, 11)]) == 4
+    assert ov.intersect([(0, 4), (6, 10)], [(3, 7), (9, 12)]) == [(3, 4), (6, 7), (9, 10)]
+    assert ov.intersect([(0, 1)], [(1, 2)]) == [] and ov.intersect([], [(0, 1)]) == []
+    kernels = [("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0.0, 10.0, 7),
+               ("ampere_bf16_gemm", 2.0, 5.0, 1), ("flash_fwd_kernel", 4.0, 8.0, 1),
+               ("elementwise_kernel", 8.0, 9.0, 7),  # the NCCL stream's own: not overlap
+               ("Memcpy DtoH (Device -> Pinned)", 9.0, 10.0, 1),  # a copy, not compute
+               ("ncclKernel_ReduceScatter", 12.0, 14.0, 8),  # nothing beside it: exposed
+               ("ncclDevKernel_AllGather", 13.0, 15.0, 9), ("gemm", 14.5, 16.0, 1)]
+    st = ov.overlap_stats(kernels)
+    assert st["nccl_kernels"] == 3 and st["kernels"] == 8
+    assert st["comm_s"] == 13 and st["comm_sum_s"] == 14  # union 0-10, 12-15
+    assert st["overlapped_s"] == 6.5  # 2-8 under the gemm/flash, 14.5-15
+    assert st["exposed_s"] == 6.5 and st["hidden_share"] == 6.5 / 13
+    assert st["compute_s"] == 8.5 and st["busy_s"] == 14  # 0-10, 12-16
+    empty = ov.overlap_stats([("gemm", 0.0, 1.0, 1)])
+    assert empty["comm_s"] == 0 and empty["hidden_share"] is None
+    avg = ov.mean_stats([st, empty])
+    assert avg["comm_s"] == 6.5 and avg["hidden_share"] == 6.5 / 13
+
+    # ranks' records reduce to one row; no device kernels (CPU): refused with its reason
+    def rank(r: int, steps: list[dict]) -> dict:
+        return {"rank": r, "steps": steps, "mean": ov.mean_stats(steps), "wall_s": [20.0],
+                "losses": [5.0], "peak_bytes": 2**30,
+                "cpu": [{"cpu_events": 10, "cpu_comm_ops": 2, "devices": []}]}
+
+    row = ov._reduce([rank(0, [st]), rank(1, [{**st, "exposed_s": 8.0}])])
+    assert row["exposed_s_max"] == 8.0 and row["exposed_share"] == 8.0 / 20
+    assert row["hidden_share"] == 6.5 / 13 and "status" not in row and row["brief"]
+    cpu = ov._reduce([rank(0, [ov.overlap_stats([])])])
+    assert cpu["status"] == "refused" and cpu["reason"] == "no device kernels on cpu"
+
+    # the trace: gzipped JSON; over the limit, the host side goes first, then all of it
+    class FakeProf:
+        def export_chrome_trace(self, path: str) -> None:
+            events = [{"ph": "M", "name": "process_name"}] + [
+                {"ph": "X", "cat": cat, "name": f"{cat}{i}", "ts": i, "dur": 1}
+                for i in range(2000) for cat in ("cpu_op", "cuda_runtime", "kernel")]
+            pathlib.Path(path).write_text(json.dumps({"traceEvents": events}))
+
+    import gzip
+
+    for limit, kept in ((10**9, "all"), (20_000, "no runtime calls"), (1, "gpu only")):
+        path = tmp_path / f"t{limit}.json.gz"
+        rec = ov.write_trace(FakeProf(), str(path), limit=limit)
+        assert rec["trace_kept"] == kept and rec["trace_bytes"] == path.stat().st_size
+        cats = {e.get("cat") for e in json.loads(gzip.decompress(path.read_bytes()))
+                ["traceEvents"]}
+        assert "kernel" in cats and ("cuda_runtime" in cats) == (kept == "all")
+        assert not path.with_suffix("").exists()  # the raw JSON is removed
+
+
+def test_overlap_dry_run(tmp_path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "multigpu.py"), "--device", "cpu",
+         "--gpus", "2", "--sections", "overlap", "--only", "dp2 zero2",
+         "--out", str(out), "--budget-s", "100"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((out / "multigpu.json").read_text())["sections"]["overlap"]["rows"]
+    assert [r["name"] for r in rows] == ["minipar dp2 zero2"]
+    row = rows[0]
+    assert row["status"] == "refused" and row["reason"] == "no device kernels on cpu", row
+    assert len(row["per_rank"]) == 2 and all(c > 0 for c in row["cpu_events"])
+    assert len(row["losses"]) == 3 and all(c > 0 for c in row["cpu_comm_ops"])
+    assert (out / row["trace"]).stat().st_size == row["trace_bytes"] > 0
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "multigpu.py"), "--report",
+         str(out / "multigpu.json"), "--out", str(tmp_path / "merged")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
