@@ -137,7 +137,8 @@ def _torch_cp(spec: dict, mc, data, device: torch.device):
 
 def _profile_copies(step_fn, step: int, device: torch.device) -> dict:
     """One step under the profiler: host<->device copies' busy time on the GPU, and how
-    much of it runs while a kernel runs (hidden). On the CPU there are no such events."""
+    much of it runs while a compute kernel runs (hidden behind the forward, backward or
+    the update; NCCL kernels do not count). On the CPU there are no such events."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -149,8 +150,9 @@ def _profile_copies(step_fn, step: int, device: torch.device) -> dict:
     gpu = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
            if e.device_type == DeviceType.CUDA]
     copies = [(a, b, n) for a, b, n in gpu if "Memcpy" in n and ("DtoH" in n or "HtoD" in n)]
-    union: list[list[float]] = []  # the kernels' busy intervals, merged
-    for a, b, _ in sorted((a, b, n) for a, b, n in gpu if "Mem" not in n):
+    union: list[list[float]] = []  # the compute kernels' busy intervals, merged (not
+    for a, b, _ in sorted((a, b, n) for a, b, n in gpu  # copies, memsets or NCCL's)
+                          if "Mem" not in n and "nccl" not in n.lower()):
         if union and a <= union[-1][1]:
             union[-1][1] = max(union[-1][1], b)
         else:

@@ -257,7 +257,7 @@ def cp_train_step(ddp, masters: MasterWeights, mesh, x: torch.Tensor,
     from torch.distributed.tensor.experimental import context_parallel
 
     x, y = x.clone(), y.clone()  # sharded in place
-    pos = torch.arange(x.shape[1], device=x.device).expand_as(x).contiguous()
+    pos = torch.arange(x.shape[1], device=x.device).repeat(x.shape[0], 1)
     with context_parallel(mesh, buffers=[x, y, pos], buffer_seq_dims=[1, 1, 1],
                           no_restore_buffers={x, y, pos}):
         ddp.module.pos_emb.ids = pos
