@@ -37,11 +37,12 @@ import bisect
 from dataclasses import dataclass
 
 import torch
-from gpu import RandomTokens, _timed
+from gpu import DATASHEET_TFLOPS, RandomTokens, _timed
 from multigpu import GiB, _device_name, _local_device, minipar_spec, peer_spec
 
 from minipar.config import TrainConfig, validate
 from minipar.model import get_config
+from minipar.theory.params import model_flops_per_token
 
 
 @dataclass
@@ -190,8 +191,10 @@ def _measure(run, spec: dict, cap: float) -> dict:
     step = statistics.median(per_step)
     mc = get_config(spec["model"]).with_(**spec.get("overrides", {}))
     tokens = spec["batch"] * mc.seq_len
+    flops = model_flops_per_token(mc, "kaplan")  # the causal half of attention
     row = {"step_s": step, "step_s_all": per_step, "tokens_per_step": tokens,
            "tokens_per_s": tokens / step, "peak_gib": peak,
+           "mfu_causal": tokens / step * flops / (spec["world"] * DATASHEET_TFLOPS * 1e12),
            "peak_gib_per_rank": [r["peak_bytes"] / GiB for r in res],
            "loss_first": res[0]["losses"][0], "loss_last": res[0]["losses"][-1],
            "device_name": res[0]["device_name"]}
@@ -199,8 +202,8 @@ def _measure(run, spec: dict, cap: float) -> dict:
                 "offload", "copies"):
         if res[0].get(key) is not None:
             row[key] = res[0][key]
-    row["brief"] = (f"{1e3 * step:.0f} ms, {row['tokens_per_s']:,.0f} tok/s, peak "
-                    f"{peak:.1f} GiB")
+    row["brief"] = (f"{1e3 * step:.0f} ms, {row['tokens_per_s']:,.0f} tok/s, MFU "
+                    f"{100 * row['mfu_causal']:.1f}% (causal), peak {peak:.1f} GiB")
     return row
 
 
