@@ -520,7 +520,11 @@ def _speed_build(spec: dict) -> types.SimpleNamespace:
 
         torch.manual_seed(0)
         model = dtensor_tp(GPT(mc, device=device), world, spec["sp"], device.type)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        # DTensors and plain tensors (replicated norms without sp) in separate groups:
+        # a foreach step refuses a mix of the two
+        params = list(model.parameters())
+        groups = [[p for p in params if hasattr(p, "full_tensor") == d] for d in (True, False)]
+        opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=3e-4)
 
         def step_fn(s: int):
             x, y = (t.to(device) for t in data.batch(s, batch))

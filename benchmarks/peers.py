@@ -16,9 +16,13 @@ Each function builds PyTorch's own implementation of a technique on minipar's pl
   torchtitan recipe).
 * ``UpToLogits`` / ``torch_pipeline``: minipar's stage split run by
   ``torch.distributed.pipelining``'s schedules.
+* ``context_parallel_peer`` / ``cp_train_step``: ``context_parallel`` (torch's ring
+  attention, head-tail load balancing) on a replicated model (bf16 weights, fp32
+  masters, DDP over the cp group), the position embedding replaced by ``GivenPositions``
+  so that the position ids can be a sequence-sharded buffer like the tokens.
 
 Used by ``bench_dp.py``, ``bench_tp.py``, ``bench_pp.py`` (CPU, gloo) and ``multigpu.py``
-(GPUs, NCCL). Nothing here is imported by minipar itself.
+(GPUs, NCCL), ``mg_cp.py`` (context parallelism). Nothing here is imported by minipar itself.
 """
 
 from __future__ import annotations
@@ -205,3 +209,60 @@ def torch_pipeline(chunks: list, n_stages: int, name: str, microbatches: int,
     looped = len(stages) > 1 or TORCH_SCHEDULES[name][1] > 1
     return cls(stages if looped else stages[0], n_microbatches=microbatches,
                loss_fn=pipeline_loss)
+
+
+class GivenPositions(nn.Module):
+    """A position embedding that looks up given position ids (``ids``: (batch, t), set
+    before each forward) instead of 0..t-1: under torch's ``context_parallel`` a rank
+    holds the head-tail shard of the sequence, so its positions are a buffer sharded
+    like the tokens. ``forward(pos)`` reads ``ids`` at the local indices ``pos`` (what
+    ``embed_tokens`` passes). Keeps the name ``pos_emb.weight``."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        self.ids: torch.Tensor | None = None  # not a buffer: it differs by cp rank
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        ids = pos if self.ids is None else self.ids[..., pos]
+        return F.embedding(ids, self.weight)
+
+
+def context_parallel_peer(model: GPT, device: torch.device, rotate: str = "allgather"):
+    """torch's context parallelism over every rank: ``model`` (on ``device``, fp32) gets
+    ``GivenPositions``, fp32 masters (``MasterWeights``), bf16 weights and DDP (the
+    gradient averaged over the cp group). Returns (ddp, masters, mesh); step with
+    ``cp_train_step``. SDPA must run causal (``is_causal=True``: the load balancer needs
+    it) on a CUDA kernel (flash, efficient or cuDNN); torch has no CPU path for it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    set_rotate_method(rotate)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("cp",))
+    model.pos_emb = GivenPositions(model.pos_emb.weight)  # a submodule replaced
+    masters = MasterWeights(model.parameters(), fused=device.type == "cuda")
+    model.to(torch.bfloat16)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=25)
+    return ddp, masters, mesh
+
+
+def cp_train_step(ddp, masters: MasterWeights, mesh, x: torch.Tensor,
+                  y: torch.Tensor) -> float:
+    """One step on the full (batch, seq) tokens ``x``, targets ``y`` (every rank passes
+    the same): ``context_parallel`` shards them and the position ids in place (head-
+    tail), forward and backward run inside it, then the masters step."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    x, y = x.clone(), y.clone()  # sharded in place
+    pos = torch.arange(x.shape[1], device=x.device).repeat(x.shape[0], 1)
+    with context_parallel(mesh, buffers=[x, y, pos], buffer_seq_dims=[1, 1, 1],
+                          no_restore_buffers={x, y, pos}):
+        ddp.module.pos_emb.ids = pos
+        loss = ddp(x, y)
+        loss.backward()
+    ddp.module.pos_emb.ids = None
+    masters.step()
+    return loss.item()

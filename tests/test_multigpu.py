@@ -151,6 +151,37 @@ def test_overlap_dry_run(tmp_path) -> None:
     assert len(row["per_rank"]) == 2 and all(c > 0 for c in row["cpu_events"])
     assert len(row["losses"]) == 3 and all(c > 0 for c in row["cpu_comm_ops"])
     assert (out / row["trace"]).stat().st_size == row["trace_bytes"] > 0
+
+
+def test_dry_run_context_parallel_and_offload(tmp_path) -> None:
+    """``--sections cp`` at tiny sizes: every minipar row runs (cp2 ring, one rank, the
+    ring alone, ZeRO-1 with and without offload; ZeRO-2's pair left out for time);
+    torch's CP is refused on the CPU with its reason; offload moves exactly the
+    theory's bytes; the summary row and ``--report`` work on the result."""
+    out = tmp_path / "out"
+    calib = tmp_path / "calibration.json"  # the send link, for the ring's hidden share
+    calib.write_text(json.dumps({"device": "cpu", "gpus": 2, "matmul_tflops": 0.05,
+                                 "memory_bytes": 0, "collectives": {"send": {
+                                     "latency_s": 1e-4, "bus_bandwidth": 1e9}}}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "multigpu.py"), "--device", "cpu",
+         "--gpus", "2", "--sections", "cp", "--calibration", str(calib),
+         "--only", "^cp (?!minipar dp2 zero2)",
+         "--out", str(out), "--budget-s", "150"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["name"]: r for r in
+            json.loads((out / "multigpu.json").read_text())["sections"]["cp"]["rows"]}
+    torch_cp = rows.pop("torch context_parallel cp2 seq128")
+    assert torch_cp["status"] == "refused" and "CPU" in torch_cp["reason"]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert rows["minipar cp2 seq128"]["cp_wire_bytes_per_step"] > 0
+    ring = rows["ring attention cp2 seq128 (one layer)"]
+    assert ring["zigzag"]["max_err_out"] < 1e-4 and ring["hidden_share"] is not None
+    summary = rows["cp summary"]
+    assert [o["zero"] for o in summary["offload"]] == [1]
+    assert all(o["bytes_over_theory"] == 1.0 for o in summary["offload"])
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "multigpu.py"), "--report",
          str(out / "multigpu.json"), "--out", str(tmp_path / "merged")],
