@@ -219,13 +219,14 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, **layout) -> int:
     micro-batches in flight, the loss workspace (``theory.memory.memory_per_stage``)."""
     from minipar.theory.memory import memory_per_stage
 
-    c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "zero", "microbatches", "sp",
-                                      "recompute", "schedule", "virtual")} | layout
+    c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "cp", "zero", "microbatches", "sp",
+                                      "recompute", "schedule", "virtual", "offload")} | layout
     rows = memory_per_stage(model, c["dp"], c["pp"], c["tp"], c["zero"], cfg.dtype,
                             "sgd" if cfg.optimizer == "sgd" else "adam",
                             max(1, cfg.batch_size // (c["dp"] * c["microbatches"])),
                             c["microbatches"], c["schedule"], c["sp"], c["recompute"],
-                            virtual=c["virtual"], accounting="fused")
+                            virtual=c["virtual"], accounting="fused", cp=c["cp"],
+                            offload=c["offload"])
     return max(r["total"] for r in rows)
 
 
@@ -258,7 +259,8 @@ def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
     fix = _fitting_layout(cfg, model, have // sharing)
     raise ValueError(
         f"this run does not fit: {cfg.model} dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} "
-        f"zero={cfg.zero} {cfg.dtype} needs {per_rank / gib:.1f} GiB per rank"
+        + (f"cp={cfg.cp} " if cfg.cp > 1 else "")
+        + f"zero={cfg.zero} {cfg.dtype} needs {per_rank / gib:.1f} GiB per rank"
         + (f" x {sharing} ranks = {per_rank * sharing / gib:.1f} GiB" if sharing > 1 else "")
         + f" of {what}, which has {have / gib:.1f} GiB; "
         + (f"{fix[0]} would need {fix[1] / gib:.1f} GiB per rank" if fix else
