@@ -37,7 +37,7 @@ import torch
 from minipar.config import TrainConfig, device_for, lr_at, optimizer_class, optimizer_kwargs
 from minipar.data import TokenSource, local_batches
 from minipar.mesh import RankMesh
-from minipar.model import GPT, materialize
+from minipar.model import GPT
 from minipar.reshard import ShardReader, load_optimizer_state
 
 __all__ = ["Parts", "build", "data_parallel", "loss_scale", "clip_gradients", "train_step"]
@@ -111,8 +111,6 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     # (by name, from the seed) or the checkpoint's tensor, made one at a time
     values = resume.values(device) if resume is not None else \
         init_values(mcfg, cfg.seed, rm.coords.tp, cfg.tp, device)
-    if cfg.zero != 3:  # ZeRO-3 makes each unit's shard inside its construction
-        materialize(model, values)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # parameters whose gradient is summed over another group after the dp reduction:
     # sequence parallelism's replicated norms (over tp) and a tied embedding's two
@@ -122,7 +120,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     tied_names = [n for n, _ in named if n in tied]
     sync, optimizer, precision = data_parallel(
         cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names,
-        values if cfg.zero == 3 else None)
+        values)
     actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
     # The data-parallel layer works through hooks, so the executor runs the chunks.
     # A synchronize after every action makes the GPU timeline true but stalls the host
@@ -146,8 +144,10 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
     and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
-    plain torch optimizer (``parallel/zero3.py``), which makes each unit's shard from
-    ``materialize(name, p)`` (the model is then still on the meta device). Gradients are
+    plain torch optimizer (``parallel/zero3.py``). ``materialize(name, p)``: the model
+    is still on the meta device, and each stage makes its buffers from these values one
+    weight at a time (ZeRO 0-2: the bucket's compute-dtype weights and fp32 master
+    shard; ZeRO-3: the unit's shard), never the whole fp32 local model. Gradients are
     summed, not averaged: the executor already divides each micro-batch loss by
     dp * cp * m (``loss_scale``). The group is dp x cp (``rm.dp_cp``, just dp when
     cp = 1): the weights are replicated over both, so their gradients are summed, and
@@ -172,6 +172,8 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
         return sync, optimizer, None
+    # on a meta model its masters are placeholders: ZeroOptimizer makes its own shards
+    # from ``materialize`` and releases them; it keeps the loss scale
     precision = MixedPrecision(model, torch.bfloat16) if bf16 else None
     bucket_mb = 25.0  # PyTorch DDP's default
     if cfg.zero == 2:  # a bucket per block: ZeRO-2 then holds one full-size bucket at most
@@ -179,7 +181,8 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
                          for u in units), default=bucket_mb * 2**20) / 2**20
     sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp_cp, precision=precision,
                          average=False, shared=shared, overlap=cfg.ddp == "overlapped",
-                         bucket_mb=0 if cfg.ddp == "naive" else bucket_mb, **opt_kwargs)
+                         bucket_mb=0 if cfg.ddp == "naive" else bucket_mb,
+                         materialize=materialize, **opt_kwargs)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
     return sync, sync, precision
 

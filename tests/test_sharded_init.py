@@ -6,10 +6,13 @@ import pytest
 import torch
 from torch import nn
 
+from minipar.comm import Comm
 from minipar.config import TrainConfig
 from minipar.engine import train
+from minipar.launch import launch
 from minipar.model import GPT, get_config, init_parameter, keyed_normal
 from minipar.parallel.materialize import init_values, reshard
+from minipar.parallel.precision import MixedPrecision
 from minipar.parallel.tp import shard_tensor
 
 TINY = get_config("tiny")
@@ -72,18 +75,23 @@ def test_reshard_from_overlapping_shards_only(saved_tp: int, tp: int) -> None:
             assert torch.equal(got, shard_tensor(name, full, r, tp)), (name, r)
 
 
-def _peaks(zero: int) -> list[dict]:
+def _peaks(zero: int, dtype: str = "fp32") -> list[dict]:
     run = train(TrainConfig(model="small", layers=16, hidden=512, heads=8, dp=4, zero=zero,
-                            steps=1, batch_size=4, timeout=300))
+                            steps=1, batch_size=4, timeout=300, dtype=dtype))
     return run["ranks"]
+
+
+def _model_bytes() -> int:
+    """The fp32 bytes of the model ``_peaks`` trains (4 Psi), from its shapes."""
+    return 4 * sum(p.numel() for p in GPT(get_config("small").with_(
+        n_layer=16, d_model=512, d_ff=2048), device="meta").parameters())
 
 
 def test_zero3_builds_in_a_fraction_of_the_host_memory() -> None:
     """dp 4, a 200 MB model: ZeRO-0 makes the whole model on each rank; ZeRO-3 makes each
     unit's values one tensor at a time and keeps a quarter of them."""
     z0, z3 = _peaks(0), _peaks(3)
-    model_bytes = 4 * sum(p.numel() for p in GPT(get_config("small").with_(
-        n_layer=16, d_model=512, d_ff=2048), device="meta").parameters())
+    model_bytes = _model_bytes()
     print("host peak MB zero0", [r["host_peak_bytes"] / 2**20 for r in z0],
           "zero3", [r["host_peak_bytes"] / 2**20 for r in z3],
           "build s", [round(r["build_seconds"], 2) for r in z0],
@@ -92,3 +100,52 @@ def test_zero3_builds_in_a_fraction_of_the_host_memory() -> None:
     assert max(r["host_peak_bytes"] for r in z3) < 0.5 * min(r["host_peak_bytes"] for r in z0)
     assert max(r["host_peak_bytes"] for r in z3) < 0.6 * model_bytes  # never the whole
     assert all(r["build_seconds"] > 0 for r in z0 + z3)
+
+
+def test_zero12_build_without_the_fp32_local_model() -> None:
+    """bf16, dp 4: ZeRO-1/2 used to make the whole fp32 local model, then copy it into
+    their buffers (an fp32 flat, its master shard, the bf16 weights): over twice the fp32
+    model per rank. Now each bucket is filled from the values one weight at a time: the
+    bf16 weights and the fp32 master shard, Psi (2 + 4/N) bytes, and one tensor."""
+    model_bytes = _model_bytes()
+    want = model_bytes * (2 + 4 / 4) / 4  # bf16 weights + a quarter of the fp32 masters
+    for zero in (1, 2):
+        peaks = [r["host_peak_bytes"] for r in _peaks(zero, "bf16")]
+        print(f"zero{zero} bf16 host peak / fp32 model", [round(p / model_bytes, 2)
+                                                         for p in peaks])
+        assert max(peaks) < 1.5 * want  # (the rest: the allocator, the step's buffers)
+        assert max(peaks) < 0.5 * 2 * model_bytes  # well below the old 2x
+
+
+def _zero_built_both_ways(stage: int) -> list:
+    """ZeroOptimizer over bf16 weights built from ``init_values`` on a meta model, and
+    built the old way from the whole model: its flats, masters and weights."""
+    from minipar.parallel.zero import ZeroOptimizer
+
+    cfg = TINY.with_(tie_embeddings=True)
+    out = []
+    for meta in (True, False):
+        model = GPT(cfg, seed=3, device="meta" if meta else None)
+        mp = MixedPrecision(model, torch.bfloat16)
+        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, comm=Comm(), precision=mp,
+                            bucket_mb=0.02, materialize=init_values(cfg, 3) if meta else None)
+        params = list(model.parameters())
+        assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in params)
+        assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))  # the same
+        assert model.head.weight is model.tok_emb.weight  # still tied
+        out.append(([f.full.clone() for f in opt.flats], [f.master.detach().clone()
+                                                          for f in opt.flats],
+                    {n: p.detach().clone() for n, p in model.named_parameters()},
+                    opt.full_parameters()))
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero12_sharded_build_has_the_reference_values(stage: int) -> None:
+    reference = dict(GPT(TINY.with_(tie_embeddings=True), seed=3).named_parameters())
+    for meta, whole in launch(_zero_built_both_ways, 2, args=(stage,), timeout=120):
+        for a, b in zip(meta[0] + meta[1], whole[0] + whole[1]):  # flats, master shards
+            assert torch.equal(a, b)
+        for name, ref in reference.items():
+            assert torch.equal(meta[2][name], ref.detach().to(torch.bfloat16)), name
+            assert torch.equal(meta[3][name], ref.detach()), name  # the fp32 masters

@@ -43,7 +43,7 @@ Use::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public her
     clip_owned,
     consolidate,
     held_grad_bytes,
+    realize,
     sharded_state,
 )
 
@@ -81,6 +82,10 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     so its shard is the same slice on every rank of that group. ``overlap``: reduce
     buckets during backward (else at ``finish_gradient_sync``); ``bucket_mb=0``: a
     bucket per parameter. ``max_inflight``: stage 2's buckets in flight at once.
+    ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
+    device (``parallel/materialize.py``): each bucket is filled from it one weight at a
+    time, so the fp32 local model is never made whole; nothing is broadcast, every rank
+    computes the same values (as ``Zero3``'s ``materialize``).
     """
 
     def __init__(self, params: nn.Module | Iterable, optimizer_class: type =
@@ -89,12 +94,15 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
                  grad_dtype: torch.dtype | None = torch.float32,
                  reduce_dtype: torch.dtype | None = None, average: bool = True,
                  bucket_mb: float = 25.0, overlap: bool = True, max_inflight: int = 2,
-                 broadcast: bool = True, shared: Iterable = (), **defaults):
+                 broadcast: bool = True, shared: Iterable = (), materialize=None,
+                 **defaults):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer covers stages 0-2, got {stage!r}; stage 3 "
                              "shards the weights too: minipar.parallel.zero3.Zero3")
         if isinstance(params, nn.Module):
             module, params = module or params, params.parameters()
+        if materialize is not None and module is None:
+            raise ValueError("materialize= needs module= (the weights' names)")
         self.stage, self.comm, self.module = stage, comm or Comm(), module
         self.precision, self.average, self.overlap = precision, average, overlap
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype
@@ -105,6 +113,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         self._names = {id(p): n for n, p in named.items()}
         self._pos = {id(p): i for i, p in enumerate(named.values())}
         self._shared = {id(named[s]) if isinstance(s, str) else id(s) for s in shared}
+        self._values = materialize
         self.flats: list[FlatParams] = []
         self.inner: torch.optim.Optimizer | None = None
         self._inner_group: dict[int, int] = {}
@@ -115,7 +124,10 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         self.backwards_per_step = 1  # backwards whose gradients one step sums
         self.grad_bytes = PeakBytes()
         self.skipped_steps = 0
-        if broadcast and module is not None:  # buffers and frozen weights: rank 0's
+        for n, p in named.items():  # frozen weights on the meta device: made here
+            if materialize is not None and p.is_meta and not p.requires_grad:
+                realize(p, materialize(n, p).to(p.dtype))
+        if broadcast and module is not None and materialize is None:  # and frozen: rank 0's
             with torch.no_grad():
                 for t in [*module.buffers(), *(p for p in module.parameters()
                                                if not p.requires_grad)]:
@@ -132,8 +144,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         for p in params:
             self._names.setdefault(id(p), f"group{g}.param{len(self._names)}")
             self._pos.setdefault(id(p), len(self._pos))
-        sources = self._sync_initial_values(params)
-        new = self._bucket_flats(params, g, sources)
+        new = self._bucket_flats(params, g, self._initial_values(params))
         if new:
             hyper = {k: v for k, v in self.param_groups[g].items() if k != "params"}
             group = {**hyper, "params": [f.master for f in new]}
@@ -150,8 +161,13 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
                                 self._complete, self.max_inflight)
         self._grad_hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _sync_initial_values(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """Every rank starts from rank 0's weights (the fp32 masters, with precision)."""
+    def _initial_values(self, params: list[nn.Parameter]
+                        ) -> Callable[[nn.Parameter], torch.Tensor]:
+        """``p -> its initial value``, the same on every rank: made when asked by
+        ``materialize`` (the model is on the meta device: a bucket is filled one value
+        at a time), else rank 0's weights (the fp32 masters, with precision)."""
+        if self._values is not None:
+            return lambda p: self._values(self._names[id(p)], p)
         sources = [self.precision.master(p).data if self.precision else p.data
                    for p in params]
         with torch.no_grad():
@@ -160,12 +176,12 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
                     self.comm.broadcast(src, src=0)
                 if src is not p.data:
                     p.copy_(src)  # the 16-bit weights follow the shared masters
-        return sources
+        by_id = {id(p): src for p, src in zip(params, sources)}
+        return lambda p: by_id[id(p)]
 
     def _bucket_flats(self, params: list[nn.Parameter], group: int,
-                      sources: list[torch.Tensor]) -> list[FlatParams]:
+                      source: Callable[[nn.Parameter], torch.Tensor]) -> list[FlatParams]:
         """Buckets in reverse parameter order; a shared parameter alone in its own."""
-        source = {id(p): s for p, s in zip(params, sources)}
         params = sorted(params, key=lambda p: self._pos[id(p)])
         alone = [[p] for p in params if id(p) in self._shared]
         buckets = bucket_params([p for p in params if id(p) not in self._shared],
@@ -175,7 +191,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         for b in buckets:
             b = sorted(b, key=lambda p: self._pos[id(p)])
             f = FlatParams(b, [self._names[id(p)] for p in b], group,
-                           [source[id(p)] for p in b], rank, parts, b[0].dtype, MASTER_DTYPE)
+                           lambda k, b=b: source(b[k]), rank, parts, b[0].dtype, MASTER_DTYPE)
             f.bind()  # the parameters become views of the flat buffer
             flats.append(f)
         if self.precision is not None:

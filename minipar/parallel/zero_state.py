@@ -34,7 +34,8 @@ class FlatParams:
     """
 
     def __init__(self, params: list, names: list[str], group: int,
-                 sources: list[torch.Tensor], rank: int, parts: int, dtype: torch.dtype,
+                 sources: list[torch.Tensor] | Callable[[int], torch.Tensor], rank: int,
+                 parts: int, dtype: torch.dtype,
                  master_dtype: torch.dtype = torch.float32, keep_full: bool = True):
         self.params, self.names, self.group = params, names, group
         self.shapes = [tuple(p.shape) for p in params]
@@ -48,16 +49,30 @@ class FlatParams:
         if not keep_full:  # ZeRO-3: only this rank's shard is ever made, value by value
             self._shard_only(sources, master_dtype, dtype, parts)
             return
-        device = sources[0].device
-        flat = torch.zeros(self.padded, dtype=master_dtype, device=device)
+        self._fill(sources if callable(sources) else sources.__getitem__, master_dtype,
+                   dtype, parts)
+
+    def _fill(self, make: Callable[[int], torch.Tensor], master_dtype: torch.dtype,
+              dtype: torch.dtype, parts: int) -> None:
+        """``full`` (compute dtype) and the ``master`` shard, filled parameter by
+        parameter from ``make(k)``: parameter k's value, given or made when asked
+        (sharded initialisation, ``materialize.py``). Only one such value is alive at a
+        time: no fp32 copy of the bucket, let alone of the model, beside the two."""
+        one = parts == 1 and dtype == master_dtype  # unsharded fp32: master *is* full
+        full = master = None
         with torch.no_grad():
-            for src, o, n in zip(sources, self.offsets, self.numels):
-                flat[o:o + n].copy_(src.reshape(-1))
-        if parts == 1 and dtype == master_dtype:
-            self.full, self.master = flat, nn.Parameter(flat)  # one buffer, no copy
-        else:
-            self.master = nn.Parameter(flat[self.lo:self.hi].clone())
-            self.full = flat.to(dtype)
+            for k, (o, n) in enumerate(zip(self.offsets, self.numels)):
+                src = make(k).reshape(-1)
+                if full is None:  # zeros: the padding holds no weight
+                    full = torch.zeros(self.padded, dtype=dtype, device=src.device)
+                    master = full if one else torch.zeros(
+                        self.hi - self.lo, dtype=master_dtype, device=src.device)
+                full[o:o + n].copy_(src)  # the cast rounds as .to(dtype) would
+                a, b = max(o, self.lo), min(o + n, self.hi)
+                if not one and a < b:
+                    master[a - self.lo:b - self.lo].copy_(src[a - o:b - o])
+                del src
+        self.full, self.master = full, nn.Parameter(master)
 
     def _shard_only(self, sources, master_dtype: torch.dtype, dtype: torch.dtype,
                     parts: int) -> None:
@@ -87,7 +102,7 @@ class FlatParams:
     def bind(self) -> None:
         """Make the parameters views of the flat buffer (an all-gather updates them)."""
         for p, o, n in zip(self.params, self.offsets, self.numels):
-            p.data = self.full[o:o + n].view_as(p)
+            realize(p, self.full[o:o + n].view(p.shape))
 
     def owned(self) -> Iterator[tuple[int, int, int]]:
         """(k, a, b): the part of parameter k inside this rank's shard, as [a, b) of it."""
@@ -102,6 +117,19 @@ class FlatParams:
         for t, o, n in zip(tensors, self.offsets, self.numels):
             flat[o:o + n] = t.reshape(-1).cpu()
         return flat[self.lo:self.hi].clone().to(self.master.device)
+
+
+def realize(p: nn.Parameter, value: torch.Tensor) -> None:
+    """Make ``value`` the data of ``p``, which may be on the meta device, keeping the
+    object (optimizer groups, hooks and the user hold it). ``p.data = value`` cannot move
+    a meta tensor to a device; ``torch.utils.swap_tensors`` can (its attributes, e.g.
+    ``sequence_parallel``, are carried over)."""
+    if p.is_meta:
+        new = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device),
+                           requires_grad=p.requires_grad)
+        new.__dict__.update(p.__dict__)
+        torch.utils.swap_tensors(p, new)
+    p.data = value
 
 
 def owned_grads(flats: list[FlatParams], owns_unsharded: bool
