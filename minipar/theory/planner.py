@@ -17,8 +17,12 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
     bubble   = compute * bubble ratio of the schedule ((p-1)/m for 1F1B, ...)
     tp, pp   = wire bytes / bandwidth + calls * latency, all exposed (Megatron's tensor
                parallel collectives sit on the critical path)
-    dp       = the same, minus what hides behind compute: gradient reduction overlaps the
-               backward of the last micro-batch; ZeRO-3's gathers prefetch during compute
+    dp       = the same (gradients reduced in fp32, as minipar does), minus what hides
+               behind compute (``_exposed_dp``): stages 0-2 reduce during the last
+               micro-batch's backward and all-gather the new weights after the step;
+               ZeRO-3 gathers during each forward and gathers + reduce-scatters during
+               each backward. Overlapped, NCCL gets only ``OVERLAP_BANDWIDTH`` of its
+               calibrated bandwidth (compute kernels hold the SMs and memory)
     cp       = the ring's wire bytes / bandwidth + calls * latency, exposed only when a
                rank's s / cp tokens are too few to hide a ring step behind its block's
                compute (``theory.context.min_local_tokens_to_hide_ring``)
@@ -49,6 +53,11 @@ from minipar.theory.models import get_model
 from minipar.theory.params import hardware_flops_per_token, model_flops_per_token
 
 TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp")
+# NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
+# on 4 x H100 (benchmarks/multigpu.py, docs/benchmarks.md): gpt-13b ZeRO-3 at micro-batch
+# 1 takes 1.99 s against 1.23 s of compute, its per-layer backward transfers (4.5 ms at
+# full bandwidth) exceeding the 5.1 ms of backward compute once halved.
+OVERLAP_BANDWIDTH = 0.5
 
 
 @dataclass
@@ -147,15 +156,17 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
         return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node,
                                             cp)
 
-    t = {d: _comm_seconds(vol, d, cluster, spans(d)) for d in ("tp", "cp", "pp", "dp")}
+    t = {d: _comm_seconds(vol, d, cluster, spans(d)) for d in ("tp", "cp", "pp")}
+    dp_ops = {op: _comm_seconds({"dp": {op: x}}, "dp", cluster, spans("dp"))
+              * (4 / 2 if dtype == "bf16" and op in ("all_reduce", "reduce_scatter") else 1)
+              for op, x in vol.get("dp", {}).items()}  # (gradients travel in fp32)
+    t["dp"] = _exposed_dp(dp_ops, compute, m, zero, recompute) if overlap else \
+        sum(dp_ops.values())
     if cp > 1:  # the ring hides behind the block compute once the local shard is long
         bw = cluster.link("send", spans("cp"))[0]
         e = 2 if dtype == "bf16" else 4
         if cfg.seq_len // cp >= min_local_tokens_to_hide_ring(cluster.matmul_rate, bw, e):
             t["cp"] = 0.0
-    if overlap:
-        window = compute if zero == 3 else compute / m * 2 / 3  # last backward only
-        t["dp"] = max(0.0, t["dp"] - window)
     time = {"compute": compute, "bubble": bubble, **t}
     time["step"] = sum(time[k] for k in TIME_KEYS)
     achieved = model_flops_per_token(cfg) * tokens / time["step"]
@@ -164,6 +175,24 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     return Layout(tp, pp, dp, zero, microbatch_size, m, schedule, virtual, sp, recompute,
                   memory=mem, time=time, traffic=traffic, mfu=achieved / (cluster.gpus * peak),
                   fits=mem["total"] <= memory_fraction * cluster.gpu_memory, cp=cp)
+
+
+def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
+                recompute: str) -> float:
+    """Data-parallel seconds left on the critical path, from each op's seconds at full
+    bandwidth. A forward is a third of the compute (a quarter with full recomputation,
+    which runs it twice); what overlaps runs at ``OVERLAP_BANDWIDTH``."""
+    forward = compute / (4 if recompute == "full" else 3)
+    backward = compute - forward
+    reduce = seconds.get("all_reduce", 0.0) + seconds.get("reduce_scatter", 0.0)
+    gather = seconds.get("all_gather", 0.0)
+    slow = 1 / OVERLAP_BANDWIDTH
+    if zero == 3:  # half the gathers in forwards, half (+ every reduction) in backwards
+        return (max(0.0, gather / 2 * slow - forward)
+                + max(0.0, (gather / 2 + reduce) * slow - backward))
+    # the last micro-batch's backward hides the reduction; the weights' all-gather
+    # after the optimizer step (ZeRO-1/2) waits for it, exposed
+    return max(0.0, reduce * slow - backward / m) + gather
 
 
 @dataclass
