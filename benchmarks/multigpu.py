@@ -377,7 +377,8 @@ def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
              (f"tp{n} sp recompute selective", dict(tp=n, sp=True, recompute="selective"),
               both),
              (f"pp{n} 1f1b tied embeddings", dict(pp=n, microbatches=m2,
-                                                  overrides={"tie_embeddings": True}), both)]
+                                                  overrides={"tie_embeddings": True}), both),
+             (f"cp{n}", dict(cp=n), both)]
     if n >= 4:
         rows += [("dp2 tp2 zero1", dict(dp=2, tp=2, zero=1), both),
                  ("dp2 pp2 zero2", dict(dp=2, pp=2, zero=2, microbatches=2), both),
@@ -390,7 +391,10 @@ def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
                      dp=2, pp=2, microbatches=2, order="pp-inside-dp", recompute="full"),
                   both),
                  ("dp2 pp2 tp1 zero1 sgd", dict(dp=2, pp=2, zero=1, microbatches=2, **SGD),
-                  fp32)]
+                  fp32),
+                 ("cp2 tp2 sp", dict(cp=2, tp=2, sp=True), both),
+                 ("dp2 cp2 zero3", dict(dp=2, cp=2, zero=3), fp32),
+                 ("cp2 pp2 zb", dict(cp=2, pp=2, schedule="zb", microbatches=2), fp32)]
     rows += [(f"dp{n} sgd", dict(dp=n, microbatches=2, **SGD), fp32),
              (f"dp{n} zero3 sgd", dict(dp=n, zero=3, microbatches=2, **SGD), fp32),
              (f"tp{n} sp sgd", dict(tp=n, sp=True, **SGD), fp32),
@@ -1155,9 +1159,8 @@ def main() -> int:
     print(f"multigpu: {n} ranks on {args.device} ({run.backend}), torch {torch.__version__},"
           f" sections {sections}, budget {args.budget_s:.0f} s, out {args.out}", flush=True)
     try:
-        for name in SECTIONS:  # calibrate first: the predictions need it
-            if name not in sections:
-                continue
+        # calibrate first (the predictions need it), then in the order given
+        for name in sorted(sections, key=lambda x: x != "calibrate"):
             if name == "calibrate":
                 section_calibrate(run)
             elif name == "parity":
