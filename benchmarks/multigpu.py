@@ -757,6 +757,8 @@ def section_big(run: Run) -> None:
             except ValueError as e:
                 refused.append({"layout": lay.label(), "reason": str(e)})
                 continue
+            if any({**a, "zero": 0} == {**layout, "zero": 0} for _, a in accepted):
+                continue  # another ZeRO stage of a layout tried: it fails the same way
             accepted.append((lay, layout))
             if len(accepted) == BIG_TRIES:
                 break

@@ -31,8 +31,9 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
 across nodes (network), read off the rank layout (``minipar.mesh.Mesh``); a calibrated
 cluster gives each collective its own measured latency and bandwidth inside a node.
-What it leaves out: kernel efficiency changing with matrix sizes, imbalance between
-the first/last stage and the others, network contention between groups. Use it to
+With pp > 1 the compute is the last stage's (its layers and the head). What it leaves
+out: kernel efficiency changing with matrix sizes, per-action overheads of a
+pipeline's many small micro-batches, network contention between groups. Use it to
 rank and to reason, not to promise a number.
 """
 
@@ -149,6 +150,10 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     peak = cluster.peak_flops
     compute = hardware_flops_per_token(cfg, recompute) * tokens / cluster.gpus / (
         cluster.matmul_rate * matmul_efficiency)
+    if pp > 1:  # the last stage also runs the head: the pipeline moves at its pace
+        head = 6.0 * cfg.vocab_size * cfg.d_model
+        per_token = hardware_flops_per_token(cfg, recompute)
+        compute *= ((per_token - head) / pp + head) / (per_token / pp)
     bubble = compute * bubble_ratio_formula(schedule, pp, m, virtual) if pp > 1 else 0.0
 
     def spans(dim: str) -> bool:
