@@ -125,7 +125,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     # The data-parallel layer works through hooks, so the executor runs the chunks.
     # A synchronize after every action makes the GPU timeline true but stalls the host
     # (a few % of a small model's step): only when a trace is asked for.
-    executor = PipelineExecutor(stage, rm.pp, actions,
+    executor = PipelineExecutor(stage, rm.pp, actions, device=device,
                                 synchronize=bool(cfg.trace) and device.type == "cuda")
     parts = Parts(model, stage, optimizer, executor, sync, precision, [n for n, _ in named],
                   sp_names, tied_names)

@@ -94,7 +94,8 @@ class PipelineExecutor:
     """
 
     def __init__(self, chunks: Sequence[nn.Module], comm: Comm, actions: Schedule, *,
-                 sleep_per_unit: float = 0.0, synchronize: bool = False) -> None:
+                 sleep_per_unit: float = 0.0, synchronize: bool = False,
+                 device: torch.device | str | None = None) -> None:
         if len(actions) != comm.size:
             raise ValueError(f"schedule is for pp={len(actions)}, the pipeline group has "
                              f"{comm.size} ranks")
@@ -106,8 +107,10 @@ class PipelineExecutor:
         self.microbatches = schedule_shape(actions)[1]
         self.split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
         self.sleep_per_unit = sleep_per_unit
+        # (ZeRO-3 leaves a chunk no registered parameters: the caller names the device)
         params = [p for c in chunks for p in c.parameters()]
-        self.device = params[0].device if params else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else \
+            params[0].device if params else torch.device("cpu")
         self.synchronize = synchronize and self.device.type == "cuda"
         self._shapes_sent: set = set()
         self._shapes_known: dict = {}
