@@ -12,6 +12,11 @@ Zig-zag should make it equal across ranks; the contiguous split should not.
 
     python benchmarks/cp_gpu.py --cp 2 --seq 8192          # on a machine with 2 GPUs
     python benchmarks/cp_gpu.py --cp 2 --seq 64 --device cpu   # a dry run anywhere (gloo)
+    python benchmarks/cp_gpu.py --cp 4 --seq 16384 --dtype bf16 --kernel math  # vs flash
+
+``--kernel`` picks the block kernel (``minipar.parallel.cp.block_kernel``): auto runs the
+fused flash kernel in bf16 on GPUs and the math path otherwise. The tables below were
+measured with the math block kernel, before the flash one existed (``--kernel math``).
 
 Measured on 4 H100 (torch 2.11, NCCL; 1 sequence, 8 heads of 64; seconds per forward +
 backward, the same on every rank because each ring step waits for the slowest rank):
@@ -52,7 +57,7 @@ import torch.nn.functional as F
 
 from minipar.comm import Comm
 from minipar.launch import launch
-from minipar.parallel.cp import block_forward, block_plan, ring_attention, shard_sequence
+from minipar.parallel.cp import block_kernel, block_plan, ring_attention, shard_sequence
 
 
 def _timed(device: str, reps: int, fn, *args) -> float:
@@ -70,15 +75,17 @@ def _timed(device: str, reps: int, fn, *args) -> float:
     return statistics.median(times)
 
 
-def _local_blocks(q, k, v, rank: int, cp: int, layout: str) -> None:
+def _local_blocks(q, k, v, rank: int, cp: int, layout: str, kernel: str) -> None:
     """This rank's forward blocks with no communication (its own k, v as stand-ins)."""
     qs, ks, vs = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
+    fwd = block_kernel(q, kernel).forward
     for blocks in block_plan(rank, cp, layout):
         for qi, kj, kind in blocks:
-            block_forward(qs[qi], ks[kj], vs[kj], q.shape[-1] ** -0.5, kind == "causal")
+            fwd(qs[qi], ks[kj], vs[kj], q.shape[-1] ** -0.5, kind == "causal")
 
 
-def _rank(seq: int, heads: int, hd: int, dtype: str, device: str, reps: int) -> dict:
+def _rank(seq: int, heads: int, hd: int, dtype: str, device: str, reps: int,
+          kernel: str = "auto") -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu")
     comm = Comm(dim="cp")
@@ -92,7 +99,7 @@ def _rank(seq: int, heads: int, hd: int, dtype: str, device: str, reps: int) -> 
     ref_out.backward(full[3])
     want = [ref_out.detach()] + [t.grad for t in ref]
     result: dict = {"rank": r, "device": torch.cuda.get_device_name(dev)
-                    if device == "cuda" else "cpu"}
+                    if device == "cuda" else "cpu", "kernel": block_kernel(full[0], kernel).name}
     for layout in ("zigzag", "contiguous"):
         q, k, v, dout = (shard_sequence(t, r, n, layout, dim=2) for t in full)
         times = []
@@ -101,7 +108,7 @@ def _rank(seq: int, heads: int, hd: int, dtype: str, device: str, reps: int) -> 
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = ring_attention(q, k, v, comm, layout)
+            out = ring_attention(q, k, v, comm, layout, kernel=kernel)
             out.backward(dout)
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -111,8 +118,8 @@ def _rank(seq: int, heads: int, hd: int, dtype: str, device: str, reps: int) -> 
         err = [(a.float() - shard_sequence(b, r, n, layout, dim=2).float()).abs().max().item()
                for a, b in zip(got, want)]
         with torch.no_grad():
-            fwd = _timed(device, reps, ring_attention, q, k, v, comm, layout)
-            local = _timed(device, reps, _local_blocks, q, k, v, r, n, layout)
+            fwd = _timed(device, reps, ring_attention, q, k, v, comm, layout, None, kernel)
+            local = _timed(device, reps, _local_blocks, q, k, v, r, n, layout, kernel)
         result[layout] = {"max_err_out": err[0], "max_err_grad": max(err[1:]),
                           "seconds": statistics.median(times), "forward_seconds": fwd,
                           "forward_compute_seconds": local}
@@ -128,10 +135,12 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kernel", default="auto", choices=("auto", "math", "flash"),
+                   help="block kernel: auto = flash on CUDA in bf16, else math")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     backend = "nccl" if a.device == "cuda" else "gloo"
-    res = launch(_rank, a.cp, args=(a.seq, a.heads, a.hd, a.dtype, a.device, a.reps),
+    res = launch(_rank, a.cp, args=(a.seq, a.heads, a.hd, a.dtype, a.device, a.reps, a.kernel),
                  backend=backend, timeout=300)
     for r in res:
         print(json.dumps(r))

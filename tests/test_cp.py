@@ -13,7 +13,7 @@ scores (outputs up to 3): 2.9e-6, allowed 1e-5. bf16 inputs against the fp32 ref
 (mostly the rounding of the inputs themselves): 1.2e-2, allowed 3.5e-2. A whole layer
 (``Block``) on a shard: outputs and input gradients 4.8e-7, allowed 1.5e-6; weight
 gradients summed over cp (sums over all tokens, larger) 3.8e-6, allowed 1.2e-5. Each
-mutation misses by more than 1e-2.
+mutation misses by more than 1e-2. The flash block kernel: tests/test_cp_kernels.py.
 """
 
 from __future__ import annotations
@@ -317,3 +317,4 @@ def test_overlap_condition():
     assert t == 200
     flops, nbytes = 2 * t * t * 16, 2 * t * 16 * e  # b = 1, w = 16
     assert flops / f == pytest.approx(nbytes / bw)
+

@@ -31,19 +31,29 @@ Both layouts are described the same way: rank r holds two chunks of the 2C-chunk
 j) causality is decided per chunk, never per token: j < i is a full block, j == i a
 causal-diagonal block, j > i is skipped. ``block_plan`` lists the blocks each ring step
 computes; the kernel runs exactly that list, and the tests count it.
+
+The block kernel. Here a block is matmul, softmax, matmul in fp32: the readable
+reference and the CPU path. On a GPU with fp16/bf16 each block runs PyTorch's fused
+flash-attention kernel instead (FlashAttention, Dao et al. 2022, the kernel torch's own
+``context_parallel`` calls per block): it never writes the (t, t) scores to GPU memory,
+returns the same (out, lse), and its backward takes the same merged (out, lse).
+``block_kernel`` picks one; ``cp_kernels`` says more.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 from minipar.comm import Comm, Pending
+from minipar.parallel import cp_kernels
 
 LAYOUTS = ("zigzag", "contiguous")
+KERNELS = ("auto", "math", "flash")
 
 
 # --- the split: which tokens a cp rank holds ---------------------------------------------
@@ -156,8 +166,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """Attention of q over one key block: (out, lse), fp32.
 
     ``F.scaled_dot_product_attention`` would compute ``out`` but does not return the
-    log-sum-exp the merge needs (only private fused kernels do), so this is plain
-    matmul-softmax: clear first.
+    log-sum-exp the merge needs (only private fused kernels do: ``cp_kernels`` calls
+    them on GPUs), so this is plain matmul-softmax: clear first.
     """
     s = _scores(q.float(), k.float(), scale, causal)
     lse = torch.logsumexp(s, dim=-1)
@@ -176,6 +186,43 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
     dv = p.transpose(-2, -1) @ dout
     ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+
+
+class BlockKernel(NamedTuple):
+    """How a block is computed; the ring calls both kinds the same way.
+
+    forward(q, k, v, scale, causal) -> (out fp32, lse fp32, aux);
+    backward(q, k, v, out, dout, lse, aux, scale, causal) -> (dq, dk, dv), with out and
+    dout the whole rows' (merged) output and its gradient, in ``io_dtype`` (None: q's).
+    """
+
+    name: str
+    forward: Callable
+    backward: Callable
+    io_dtype: torch.dtype | None
+
+
+def _math_forward(q, k, v, scale: float, causal: bool):
+    return (*block_forward(q, k, v, scale, causal), None)
+
+
+def _math_backward(q, k, v, out, dout, lse, aux, scale: float, causal: bool):
+    delta = (dout * out).sum(-1)  # rowsum(dout * out), per query (the flash kernel's D)
+    return block_backward(q, k, v, dout, lse, delta, scale, causal)
+
+
+MATH = BlockKernel("math", _math_forward, _math_backward, torch.float32)
+FLASH = BlockKernel("flash", cp_kernels.flash_block_forward,
+                    cp_kernels.flash_block_backward, None)
+
+
+def block_kernel(q: torch.Tensor, kernel: str = "auto") -> BlockKernel:
+    """The block kernel for q: flash where it runs (CUDA sm80+, fp16/bf16, hd <= 256)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; use one of {KERNELS}")
+    if kernel == "auto":
+        return FLASH if cp_kernels.flash_available(q) else MATH
+    return FLASH if kernel == "flash" else MATH
 
 
 # --- the ring ---------------------------------------------------------------------------
@@ -205,8 +252,10 @@ class RingAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: Comm, layout: str, scale: float):
+    def forward(ctx, q, k, v, comm: Comm, layout: str, scale: float, kernel: str):
         plan = block_plan(comm.rank, comm.size, layout)
+        kern = block_kernel(q, kernel)
+        aux = None  # the flash kernel's rng state etc., the same for every c x c block
         qs = q.chunk(2, dim=2)  # the rank's two chunks
         out: list[torch.Tensor | None] = [None, None]
         lse: list[torch.Tensor | None] = [None, None]
@@ -218,26 +267,26 @@ class RingAttentionFunction(torch.autograd.Function):
             pending = [] if last else _exchange(comm, cur, buffers[(step + 1) % 2])
             ks, vs = cur[0].chunk(2, dim=2), cur[1].chunk(2, dim=2)
             for qi, kj, kind in blocks:
-                o, s = block_forward(qs[qi], ks[kj], vs[kj], scale, kind == "causal")
+                o, s, aux = kern.forward(qs[qi], ks[kj], vs[kj], scale, kind == "causal")
                 if out[qi] is None:
                     out[qi], lse[qi] = o, s
                 else:
                     out[qi], lse[qi] = merge_attention(out[qi], lse[qi], o, s)
             _wait(pending)
         out_t, lse_t = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out_t, lse_t)
-        ctx.comm, ctx.layout, ctx.scale = comm, layout, scale
-        return out_t.to(q.dtype)
+        res = out_t.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out_t if kern.io_dtype else res, lse_t)
+        ctx.comm, ctx.layout, ctx.scale, ctx.kern, ctx.aux = comm, layout, scale, kern, aux
+        return res
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, scale = ctx.comm, ctx.scale
+        comm, scale, kern = ctx.comm, ctx.scale, ctx.kern
         plan = block_plan(comm.rank, comm.size, ctx.layout)
-        dout = dout.float()
-        delta = (dout * out).sum(-1)  # rowsum(dout * out), per query
+        dout = dout.to(kern.io_dtype or q.dtype)
         qs, douts = q.chunk(2, dim=2), dout.chunk(2, dim=2)
-        lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        lses, outs = lse.chunk(2, dim=2), out.chunk(2, dim=2)
         dq = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
         kv = torch.stack([k, v])
         buffers = [kv, torch.empty_like(kv)]
@@ -251,8 +300,8 @@ class RingAttentionFunction(torch.autograd.Function):
             dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
             dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)  # views into dkv
             for qi, kj, kind in blocks:
-                g = block_backward(qs[qi], ks[kj], vs[kj], douts[qi], lses[qi], deltas[qi],
-                                   scale, kind == "causal")
+                g = kern.backward(qs[qi], ks[kj], vs[kj], outs[qi], douts[qi], lses[qi],
+                                  ctx.aux, scale, kind == "causal")
                 dq[qi] += g[0]
                 dks[kj].add_(g[1])
                 dvs[kj].add_(g[2])
@@ -271,22 +320,25 @@ class RingAttentionFunction(torch.autograd.Function):
         _wait(moving_pending)
         dkv = own if moving is None else own + moving
         return (torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
-                   layout: str = "zigzag", scale: float | None = None) -> torch.Tensor:
+                   layout: str = "zigzag", scale: float | None = None,
+                   kernel: str = "auto") -> torch.Tensor:
     """Causal softmax(q k^T * scale) v over the whole sequence, each rank holding a shard.
 
     Inputs and output: (batch, heads, t_local, head_dim), t_local = seq_len / cp, tokens
     in the order ``shard_sequence`` gives them (``layout``). scale defaults to 1/sqrt(hd).
+    kernel: "auto" (``block_kernel``: flash on GPUs in 16 bits, else math), "math" or
+    "flash".
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
     if q.shape[2] % 2:
         raise ValueError(f"t_local={q.shape[2]} must be even: a cp rank holds two chunks")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttentionFunction.apply(q, k, v, comm, layout, scale)
+    return RingAttentionFunction.apply(q, k, v, comm, layout, scale, kernel)
 
 
 class RingAttention(nn.Module):
