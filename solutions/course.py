@@ -12,12 +12,19 @@
 * ``score_schedule`` and ``score_layout``: budgeted design puzzles. Your schedule (a
   list of actions per rank) or layout (tp, pp, dp, ...) is validated and priced by the
   same functions the engine and the planner use, and compared with a target.
+* ``check_...`` (and ``measure_builds``): what a lesson's runs must show, asserted in one
+  call, so the pages read as lessons and ``make notebooks`` still fails when the engine
+  stops doing what a page says.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+__all__ = ["HINTS", "LEVELS", "check_dp_run", "check_sharded_build", "check_sp_run",
+           "check_spanning", "check_tp_run", "check_zero_memory", "hint", "measure_builds",
+           "predict", "score_layout", "score_schedule"]
 
 LEVELS = {1: "a nudge", 2: "the idea", 3: "the formula"}
 
@@ -238,3 +245,127 @@ def score_layout(layout: dict | None, model: str, cluster: str, global_batch: in
     print("PASS" if ok else "not yet: " + ("over the memory cap" if mem > memory_cap
                                            else "too slow"))
     return {"passed": ok, "memory": mem, "step_time": step}
+
+
+# --- what the lessons' runs show ------------------------------------------------------
+# A lesson states what a run does and shows the run; the checks below assert each claim,
+# so `make notebooks` fails when the engine stops doing what the page says, and the page
+# itself reads as a lesson (one call where a block of asserts would be).
+
+def _same_losses(reference: list[float], losses: list[float], tol: float = 1e-4) -> None:
+    assert len(reference) == len(losses), (reference, losses)
+    worst = max(abs(a - b) for a, b in zip(reference, losses))
+    assert worst < tol, f"losses differ from one process by up to {worst:.3g}"
+
+
+def check_dp_run(run: dict, model_cfg, steps: int) -> None:
+    """Lesson 01 § 2: under dp = 2 with fp32 AdamW each rank holds 4 + 4 + 8 bytes per
+    parameter, and each step all-reduces every gradient once (plus the 8-byte loss and the
+    4-byte squared gradient norm), sending the ring's 2 (N-1)/N of it."""
+    from minipar.comm import wire_bytes
+    from minipar.theory import comm_volume, param_count
+
+    n, rank0 = param_count(model_cfg), run["ranks"][0]
+    mem = rank0["memory"]
+    assert mem["params"] == mem["grads"] == 4 * n, mem
+    assert mem["optimizer"] == 8 * n, mem  # two fp32 Adam moments
+    theory = comm_volume(model_cfg, dp=2, dtype="fp32")["dp"]["all_reduce"]
+    grad_bytes = (rank0["comm"]["dp"]["all_reduce"]["bytes"] - 12 * steps) // steps
+    assert grad_bytes == theory["bytes"] == 4 * n, (grad_bytes, theory)
+    assert theory["wire_bytes"] == wire_bytes("all_reduce", 4 * n, 2), theory
+
+
+def check_zero_memory(runs: dict[int, dict], n_params: int) -> None:
+    """Lesson 02 § 2: what rank 0 of each ZeRO stage (dp = 2, fp32) held at its peak,
+    against ``model_states``: the table's shards plus what the implementation keeps."""
+    from minipar.theory.memory import model_states
+
+    for z, run in runs.items():
+        mem, want = run["ranks"][0]["memory"], model_states(n_params, 2, z, "fp32")
+        if z < 3:  # whole weights in stages 0-2
+            assert mem["params"] == want["params"], (z, mem, want)
+        else:  # at its peak: the shard plus the units gathered at that moment
+            assert mem["params"] > want["params"], (z, mem, want)
+        if z >= 2:  # the shard, plus one block's bucket while it is reduce-scattered
+            assert want["grads"] <= mem["grads"] < runs[1]["ranks"][0]["memory"]["grads"]
+        if z in (1, 2):  # Adam's moments sharded, plus the fp32 master shard (4 B x n / 2)
+            assert mem["optimizer"] == want["optimizer"] + 4 * n_params // 2, (z, mem)
+        if z == 3:  # the fp32 shards the optimizer steps are the masters themselves
+            assert mem["optimizer"] == want["optimizer"], (z, mem)
+
+
+def measure_builds(stages: tuple[int, ...] = (0, 3), dp: int = 4, **model) -> dict:
+    """Lesson 02 § 3: one step of ``train`` per ZeRO stage on ``dp`` ranks; per stage the
+    ranks' ``host_peak_bytes`` and ``build_seconds`` (what each rank's build of its part
+    cost), and ``model_bytes``: the whole model in fp32."""
+    from minipar.config import TrainConfig
+    from minipar.engine import train
+    from minipar.theory import param_count
+
+    out: dict = {}
+    for z in stages:
+        cfg = TrainConfig(dp=dp, zero=z, steps=1, batch_size=dp, timeout=300, **model)
+        ranks = train(cfg)["ranks"]
+        out[z] = {"host_peak_bytes": [r["host_peak_bytes"] for r in ranks],
+                  "build_seconds": [r["build_seconds"] for r in ranks]}
+        out["model_bytes"] = 4 * param_count(cfg.model_config())
+    return out
+
+
+def check_sharded_build(builds: dict) -> list[str]:
+    """Lesson 02 § 3: under ZeRO-0 every rank makes the whole model (its host peak is at
+    least the model's bytes); under ZeRO-3 each makes only its shard (every rank's peak is
+    under half of the smallest ZeRO-0 peak) and, making fewer values, builds faster (the
+    ranks' build seconds summed). Returns the verdicts as sentences that do not vary."""
+    model, z0, z3 = builds["model_bytes"], builds[0], builds[3]
+    assert min(z0["host_peak_bytes"]) >= model, (model, z0)
+    assert max(z3["host_peak_bytes"]) < 0.5 * min(z0["host_peak_bytes"]), (z0, z3)
+    assert sum(z3["build_seconds"]) < sum(z0["build_seconds"]), (z0, z3)
+    n = len(z0["host_peak_bytes"])
+    return [f"ZeRO-0: each of the {n} ranks' host peak is at least the whole model "
+            f"({model / 1e6:.1f} MB of fp32)",
+            "ZeRO-3: each rank's host peak is under half of ZeRO-0's smallest",
+            "ZeRO-3: the ranks' build seconds add up to less than ZeRO-0's"]
+
+
+def check_tp_run(run: dict, reference: list[float], cfg) -> None:
+    """Lesson 03 § 3: tp = 2 trains like one process; each rank holds ``stage_params``
+    (half the split matrices, the replicated norms and row biases whole); per step the tp
+    all-reduces are ``comm_volume``'s plus one fp32, the gradient norm's partial sum."""
+    from minipar.theory import comm_volume, stage_params
+
+    _same_losses(reference, run["losses"])
+    mc, rank0, steps = cfg.model_config(), run["ranks"][0], cfg.steps
+    assert rank0["memory"]["params"] == 4 * stage_params(mc, tp=2), rank0["memory"]
+    theory = comm_volume(mc, tp=2, dtype="fp32",
+                         microbatch_size=cfg.batch_size)["tp"]["all_reduce"]
+    measured = rank0["comm"]["tp"]["all_reduce"]
+    assert measured["calls"] == steps * (theory["calls"] + 1), (measured, theory)
+    assert measured["bytes"] == steps * (theory["bytes"] + 4), (measured, theory)
+
+
+def check_sp_run(sp_run: dict, tp_run: dict, reference: list[float]) -> float:
+    """Lesson 03 § 4: tp = 2 with sequence parallelism trains like one process, keeps
+    fewer activations than tp alone, near the per-layer formula's 1 - 17/22 = 23 % and
+    nowhere near 1 - 1/t = 50 %, and its tp traffic has reduce-scatters and all-gathers.
+    Returns the share of rank 0's peak saved activations that sp removed."""
+    _same_losses(reference, sp_run["losses"])
+    tp_act = tp_run["ranks"][0]["memory"]["activations"]
+    sp_act = sp_run["ranks"][0]["memory"]["activations"]
+    saving = 1 - sp_act / tp_act
+    assert 0.1 < saving < 0.35, (tp_act, sp_act)
+    assert {"all_gather", "reduce_scatter"} <= set(sp_run["ranks"][0]["comm"]["tp"])
+    return saving
+
+
+def check_spanning(spanning) -> None:
+    """Lesson 05 § 1: ``spanning(mesh, dim)`` ("crossing/groups" over servers of 8). In
+    Megatron order the tp groups of 2 x 4 x 8 stay inside servers and those of tp = 16
+    cannot; the dp pairs of 2 x 8 x 4 sit 4 ranks apart (one server) in Megatron order and
+    32 apart (across servers) with pp inside dp."""
+    from minipar.mesh import Mesh
+
+    assert spanning(Mesh(2, 4, 8), "tp") == "0/8"
+    assert spanning(Mesh(2, 2, 16), "tp") == "4/4"
+    assert spanning(Mesh(2, 8, 4), "dp") == "0/32"
+    assert spanning(Mesh(2, 8, 4, "pp-inside-dp"), "dp") == "32/32"

@@ -118,6 +118,37 @@ def test_predict_treats_none_as_unanswered(capsys) -> None:
     assert capsys.readouterr().out.endswith("the simulation gives 0.25 (off by 0.8x)\n")
 
 
+def test_lesson_checks_are_exported_and_fail_on_what_the_page_denies() -> None:
+    import exercises.course as course
+    from solutions.course import __all__ as names
+    from solutions.course import check_sharded_build, check_spanning
+    assert all(hasattr(course, n) for n in names)
+    mb = 2**20
+    builds = {"model_bytes": 25 * mb,
+              0: {"host_peak_bytes": [80 * mb] * 4, "build_seconds": [0.4] * 4},
+              3: {"host_peak_bytes": [30 * mb] * 4, "build_seconds": [0.15] * 4}}
+    assert len(check_sharded_build(builds)) == 3
+    builds[3]["host_peak_bytes"][2] = 41 * mb  # a ZeRO-3 rank that built too much
+    with pytest.raises(AssertionError):
+        check_sharded_build(builds)
+
+    def spanning(mesh, dim):  # a wrong one: never crosses a server
+        return f"0/{len(mesh.groups(dim))}"
+    with pytest.raises(AssertionError):
+        check_spanning(spanning)
+
+
+def test_syllabus_map_cells_point_into_their_sections() -> None:
+    path = ROOT / "tools" / "syllabus_cells.py"
+    spec = importlib.util.spec_from_file_location("syllabus_cells", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    text = tool.MAP.read_text()
+    assert len(tool.references(text)) > 80
+    assert tool.check(text) == []
+    assert tool.check(text.replace("02 § 3 (cells 17–24", "02 § 3 (cells 7–24")) != []
+
+
 # --- the checker catches typical mistakes (mutants of the solution) ----------------
 RING_MUTANTS = {
     # name: (text in solutions/ring_allreduce.py, replacement, words the report must say)

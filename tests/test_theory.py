@@ -383,20 +383,21 @@ def test_syllabus_bubble_examples_and_rule():
 
 
 def test_syllabus_hardware_claims():
-    # One text gives the H100 141 GB of HBM3e: that is the H200; the H100 has 80 GB.
+    # A figure often quoted gives the H100 141 GB of HBM3e: that is the H200; the H100 has 80 GB.
     assert GPUS["H100-80GB"].memory < 86e9 < GPUS["H200-141GB"].memory
     assert GPUS["H200-141GB"].memory / 2**30 == pytest.approx(140.4, abs=0.1)
 
 
 def test_gpt3_per_gpu_memory_two_ways():
     rows = {r["source"]: r for r in gpt3_memory_claims()}
-    a, b = rows["text A (~40 GB)"], rows["text B (~28 GB)"]
+    a, b = rows["~40 GB: 20 B/param (ZeRO §3.1: 16)"], rows["~28 GB: 16 B/param (ZeRO §3.1: 16)"]
     assert round(a["total"] / GB) == 40 and round(b["total"] / GB) == 28
     # the gap: 20 vs 16 bytes per parameter, and 10 + 2.5 vs 4 + 2 GB asserted
     per_rank = 175e9 / 128
     assert (a["params"] + a["grads"] + a["optimizer"]) / per_rank == 20
     assert (b["params"] + b["grads"] + b["optimizer"]) / per_rank == 16
-    # text A's "Adam = 3x the fp32 weights" is the mixed-precision figure; fp32 Adam is 2x
+    # the ~40 GB claim's "Adam = 3x the fp32 weights" is the mixed-precision figure;
+    # fp32 Adam is 2x
     assert state_bytes("fp32", "adam")[2] == 2 * state_bytes("fp32", "adam")[0]
     ours = rows["minipar (sp + selective)"]
     assert (ours["params"] + ours["grads"] + ours["optimizer"]) == pytest.approx(

@@ -173,13 +173,15 @@ def overview(impl="exercises"):
 '''
 
 
-COURSE_SHIM = '''"""The course's helpers: ``hint(name, level)``, ``predict(...)``, puzzle scores.
+COURSE_SHIM = '''"""The course's helpers: ``hint``, ``predict``, puzzle scores, and the checks of
+what the lessons' runs show.
 
 They live once, in ``solutions/course.py`` (no answers in them to blank out); this module
-gives them to lessons under the ``exercises`` package.
+gives them (its ``__all__``) to lessons under the ``exercises`` package.
 """
 
-from solutions.course import LEVELS, hint, predict, score_layout, score_schedule  # noqa: F401
+from solutions.course import *  # noqa: F403
+from solutions.course import __all__  # noqa: F401
 '''
 
 # Plain modules (no blanks) the exercises package reaches through a few lines of

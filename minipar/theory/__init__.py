@@ -9,7 +9,7 @@ the papers' own numbers and against what a real minipar run holds and sends:
 * ``bubble``       pipeline bubble formulas and simulated timelines
 * ``clusters``     GPU and cluster presets; ``planner`` ranks layouts on them
 * ``models``       model configs by name (presets plus Llama-like ones)
-* ``examples``     the syllabus's worked examples and its GPT-3 memory claims
+* ``examples``     four worked layouts and the GPT-3 memory claims
 * ``tables``       text renderers for the command line
 """
 

@@ -4,7 +4,7 @@ Numbers are from the vendors' data sheets, rounded; they are what the planner as
 not measurements:
 
 * memory: what ``nvidia-smi`` reports, in MiB, as bytes: an "80 GB" A100 has 81920
-  MiB, an H100 SXM 81559 MiB (80 GB of HBM3; one of the syllabus texts gives the H100
+  MiB, an H100 SXM 81559 MiB (80 GB of HBM3; a figure often quoted gives the H100
   141 GB, which is the H200's HBM3e: 143771 MiB), a B200 183359 MiB (sold as 192 GB,
   180 GB usable).
 * peak_flops: dense bf16 tensor-core FLOP/s (the sparse figures are twice that).
