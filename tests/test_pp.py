@@ -401,3 +401,15 @@ def test_zero_bubble_with_tied_embeddings_in_one_chunk():
     r = launch(_zb_tied_single, 1, timeout=60)[0]
     assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6)
     assert r["err"] <= 1e-6
+
+
+def test_the_executor_takes_its_device_from_the_caller():
+    """ZeRO-3 replaces a chunk's registered parameters by leaves it gathers, so a chunk
+    may have none: the executor's receive buffers must then live where the caller says
+    (on NCCL a host buffer fails), not on a default."""
+    fake = SimpleNamespace(size=2, rank=0)
+    chunks = build_stage(GPT(CFG), 0, 2)
+    assert PipelineExecutor(chunks, fake, make_schedule("1f1b", 2, 2)).device.type == "cpu"
+    bare = [nn.Module()]  # what a chunk looks like to parameters() under ZeRO-3
+    ex = PipelineExecutor(bare, fake, make_schedule("1f1b", 2, 2), device="meta")
+    assert ex.device == torch.device("meta")
