@@ -33,7 +33,11 @@ from __future__ import annotations
 import math
 
 from minipar.model import GPTConfig, get_config
-from minipar.theory.memory import edge_activations, layer_activations
+from minipar.theory.memory import (
+    deferred_weight_grad_bytes,
+    edge_activations,
+    layer_activations,
+)
 from minipar.theory.params import stage_layers, stage_params
 
 BYTES_PER_PARAM = {  # (weights, gradients, optimizer state) with Adam

@@ -30,7 +30,11 @@ from __future__ import annotations
 import math
 
 from minipar.model import GPTConfig, get_config
-from minipar.theory.memory import edge_activations, layer_activations
+from minipar.theory.memory import (
+    deferred_weight_grad_bytes,
+    edge_activations,
+    layer_activations,
+)
 from minipar.theory.params import stage_layers, stage_params
 
 BYTES_PER_PARAM = {  # (weights, gradients, optimizer state) with Adam
@@ -93,6 +97,10 @@ def stage_memory(cfg: GPTConfig | str, stage: int, dp: int = 1, pp: int = 1, tp:
     # HINT: k = in_flight(...) for this stage; activations = (per_layer * layers on this
     # stage (stage_layers(cfg.n_layer, pp, stage)) + edge_bytes(...)) * k, rounded with
     # int(round(...)); add model_state_bytes(n_params, dp, zero, dtype) and a "total".
+    # zb also keeps, for each deferred weight pass, the gradients of the linear layers'
+    # outputs: add deferred_weight_grad_bytes(cfg, 1, tp, sp, dtype) to per_layer.
+    if schedule == "zb":
+        per_layer += deferred_weight_grad_bytes(cfg, 1, tp, sp, dtype)
     k = in_flight(schedule, pp, microbatches, stage)
     layers = stage_layers(cfg.n_layer, pp, stage)
     act = (per_layer * layers + edge_bytes(cfg, pp, stage, tp, sp, dtype)) * k

@@ -54,7 +54,8 @@ def run(impl: str, timeout: float) -> str:
         for k in keys:
             expect(got.get(k) == want[k],
                    f"device_memory({model}, {lay}): {k} = {got.get(k)}; expected {want[k]}",
-                   "activations = (per-layer bytes x layers of the stage + edge bytes) x "
+                   "activations = (per-layer bytes (+ the deferred W gradients under zb) x "
+                   "layers of the stage + edge bytes) x "
                    "micro-batches in flight; the device is the first or the last stage")
     return (f"ZeRO states, in-flight counts and {len(LAYOUTS)} layouts agree with "
             "minipar.theory.memory")
