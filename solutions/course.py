@@ -22,9 +22,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-__all__ = ["HINTS", "LEVELS", "check_dp_run", "check_sharded_build", "check_sp_run",
-           "check_spanning", "check_tp_run", "check_zero_memory", "hint", "measure_builds",
-           "predict", "score_layout", "score_schedule"]
+__all__ = ["HINTS", "LEVELS", "check_dp_run", "check_h100_trace", "check_sharded_build",
+           "check_sp_run", "check_spanning", "check_tp_run", "check_zero_memory",
+           "h100_data", "h100_headline_table", "h100_overlap_table", "hint",
+           "measure_builds", "overlap_of_picture", "predict", "score_layout",
+           "score_schedule"]
 
 LEVELS = {1: "a nudge", 2: "the idea", 3: "the formula"}
 
@@ -369,3 +371,138 @@ def check_spanning(spanning) -> None:
     assert spanning(Mesh(2, 2, 16), "tp") == "4/4"
     assert spanning(Mesh(2, 8, 4), "dp") == "0/32"
     assert spanning(Mesh(2, 8, 4, "pp-inside-dp"), "dp") == "32/32"
+
+
+# --- lesson 05 § 6: four H100s (measured files under notebooks/data/) -----------------------
+DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
+
+
+def h100_data(name: str = "h100x4.json") -> dict:
+    """A measured file of ``notebooks/data`` (JSON), as a dict."""
+    import json
+
+    return json.loads((DATA / name).read_text())
+
+
+def _coords(trace: dict) -> dict[int, dict[str, int]]:
+    """Rank -> mesh coordinates, from the trace's process names ("rank 2 (dp0 pp1 tp0)")."""
+    return {e["pid"]: {k: int(v) for k, v in re.findall(r"([a-z]+)(\d+)", e["args"]["name"])
+                       if k in ("dp", "pp", "tp", "cp")}
+            for e in trace["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+
+
+def check_h100_trace(trace: dict, schedule: str = "1f1b", tp_skew_ms: float = 2.0) -> dict:
+    """Lesson 05 § 6: one step of a pp x tp run on GPUs (``minipar.trace`` format).
+    Every rank ran its stage's part of ``schedule`` in order; the tp ranks of a stage
+    started every action within ``tp_skew_ms`` of each other; every forward and backward
+    contains tp collectives on the rank's comm track. Returns, per rank, the action
+    order and the number of tp collectives inside each F and B."""
+    from minipar.parallel.schedules import COMPUTE, make_schedule
+    from minipar.viz.timeline import chrome_trace_lanes
+
+    lanes, coords = chrome_trace_lanes(trace), _coords(trace)
+    pp = 1 + max(c["pp"] for c in coords.values())
+    actions = {r: [s for s in lanes[f"rank {r} compute"] if s[2] in COMPUTE] for r in coords}
+    m = max(int(s[3][1:]) for a in actions.values() for s in a) + 1
+    want = [[f"{a.kind}{a.mb}" for a in acts if a.kind in COMPUTE]
+            for acts in make_schedule(schedule, pp, m)]
+    out = {}
+    for r, acts in sorted(actions.items()):
+        names = [s[3] for s in acts]
+        assert names == want[coords[r]["pp"]], f"rank {r} ran {names}"
+        comm = [s for s in lanes[f"rank {r} comm"] if s[3].endswith(" tp")]
+        inside = [sum(a[0] <= c[0] and c[1] <= a[1] for c in comm) for a in acts]
+        assert min(inside) > 0, f"rank {r}: an action without a tp collective"
+        out[r] = {"coords": coords[r], "actions": names, "tp_collectives": inside}
+    for r, acts in actions.items():
+        partners = [q for q in actions if q != r and {k: v for k, v in coords[q].items()
+                                                      if k != "tp"} ==
+                    {k: v for k, v in coords[r].items() if k != "tp"}]
+        for q in partners:
+            skew = max(abs(a[0] - b[0]) for a, b in zip(acts, actions[q]))
+            assert skew < tp_skew_ms, f"ranks {r} and {q} drift apart by {skew:.2f} ms"
+    return out
+
+
+def _union(spans) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted((a, b) for a, b, *_ in spans if b > a):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _covered(xs, ys) -> float:
+    """Time the spans ``xs`` and ``ys`` share (each as a union)."""
+    xs, ys, i, j, t = _union(xs), _union(ys), 0, 0, 0.0
+    while i < len(xs) and j < len(ys):
+        t += max(0.0, min(xs[i][1], ys[j][1]) - max(xs[i][0], ys[j][0]))
+        i, j = (i + 1, j) if xs[i][1] < ys[j][1] else (i, j + 1)
+    return t
+
+
+def overlap_of_picture(picture: dict, tol: float = 0.02) -> dict:
+    """Lesson 05 § 6: NCCL time and the share under compute, from the picture's merged
+    lanes; asserted within ``tol`` of the same arithmetic on the raw kernels
+    (``picture["stats"]``, written with the lanes by tools/h100_artifacts.py)."""
+    nccl, compute = picture["lanes"]["NCCL"], picture["lanes"]["compute"]
+    total = sum(b - a for a, b in _union(nccl))
+    hidden = _covered(nccl, compute) / total
+    by_kind = {k: sum(b - a for a, b, kk in nccl if kk == k) for k in {s[2] for s in nccl}}
+    under_b = _covered([s for s in nccl if s[2] == "reduce-scatter"],
+                       [s for s in compute if s[2] == "backward"])
+    assert abs(hidden - picture["stats"]["hidden_share"]) < tol, (hidden, picture["stats"])
+    assert abs(total - picture["stats"]["nccl_ms"]) < tol * total
+    return {"nccl_ms": total, "hidden_share": hidden, "by_kind_ms": by_kind,
+            "reduce_scatter_under_backward": under_b / by_kind["reduce-scatter"]}
+
+
+def h100_overlap_table(data: dict) -> dict[str, dict]:
+    """Lesson 05 § 6: print the measured overlap rows of ``data["overlap"]`` (with their
+    provenance); assert they hold together (hidden share in [0, 1], exposed at most the
+    NCCL time, the exposed share equal to exposed / step) and what the page says: tensor
+    parallelism hides none of its communication, ZeRO-2 exposes under 5 % of its step.
+    Returns the rows by name."""
+    ov = data["overlap"]
+    rows = {r["run"]: r for r in ov["rows"]}
+    print(f"{data['device']}, torch {data['torch']}, NCCL {data['nccl']}: {ov['model']}")
+    print(f"`{ov['command']}`\n")
+    print(f"{'run':<24}{'NCCL ms/step':>13}{'hidden':>8}{'exposed ms':>12}")
+    for name, r in rows.items():
+        assert 0 <= r["hidden"] <= 1 and r.get("exposed_ms", 0) <= r["nccl_ms"]
+        if "step_ms" in r:
+            assert abs(r["exposed_ms"] / r["step_ms"] - r["exposed_share"]) < 0.001
+        exposed = f"{r['exposed_ms']:.1f}" if "exposed_ms" in r else f"{r['nccl_ms']:.1f} (all)"
+        print(f"{name:<24}{r['nccl_ms']:>13.1f}{r['hidden']:>8.0%}{exposed:>12}")
+    tp = [r for n, r in rows.items() if "tp" in n]
+    assert tp and all(r["hidden"] == 0 for r in tp)
+    assert rows["minipar dp 4, ZeRO-2"]["exposed_share"] < 0.05
+    return rows
+
+
+def h100_headline_table(data: dict) -> list[dict]:
+    """Lesson 05 § 6: the headline 4-GPU rows of ``data["headline"]`` beside their
+    PyTorch peers, with the ratios minipar / peer (below 1: minipar is faster or
+    smaller); returns the rows with ``step_ratio`` (and ``memory_ratio``) added."""
+    head = data["headline"]
+    print(f"{'run (4 GPUs)':<54}{'minipar':>10}{'PyTorch':>10}{'ratio':>7}"
+          f"{'peak GiB':>13}  PyTorch peer")
+    out = []
+    for r in head["rows"]:
+        (m, p), unit = r["step_ms"], "ms"
+        row = {**r, "step_ratio": m / p}
+        mem = ""
+        if "peak_gib" in r:
+            row["memory_ratio"] = r["peak_gib"][0] / r["peak_gib"][1]
+            mem = f"{r['peak_gib'][0]:.1f} / {r['peak_gib'][1]:.1f}"
+        if m >= 1000:
+            m, p, unit = m / 1e3, p / 1e3, "s"
+        print(f"{r['run']:<54}{m:>7.4g} {unit:<2}{p:>7.4g} {unit:<2}{row['step_ratio']:>7.2f}"
+              f"{mem:>13}  {r['peer']}")
+        out.append(row)
+    w = head["weak_scaling"]
+    print(f"\nweak scaling, {w['run']}: {w['efficiency']:.1%} ({w['meaning']})")
+    return out

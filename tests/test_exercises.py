@@ -373,3 +373,54 @@ def test_layout_puzzle_has_a_solution(capsys) -> None:
     assert not score_layout(dict(tp=1, pp=1, dp=64, zero=3), **budget)["passed"]
     assert score_layout(dict(tp=2, pp=4, dp=8, zero=1, schedule="zb", sp=True,
                              recompute="selective"), **budget)["passed"]
+
+
+def test_h100_section_helpers_read_the_committed_data(capsys) -> None:
+    """Lesson 05 § 6: the measured files load, hold together and say what the page says."""
+    import copy
+
+    from solutions.course import (
+        check_h100_trace,
+        h100_data,
+        h100_headline_table,
+        h100_overlap_table,
+        overlap_of_picture,
+    )
+    data = h100_data()
+    rows = h100_overlap_table(data)
+    assert rows["minipar tp 4, sp"]["hidden"] == 0
+    head = h100_headline_table(data)
+    assert all(0.3 < r["step_ratio"] < 1.5 for r in head)
+    seen = overlap_of_picture(data["overlap"]["picture"])
+    assert seen["reduce_scatter_under_backward"] > 0.9
+    trace = h100_data("h100x4_pp2_tp2_sp_step.json")
+    runs = check_h100_trace(trace)
+    assert {r: s["coords"]["pp"] for r, s in runs.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
+    out = capsys.readouterr().out
+    assert "python benchmarks/multigpu.py --sections overlap" in out and "FSDP2" in out
+    bad = copy.deepcopy(data)  # a table that contradicts itself must fail
+    bad["overlap"]["rows"][1]["exposed_share"] = 0.2
+    with pytest.raises(AssertionError):
+        h100_overlap_table(bad)
+    late = copy.deepcopy(trace)  # a tp partner drifting 5 ms behind must fail
+    for e in late["traceEvents"]:
+        if e.get("ph") == "X" and e["pid"] == 1 and e["tid"] == 0:
+            e["ts"] += 5000
+    with pytest.raises(AssertionError):
+        check_h100_trace(late)
+
+
+def test_h100_artifacts_tool_trims_and_merges() -> None:
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    from h100_artifacts import merge, trim_trace
+    ev = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}}]
+    ev += [{"ph": "X", "pid": 0, "tid": 0, "name": f"F{s}", "ts": 1000.0 * s, "dur": 10.0,
+            "args": {"kind": "F", "mb": 0, "step": s}} for s in range(3)]
+    ev += [{"ph": "X", "pid": 0, "tid": 1, "name": "all_gather tp", "ts": 1000.0 * s + 2,
+            "dur": 1.0, "args": {}} for s in range(3)]
+    out = trim_trace({"traceEvents": ev})
+    xs = [e for e in out["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["ts"]) for e in xs] == [("F2", 0.0), ("all_gather tp", 2.0)]
+    assert out["otherData"]["step"] == 2 and out["traceEvents"][0]["ph"] == "M"
+    assert merge([(0, 1), (1.004, 2), (3, 4)], gap=0.005) == [[0, 2], [3, 4]]

@@ -266,3 +266,27 @@ def test_balance_figure_bars_are_the_counted_pairs():
     assert by_name["zigzag"] == causal_pairs_per_rank(1024, 4, "zigzag")
     assert by_name["contiguous"] == causal_pairs_per_rank(1024, 4, "contiguous")
     assert len(set(by_name["zigzag"])) == 1
+
+
+def test_chrome_trace_lanes_and_figure_from_a_minipar_trace():
+    from minipar.trace import chrome_trace
+    from minipar.viz.timeline import chrome_trace_lanes, lanes_figure
+    ranks = [{"rank": r, "coords": {"dp": 0, "pp": 0, "tp": r},
+              "timeline": [{"name": "F0", "kind": "F", "mb": 0, "start": 1.0, "end": 1.010},
+                           {"name": "SEND_F0", "kind": "SEND_F", "mb": 0, "start": 1.010,
+                            "end": 1.011},
+                           {"name": "B0", "kind": "B", "mb": 0, "start": 1.020, "end": 1.040}],
+              "comm_records": [{"op": "all_gather", "dim": "tp", "start": 1.002, "end": 1.003,
+                                "nbytes": 8, "shape": [2]},
+                               {"op": "send", "dim": "pp", "start": 1.010, "end": 1.011,
+                                "nbytes": 8, "shape": [2], "peer": 1}]} for r in range(2)]
+    lanes = chrome_trace_lanes(chrome_trace(ranks))
+    assert list(lanes) == ["rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+    assert [s[2] for s in lanes["rank 0 compute"]] == ["F", "send/recv", "B"]
+    assert [s[2] for s in lanes["rank 1 comm"]] == ["all-gather", "send/recv"]
+    assert lanes["rank 0 compute"][0][:2] == pytest.approx((0.0, 10.0))  # ms from the start
+    fig = lanes_figure(lanes)
+    names = [t.name for t in fig.data]
+    assert names == ["forward", "backward", "send / recv (pp)", "all-gather"]
+    assert sum(len(t.y) for t in fig.data) == 10 and fig.data[0].text == ("0", "0")
+    assert fig.to_json() == lanes_figure(lanes).to_json()

@@ -156,3 +156,78 @@ def bubble_curve_figure(pp: int = 4, max_microbatches: int = 32,
                       yaxis_tickformat=".0%", title=f"pipeline bubble, p={pp}",
                       uirevision="bubble")
     return fig
+
+
+# --- lanes: any intervals, e.g. a Chrome trace written by ``minipar.trace`` -----------------
+LANE_COLOURS = {**COLOURS, "send/recv": "#9D755D", "all-gather": "#72B7B2",
+                "reduce-scatter": "#E45756", "all-reduce": "#B279A2", "broadcast": "#EECA3B",
+                "optimizer": "#54A24B", "comm": "#BAB0AC",
+                "forward": COLOURS["F"], "backward": COLOURS["B"]}
+LANE_NAMES = {**NAMES, "send/recv": "send / recv (pp)", "all-gather": "all-gather",
+              "reduce-scatter": "reduce-scatter", "all-reduce": "all-reduce",
+              "broadcast": "broadcast", "optimizer": "optimizer step", "comm": "other comm",
+              "forward": "forward", "backward": "backward"}
+
+
+def event_kind(event: dict) -> str:
+    """The colour class of a ``minipar.trace`` event: the action (F, B, W; a pipeline
+    SEND_* / RECV_* is "send/recv") on the compute track, the collective on the comm
+    track ("all_gather tp" -> "all-gather")."""
+    kind = str(event.get("args", {}).get("kind", ""))
+    if event.get("tid", 0) == 0 and kind:
+        return "send/recv" if kind.startswith(("SEND", "RECV")) else kind
+    op = str(event.get("name", "")).split(" ")[0].replace("_", "-")
+    return "send/recv" if op in ("send", "recv") else op if op in LANE_COLOURS else "comm"
+
+
+def chrome_trace_lanes(trace: dict) -> dict[str, list[tuple[float, float, str, str]]]:
+    """Per track of a Chrome trace (``minipar.trace.chrome_trace``: a process per rank,
+    threads compute and comm), ``(start_ms, end_ms, kind, name)`` of its complete
+    ('X') events, times from the earliest event. Lanes are named "rank R compute" /
+    "rank R comm" and ordered by rank, compute first."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    t0 = min((e["ts"] for e in events), default=0.0)
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    lanes: dict[tuple, list] = {}
+    for e in sorted(events, key=lambda e: (e["pid"], e["tid"], e["ts"])):
+        start = (e["ts"] - t0) / 1e3
+        lanes.setdefault((e["pid"], e["tid"]), []).append(
+            (start, start + e["dur"] / 1e3, event_kind(e), e["name"]))
+    return {f"rank {pid} {threads.get((pid, tid), f'thread {tid}')}": spans
+            for (pid, tid), spans in sorted(lanes.items())}
+
+
+def lanes_figure(lanes: dict[str, Sequence[Sequence]], unit: str = "ms",
+                 title: str | None = None, label_kinds: Sequence[str] = ("F", "B", "W"),
+                 height: int | None = None) -> go.Figure:
+    """Horizontal bars, one lane (row) per key of ``lanes``, top to bottom in the dict's
+    order; each span is ``(start, end, kind[, name])``, one trace (legend entry and
+    colour, ``LANE_COLOURS``) per kind. Spans of ``label_kinds`` show the digits of their
+    name (the micro-batch of "F3") inside the bar."""
+    kinds: dict[str, list] = {}
+    for lane, spans in lanes.items():
+        for span in spans:
+            a, b, kind = span[0], span[1], span[2]
+            name = span[3] if len(span) > 3 else kind
+            kinds.setdefault(kind, []).append((lane, a, b, name))
+    order = [k for k in LANE_COLOURS if k in kinds] + sorted(set(kinds) - set(LANE_COLOURS))
+    fig = go.Figure()
+    for kind in order:
+        rows = kinds[kind]
+        text = ["".join(c for c in n if c.isdigit()) if kind in label_kinds else ""
+                for *_, n in rows]
+        fig.add_trace(go.Bar(
+            y=[r[0] for r in rows], x=[r[2] - r[1] for r in rows], base=[r[1] for r in rows],
+            orientation="h", name=LANE_NAMES.get(kind, kind), text=text,
+            textposition="inside", insidetextanchor="middle",
+            marker={"color": LANE_COLOURS.get(kind, "#BAB0AC"), "line": {"width": 0}},
+            customdata=[[r[3], r[2]] for r in rows],
+            hovertemplate="%{y}: %{customdata[0]}, %{base:.3f} to %{customdata[1]:.3f} "
+                          + unit + "<extra></extra>"))
+    fig.update_yaxes(categoryorder="array", categoryarray=list(lanes)[::-1])
+    fig.update_layout(barmode="overlay", bargap=0.25, title=title, xaxis_title=unit,
+                      height=height or 120 + 45 * len(lanes), uirevision="lanes",
+                      margin={"l": 110, "r": 20, "t": 50 if title else 20, "b": 40},
+                      legend={"orientation": "h", "y": -0.2})
+    return fig
