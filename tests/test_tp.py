@@ -270,6 +270,41 @@ def test_collectives_match_theory(tp, sp):
                          else {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0})
 
 
+
+# --- SP's collectives along the sequence of [b, s, h] ----------------------------------------
+
+def _sequence_collectives_rank():
+    comm = Comm()
+    torch.manual_seed(comm.rank)  # a different partial sum on every rank
+    full = torch.randn(3, 4 * comm.size, 5).to(torch.bfloat16)
+    shard = torch.randn(3, 4, 5).to(torch.bfloat16)
+    comm.log.clear()
+    out = {"full": full, "shard": shard,
+           "rs_1": comm.reduce_scatter(full, dim=1), "rs_m2": comm.reduce_scatter(full, dim=-2),
+           "ag_1": comm.all_gather(shard, dim=1)}
+    out["records"] = [(r.op, r.nbytes, r.dtype) for r in comm.log.records]
+    return out
+
+
+def test_sequence_dim_collectives_are_exact():
+    """The sequence-dim reduce-scatter / all-gather of SP (b > 1, so a sequence slice is
+    not contiguous): values as a reduce along dim 1 then a slice, bf16 kept, the bytes
+    counted as the theory counts them (input for reduce-scatter, output for all-gather)."""
+    tp = 2
+    results = launch(_sequence_collectives_rank, tp, timeout=60)
+    total = sum(r["full"].float() for r in results)
+    gathered = torch.cat([r["shard"] for r in results], dim=1)
+    for rank, r in enumerate(results):
+        mine = total.chunk(tp, dim=1)[rank]
+        assert r["rs_1"].dtype == torch.bfloat16 and r["rs_1"].shape == (3, 4, 5)
+        assert torch.allclose(r["rs_1"].float(), mine, atol=0.05)
+        assert torch.equal(r["rs_1"], r["rs_m2"])
+        assert torch.equal(r["ag_1"], gathered)
+        big = 3 * 4 * tp * 5 * 2
+        assert r["records"] == [("reduce_scatter", big, "bfloat16")] * 2 + [
+            ("all_gather", big, "bfloat16")]
+
+
 # --- activation memory: measured saved tensors against the derived formula ------------------
 
 def _memory_rank(cfg, b):
