@@ -25,18 +25,22 @@ def offload_traffic(n_params: int, param_bytes: int = 2, grad_bytes: int | None 
     return {"to_host": n * grad_bytes * microbatches, "to_device": n * param_bytes}
 
 
-def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0) -> dict[str, int]:
+def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
+                         param_bytes: int = 2) -> dict[str, int]:
     """Host-device bytes of one rank per step as ``train --offload`` composes offload with
-    ZeRO 0-2 (``step.data_parallel``): the gradient is reduced on the device first
-    (all-reduce at stage 0, reduce-scatter at 1-2) and accumulated there over the
-    micro-batches, so only this rank's fp32 shard goes to the host, once per step; the
-    updated fp32 master shard comes back (then cast and all-gathered on the device).
-    ``{"to_host": 4 S, "to_device": 4 S}``, S = n / dp (padded) at stages 1-2, n at 0.
-    The paper's stream (16-bit, per micro-batch: ``offload_traffic``) moves less per
-    element but every micro-batch; this one trades that for the device-side reduction.
+    ZeRO (``parallel/zero.py``, ``HostShards``): the gradient is reduced on the device
+    in fp32 (all-reduce at stage 0, reduce-scatter at 1-2), accumulated there over the
+    micro-batches, and this rank's fp32 shard goes to the host once per step, as its
+    bucket's reduction completes; the updated master shard is cast on the host and
+    comes back in the compute dtype (``param_bytes``: 2 for bf16, 4 for fp32), into
+    this rank's slot of the weights, which the device then all-gathers.
+    ``{"to_host": 4 S, "to_device": p S}``, S = n / dp (padded) at stages 1-3, n at 0.
+    The paper's stream (16-bit, per micro-batch: ``offload_traffic``) moves half the
+    gradient bytes per element but every micro-batch; this one trades that for the
+    device-side reduction in fp32.
     """
     shard = -(-n_params // dp) if zero >= 1 else n_params
-    return {"to_host": 4 * shard, "to_device": 4 * shard}
+    return {"to_host": 4 * shard, "to_device": param_bytes * shard}
 
 
 def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
