@@ -245,3 +245,20 @@ def test_engine_mutation_step_before_the_gradients_land_fails(monkeypatch):
     monkeypatch.setattr(offmod.HostShards, "land_all", lambda self: None)
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), broken.describe()
+
+
+def test_engine_offload_checkpoint_resumes(tmp_path):
+    """Saved from host shards, resumed with offload (bitwise, same layout) and without
+    (another layout: the states by name)."""
+    from minipar.config import TrainConfig
+    from minipar.engine import train
+
+    def run(**kw) -> list[float]:
+        return train(TrainConfig(steps=4, timeout=240, dp=2, microbatches=2, **kw))["losses"]
+
+    layout = dict(offload=True, zero=2)
+    full = run(**layout)
+    assert run(**layout, save=str(tmp_path), stop_at=2) == full[:2]
+    assert run(**layout, resume=str(tmp_path)) == full[2:]
+    other = run(zero=1, resume=str(tmp_path))
+    assert max(abs(a - b) for a, b in zip(other, full[2:])) < 1e-4
