@@ -163,7 +163,8 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     bf16 = cfg.dtype == "bf16"
     if cfg.zero == 3:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
-                     shared=shared, average=False, materialize=materialize)
+                     shared=shared, average=False, materialize=materialize,
+                     offload=cfg.offload)
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
         return sync, optimizer, None

@@ -271,25 +271,29 @@ class HostShards:
         for i in list(self._in_flight):
             self.land(i)
 
-    def publish_flats(self, flats: list, comm, gather: bool) -> None:
+    def publish(self, masters: list[torch.Tensor], slots: list[torch.Tensor]) -> None:
         """Each updated host master, cast on the host (it rounds as the device's cast
-        would), into this rank's slot of its flat's compute-dtype ``full``: only those
-        bytes cross the bus; then (``gather``: sharded) the slots are all-gathered in
-        place. The copies run on the side stream; the gather waits for them."""
-        slots = [f.full[f.lo:f.hi] for f in flats]
-        for i, (f, slot) in enumerate(zip(flats, slots)):
-            buf = self._buffer(self._up, i, f.master, slot.dtype)
-            buf.copy_(f.master.detach())
+        would), into its device ``slot`` in the compute dtype: only those bytes cross
+        the bus, on the side stream; the main stream then waits for them."""
+        for i, (m, slot) in enumerate(zip(masters, slots)):
+            buf = self._buffer(self._up, i, m, slot.dtype)
+            buf.copy_(m.detach())
             if self.cuda:
                 with torch.cuda.stream(self.stream):
                     slot.copy_(buf, non_blocking=True)
             else:
                 slot.copy_(buf)
             self.traffic["to_device"] += slot.numel() * slot.element_size()
-        if self.cuda:  # the gather and the next forward wait for the copies; the host
+        if self.cuda and slots:  # the gather and the next forward wait for the copies;
             torch.cuda.current_stream(slots[0].device).wait_stream(self.stream)
-            self.stream.synchronize()  # waits before it rewrites the buffers
+            self.stream.synchronize()  # the host too, before it rewrites the buffers
         self.last_traffic, self.traffic = self.traffic, {"to_host": 0, "to_device": 0}
+
+    def publish_flats(self, flats: list, comm, gather: bool) -> None:
+        """ZeRO 0-2: into this rank's slot of each flat's ``full``, then (``gather``:
+        sharded) the slots are all-gathered in place."""
+        slots = [f.full[f.lo:f.hi] for f in flats]
+        self.publish([f.master for f in flats], slots)
         if gather:
             for p in [comm.all_gather_into(f.full, slot, async_op=True)
                       for f, slot in zip(flats, slots)]:
@@ -330,6 +334,6 @@ class HostShards:
         masters = [f.master for f in flats]
         tensors = [*masters, *(m.grad for m in masters if m.grad is not None),
                    *self._landing.values(), *self._up.values()]
-        tensors += [v for s in optimizer.state.values() for v in s.values()
-                    if torch.is_tensor(v)]
+        tensors += [v for s in (optimizer.state.values() if optimizer else ())
+                    for v in s.values() if torch.is_tensor(v)]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -32,7 +32,7 @@ def offload_traffic(n_params: int, param_bytes: int = 2, grad_bytes: int | None 
 
 
 def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
-                         param_bytes: int = 2) -> dict[str, int]:
+                         param_bytes: int = 2, microbatches: int = 1) -> dict[str, int]:
     """Host-device bytes of one rank per step as ``train --offload`` composes offload with
     ZeRO (``parallel/zero.py``, ``HostShards``): the gradient is reduced on the device
     in fp32 (all-reduce at stage 0, reduce-scatter at 1-2), accumulated there over the
@@ -41,12 +41,15 @@ def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
     comes back in the compute dtype (``param_bytes``: 2 for bf16, 4 for fp32), into
     this rank's slot of the weights, which the device then all-gathers.
     ``{"to_host": 4 S, "to_device": p S}``, S = n / dp (padded) at stages 1-3, n at 0.
+    ZeRO-3 reduce-scatters each unit in every micro-batch's backward, so its shard
+    crosses m times (4 S m), and comes back into a 16-bit device shard gathered from.
     The paper's stream (16-bit, per micro-batch: ``offload_traffic``) moves half the
     gradient bytes per element but every micro-batch; this one trades that for the
     device-side reduction in fp32.
     """
     shard = -(-n_params // dp) if zero >= 1 else n_params
-    return {"to_host": 4 * shard, "to_device": param_bytes * shard}
+    m = microbatches if zero == 3 else 1
+    return {"to_host": 4 * shard * m, "to_device": param_bytes * shard}
 
 
 def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
@@ -67,12 +70,12 @@ def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: i
 
 def zero_offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
                         dp: int = 1, zero: int = 0) -> dict[str, int]:
-    """Model-state bytes per rank as ``train --offload`` composes offload with ZeRO 0-2
+    """Model-state bytes per rank as ``train --offload`` composes offload with ZeRO 0-3
     (``offload.HostShards``). Device: the weights in the compute dtype only (no fp32
-    master; the gradient buffers are ``theory.memory``'s). Host, per element of this
-    rank's shard (n / dp at stages 1-2, n at 0): fp32 master (4) and its gradient (4),
-    the optimizer states, the pinned landing buffers of the fp32 gradient (4) and of
-    the 16-bit weights (p)."""
+    master; ZeRO-3: this rank's 16-bit shard; gradient buffers: ``theory.memory``).
+    Host, per element of this rank's shard (n / dp at stages 1-3, n at 0): fp32 master
+    (4) and its gradient (4), the optimizer states, the pinned landing buffers of the
+    fp32 gradient (4) and of the 16-bit weights (p)."""
     shard = -(-n_params // dp) if zero >= 1 else n_params
-    return {"device": n_params * param_bytes,
+    return {"device": (shard if zero == 3 else n_params) * param_bytes,
             "host": shard * (4 + 4 + optimizer_state_bytes + 4 + param_bytes)}
