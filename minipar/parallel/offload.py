@@ -203,6 +203,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class OnHost:
+    """Mixed into ``ZeroOptimizer`` and ``Zero3`` (before ``ShardedState``): where their
+    shards live on the host (``self.offload``, a ``HostShards``), the shared methods
+    that would run a collective on them, or scale them by a device tensor, change."""
+
+    offload: HostShards | None
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        if self.offload is not None and isinstance(factor, torch.Tensor):
+            factor = factor.cpu()  # the shards are on the host (waits for the norm)
+        super().scale_grads(factor)
+
+    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
+        """(fp32 weights, optimizer states) by name, whole (collective)."""
+        if self.offload is None:
+            return super().full_state_by_name(optimizer)
+        return self.offload.full_state(self.flats, self._stepper(optimizer), self.comm)
+
+
 class HostShards:
     """The host side of ZeRO + offload: fp32 master shards, their gradients, the copies.
 

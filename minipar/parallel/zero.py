@@ -60,7 +60,7 @@ from minipar.parallel.dp import (
     claim_gradients,
     trainable_params,
 )
-from minipar.parallel.offload import HostShards
+from minipar.parallel.offload import HostShards, OnHost
 from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public here too)
     FlatParams,
     ShardedState,
@@ -75,7 +75,7 @@ from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public her
 MASTER_DTYPE = torch.float32  # the dtype the optimizer updates (mixed precision's masters)
 
 
-class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
+class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
     """ZeRO stage 0-2 around ``optimizer_class(**defaults)``, over ``comm`` (the dp group).
 
     ``params``: a module, parameters, or torch-style group dicts (pass ``module=`` for
@@ -338,11 +338,6 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
             return self.offload.clip(self, max_norm)
         return clip_owned(self.flats, self.comm, max_norm)
 
-    def scale_grads(self, factor: float | torch.Tensor) -> None:
-        if self.offload is not None and isinstance(factor, torch.Tensor):
-            factor = factor.cpu()  # the shards are on the host (waits for the norm)
-        super().scale_grads(factor)
-
     def all_reduce_grads(self, params: Iterable, comm: Comm) -> None:
         """Sum the synchronised gradients of ``params`` (or names) over another group
         ``comm`` (sequence-parallel norms over tp; a tied embedding over the first and
@@ -376,12 +371,6 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     # --- checkpoints (layout-free by name; see zero_state.py) -------------------------
     def _stepper(self, optimizer=None) -> torch.optim.Optimizer:
         return self.inner  # (the state by name is always this optimizer's own)
-
-    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
-        """(fp32 weights, optimizer states) by name, whole (collective)."""
-        if self.offload is not None:  # host shards, gathered on the device (NCCL)
-            return self.offload.full_state(self.flats, self.inner, self.comm)
-        return super().full_state_by_name(optimizer)
 
     def state_dict(self) -> dict:
         """This rank's shard, with the layout to reassemble it (``consolidate``)."""

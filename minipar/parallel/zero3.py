@@ -42,7 +42,7 @@ from torch import nn
 from minipar.comm import Comm, Pending
 from minipar.meter import PeakBytes, optimizer_state_bytes, storage_bytes
 from minipar.parallel.dp import broadcast_module
-from minipar.parallel.offload import HostShards
+from minipar.parallel.offload import HostShards, OnHost
 from minipar.parallel.zero_state import (
     FlatParams,
     ShardedState,
@@ -82,7 +82,7 @@ def _tensors(x) -> Iterator[torch.Tensor]:
             yield from _tensors(y)
 
 
-class Zero3(ShardedState, nn.Module):
+class Zero3(OnHost, ShardedState, nn.Module):
     """Shard ``module``'s trainable weights over ``comm`` (the dp group), ZeRO-3 style.
 
     ``units``: the modules gathered as one (default ``default_units``); a weight outside
@@ -411,11 +411,6 @@ class Zero3(ShardedState, nn.Module):
             return self.offload.clip(self, max_norm)
         return clip_owned(self.flats, self.comm, max_norm)
 
-    def scale_grads(self, factor: float | torch.Tensor) -> None:
-        if self.offload is not None and isinstance(factor, torch.Tensor):
-            factor = factor.cpu()  # the shards are on the host
-        super().scale_grads(factor)
-
     def all_reduce_grads(self, names: Iterable[str], comm: Comm) -> None:
         """Sum the gradient shards of ``names`` over another group (see ``shared``)."""
         if self.offload is not None:
@@ -434,11 +429,6 @@ class Zero3(ShardedState, nn.Module):
                 "optimizer": storage_bytes(f.master for f in self.flats
                                            if f.full.dtype != f.master.dtype)
                 + (optimizer_state_bytes(optimizer) if optimizer is not None else 0)}
-
-    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
-        if self.offload is not None:  # host shards, gathered on the device (NCCL)
-            return self.offload.full_state(self.flats, self._stepper(optimizer), self.comm)
-        return super().full_state_by_name(optimizer)
 
     def _stepper(self, optimizer):
         return optimizer or torch.optim.SGD(self.shards, lr=0.0)  # (no state)
