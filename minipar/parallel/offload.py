@@ -45,6 +45,11 @@ optimizer steps the host masters; the new shard is cast to the compute dtype on 
 host and only those 16-bit bytes cross back, into this rank's slot of ``full``, which an
 in-place all-gather then publishes. Per step and rank: the fp32 gradient shard to the
 host, the 16-bit parameter shard back (``theory.offload.zero_offload_traffic``).
+
+ZeRO-3 (``Zero3(offload=True)``, DeepSpeed's offloaded-optimizer stage 3 in small) does
+the same per unit: the host holds the fp32 master shard, the device a 16-bit shard that
+each just-in-time gather reads; every micro-batch's reduce-scatter sends its fp32 shard
+to the host, where they add up; after the step the 16-bit shard comes back.
 """
 
 from __future__ import annotations
@@ -225,11 +230,12 @@ class OnHost:
 class HostShards:
     """The host side of ZeRO + offload: fp32 master shards, their gradients, the copies.
 
-    ``ZeroOptimizer(offload=True)`` calls ``to_host`` on each master shard it builds,
-    ``grad_to_host`` when a bucket's reduction completes, ``land_all`` before anything
-    reads the gradients, and ``publish`` after the CPU step. On CUDA the copies run on a
-    side stream into pinned buffers (``non_blocking``), so the gradient copies overlap
-    the rest of the backward; on the CPU they are plain copies.
+    ``ZeroOptimizer(offload=True)`` and ``Zero3(offload=True)`` call ``to_host`` on each
+    master shard they build, ``grad_to_host`` when a bucket's (unit's) reduction
+    completes, ``land_all`` before anything reads the gradients, and ``publish`` after
+    the CPU step (ZeRO-3: into the 16-bit device shard its gathers read). On CUDA the
+    copies run on a side stream into pinned buffers (``non_blocking``), so the gradient
+    copies overlap the rest of the backward; on the CPU they are plain copies.
     """
 
     def __init__(self) -> None:
@@ -294,6 +300,8 @@ class HostShards:
         """Each updated host master, cast on the host (it rounds as the device's cast
         would), into its device ``slot`` in the compute dtype: only those bytes cross
         the bus, on the side stream; the main stream then waits for them."""
+        if self.cuda and slots:  # nothing queued before may still read the old weights
+            self.stream.wait_stream(torch.cuda.current_stream(slots[0].device))
         for i, (m, slot) in enumerate(zip(masters, slots)):
             buf = self._buffer(self._up, i, m, slot.dtype)
             buf.copy_(m.detach())
