@@ -247,7 +247,8 @@ def test_engine_mutation_step_before_the_gradients_land_fails(monkeypatch):
     assert not broken.ok(FP32), broken.describe()
 
 
-def test_engine_offload_checkpoint_resumes(tmp_path):
+@pytest.mark.parametrize("zero", [2, 3])
+def test_engine_offload_checkpoint_resumes(tmp_path, zero):
     """Saved from host shards, resumed with offload (bitwise, same layout) and without
     (another layout: the states by name)."""
     from minipar.config import TrainConfig
@@ -256,7 +257,7 @@ def test_engine_offload_checkpoint_resumes(tmp_path):
     def run(**kw) -> list[float]:
         return train(TrainConfig(steps=4, timeout=240, dp=2, microbatches=2, **kw))["losses"]
 
-    layout = dict(offload=True, zero=2)
+    layout = dict(offload=True, zero=zero)
     full = run(**layout)
     assert run(**layout, save=str(tmp_path), stop_at=2) == full[:2]
     assert run(**layout, resume=str(tmp_path)) == full[2:]
