@@ -143,9 +143,10 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     ``zero_grad``, ``memory_bytes``, ``full_state_by_name`` (checkpoints).
 
     ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
-    and fp32 master shards (on the host with ``cfg.offload``: ``parallel/offload.py``);
-    ZeRO-3 a module whose parameters are the fp32 shards, under a
-    plain torch optimizer (``parallel/zero3.py``). ``materialize(name, p)``: the model
+    and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
+    plain torch optimizer (``parallel/zero3.py``). ``cfg.offload`` (ZeRO-Offload): either
+    keeps its fp32 master shards on the host, where the optimizer steps them
+    (``parallel/offload.py``). ``materialize(name, p)``: the model
     is still on the meta device, and each stage makes its buffers from these values one
     weight at a time (ZeRO 0-2: the bucket's compute-dtype weights and fp32 master
     shard; ZeRO-3: the unit's shard), never the whole fp32 local model. Gradients are

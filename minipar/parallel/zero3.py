@@ -219,7 +219,8 @@ class Zero3(OnHost, ShardedState, nn.Module):
             for f in u.flats:
                 f.full.untyped_storage().resize_(f.padded * f.full.element_size())
                 # this rank's slot of the gathered buffer is its master shard in the
-                # compute dtype: cast it there and gather in place (no 16-bit shard kept)
+                # compute dtype: cast it there and gather in place (no 16-bit shard kept;
+                # with offload the master is on the host: the device's 16-bit shard)
                 own = f.full[f.lo:f.hi]
                 with torch.no_grad():
                     own.copy_(f.master if self.offload is None else f.shard)
