@@ -182,7 +182,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
 
 def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
     """Context parallelism cuts each sequence into 2 * cp equal chunks (zig-zag), and
-    sequence parallelism then cuts a cp shard by tp; offload composes with ZeRO 0-2."""
+    sequence parallelism then cuts a cp shard by tp; offload composes with ZeRO 0-3."""
     if cfg.cp > 1:
         if model.seq_len % (2 * cfg.cp):
             raise ValueError(f"--cp {cfg.cp} needs a sequence length divisible by 2*cp="
@@ -191,9 +191,6 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
         if cfg.sp and (model.seq_len // cfg.cp) % cfg.tp:
             raise ValueError(f"--sp with --cp {cfg.cp} needs seq_len/cp="
                              f"{model.seq_len // cfg.cp} divisible by --tp {cfg.tp}")
-    if cfg.offload and cfg.zero == 3:
-        raise ValueError("--offload with --zero 3 is not supported: ZeRO-3's fp32 shards are "
-                         "the module's own parameters; use --zero 0, 1 or 2")
 
 
 def _check_files(cfg: TrainConfig) -> None:

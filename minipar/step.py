@@ -144,7 +144,9 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
     and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
-    plain torch optimizer (``parallel/zero3.py``). ``materialize(name, p)``: the model
+    plain torch optimizer (``parallel/zero3.py``). ``cfg.offload`` (ZeRO-Offload): either
+    keeps its fp32 master shards on the host, where the optimizer steps them
+    (``parallel/offload.py``). ``materialize(name, p)``: the model
     is still on the meta device, and each stage makes its buffers from these values one
     weight at a time (ZeRO 0-2: the bucket's compute-dtype weights and fp32 master
     shard; ZeRO-3: the unit's shard), never the whole fp32 local model. Gradients are
@@ -160,15 +162,10 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
     bf16 = cfg.dtype == "bf16"
-    if cfg.offload:  # ZeRO-Offload: the inner optimizer steps host copies of the shards
-        from functools import partial
-
-        from minipar.parallel.offload import OffloadOptimizer
-
-        opt_cls = partial(OffloadOptimizer, optimizer_cls=opt_cls, overlap=False)
     if cfg.zero == 3:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
-                     shared=shared, average=False, materialize=materialize)
+                     shared=shared, average=False, materialize=materialize,
+                     offload=cfg.offload)
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
         return sync, optimizer, None
@@ -182,7 +179,7 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp_cp, precision=precision,
                          average=False, shared=shared, overlap=cfg.ddp == "overlapped",
                          bucket_mb=0 if cfg.ddp == "naive" else bucket_mb,
-                         materialize=materialize, **opt_kwargs)
+                         materialize=materialize, offload=cfg.offload, **opt_kwargs)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
     return sync, sync, precision
 
@@ -255,8 +252,8 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
     parts.optimizer.step()
     # peaks of this step; parameters and optimizer states after the update
     held = sync.memory_bytes(parts.optimizer)
-    # ZeRO-Offload: host <-> device bytes of this step (the inner OffloadOptimizer's)
-    offload = getattr(getattr(parts.optimizer, "inner", None), "last_traffic", None)
+    # ZeRO-Offload: host <-> device bytes of this step (``offload.HostShards``)
+    offload = sync.offload.last_traffic if getattr(sync, "offload", None) else None
     sync.zero_grad()
     loss = None
     if result.loss is not None:  # last stage: the mean over the dp replicas, cp shards

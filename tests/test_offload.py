@@ -5,6 +5,10 @@ the same order, the same torch optimizer on the same values), so parameters must
 bit-identical after every step. 16-bit on the device: compared with the mixed-precision
 recipe written out by hand (fp32 masters, gradients cast up, the step, weights cast
 down), again bit-identical. Bytes moved are checked against ``minipar.theory.offload``.
+
+With ZeRO (``ZeroOptimizer(offload=True)``, ``train --offload``): the same optimizer
+without offload is the reference, bit for bit (one process); the engine's runs against
+one device are in ``test_cp_engine.py`` and here (bf16, the traffic, a mutation).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch
 from minipar.model import GPT, GPTConfig
 from minipar.parallel import offload as offmod
 from minipar.parallel.offload import OffloadOptimizer
-from minipar.theory.offload import offload_memory, offload_traffic
+from minipar.parallel.zero import ZeroOptimizer
+from minipar.theory.offload import offload_memory, offload_traffic, zero_offload_traffic
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
 STEPS, MICRO = 3, 2
@@ -146,3 +151,184 @@ def test_theory_numbers():
     mem = offload_memory(10**9)
     assert mem["device"] == 2 * 10**9 and mem["host"] == 20 * 10**9
     assert offload_memory(10**9, dp=4, zero=3)["device"] == 5 * 10**8
+
+
+# --- with ZeRO: no fp32 master on the device, 16-bit bytes back -------------------------
+def _zero_run(stage: int, dtype: torch.dtype, offload: bool) -> dict:
+    """STEPS steps of ZeRO over this rank's comm (bucket per parameter): what it held."""
+    from minipar.comm import Comm
+
+    torch.manual_seed(0)
+    model = GPT(CFG).to(dtype)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, comm=Comm(), bucket_mb=0,
+                        lr=1e-2, weight_decay=0.1, offload=offload)
+    opt.backwards_per_step = MICRO
+    during_backward = []
+    for step in range(STEPS):
+        for x, y in _batches(step):
+            (_loss(model, x, y) / MICRO).backward()
+        if offload:  # buckets reduced (and shipped) while backward ran
+            during_backward.append(opt.offload.traffic["to_host"])
+        opt.step()
+        memory = opt.memory_bytes()
+        opt.zero_grad()
+    out = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
+           "memory": memory, "shard": sum(f.hi - f.lo for f in opt.flats)}
+    if offload:
+        out.update(during_backward=during_backward, traffic=opt.offload.last_traffic,
+                   on_host=all(f.master.device.type == "cpu" for f in opt.flats),
+                   apart=all(f.master.untyped_storage().data_ptr() !=
+                             f.full.untyped_storage().data_ptr() for f in opt.flats))
+    return out
+
+
+def _zero_both(stage: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    return _zero_run(stage, dtype, False), _zero_run(stage, dtype, True)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_zero_offload_is_bit_identical_to_zero(stage, dtype):
+    """dp 2: the same ZeroOptimizer with and without offload, every weight equal."""
+    from minipar.launch import launch
+
+    for want, got in launch(_zero_both, 2, args=(stage, dtype), timeout=120):
+        for k, w in want["weights"].items():
+            assert torch.equal(w, got["weights"][k]), k
+        assert got["on_host"] and got["apart"]  # fp32 stage 0 too: the device keeps ``full``
+        assert got["memory"]["optimizer"] == 0 and got["memory"]["host_optimizer"] > 0
+        assert want["memory"]["optimizer"] > 0 or (stage == 0 and dtype == torch.float32)
+        shard, p = got["shard"], 4 if dtype == torch.float32 else 2
+        assert got["traffic"] == {"to_host": 4 * shard, "to_device": p * shard}
+        if stage == 2:  # a bucket per parameter, two in flight: most left in backward
+            assert all(b > 0 for b in got["during_backward"])
+
+
+def test_zero_offload_traffic_theory():
+    n = 10**9
+    assert zero_offload_traffic(n, dp=4, zero=2) == {"to_host": 10**9, "to_device": 5 * 10**8}
+    assert zero_offload_traffic(n, dp=4, zero=1, param_bytes=4)["to_device"] == 10**9
+    assert zero_offload_traffic(n, dp=4, zero=0)["to_host"] == 4 * n  # not sharded
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_engine_offload_bytes_equal_the_theory(dtype):
+    """The host <-> device bytes of a real step (``rank["offload_bytes"]``) are
+    ``zero_offload_traffic``'s, up to the flat buffers' padding (a few elements)."""
+    from minipar.config import TrainConfig
+    from minipar.engine import train
+
+    cfg = TrainConfig(steps=1, timeout=240, offload=True, dp=2, zero=2, microbatches=2,
+                      dtype=dtype)
+    run = train(cfg)
+    n = GPT(cfg.model_config()).num_params()
+    want = zero_offload_traffic(n, dp=2, zero=2, param_bytes=2 if dtype == "bf16" else 4)
+    for r in run["ranks"]:
+        for k in ("to_host", "to_device"):
+            assert r["offload_bytes"][k] == pytest.approx(want[k], rel=2e-3)
+        assert r["memory"]["optimizer"] == 0  # no fp32 master on the device
+
+
+def test_engine_mutation_step_before_the_gradients_land_fails(monkeypatch):
+    """The CPU step runs before the copies landed (a classic offload race: the host
+    reads its buffer while the device is still writing it): the check must fail."""
+    from test_engine import FP32, SGD, reference
+
+    from minipar.config import TrainConfig
+    from minipar.engine import train
+    from minipar.parity import compare
+
+    cfg = TrainConfig(steps=3, timeout=240, offload=True, dp=2, zero=2, microbatches=2,
+                      **SGD)
+    ref = {k: v[:3] for k, v in reference(**SGD).items() if k in ("losses", "grad_norms")}
+    assert compare(train(cfg), ref).ok(FP32)
+    monkeypatch.setattr(offmod.HostShards, "land_all", lambda self: None)
+    broken = compare(train(cfg), ref)
+    assert not broken.ok(FP32), broken.describe()
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_engine_offload_checkpoint_resumes(tmp_path, zero):
+    """Saved from host shards, resumed with offload (bitwise, same layout) and without
+    (another layout: the states by name)."""
+    from minipar.config import TrainConfig
+    from minipar.engine import train
+
+    def run(**kw) -> list[float]:
+        return train(TrainConfig(steps=4, timeout=240, dp=2, microbatches=2, **kw))["losses"]
+
+    layout = dict(offload=True, zero=zero)
+    full = run(**layout)
+    assert run(**layout, save=str(tmp_path), stop_at=2) == full[:2]
+    assert run(**layout, resume=str(tmp_path)) == full[2:]
+    other = run(zero=1, resume=str(tmp_path))
+    assert max(abs(a - b) for a, b in zip(other, full[2:])) < 1e-4
+
+
+# --- ZeRO-3 + offload: host masters, a 16-bit device shard gathered from ------------------
+ZERO3 = [dict(dp=2, zero=3, microbatches=2), dict(dp=2, zero=3, microbatches=2, pp=2)]
+
+
+@pytest.mark.parametrize("layout", ZERO3, ids=lambda d: " ".join(f"{k}={v}" for k, v in
+                                                                 d.items()))
+def test_engine_zero3_offload_matches_single_device(layout):
+    """fp32 and plain SGD without clipping against one process (the fp32 tolerances);
+    bf16 against the fp32 reference with bf16's."""
+    from test_engine import BF16, SGD, assert_parity
+
+    for knobs in (dict(), SGD, dict(dtype="bf16", tol=BF16)):
+        run = assert_parity(**knobs, offload=True, **layout)
+        for r in run["ranks"]:
+            assert r["memory"]["optimizer"] == 0 and r["memory"]["host_optimizer"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_engine_zero3_offload_bytes_equal_the_theory(dtype):
+    """Each micro-batch's backward sends the fp32 gradient shard; the 16-bit shard
+    comes back once per step."""
+    from minipar.config import TrainConfig
+    from minipar.engine import train
+
+    cfg = TrainConfig(steps=1, timeout=240, offload=True, dp=2, zero=3, microbatches=2,
+                      dtype=dtype)
+    run = train(cfg)
+    n = GPT(cfg.model_config()).num_params()
+    want = zero_offload_traffic(n, dp=2, zero=3, microbatches=2,
+                                param_bytes=2 if dtype == "bf16" else 4)
+    for r in run["ranks"]:
+        for k in ("to_host", "to_device"):  # (padding: a few elements per unit)
+            assert r["offload_bytes"][k] == pytest.approx(want[k], rel=5e-3)
+
+
+def _zero3_run(dtype: torch.dtype, offload: bool) -> dict:
+    from minipar.comm import Comm
+    from minipar.parallel.zero3 import Zero3
+
+    torch.manual_seed(0)
+    sync = Zero3(GPT(CFG), Comm(), param_dtype=dtype, offload=offload)
+    opt = torch.optim.AdamW(sync.parameters(), lr=1e-2, weight_decay=0.1)
+    sync.publish_after(opt)
+    for step in range(STEPS):
+        for x, y in _batches(step):
+            (_loss(sync, x, y) / MICRO).backward()
+        sync.finish_gradient_sync()
+        opt.step()
+        memory = sync.memory_bytes(opt)
+        sync.zero_grad()
+    weights, _ = sync.full_state_by_name(opt)
+    return {"weights": weights, "memory": memory,
+            "on_host": all(f.master.device.type == "cpu" for f in sync.flats)}
+
+
+def _zero3_both(dtype: torch.dtype) -> tuple[dict, dict]:
+    return _zero3_run(dtype, False), _zero3_run(dtype, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_zero3_offload_is_bit_identical_to_zero3(dtype):
+    from minipar.launch import launch
+
+    for want, got in launch(_zero3_both, 2, args=(dtype,), timeout=120):
+        assert got["on_host"] and got["memory"]["optimizer"] == 0
+        for k, w in want["weights"].items():
+            assert torch.equal(w, got["weights"][k]), k

@@ -33,14 +33,23 @@ Use::
     opt.last_traffic                  # {"to_host": bytes, "to_device": bytes}
 
 When a gradient is not final when accumulated (data parallelism still has to reduce
-it), pass ``overlap=False`` and call ``offload_grads()`` after the reduction. That is
-how the engine composes it with ZeRO 0-2 (``train --offload``): ``ZeroOptimizer`` builds
-its inner optimizer with ``optimizer_class=partial(OffloadOptimizer, optimizer_cls=...,
-overlap=False)`` on its fp32 master shards, so the gradient is reduced (stage 0) or
-reduce-scattered (1, 2) on the device first and only this rank's shard crosses to the
-host; the new shard comes back and is published (all-gathered) as before. The device
-then keeps the fp32 master shard the update lands in (none in fp32 at stage 0, where
-the master is the weights); the states and the step are on the host.
+it), pass ``overlap=False`` and call ``offload_grads()`` after the reduction.
+
+With ZeRO (``train --offload``) the engine does not wrap the optimizer: ``HostShards``
+below gives ``ZeroOptimizer`` (stages 0-2) the paper's scheme over its flat shards. The
+fp32 master shard lives only on the host (the device keeps the compute-dtype weights
+``full`` and the gradient buffers); each bucket's gradient is reduced (stage 0) or
+reduce-scattered (1, 2) in fp32 on the device, and its shard leaves for the host as soon
+as that reduction completes, during the last micro-batch's backward; a plain torch
+optimizer steps the host masters; the new shard is cast to the compute dtype on the
+host and only those 16-bit bytes cross back, into this rank's slot of ``full``, which an
+in-place all-gather then publishes. Per step and rank: the fp32 gradient shard to the
+host, the 16-bit parameter shard back (``theory.offload.zero_offload_traffic``).
+
+ZeRO-3 (``Zero3(offload=True)``, DeepSpeed's offloaded-optimizer stage 3 in small) does
+the same per unit: the host holds the fp32 master shard, the device a 16-bit shard that
+each just-in-time gather reads; every micro-batch's reduce-scatter sends its fp32 shard
+to the host, where they add up; after the step the 16-bit shard comes back.
 """
 
 from __future__ import annotations
@@ -196,4 +205,162 @@ class OffloadOptimizer(torch.optim.Optimizer):
                    *self._host_params]
         tensors += [v for s in self.inner.state.values() for v in s.values()
                     if torch.is_tensor(v)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class OnHost:
+    """Mixed into ``ZeroOptimizer`` and ``Zero3`` (before ``ShardedState``): where their
+    shards live on the host (``self.offload``, a ``HostShards``), the shared methods
+    that would run a collective on them, or scale them by a device tensor, change."""
+
+    offload: HostShards | None
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        if self.offload is not None and isinstance(factor, torch.Tensor):
+            factor = factor.cpu()  # the shards are on the host (waits for the norm)
+        super().scale_grads(factor)
+
+    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
+        """(fp32 weights, optimizer states) by name, whole (collective)."""
+        if self.offload is None:
+            return super().full_state_by_name(optimizer)
+        return self.offload.full_state(self.flats, self._stepper(optimizer), self.comm)
+
+
+class HostShards:
+    """The host side of ZeRO + offload: fp32 master shards, their gradients, the copies.
+
+    ``ZeroOptimizer(offload=True)`` and ``Zero3(offload=True)`` call ``to_host`` on each
+    master shard they build, ``grad_to_host`` when a bucket's (unit's) reduction
+    completes, ``land_all`` before anything reads the gradients, and ``publish`` after
+    the CPU step (ZeRO-3: into the 16-bit device shard its gathers read). On CUDA the
+    copies run on a side stream into pinned buffers (``non_blocking``), so the gradient
+    copies overlap the rest of the backward; on the CPU they are plain copies.
+    """
+
+    def __init__(self) -> None:
+        self.cuda, self.stream = False, None  # set by the first ``to_host`` (its device)
+        self._landing: dict[int, torch.Tensor] = {}  # flat -> its gradient's host buffer
+        self._up: dict[int, torch.Tensor] = {}  # flat -> its 16-bit parameter buffer
+        self._in_flight: dict[int, tuple] = {}  # flat -> (copy done, master, factor)
+        self.traffic = {"to_host": 0, "to_device": 0}  # since the last publish
+        self.last_traffic = dict(self.traffic)
+
+    def _buffer(self, store: dict, i: int, like: torch.Tensor, dtype) -> torch.Tensor:
+        if i not in store:
+            store[i] = torch.empty(like.shape, dtype=dtype, pin_memory=self.cuda)
+        return store[i]
+
+    def to_host(self, master: torch.Tensor) -> nn.Parameter:
+        """A host copy of a freshly built master shard (the device's is dropped)."""
+        if master.is_cuda and self.stream is None:
+            self.cuda, self.stream = True, torch.cuda.Stream(master.device)
+        host = torch.empty(master.shape, dtype=master.dtype, pin_memory=self.cuda)
+        host.copy_(master.detach())
+        return nn.Parameter(host)
+
+    def grad_to_host(self, i: int, shard: torch.Tensor, master: torch.Tensor,
+                     factor: float = 1.0) -> None:
+        """Start copying flat i's reduced gradient ``shard`` into its host buffer; it is
+        added to ``master.grad`` (fp32) when it lands."""
+        self.land(i)  # its buffer may still hold an earlier reduction of this step
+        buf = self._buffer(self._landing, i, shard, shard.dtype)
+        done = None
+        if self.cuda:
+            # the side stream waits for the reduction, then copies while the main
+            # stream goes on with the backward; the allocator keeps ``shard`` until then
+            self.stream.wait_stream(torch.cuda.current_stream(shard.device))
+            with torch.cuda.stream(self.stream):
+                buf.copy_(shard, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            shard.record_stream(self.stream)
+        else:
+            buf.copy_(shard)
+        self._in_flight[i] = (done, master, factor)
+        self.traffic["to_host"] += shard.numel() * shard.element_size()
+
+    def land(self, i: int) -> None:
+        """Wait for flat i's copy, if one is in flight, and add it to its master's grad."""
+        if i not in self._in_flight:
+            return
+        done, master, factor = self._in_flight.pop(i)
+        if done is not None:
+            done.synchronize()
+        g = self._landing[i].to(master.dtype, copy=True)  # the buffer is reused
+        if factor != 1.0:
+            g.mul_(factor)
+        master.grad = g if master.grad is None else master.grad.add_(g)
+
+    def land_all(self) -> None:
+        for i in list(self._in_flight):
+            self.land(i)
+
+    def publish(self, masters: list[torch.Tensor], slots: list[torch.Tensor]) -> None:
+        """Each updated host master, cast on the host (it rounds as the device's cast
+        would), into its device ``slot`` in the compute dtype: only those bytes cross
+        the bus, on the side stream; the main stream then waits for them."""
+        if self.cuda and slots:  # nothing queued before may still read the old weights
+            self.stream.wait_stream(torch.cuda.current_stream(slots[0].device))
+        for i, (m, slot) in enumerate(zip(masters, slots)):
+            buf = self._buffer(self._up, i, m, slot.dtype)
+            buf.copy_(m.detach())
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    slot.copy_(buf, non_blocking=True)
+            else:
+                slot.copy_(buf)
+            self.traffic["to_device"] += slot.numel() * slot.element_size()
+        if self.cuda and slots:  # the gather and the next forward wait for the copies;
+            torch.cuda.current_stream(slots[0].device).wait_stream(self.stream)
+            self.stream.synchronize()  # the host too, before it rewrites the buffers
+        self.last_traffic, self.traffic = self.traffic, {"to_host": 0, "to_device": 0}
+
+    def publish_flats(self, flats: list, comm, gather: bool) -> None:
+        """ZeRO 0-2: into this rank's slot of each flat's ``full``, then (``gather``:
+        sharded) the slots are all-gathered in place."""
+        slots = [f.full[f.lo:f.hi] for f in flats]
+        self.publish([f.master for f in flats], slots)
+        if gather:
+            for p in [comm.all_gather_into(f.full, slot, async_op=True)
+                      for f, slot in zip(flats, slots)]:
+                p.wait()
+
+    # --- the gradient shards on the host, where a collective wants the device -------
+    def all_reduce_grads(self, flats: list, names: set[str], comm) -> None:
+        """``zero_state.all_reduce_grads`` for host shards: the pieces of ``names`` are
+        summed over ``comm`` on the device (NCCL reduces device memory only)."""
+        parts = [(f.master.grad, a, b) for f in flats if f.master.grad is not None
+                 for k, a, b in f.owned() if f.names[k] in names]
+        if comm.size > 1 and parts:
+            flat = torch.cat([g[a:b] for g, a, b in parts]).to(flats[0].full.device)
+            comm.all_reduce(flat)
+            flat, o = flat.cpu(), 0
+            for g, a, b in parts:
+                g[a:b].copy_(flat[o:o + b - a])
+                o += b - a
+
+    def clip(self, sync, max_norm: float) -> float:
+        """``sync.clip_grad_norm_`` for host shards: the norm summed on the device."""
+        from minipar.parallel.dp import global_grad_norm
+
+        norm = global_grad_norm((g for _, g in sync.grad_shards()), [sync.comm],
+                                device=sync.flats[0].full.device)
+        sync.scale_grads((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return float(norm)
+
+    def full_state(self, flats: list, optimizer, comm) -> tuple[dict, dict]:
+        """``zero_state.full_state`` for host shards: each is gathered on the device."""
+        from minipar.parallel.zero_state import full_state, gatherer
+
+        gather, device = gatherer(comm), flats[0].full.device
+        return full_state(flats, optimizer, lambda f, t: gather(f, t.to(device)).cpu())
+
+    def host_bytes(self, flats: list, optimizer) -> int:
+        """Host memory: masters, their gradients, the optimizer's states, the buffers."""
+        masters = [f.master for f in flats]
+        tensors = [*masters, *(m.grad for m in masters if m.grad is not None),
+                   *self._landing.values(), *self._up.values()]
+        tensors += [v for s in (optimizer.state.values() if optimizer else ())
+                    for v in s.values() if torch.is_tensor(v)]
         return sum(t.numel() * t.element_size() for t in tensors)

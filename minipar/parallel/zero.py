@@ -33,6 +33,9 @@ last micro-batch's backward. ``reduce_dtype=torch.bfloat16`` halves the bytes on
 wire at a measured cost in drift (docs/architecture.md). ``no_sync()`` and
 ``finish_gradient_sync()`` work as in ``DataParallel``.
 
+``offload=True`` (ZeRO-Offload, ``parallel/offload.py``): fp32 masters, their gradients,
+states and step on the host; the 16-bit shard comes back before the all-gather.
+
 Use::
 
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, comm=mesh.dp, lr=1e-3)
@@ -57,6 +60,7 @@ from minipar.parallel.dp import (
     claim_gradients,
     trainable_params,
 )
+from minipar.parallel.offload import HostShards, OnHost
 from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public here too)
     FlatParams,
     ShardedState,
@@ -71,7 +75,7 @@ from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public her
 MASTER_DTYPE = torch.float32  # the dtype the optimizer updates (mixed precision's masters)
 
 
-class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
+class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
     """ZeRO stage 0-2 around ``optimizer_class(**defaults)``, over ``comm`` (the dp group).
 
     ``params``: a module, parameters, or torch-style group dicts (pass ``module=`` for
@@ -85,7 +89,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
     device (``parallel/materialize.py``): each bucket is filled from it one weight at a
     time, so the fp32 local model is never made whole; nothing is broadcast, every rank
-    computes the same values (as ``Zero3``'s ``materialize``).
+    computes the same values (as ``Zero3``'s ``materialize``). ``offload``: see above.
     """
 
     def __init__(self, params: nn.Module | Iterable, optimizer_class: type =
@@ -95,7 +99,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
                  reduce_dtype: torch.dtype | None = None, average: bool = True,
                  bucket_mb: float = 25.0, overlap: bool = True, max_inflight: int = 2,
                  broadcast: bool = True, shared: Iterable = (), materialize=None,
-                 **defaults):
+                 offload: bool = False, **defaults):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer covers stages 0-2, got {stage!r}; stage 3 "
                              "shards the weights too: minipar.parallel.zero3.Zero3")
@@ -114,6 +118,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         self._pos = {id(p): i for i, p in enumerate(named.values())}
         self._shared = {id(named[s]) if isinstance(s, str) else id(s) for s in shared}
         self._values = materialize
+        self.offload = HostShards() if offload else None  # masters on the host
         self.flats: list[FlatParams] = []
         self.inner: torch.optim.Optimizer | None = None
         self._inner_group: dict[int, int] = {}
@@ -193,6 +198,8 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
             f = FlatParams(b, [self._names[id(p)] for p in b], group,
                            lambda k, b=b: source(b[k]), rank, parts, b[0].dtype, MASTER_DTYPE)
             f.bind()  # the parameters become views of the flat buffer
+            if self.offload is not None:  # the master shard lives on the host only
+                f.master = self.offload.to_host(f.master)
             flats.append(f)
         if self.precision is not None:
             self.precision.release()  # ours are the masters now
@@ -235,25 +242,30 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         f = self.flats[i]
         _, out = self._inflight.pop(i)
         factor = self.precision.unscale_factor() if self.precision is not None else 1.0
-        if f.master.grad is None and self.stage == 0 and out.dtype == f.master.dtype:
-            f.master.grad, f.grad = out, None  # stage 0: the reduced buffer itself
+        if self.offload is not None:  # the shard leaves now; lands (scaled) before it is read
+            self.offload.grad_to_host(i, out, f.master, factor)
+        elif f.master.grad is None and self.stage == 0 and out.dtype == f.master.dtype:
+            f.master.grad = out  # stage 0: the reduced buffer itself
         else:
             g = out.to(f.master.dtype)
             f.master.grad = g if f.master.grad is None else f.master.grad.add_(g)
-            if self.stage == 1:
-                f.grad.zero_()  # stage 1 keeps the full-size gradient buffer
-            else:
-                f.grad = None
-        if factor != 1.0:
+        if self.stage == 1:
+            f.grad.zero_()  # stage 1 keeps the full-size gradient buffer
+        else:
+            f.grad = None
+        if factor != 1.0 and self.offload is None:
             f.master.grad.mul_(factor)
         self.grad_bytes.observe(self._grads_held())
 
-    def _grads_held(self) -> int:
-        return held_grad_bytes(self.flats)
+    def _grads_held(self) -> int:  # (offload: the device's only, not the host shards)
+        return storage_bytes(f.grad for f in self.flats) if self.offload else \
+            held_grad_bytes(self.flats)
 
     def finish_gradient_sync(self) -> None:
         """Reduce every bucket not reduced yet, wait, and add the result to the shard."""
         self._reducer.flush()
+        if self.offload is not None:
+            self.offload.land_all()
         self._arrivals.clear()
         self._synced = True
 
@@ -267,7 +279,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         if not self._synced:
             self.finish_gradient_sync()
         if self.precision is not None and self.precision.scaling:
-            bad = torch.zeros((), device=self.flats[0].master.device)
+            bad = torch.zeros((), device=self.flats[0].full.device)
             for f in self.flats:
                 if f.master.grad is not None and not torch.isfinite(f.master.grad).all():
                     bad.fill_(1.0)
@@ -288,6 +300,8 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     @torch.no_grad()
     def publish(self) -> None:
         """New fp32 shards -> the model's weights: copy (stage 0) or all-gather (1, 2)."""
+        if self.offload is not None:  # cast on the host, 16-bit bytes back, then gathered
+            return self.offload.publish_flats(self.flats, self.comm, gather=self.stage > 0)
         pending = []
         for f in self.flats:
             if f.master.untyped_storage().data_ptr() == f.full.untyped_storage().data_ptr():
@@ -310,7 +324,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
-        if self.inner is not None:  # an offloaded inner optimizer zeroes its host grads
+        if self.inner is not None:  # (a wrapped OffloadOptimizer zeroes its host grads)
             self.inner.zero_grad(set_to_none=True)
         self._arrivals.clear()
         self.grad_bytes.reset(self._grads_held())
@@ -320,6 +334,8 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         """Clip by the dp-wide gradient norm (data parallelism only); returns the norm."""
         if not self._synced:
             self.finish_gradient_sync()
+        if self.offload is not None:  # host shards: the norm is summed on the device
+            return self.offload.clip(self, max_norm)
         return clip_owned(self.flats, self.comm, max_norm)
 
     def all_reduce_grads(self, params: Iterable, comm: Comm) -> None:
@@ -327,8 +343,10 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         ``comm`` (sequence-parallel norms over tp; a tied embedding over the first and
         last pipeline stages). Exact on the shards when the parameter was named in
         ``shared`` at construction (its own flat buffer)."""
-        all_reduce_grads(self.flats, {p if isinstance(p, str) else self._names.get(id(p))
-                                      for p in params}, comm)
+        names = {p if isinstance(p, str) else self._names.get(id(p)) for p in params}
+        if self.offload is not None:  # host shards: the sum runs on the device (NCCL)
+            return self.offload.all_reduce_grads(self.flats, names, comm)
+        all_reduce_grads(self.flats, names, comm)
 
     def memory_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes this rank holds: weights, gradients (the peak of this step: full-size
@@ -336,7 +354,11 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         weights = list(self.module.parameters()) if self.module else \
             [p for g in self.param_groups for p in g["params"]]
         full = {f.full.untyped_storage().data_ptr() for f in self.flats}
-        host = getattr(self.inner, "host_bytes", None)  # ZeRO-Offload: states on the host
+        if self.offload is not None:  # ZeRO-Offload: masters, grads, states on the host
+            return {"params": storage_bytes(weights), "optimizer": 0,
+                    "grads": max(self.grad_bytes.peak, self._grads_held()),
+                    "host_optimizer": self.offload.host_bytes(self.flats, self.inner)}
+        host = getattr(self.inner, "host_bytes", None)  # a wrapped OffloadOptimizer
         out = {"params": storage_bytes(weights),
                "grads": max(self.grad_bytes.peak, self._grads_held()),
                "optimizer": storage_bytes(f.master for f in self.flats if

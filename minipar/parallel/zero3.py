@@ -25,7 +25,8 @@ What lives where (FSDP's choices):
 The module's trainable weights become plain tensors viewing their unit's flat buffer
 (no storage while the unit is free): its own code runs as written. Wrap it on its
 device. Every rank runs the same units in the same order, through ``__call__``. The
-zero-bubble schedule's deferred W pass is refused (``config.validate``).
+zero-bubble schedule's deferred W pass is refused (``config.validate``). ``offload``
+(ZeRO-Offload, ``parallel/offload.py``): masters on the host, gathered from a 16-bit shard.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import nn
 from minipar.comm import Comm, Pending
 from minipar.meter import PeakBytes, optimizer_state_bytes, storage_bytes
 from minipar.parallel.dp import broadcast_module
+from minipar.parallel.offload import HostShards, OnHost
 from minipar.parallel.zero_state import (
     FlatParams,
     ShardedState,
@@ -80,7 +82,7 @@ def _tensors(x) -> Iterator[torch.Tensor]:
             yield from _tensors(y)
 
 
-class Zero3(ShardedState, nn.Module):
+class Zero3(OnHost, ShardedState, nn.Module):
     """Shard ``module``'s trainable weights over ``comm`` (the dp group), ZeRO-3 style.
 
     ``units``: the modules gathered as one (default ``default_units``); a weight outside
@@ -102,8 +104,9 @@ class Zero3(ShardedState, nn.Module):
                  reduce_dtype: torch.dtype | None = None,
                  replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
-                 max_inflight: int = 1, materialize=None):
+                 max_inflight: int = 1, materialize=None, offload: bool = False):
         super().__init__()
+        self.offload = HostShards() if offload else None  # fp32 masters on the host
         self.module, self.comm = module, comm or Comm()
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
         self.prefetch, self.average, self.max_inflight = prefetch, average, max_inflight
@@ -127,6 +130,7 @@ class Zero3(ShardedState, nn.Module):
         self._units_of = {id(m): [u for u in self.units if any(x is m for x in u.modules)]
                           for m in self._triggers}
         self._inflight: deque = deque()
+        self._index = {id(f): i for i, f in enumerate(self.flats)}
         self._sync, self._end_queued = True, False
         self.param_bytes, self.grad_bytes = PeakBytes(), PeakBytes()
         self._grad_hooks = [t.register_post_accumulate_grad_hook(self._on_grad)
@@ -194,6 +198,9 @@ class Zero3(ShardedState, nn.Module):
                     f.params.append(leaf)
                     if p.device.type != "meta":
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free it
+                if self.offload is not None:  # gathered from a compute-dtype device shard
+                    f.shard = f.full if replicated else f.master.detach().to(dtype)
+                    f.master = self.offload.to_host(f.master)
                 if not replicated:
                     f.full.untyped_storage().resize_(0)  # gathered when used
                 flats.append(f)
@@ -212,10 +219,11 @@ class Zero3(ShardedState, nn.Module):
             for f in u.flats:
                 f.full.untyped_storage().resize_(f.padded * f.full.element_size())
                 # this rank's slot of the gathered buffer is its master shard in the
-                # compute dtype: cast it there and gather in place (no 16-bit shard kept)
+                # compute dtype: cast it there and gather in place (no 16-bit shard kept;
+                # with offload the master is on the host: the device's 16-bit shard)
                 own = f.full[f.lo:f.hi]
                 with torch.no_grad():
-                    own.copy_(f.master)
+                    own.copy_(f.master if self.offload is None else f.shard)
                 u.pending.append(self.comm.all_gather_into(f.full, own, async_op=True))
             u.state = "gathering"
             self.param_bytes.observe(self._params_held())
@@ -233,6 +241,8 @@ class Zero3(ShardedState, nn.Module):
 
     def _params_held(self) -> int:
         """Gathered buffers, plus the master shards when they are the compute weights."""
+        if self.offload is not None:  # the device shards (the masters are on the host)
+            return storage_bytes([f.full for f in self.flats] + [f.shard for f in self.flats])
         return storage_bytes([f.full for f in self.flats] + [
             f.master for f in self.flats if f.full.dtype == f.master.dtype])
 
@@ -326,7 +336,7 @@ class Zero3(ShardedState, nn.Module):
         u.dirty = False
         for f in u.flats:
             wire = f.grad if f.grad is not None else torch.zeros(
-                f.padded, dtype=self.grad_dtype, device=f.master.device)
+                f.padded, dtype=self.grad_dtype, device=f.full.device)
             # the buffer now belongs to the collective: the next micro-batch's gradients
             # go to a new one (it may arrive while this one is still on the wire)
             f.grad, wire = None, wire.to(self.reduce_dtype)
@@ -345,12 +355,17 @@ class Zero3(ShardedState, nn.Module):
     def _complete_oldest(self) -> None:
         f, _, out, pending = self._inflight.popleft()
         pending.wait()
+        if self.offload is not None:  # to the host now, added there when it lands
+            self.offload.grad_to_host(self._index[id(f)], out, f.master)
+            return self.grad_bytes.observe(self._grads_held())
         g = out.to(f.master.dtype)
         f.master.grad = g if f.master.grad is None else f.master.grad.add_(g)
         self.grad_bytes.observe(self._grads_held())
 
-    def _grads_held(self) -> int:
-        return held_grad_bytes(self.flats, [t for _, w, o, _ in self._inflight for t in (w, o)])
+    def _grads_held(self) -> int:  # (offload: the device's only, not the host shards)
+        wire = [t for _, w, o, _ in self._inflight for t in (w, o)]
+        return storage_bytes([f.grad for f in self.flats] + wire) if self.offload else \
+            held_grad_bytes(self.flats, wire)
 
     def finish_gradient_sync(self) -> None:
         """Reduce every unit with gradients not reduced yet (in unit order) and wait."""
@@ -361,12 +376,17 @@ class Zero3(ShardedState, nn.Module):
                 self._reduce(u)
         while self._inflight:
             self._complete_oldest()
+        if self.offload is not None:
+            self.offload.land_all()
 
     # --- after the optimizer step --------------------------------------------------------
     @torch.no_grad()
     def publish(self) -> None:
         """The updated fp32 masters -> the replicated units' weights (a sharded unit
-        casts its master when it is next gathered)."""
+        casts its master when it is next gathered). Offload: into the device shards."""
+        if self.offload is not None:
+            return self.offload.publish([f.master for f in self.flats],
+                                        [f.shard for f in self.flats])
         for u in self.units:
             if u.replicated:
                 for f in u.flats:
@@ -374,6 +394,8 @@ class Zero3(ShardedState, nn.Module):
 
     def publish_after(self, optimizer: torch.optim.Optimizer):
         """Call ``publish`` after every ``optimizer.step()`` (a torch step hook)."""
+        if self.offload is not None:  # (an optimizer stepping right after backward)
+            optimizer.register_step_pre_hook(lambda *_: self.offload.land_all())
         return optimizer.register_step_post_hook(lambda *_: self.publish())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -386,15 +408,23 @@ class Zero3(ShardedState, nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the dp-wide gradient norm (data parallelism only); returns the norm."""
         self.finish_gradient_sync()
+        if self.offload is not None:
+            return self.offload.clip(self, max_norm)
         return clip_owned(self.flats, self.comm, max_norm)
 
     def all_reduce_grads(self, names: Iterable[str], comm: Comm) -> None:
         """Sum the gradient shards of ``names`` over another group (see ``shared``)."""
+        if self.offload is not None:
+            return self.offload.all_reduce_grads(self.flats, set(names), comm)
         all_reduce_grads(self.flats, set(names), comm)
 
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Peak bytes of this step: weights (shards and gathered units), gradients (unit
         buffers and fp32 shards); optimizer: fp32 master shards and ``optimizer``'s state."""
+        if self.offload is not None:
+            return {"params": max(self.param_bytes.peak, self._params_held()),
+                    "grads": max(self.grad_bytes.peak, self._grads_held()), "optimizer": 0,
+                    "host_optimizer": self.offload.host_bytes(self.flats, optimizer)}
         return {"params": max(self.param_bytes.peak, self._params_held()),
                 "grads": max(self.grad_bytes.peak, self._grads_held()),
                 "optimizer": storage_bytes(f.master for f in self.flats

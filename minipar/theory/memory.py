@@ -311,10 +311,10 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     scores; with ``accounting="korthikanti"`` that term is divided by cp too, as the
     kernel does not keep it at all); the weights are replicated over cp, so ZeRO shards
     over dp * cp. ZeRO-Offload (``offload``, Ren et al. 2021; ``theory.offload``): the
-    optimizer states leave the device; minipar keeps the fp32 master shard the update
-    lands in on the device (none in fp32 at stage 0, where the master is the weights),
-    and ``host`` counts what the host holds (master, gradient, states, landing
-    buffers).
+    fp32 master shard and the optimizer states leave the device (``optimizer`` is 0:
+    the device keeps the compute-dtype weights and the gradient buffers), and ``host``
+    counts what the host holds (``zero_offload_memory``: master, its gradient, states,
+    landing buffers).
     """
     from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 
@@ -341,13 +341,12 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         row = {"stage": s, "n_params": n, **model_states(n, dp * cp, zero, dtype, optimizer),
                "activations": int(round(act))}
         if offload:
-            from minipar.theory.offload import offload_memory
+            from minipar.theory.offload import zero_offload_memory
 
             pw = state_bytes(dtype, optimizer)[0]
-            shard = math.ceil(n / (dp * cp)) if zero >= 1 else n
             states = state_bytes("fp32", optimizer)[2]  # the moments, fp32, on the host
-            row["host"] = offload_memory(n, pw, states, dp * cp, zero)["host"]
-            row["optimizer"] = 0 if (dtype == "fp32" and zero == 0) else shard * 4
+            row["host"] = zero_offload_memory(n, pw, states, dp * cp, zero)["host"]
+            row["optimizer"] = 0  # master shard, states and step on the host
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
             ws = loss_workspace(cfg, microbatch_size, tp, accounting) if s == pp - 1 else 0

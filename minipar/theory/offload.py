@@ -12,6 +12,12 @@ the optimizer states, and runs the step. Per step, for N parameters on this rank
 With 16-bit parameters and gradients that is 2N m + 2N: 4N bytes per step for m = 1,
 the paper's "4M" of traffic for M parameters. With ZeRO stage 2 or 3 under data
 parallelism each rank offloads only its 1/dp shard of the gradients and of the update.
+
+``train --offload`` composes it with ZeRO (``zero_offload_traffic``, ``zero_offload_memory``):
+the gradients are reduced on the device in fp32 first, so what crosses is this rank's
+fp32 gradient shard, once per step, and its 16-bit parameter shard back. For gpt-1.3b
+(1.32e9 parameters, tied embedding) at dp 4, bf16, ZeRO 1 or 2: 1.32 GB to the host and
+0.66 GB back per rank and step, where an fp32 shard came back before (1.32 GB).
 """
 
 from __future__ import annotations
@@ -25,18 +31,25 @@ def offload_traffic(n_params: int, param_bytes: int = 2, grad_bytes: int | None 
     return {"to_host": n * grad_bytes * microbatches, "to_device": n * param_bytes}
 
 
-def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0) -> dict[str, int]:
+def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
+                         param_bytes: int = 2, microbatches: int = 1) -> dict[str, int]:
     """Host-device bytes of one rank per step as ``train --offload`` composes offload with
-    ZeRO 0-2 (``step.data_parallel``): the gradient is reduced on the device first
-    (all-reduce at stage 0, reduce-scatter at 1-2) and accumulated there over the
-    micro-batches, so only this rank's fp32 shard goes to the host, once per step; the
-    updated fp32 master shard comes back (then cast and all-gathered on the device).
-    ``{"to_host": 4 S, "to_device": 4 S}``, S = n / dp (padded) at stages 1-2, n at 0.
-    The paper's stream (16-bit, per micro-batch: ``offload_traffic``) moves less per
-    element but every micro-batch; this one trades that for the device-side reduction.
+    ZeRO (``parallel/zero.py``, ``HostShards``): the gradient is reduced on the device
+    in fp32 (all-reduce at stage 0, reduce-scatter at 1-2), accumulated there over the
+    micro-batches, and this rank's fp32 shard goes to the host once per step, as its
+    bucket's reduction completes; the updated master shard is cast on the host and
+    comes back in the compute dtype (``param_bytes``: 2 for bf16, 4 for fp32), into
+    this rank's slot of the weights, which the device then all-gathers.
+    ``{"to_host": 4 S, "to_device": p S}``, S = n / dp (padded) at stages 1-3, n at 0.
+    ZeRO-3 reduce-scatters each unit in every micro-batch's backward, so its shard
+    crosses m times (4 S m), and comes back into a 16-bit device shard gathered from.
+    The paper's stream (16-bit, per micro-batch: ``offload_traffic``) moves half the
+    gradient bytes per element but every micro-batch; this one trades that for the
+    device-side reduction in fp32.
     """
     shard = -(-n_params // dp) if zero >= 1 else n_params
-    return {"to_host": 4 * shard, "to_device": 4 * shard}
+    m = microbatches if zero == 3 else 1
+    return {"to_host": 4 * shard * m, "to_device": param_bytes * shard}
 
 
 def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
@@ -53,3 +66,16 @@ def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: i
     device_params = n_params // dp if zero >= 3 else n_params
     return {"device": device_params * param_bytes,
             "host": shard * (4 + 4 + optimizer_state_bytes + 2 * param_bytes)}
+
+
+def zero_offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
+                        dp: int = 1, zero: int = 0) -> dict[str, int]:
+    """Model-state bytes per rank as ``train --offload`` composes offload with ZeRO 0-3
+    (``offload.HostShards``). Device: the weights in the compute dtype only (no fp32
+    master; ZeRO-3: this rank's 16-bit shard; gradient buffers: ``theory.memory``).
+    Host, per element of this rank's shard (n / dp at stages 1-3, n at 0): fp32 master
+    (4) and its gradient (4), the optimizer states, the pinned landing buffers of the
+    fp32 gradient (4) and of the 16-bit weights (p)."""
+    shard = -(-n_params // dp) if zero >= 1 else n_params
+    return {"device": (shard if zero == 3 else n_params) * param_bytes,
+            "host": shard * (4 + 4 + optimizer_state_bytes + 4 + param_bytes)}
