@@ -115,11 +115,19 @@ def test_offload_plain_sgd_and_bf16(layout: dict) -> None:
 def test_offload_mutation_fails_the_check(monkeypatch) -> None:
     """Host gradients never zeroed: each step adds the previous ones (a classic offload
     bug: the host accumulator outlives the device's zero_grad)."""
-    from minipar.parallel.offload import OffloadOptimizer
+    from minipar.parallel.offload import HostShards
 
     cfg = TrainConfig(steps=3, timeout=240, offload=True, dp=2, zero=1, **SGD)
     ref = {k: v[:3] for k, v in reference(**SGD).items() if k in ("losses", "grad_norms")}
-    monkeypatch.setattr(OffloadOptimizer, "zero_grad", lambda self, set_to_none=True: None)
+    kept: dict = {}
+
+    def land_never_zeroed(self, i):  # the step's gradient adds to all earlier ones
+        entry = self._in_flight.pop(i, None)
+        if entry is not None:
+            kept[i] = kept.get(i, 0) + self._landing[i]
+            entry[1].grad = kept[i].clone()
+
+    monkeypatch.setattr(HostShards, "land", land_never_zeroed)
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), broken.describe()
 
@@ -146,16 +154,17 @@ def test_counted_ring_bytes_equal_the_theory(layout: dict) -> None:
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_offload_traffic_equals_the_theory(zero: int) -> None:
-    """The host <-> device bytes a step moves (``OffloadOptimizer.last_traffic``) are
+    """The host <-> device bytes a step moves (the engine's ``offload_bytes``) are
     ``theory.offload.zero_offload_traffic`` of the parameters this rank holds (up to
-    the flat buffers' padding, a few elements per bucket)."""
+    the flat buffers' padding, a few elements per bucket): the fp32 gradient shard down,
+    the updated shard up in the compute dtype (fp32 here)."""
     from minipar.model import GPT
     from minipar.theory.offload import zero_offload_traffic
 
     cfg = TrainConfig(steps=1, timeout=240, offload=True, dp=2, zero=zero)
     run = train(cfg)
     n = GPT(cfg.model_config()).num_params()
-    want = zero_offload_traffic(n, dp=2, zero=zero)
+    want = zero_offload_traffic(n, dp=2, zero=zero, param_bytes=4)
     for r in run["ranks"]:
         got = r["offload_bytes"]
         for k in ("to_host", "to_device"):

@@ -203,7 +203,7 @@ def test_memory_model_with_offload_moves_the_states_to_the_host():
 
     on = memory_breakdown("gpt-1.3b", dp=8, zero=2, offload=True)
     off = memory_breakdown("gpt-1.3b", dp=8, zero=2)
-    assert 3 * on["optimizer"] == off["optimizer"] and on["host"] > 0  # 4 of 12 B left
+    assert on["optimizer"] == 0 < off["optimizer"] and on["host"] > 0  # all 12 B moved
     assert on["total"] < off["total"]
     fp32 = memory_breakdown("tiny", dtype="fp32", offload=True)
     assert fp32["optimizer"] == 0  # fp32, stage 0: the master is the weights

@@ -38,11 +38,13 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-from minipar.comm import Comm, Pending
+from minipar.comm import Comm
 from minipar.meter import PeakBytes, optimizer_state_bytes, storage_bytes
 from minipar.parallel.dp import broadcast_module
 from minipar.parallel.offload import HostShards, OnHost
+from minipar.parallel.zero3_units import Unit, default_units, group_weights, who_gathers
 from minipar.parallel.zero_state import (
     FlatParams,
     ShardedState,
@@ -52,34 +54,6 @@ from minipar.parallel.zero_state import (
 )
 
 MASTER_DTYPE = torch.float32
-
-
-class _Unit:
-    """Weights gathered and freed together, when one of ``modules`` runs."""
-
-    def __init__(self, modules: list[nn.Module], flats: list[FlatParams], replicated: bool):
-        self.modules, self.flats, self.replicated = modules, flats, replicated
-        self.leaves = [t for f in flats for t in f.params]
-        self.state = "gathered" if replicated else "free"  # free / gathering / gathered
-        self.pending: list[Pending] = []
-        self.in_backward, self.dirty = False, False
-        self.waiting: set[int] = set()  # weights whose gradient this backward awaits
-
-
-def default_units(module: nn.Module) -> list[nn.Module]:
-    """Every module held in an ``nn.ModuleList`` (a GPT's blocks)."""
-    return [m for ml in module.modules() if isinstance(ml, nn.ModuleList) for m in ml]
-
-
-def _tensors(x) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
 
 
 class Zero3(OnHost, ShardedState, nn.Module):
@@ -119,8 +93,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
                 p.data = p.data.to(param_dtype)
         self.names = list(named)  # the reference names, in order
         self._name_of = {id(p): n for n, p in named.items()}
-        self.units: list[_Unit] = []
-        self._triggers: list[nn.Module] = []
+        self.units: list[Unit] = []
         self._build(named, set(units) if units is not None else set(default_units(module)),
                     replicate, set(shared), param_dtype)
         self.shards = nn.ParameterList([f.master for u in self.units for f in u.flats])
@@ -142,40 +115,11 @@ class Zero3(OnHost, ShardedState, nn.Module):
             self._grad_hooks += [m.register_forward_pre_hook(self._pre_forward),
                             m.register_forward_hook(self._post_forward)]
 
-    # --- construction: who gathers what, one unit's fp32 values at a time -------------
+    # --- construction: who gathers what (zero3_units.py), one unit's values at a time --
     def _build(self, named: dict, given: set, replicate: tuple, shared: set,
                param_dtype: torch.dtype | None) -> None:
-        """A weight is gathered by the innermost given unit around the module that
-        registers it or, outside every unit, by that module itself; a weight registered
-        by several modules (a tied embedding and head) by each of them."""
-        trainable = {id(p) for p in named.values()}
-        triggers: dict[int, list[nn.Module]] = {}
-        owners: list[tuple[nn.Module, str, nn.Parameter]] = []
-        seen: set[int] = set()
-
-        def walk(m: nn.Module, unit: nn.Module | None) -> None:
-            if id(m) in seen:
-                return
-            seen.add(id(m))
-            unit = m if m in given else unit
-            for local, p in m.named_parameters(recurse=False):
-                if id(p) not in trainable:
-                    continue
-                owners.append((m, local, p))
-                t = unit if unit is not None else m
-                if all(t is not x for x in triggers.setdefault(id(p), [])):
-                    triggers[id(p)].append(t)
-                    if all(t is not x for x in self._triggers):
-                        self._triggers.append(t)
-            for child in m.children():
-                walk(child, unit)
-
-        walk(self.module, None)
-        by_set: dict[tuple, list[nn.Parameter]] = {}
-        for p in named.values():
-            mods = triggers[id(p)]
-            replicated = any(isinstance(m, replicate) for m in mods) if replicate else False
-            by_set.setdefault((tuple(sorted(map(id, mods))), replicated), []).append(p)
+        triggers, owners, self._triggers = who_gathers(self.module, named, given)
+        by_set = group_weights(named, triggers, replicate)
         leaves: dict[int, torch.Tensor] = {}
         parts, rank = self.comm.size, self.comm.rank
         for (_, replicated), params in by_set.items():
@@ -204,7 +148,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
                 if not replicated:
                     f.full.untyped_storage().resize_(0)  # gathered when used
                 flats.append(f)
-            self.units.append(_Unit(triggers[id(params[0])], flats, replicated))
+            self.units.append(Unit(triggers[id(params[0])], flats, replicated))
         for m, local, p in owners:  # swap each registered weight for its leaf
             del m._parameters[local]
             setattr(m, local, leaves[id(p)])
@@ -213,7 +157,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
         self.units.sort(key=lambda u: -min(pos[id(m)] for m in u.modules))
 
     # --- gather just in time, free right after ------------------------------------------
-    def _gather(self, u: _Unit, async_op: bool = False) -> None:
+    def _gather(self, u: Unit, async_op: bool = False) -> None:
         if u.state == "free":
             u.pending = []
             for f in u.flats:
@@ -232,7 +176,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
                 pending.wait()
             u.pending, u.state = [], "gathered"
 
-    def _free(self, u: _Unit) -> None:
+    def _free(self, u: Unit) -> None:
         if u.state != "free" and not u.replicated:
             self._gather(u)  # an in-flight gather must land before its buffer goes
             for f in u.flats:
@@ -246,7 +190,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
         return storage_bytes([f.full for f in self.flats] + [
             f.master for f in self.flats if f.full.dtype == f.master.dtype])
 
-    def _neighbour(self, module: nn.Module, step: int) -> list[_Unit]:
+    def _neighbour(self, module: nn.Module, step: int) -> list[Unit]:
         """Units of the next (step=1) or previous (-1) module in registration order."""
         i = next(i for i, m in enumerate(self._triggers) if m is module) + step
         return self._units_of[id(self._triggers[i])] if 0 <= i < len(self._triggers) else []
@@ -263,8 +207,8 @@ class Zero3(OnHost, ShardedState, nn.Module):
             if not u.in_backward:  # (a recomputation inside backward keeps it)
                 self._free(u)
         if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(partial(self._pre_backward, module))
 
     def _pre_backward(self, module: nn.Module, grad: torch.Tensor) -> None:
@@ -325,14 +269,14 @@ class Zero3(OnHost, ShardedState, nn.Module):
             if self._sync:
                 self._reduce(u)
 
-    def _unit_grads_computed(self, u: _Unit, grads: list[torch.Tensor | None]) -> None:
+    def _unit_grads_computed(self, u: Unit, grads: list[torch.Tensor | None]) -> None:
         """Once per backward: a weight with no gradient was unused and counts as arrived
         (zero), so the reduce-scatter starts at the same point on every rank."""
         for t, g in zip(u.leaves, grads):
             if g is None:
                 self._arrived(t)
 
-    def _reduce(self, u: _Unit) -> None:
+    def _reduce(self, u: Unit) -> None:
         u.dirty = False
         for f in u.flats:
             wire = f.grad if f.grad is not None else torch.zeros(
