@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 from minipar.model import GPTConfig
+from minipar.theory.activations import deferred_weight_grad_bytes
 from minipar.theory.models import get_model
 from minipar.theory.params import check_divisible, stage_layers, stage_params
 
@@ -248,21 +249,6 @@ def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
     if schedule == "zb":
         return min(m, pp)
     return min(m, pp - stage)
-
-
-def deferred_weight_grad_bytes(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
-                               sp: bool = False, dtype: str = "bf16") -> float:
-    """Bytes one layer keeps per micro-batch between its B and W passes under ZB-H1:
-    the gradient of each linear layer's output (W multiplies it by the stored input).
-    Column-parallel outputs (q|k|v, the MLP's first) are split by tp; row-parallel
-    ones (the attention projection, the MLP's second) only with sequence parallelism.
-    Measured on 4 x H100 (gpt-1.3b pp 4, m 16, b 2): 3.5-5.3 GiB per stage above the
-    activations, 3.4 GiB by this count."""
-    cfg = get_model(cfg)
-    e = 2 if dtype in ("bf16", "fp16") else 4
-    h, f = cfg.d_model, cfg.d_ff
-    width = (3 * h + f) / tp + 2 * h / (tp if sp else 1)
-    return e * cfg.seq_len * microbatch_size * width
 
 
 def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
