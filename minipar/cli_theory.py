@@ -156,7 +156,7 @@ def _cmd_plan(args) -> int:
                           for op, lat, bw in where.links)
         print(f"calibrated ({args.calibrate}): matmul {where.matmul_rate / 1e12:.0f} TFLOP/s"
               f"; {rates}")
-    result = plan(cfg, where, args.batch)
+    result = plan(cfg, where, args.batch, offload=args.offload)
     print(f"{'#':>3}  {'layout':<60} {'step s':>9} {'MFU':>6} {'GiB/GPU':>8}")
     for i, lay in enumerate(result.layouts[: args.top]):
         print(f"{i + 1:>3}  {lay.label():<60} {lay.step_time:>9.3g} {lay.mfu:>6.1%} "
@@ -215,5 +215,7 @@ def _add_theory(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--batch", type=int, help="global batch (sequences); default = GPUs")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--offload", action="store_true",
+                   help="try ZeRO-Offload where a layout does not fit without it")
     p.add_argument("--calibrate", metavar="FILE", help="measured rates of a machine "
                    "(benchmarks/multigpu.py --sections calibrate) instead of the preset's")

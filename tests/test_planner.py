@@ -246,3 +246,20 @@ def test_zero_bubble_stages_hold_the_deferred_weight_gradients_inputs():
                             accounting="fused")
     for row, gib in zip(rows, measured):
         assert row["total"] / 2**30 == pytest.approx(gib, rel=0.15)
+
+
+def test_the_planner_offloads_only_what_does_not_fit_and_prices_it():
+    """``plan(offload=True)`` retries a misfit with ZeRO-Offload, never a layout that fits.
+    Its time (host AdamW + PCIe, ``theory.offload.offload_seconds``) against the 4 x H100
+    measurement (gpt-1.3b dp 4 ZeRO-1, batch 32: 1.166 s with offload, 0.326 s without)."""
+    h100 = _h100x4()
+    plain = plan("gpt-13b", h100, 16, accounting="fused")
+    both = plan("gpt-13b", h100, 16, accounting="fused", offload=True)
+    offloaded = [lay for lay in both if lay.offload]
+    assert offloaded and not any(lay.offload for lay in plain)
+    assert {lay.label() for lay in plain} <= {lay.label() for lay in both}
+    assert all(lay.time["offload"] > 0 and lay.fits for lay in offloaded)
+    lay = evaluate("gpt-1.3b", h100, 1, 1, 4, 1, microbatch_size=8, global_batch=32,
+                   accounting="fused", offload=True)
+    assert lay.step_time == pytest.approx(1.166, rel=0.15)
+    assert lay.memory["optimizer"] == 0 and lay.memory["host"] > 0

@@ -51,9 +51,10 @@ from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.memory import memory_breakdown
 from minipar.theory.models import get_model
+from minipar.theory.offload import offload_seconds
 from minipar.theory.params import hardware_flops_per_token, model_flops_per_token
 
-TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp")
+TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
 # on 4 x H100 (benchmarks/multigpu.py, docs/benchmarks.md): gpt-13b ZeRO-3 at micro-batch
 # 1 takes 1.99 s against 1.23 s of compute, its per-layer backward transfers (4.5 ms at
@@ -81,6 +82,7 @@ class Layout:
     mfu: float = 0.0
     fits: bool = True
     cp: int = 1
+    offload: bool = False
 
     @property
     def step_time(self) -> float:
@@ -93,7 +95,8 @@ class Layout:
             f" recompute={self.recompute}" if self.recompute != "none" else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero} "
-                f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}")
+                f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}"
+                + (" offload" if self.offload else ""))
 
     def to_dict(self) -> dict:
         return {**asdict(self), "step_time": self.step_time, "label": self.label()}
@@ -123,7 +126,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
              recompute: str = "none", *, dtype: str = "bf16", optimizer: str = "adam",
              matmul_efficiency: float = 0.7, memory_fraction: float = 0.9,
              accounting: str = "korthikanti", order: str = "megatron",
-             overlap: bool = True, cp: int = 1) -> Layout:
+             overlap: bool = True, cp: int = 1, offload: bool = False) -> Layout:
     """Memory and step-time estimate of one layout (raises ValueError if it cannot be
     built at all: sizes that do not divide). ``fits`` says whether it fits in
     ``memory_fraction`` of a GPU's memory (the rest for the CUDA context, buffers and
@@ -141,7 +144,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     common = dict(dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype, microbatch_size=microbatch_size,
                   microbatches=m, schedule=schedule, sp=sp, recompute=recompute)
     mem = memory_breakdown(cfg, optimizer=optimizer, virtual=virtual, accounting=accounting,
-                           cp=cp, **common)
+                           cp=cp, offload=offload, **common)
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, **common)
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
@@ -172,6 +175,8 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
         e = 2 if dtype == "bf16" else 4
         if cfg.seq_len // cp >= min_local_tokens_to_hide_ring(cluster.matmul_rate, bw, e):
             t["cp"] = 0.0
+    t["offload"] = offload_seconds(mem["n_params"], dp * cp, zero, dtype, m,
+                                   compute) if offload else 0.0
     time = {"compute": compute, "bubble": bubble, **t}
     time["step"] = sum(time[k] for k in TIME_KEYS)
     achieved = model_flops_per_token(cfg) * tokens / time["step"]
@@ -179,7 +184,8 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
                for d in ("tp", "cp", "pp", "dp")}
     return Layout(tp, pp, dp, zero, microbatch_size, m, schedule, virtual, sp, recompute,
                   memory=mem, time=time, traffic=traffic, mfu=achieved / (cluster.gpus * peak),
-                  fits=mem["total"] <= memory_fraction * cluster.gpu_memory, cp=cp)
+                  fits=mem["total"] <= memory_fraction * cluster.gpu_memory, cp=cp,
+                  offload=offload)
 
 
 def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
@@ -243,7 +249,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
          recomputes: tuple[str, ...] = ("none", "selective", "full"),
          schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb"),
          max_microbatch_size: int = 8, sp: bool = True, min_cp_tokens: int = 4096,
-         **settings) -> Plan:
+         offload: bool = False, **settings) -> Plan:
     """Enumerate, filter and rank the layouts of ``cfg`` on ``cluster``.
 
     Rejected (and counted by reason): tp above the GPUs of one node (its collectives
@@ -253,6 +259,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     (same traffic, less memory). Context parallelism: cp = 2, 4, ... while each rank
     keeps at least ``min_cp_tokens`` tokens of a sequence (seq_len / cp; below that
     the ring cannot hide behind the blocks' compute), within a node with tp.
+    ``offload=True``: a layout that does not fit is tried again with ZeRO-Offload.
     ``settings`` go to ``evaluate`` (dtype, optimizer, matmul_efficiency,
     memory_fraction, accounting, order, overlap).
     """
@@ -304,6 +311,10 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                             lay = evaluate(cfg, cluster, tp, pp, dp, zero, b, global_batch,
                                            schedule, v, sp and tp > 1, rc, cp=cp,
                                            **settings)
+                            if not lay.fits and offload:
+                                lay = evaluate(cfg, cluster, tp, pp, dp, zero, b,
+                                               global_batch, schedule, v, sp and tp > 1,
+                                               rc, cp=cp, offload=True, **settings)
                             if lay.fits:
                                 layouts.append(lay)
                             else:
