@@ -47,10 +47,8 @@ notebooks: setup
 	  if bad else 0)" notebooks/*.ipynb || exit 1; \
 	rm -rf $(NBREF) && mkdir -p $(NBREF) || exit 1; \
 	for nb in notebooks/*.ipynb; do \
-	  start=$$(date +%s); \
-	  $(BIN)/jupyter nbconvert --to notebook --execute --output-dir $(NBREF) \
-	    --ExecutePreprocessor.timeout=180 --log-level=ERROR "$$nb" || exit 1; \
-	  echo "executed $$nb in $$(( $$(date +%s) - start )) s"; \
+	  $(BIN)/python tools/execute_notebook.py --timeout 180 --output-dir $(NBREF) \
+	    "$$nb" || exit 1; \
 	done; \
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
 	  --nbval-cell-timeout=180 --nbval-sanitize-with notebooks/sanitize.cfg \

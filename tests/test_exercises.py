@@ -124,11 +124,11 @@ def test_lesson_checks_are_exported_and_fail_on_what_the_page_denies() -> None:
     from solutions.course import check_sharded_build, check_spanning
     assert all(hasattr(course, n) for n in names)
     mb = 2**20
-    builds = {"model_bytes": 25 * mb,
-              0: {"host_peak_bytes": [80 * mb] * 4, "build_seconds": [0.4] * 4},
-              3: {"host_peak_bytes": [30 * mb] * 4, "build_seconds": [0.15] * 4}}
-    assert len(check_sharded_build(builds)) == 3
-    builds[3]["host_peak_bytes"][2] = 41 * mb  # a ZeRO-3 rank that built too much
+    builds = {"model_bytes": 210 * mb,
+              0: {"host_peak_bytes": [235 * mb] * 4, "build_seconds": [2.4] * 4},
+              3: {"host_peak_bytes": [80 * mb] * 4, "build_seconds": [0.9] * 4}}
+    assert len(check_sharded_build(builds)) == 2
+    builds[3]["host_peak_bytes"][2] = 140 * mb  # a ZeRO-3 rank that built too much
     with pytest.raises(AssertionError):
         check_sharded_build(builds)
 
