@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 from gpu import DATASHEET_TFLOPS, RandomTokens, _timed
-from multigpu import GiB, _device_name, _local_device, minipar_spec, peer_spec
+from multigpu import GiB, _device_name, _local_device, minipar_spec, peer_spec, refused_or
 
-from minipar.config import TrainConfig, validate
+from minipar.config import TrainConfig
 from minipar.model import get_config
 from minipar.theory.params import model_flops_per_token
 
@@ -215,12 +215,7 @@ def _predicted_gib(mc, **layout) -> float:
 
 def _row(run, name: str, spec: dict, cap: float, **fields) -> dict | None:
     def go() -> dict:
-        if spec["impl"] == "minipar":
-            try:
-                validate(TrainConfig(**spec["cfg"]))
-            except ValueError as e:
-                return {"status": "refused", "reason": str(e)}
-        return _measure(run, spec, cap)
+        return refused_or(spec, lambda: _measure(run, spec, cap))
 
     return run.row("cp", name, go, impl=spec["impl"], world=spec["world"],
                    model=spec["model"], batch=spec["batch"],

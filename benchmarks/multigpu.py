@@ -651,15 +651,21 @@ def peer_spec(run: Run, impl: str, model: str, world: int, batch: int,
             "batch": batch, "steps": s.steps, "warmup": s.warmup, **extra}
 
 
+def refused_or(spec: dict, measure) -> dict:
+    """``measure()``, unless ``config.validate`` refuses a minipar spec: then a refused
+    row with the reason (what ``python -m minipar train`` would say before launch)."""
+    if spec["impl"] == "minipar":
+        try:
+            validate(TrainConfig(**spec["cfg"]))
+        except ValueError as e:
+            return {"status": "refused", "reason": str(e)}
+    return measure()
+
+
 def speed_row(run: Run, section: str, name: str, spec: dict, group: str,
               cap: float | None = None) -> dict | None:
     def go() -> dict:
-        if spec["impl"] == "minipar":
-            try:
-                validate(TrainConfig(**spec["cfg"]))
-            except ValueError as e:
-                return {"status": "refused", "reason": str(e)}
-        return _measure(run, spec, cap or run.sizes.cap_s)
+        return refused_or(spec, lambda: _measure(run, spec, cap or run.sizes.cap_s))
 
     layout = {k: v for k, v in spec.get("cfg", spec).items()
               if k in ("dp", "pp", "tp", "zero", "schedule", "virtual", "microbatches", "sp",

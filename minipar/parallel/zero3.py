@@ -365,14 +365,13 @@ class Zero3(OnHost, ShardedState, nn.Module):
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Peak bytes of this step: weights (shards and gathered units), gradients (unit
         buffers and fp32 shards); optimizer: fp32 master shards and ``optimizer``'s state."""
+        held = {"params": max(self.param_bytes.peak, self._params_held()),
+                "grads": max(self.grad_bytes.peak, self._grads_held())}
         if self.offload is not None:
-            return {"params": max(self.param_bytes.peak, self._params_held()),
-                    "grads": max(self.grad_bytes.peak, self._grads_held()), "optimizer": 0,
+            return {**held, "optimizer": 0,
                     "host_optimizer": self.offload.host_bytes(self.flats, optimizer)}
-        return {"params": max(self.param_bytes.peak, self._params_held()),
-                "grads": max(self.grad_bytes.peak, self._grads_held()),
-                "optimizer": storage_bytes(f.master for f in self.flats
-                                           if f.full.dtype != f.master.dtype)
+        return {**held, "optimizer": storage_bytes(f.master for f in self.flats
+                                                   if f.full.dtype != f.master.dtype)
                 + (optimizer_state_bytes(optimizer) if optimizer is not None else 0)}
 
     def _stepper(self, optimizer):

@@ -112,12 +112,17 @@ def _group_spans_nodes(dp: int, pp: int, tp: int, dim: str, order: str,
     return len({r // gpus_per_node for r in ranks}) > 1
 
 
+def _op_seconds(op: str, x: dict, cluster: Cluster, spans_nodes: bool,
+                bytes_scale: float = 1.0) -> float:
+    """One op's calls: wire bytes (times ``bytes_scale``) over its bandwidth, plus its
+    latency per call."""
+    bandwidth, latency = cluster.link(op, spans_nodes)
+    return bytes_scale * x["wire_bytes"] / bandwidth + x["calls"] * latency
+
+
 def _comm_seconds(volume: dict, dim: str, cluster: Cluster, spans_nodes: bool) -> float:
-    total = 0.0
-    for op, x in volume.get(dim, {}).items():
-        bandwidth, latency = cluster.link(op, spans_nodes)
-        total += x["wire_bytes"] / bandwidth + x["calls"] * latency
-    return total
+    return sum(_op_seconds(op, x, cluster, spans_nodes)
+               for op, x in volume.get(dim, {}).items())
 
 
 def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp: int,
@@ -165,9 +170,9 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
                                             cp)
 
     t = {d: _comm_seconds(vol, d, cluster, spans(d)) for d in ("tp", "cp", "pp")}
-    dp_ops = {op: _comm_seconds({"dp": {op: x}}, "dp", cluster, spans("dp"))
-              * (4 / 2 if dtype == "bf16" and op in ("all_reduce", "reduce_scatter") else 1)
-              for op, x in vol.get("dp", {}).items()}  # (gradients travel in fp32)
+    fp32_grads = 2.0 if dtype == "bf16" else 1.0  # the volume counts 16-bit gradients
+    dp_ops = {op: _op_seconds(op, x, cluster, spans("dp"), fp32_grads if op in (
+        "all_reduce", "reduce_scatter") else 1.0) for op, x in vol.get("dp", {}).items()}
     t["dp"] = _exposed_dp(dp_ops, compute, m, zero, recompute) if overlap else \
         sum(dp_ops.values())
     if cp > 1:  # the ring hides behind the block compute once the local shard is long
