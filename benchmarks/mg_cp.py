@@ -121,19 +121,10 @@ def _minipar(spec: dict, data, rec: dict):
 
 
 def _torch_cp(spec: dict, mc, data, device: torch.device):
-    from peers import context_parallel_peer, cp_train_step
+    """torch's context parallelism on this rank, built as the overlap rows build it."""
+    from multigpu import _speed_build
 
-    from minipar.model import GPT
-
-    torch.manual_seed(0)
-    ddp, masters, mesh = context_parallel_peer(GPT(mc, device=device), device,
-                                               spec.get("rotate", "allgather"))
-
-    def step_fn(s: int):
-        x, y = (t.to(device) for t in data.batch(s, spec["batch"]))
-        return cp_train_step(ddp, masters, mesh, x, y)
-
-    return step_fn
+    return _speed_build(spec).step_fn
 
 
 def _profile_copies(step_fn, step: int, device: torch.device) -> dict:
@@ -224,6 +215,8 @@ def _row(run, name: str, spec: dict, cap: float, **fields) -> dict | None:
 
 def section_cp(run) -> None:
     c, n = cp_sizes(run.cuda), run.n
+    if getattr(run.args, "cp_tokens", None):
+        c.tokens_per_rank = run.args.cp_tokens
     seq = c.tokens_per_rank * n
     ov = {"seq_len": seq}
     mc = get_config(c.model).with_(**ov)
@@ -262,7 +255,7 @@ def section_cp(run) -> None:
     # 2. ZeRO-Offload: the speed rows' batch, with and without
     b = run.sizes.per_gpu_batch * n
     smc = get_config(c.model)
-    for z in (1, 2):
+    for z in (1, 2, 3):
         for off in (False, True):
             spec = minipar_spec(run, c.model, n, b, dp=n, zero=z, offload=off)
             spec = steps(spec, c.offload_warmup if off else c.warmup,
@@ -332,7 +325,7 @@ def cp_summary(run, rows: dict, n: int) -> dict:
             ring["zigzag"]["forward_s"]
         out["ring_hidden_share"] = ring.get("hidden_share")
     offload = []
-    for z in (1, 2):
+    for z in (1, 2, 3):
         base, off = ok(rows[(z, False)]), ok(rows[(z, True)])
         if not (base and off):
             continue

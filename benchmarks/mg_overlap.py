@@ -105,6 +105,33 @@ def overlap_stats(kernels: list[Kernel]) -> dict:
             "hidden_share": hidden_s / comm_s if comm_s > 0 else None}
 
 
+def kernel_totals(kernels: list[Kernel], top: int = 30) -> dict:
+    """Where one step's device time goes: per kind (NCCL, matmul, attention, copies, the
+    rest) and the ``top`` kernel names by total time, as [name, ms, calls]."""
+    def kind(name: str) -> str:
+        low = name.lower()
+        if is_comm(name):
+            return "nccl"
+        if is_copy(name):
+            return "copy"
+        if "flash" in low or "fmha" in low or "attention" in low:
+            return "attention"
+        if "gemm" in low or "cutlass" in low or "sm90_xmma" in low or "nvjet" in low:
+            return "matmul"
+        return "other"
+
+    per_name: dict[str, list[float]] = {}
+    per_kind: dict[str, float] = {}
+    for name, a, b, _ in kernels:
+        rec = per_name.setdefault(name[:100], [0.0, 0])
+        rec[0] += b - a
+        rec[1] += 1
+        per_kind[kind(name)] = per_kind.get(kind(name), 0.0) + b - a
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kinds_ms": {k: round(1e3 * v, 3) for k, v in per_kind.items()},
+            "top": [[n, round(1e3 * t, 3), c] for n, (t, c) in ranked]}
+
+
 def mean_stats(steps: list[dict]) -> dict:
     """Per-step means of ``overlap_stats`` records (the hidden share from the sums)."""
     keys = ("comm_s", "comm_sum_s", "overlapped_s", "exposed_s", "compute_s", "busy_s")
@@ -211,6 +238,8 @@ def _overlap_rank(spec: dict, profiled: int, trace: str | None) -> dict:
                 rec["wall_s"].append(time.perf_counter() - t0)
             kernels, cpu = device_events(prof)
             rec["steps"].append(overlap_stats(kernels))
+            if i == 0:
+                rec["kernel_totals"] = kernel_totals(kernels)
             rec["cpu"].append(cpu)
             if trace and i == 0 and rec["rank"] == 0:
                 try:
@@ -227,7 +256,8 @@ def _reduce(res: list[dict]) -> dict:
     means = [r["mean"] for r in res]
     wall = max(statistics.median(r["wall_s"]) for r in res)
     row = {"per_rank": [{"rank": r["rank"], **r["mean"], "wall_s": r["wall_s"],
-                         "cpu": r["cpu"]} for r in res],
+                         "cpu": r["cpu"], "kernel_totals": r.get("kernel_totals")}
+                        for r in res],
            "step_s": wall, "losses": next((r["losses"] for r in res if r["losses"] and
                                             r["losses"][-1] is not None), []),
            "peak_gib": max(r["peak_bytes"] for r in res) / 2**30}
@@ -267,7 +297,16 @@ def section_overlap(run) -> None:
              (f"minipar tp{n} sp", "tp", mg.minipar_spec(run, model, n, s.tp_batch, tp=n,
                                                          sp=True)),
              (f"torch DTensor tp{n} sp", "tp", mg.peer_spec(run, "dtensor", model, n,
-                                                             s.tp_batch, sp=True))]
+                                                             s.tp_batch, sp=True)),
+             (f"minipar tp{n}", "tp", mg.minipar_spec(run, model, n, s.tp_batch, tp=n)),
+             (f"torch DTensor tp{n}", "tp", mg.peer_spec(run, "dtensor", model, n,
+                                                          s.tp_batch, sp=False))]
+    seq = (getattr(run.args, "cp_tokens", None) or (8192 if run.cuda else 64)) * n
+    cp_model = "gpt-1.3b" if run.cuda else model
+    rows += [(f"minipar cp{n} seq{seq}", "cp", mg.minipar_spec(
+                 run, cp_model, n, 1, {"seq_len": seq}, cp=n)),
+             (f"torch context_parallel cp{n} seq{seq}", "cp", mg.peer_spec(
+                 run, "torch-cp", cp_model, n, 1, {"seq_len": seq}))]
     for name, group, spec in rows:
         spec.update(warmup=min(WARMUP, s.warmup), steps=PROFILED)
         trace = os.path.join(run.args.out, f"overlap_trace_dp{n}_zero2_rank0.json.gz") \
@@ -276,6 +315,9 @@ def section_overlap(run) -> None:
         def go(spec=spec, trace=trace) -> dict:
             if n < 2:
                 return {"status": "refused", "reason": "overlap needs 2 or more ranks"}
+            if spec["impl"] == "torch-cp" and not run.cuda:
+                return {"status": "refused", "reason": "torch's context_parallel has no "
+                        "CPU kernel"}
             if spec["impl"] == "minipar":
                 try:
                     mg.validate(mg.TrainConfig(**spec["cfg"]))

@@ -482,11 +482,21 @@ def _speed_build(spec: dict) -> types.SimpleNamespace:
         from minipar.mesh import Mesh
 
         cfg = TrainConfig(**spec["cfg"])
-        rm = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order).connect()
+        rm = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp).connect()
         parts = build(cfg, rm)
 
         def step_fn(s: int):
             return train_step(cfg, rm, parts, data, s)["loss"]
+    elif impl == "torch-cp":
+        from peers import context_parallel_peer, cp_train_step
+
+        torch.manual_seed(0)
+        ddp, masters, mesh = context_parallel_peer(GPT(mc, device=device), device,
+                                                   spec.get("rotate", "allgather"))
+
+        def step_fn(s: int):
+            x, y = (t.to(device) for t in data.batch(s, batch))
+            return cp_train_step(ddp, masters, mesh, x, y)
     elif impl == "ddp":
         from peers import MasterWeights
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1146,6 +1156,8 @@ def main() -> int:
                     "run's calibrate section)")
     ap.add_argument("--start-method", choices=("fork", "spawn"),
                     help="how this script starts ranks (default: spawn on CUDA, else fork)")
+    ap.add_argument("--cp-tokens", type=int,
+                    help="tokens per rank of the cp rows (default 8192 on CUDA)")
     ap.add_argument("--report", nargs="+", metavar="JSON",
                     help="merge these multigpu.json files and summarise; runs nothing")
     args = ap.parse_args()
