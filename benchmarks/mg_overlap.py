@@ -241,9 +241,9 @@ def _overlap_rank(spec: dict, profiled: int, trace: str | None) -> dict:
             if i == 0:
                 rec["kernel_totals"] = kernel_totals(kernels)
             rec["cpu"].append(cpu)
-            if trace and i == 0 and rec["rank"] == 0:
+            if trace and i == 0 and (rec["rank"] == 0 or "{rank}" in trace):
                 try:
-                    rec.update(write_trace(prof, trace))
+                    rec.update(write_trace(prof, trace.format(rank=rec["rank"])))
                 except Exception as e:  # the numbers matter more than the picture
                     rec["trace_error"] = f"{type(e).__name__}: {e}"
     rec["mean"] = mean_stats(rec["steps"])
@@ -311,6 +311,8 @@ def section_overlap(run) -> None:
         spec.update(warmup=min(WARMUP, s.warmup), steps=PROFILED)
         trace = os.path.join(run.args.out, f"overlap_trace_dp{n}_zero2_rank0.json.gz") \
             if name == f"minipar dp{n} zero2" else None
+        if name == f"minipar tp{n} sp":  # every rank's: where the sp step waits (issue 17)
+            trace = os.path.join(run.args.out, f"overlap_trace_tp{n}_sp_rank{{rank}}.json.gz")
 
         def go(spec=spec, trace=trace) -> dict:
             if n < 2:

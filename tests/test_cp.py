@@ -30,6 +30,7 @@ from minipar.model import Block, GPTConfig
 from minipar.parallel import cp as cpmod
 from minipar.parallel.cp import (
     RingAttention,
+    RingCall,
     block_forward,
     block_plan,
     causal_pairs,
@@ -38,6 +39,7 @@ from minipar.parallel.cp import (
     merge_attention,
     positions,
     ring_attention,
+    ring_plan,
     shard_sequence,
     unshard_sequence,
 )
@@ -110,6 +112,23 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(cp):
         assert len(set(causal_pairs_per_rank(S, cp, "contiguous"))) == cp  # grows with r
         flops = attention_flops_per_rank(B, S, H * HD, cp, "contiguous")
         assert imbalance(flops) == (4 * cp - 1) / (2 * cp + 1)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_ring_plan_fuses_exactly_the_block_plan(cp):
+    """Each fused call covers the same chunk pairs, with the same masks, as the step's
+    blocks; at most one call a step in both layouts (torch's ring makes one too)."""
+    def pairs(call):  # a causal call is causal on its square's diagonal only
+        return {(qi, kj, "causal" if call.causal and qi == kj else "full")
+                for qi in range(call.q0, call.q1) for kj in range(call.k0, call.k1)
+                if not (call.causal and kj > qi)}
+
+    for layout in ("zigzag", "contiguous"):
+        for r in range(cp):
+            fused, blocks = ring_plan(r, cp, layout), block_plan(r, cp, layout)
+            assert [set().union(*map(pairs, step)) for step in fused] == \
+                [set(step) for step in blocks]
+            assert all(len(step) <= 1 for step in fused)
 
 
 def test_merge_attention_equals_attention_over_the_union():
@@ -261,6 +280,9 @@ def test_mutations_fail_the_check(ring):
     for mutation in MUTATIONS:
         if mutation == "wrong_layout" and n == 1:  # one rank: both layouts hold 0 and 1
             assert chunk_ids(0, 1, "zigzag") == chunk_ids(0, 1, "contiguous")
+            continue
+        if mutation == "no_lse_correction" and n == 1:  # one causal call: nothing merges
+            assert ring_plan(0, 1) == [[RingCall(0, 2, 0, 2, True)]]
             continue
         layout = "contiguous" if mutation == "wrong_layout" else "zigzag"
         err = _errors(_gathered([r["mutations"][mutation] for r in res], layout), want)

@@ -31,7 +31,7 @@ from minipar.comm import Comm
 from minipar.launch import launch
 from minipar.parallel import cp as cpmod
 from minipar.parallel import cp_kernels
-from minipar.parallel.cp import block_plan, ring_attention, shard_sequence
+from minipar.parallel.cp import ring_attention, ring_plan, shard_sequence
 from minipar.theory.context import ring_bytes
 
 
@@ -116,8 +116,8 @@ def test_flash_path_wiring_with_cpu_kernels(n):
     """Shapes, causal flags, merge and backward of the flash path, CUDA not needed.
 
     fp32 through the CPU flash kernel meets the fp32 tolerances; bf16 the bf16 one. The
-    kernel runs exactly ``block_plan``'s blocks, causal where the plan says, each a whole
-    chunk against a whole chunk (no mask), forward and backward; the ring sends what it
+    kernel runs exactly ``ring_plan``'s calls, causal where the plan says, each whole
+    chunks against whole chunks (no mask), forward and backward; the ring sends what it
     sends on the math path (bf16 blocks, fp32 gradient accumulators).
     """
     res, want, c = launch(_flash_rank, n, timeout=120), _reference(), S // (2 * n)
@@ -128,8 +128,10 @@ def test_flash_path_wiring_with_cpu_kernels(n):
             err = _errors(_gathered(got, layout), want)
             assert err["out"] <= tol[0] and max(err.values()) <= tol[1], (layout, dtype, err)
             for rank, g in enumerate(got):
-                plan = [(kind == "causal", c, c) for step in block_plan(rank, n, layout)
-                        for _, _, kind in step]
+                plan = [(b.causal, (b.q1 - b.q0) * c, (b.k1 - b.k0) * c)
+                        for step in ring_plan(rank, n, layout) for b in step]
+                # at most one fused call per ring step, as torch's ring makes
+                assert all(len(step) <= 1 for step in ring_plan(rank, n, layout))
                 assert g["calls"]["forward"] == plan and g["calls"]["backward"] == plan
             size = 2 if dtype == torch.bfloat16 else 4
             bytes_ = ring_bytes(B, S, H * HD, n, bytes_per_element=size, grad_bytes=4)

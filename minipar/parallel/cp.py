@@ -29,15 +29,11 @@ with little to attend to and a late one with much, the same total on every rank.
 Both layouts are described the same way: rank r holds two chunks of the 2C-chunk cut
 (zig-zag: r and 2C-1-r; contiguous: 2r and 2r+1). For a pair (query chunk i, key chunk
 j) causality is decided per chunk, never per token: j < i is a full block, j == i a
-causal-diagonal block, j > i is skipped. ``block_plan`` lists the blocks each ring step
-computes; the kernel runs exactly that list, and the tests count it.
-
-The block kernel. Here a block is matmul, softmax, matmul in fp32: the readable
-reference and the CPU path. On a GPU with fp16/bf16 each block runs PyTorch's fused
-flash-attention kernel instead (FlashAttention, Dao et al. 2022, the kernel torch's own
-``context_parallel`` calls per block): it never writes the (t, t) scores to GPU memory,
-returns the same (out, lse), and its backward takes the same merged (out, lse).
-``block_kernel`` picks one; ``cp_kernels`` says more.
+causal-diagonal block, j > i is skipped: ``block_plan`` per ring step. ``ring_plan``
+fuses a step's blocks into one kernel call (as torch's own ring does), and the tests
+count the calls. A block is matmul, softmax, matmul in fp32 here (the reference, the CPU
+path); on a GPU in 16 bits PyTorch's fused flash kernel (Dao et al. 2022) computes the
+same (out, lse) without writing the scores (``block_kernel``, ``cp_kernels``).
 """
 
 from __future__ import annotations
@@ -127,6 +123,42 @@ def block_plan(rank: int, cp: int, layout: str = "zigzag") -> list[list[tuple[in
         blocks = [(qi, kj, "full" if theirs[kj] < mine[qi] else "causal")
                   for qi in range(2) for kj in range(2) if theirs[kj] <= mine[qi]]
         plan.append(sorted(blocks, key=lambda blk: blk[2] == "full"))
+    return plan
+
+
+class RingCall(NamedTuple):
+    """One kernel call of a ring step: query chunks [q0, q1) against key chunks [k0, k1)
+    of the two a rank holds (0, 1 or 2 as bounds), causal on the square diagonal or not."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+def ring_plan(rank: int, cp: int, layout: str = "zigzag") -> list[list[RingCall]]:
+    """``block_plan`` with each step's chunk pairs fused into as few kernel calls as
+    compute the same pairs, as torch's ring does: one call a step in both layouts.
+
+    Step 0's pairs (0,0) causal, (1,0) full, (1,1) causal are one causal call over the
+    rank's two chunks side by side (its tokens are in increasing position order, so
+    "key index <= query index" is exactly their mask); a later step's full blocks that
+    form a rectangle are one unmasked call; anything else stays a call per block.
+    """
+    plan = []
+    for blocks in block_plan(rank, cp, layout):
+        pairs = {(qi, kj): kind for qi, kj, kind in blocks}
+        qs, ks = sorted({qi for qi, _ in pairs}), sorted({kj for _, kj in pairs})
+        rectangle = (len(pairs) == len(qs) * len(ks) and qs == list(range(qs[0], qs[-1] + 1))
+                     and ks == list(range(ks[0], ks[-1] + 1))) if pairs else False
+        if pairs == {(0, 0): "causal", (1, 0): "full", (1, 1): "causal"}:
+            plan.append([RingCall(0, 2, 0, 2, True)])
+        elif rectangle and all(kind == "full" for kind in pairs.values()):
+            plan.append([RingCall(qs[0], qs[-1] + 1, ks[0], ks[-1] + 1, False)])
+        else:
+            plan.append([RingCall(qi, qi + 1, kj, kj + 1, kind == "causal")
+                         for qi, kj, kind in blocks])
     return plan
 
 
@@ -253,29 +285,32 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, layout: str, scale: float, kernel: str):
-        plan = block_plan(comm.rank, comm.size, layout)
+        plan = ring_plan(comm.rank, comm.size, layout)
         kern = block_kernel(q, kernel)
-        aux = None  # the flash kernel's rng state etc., the same for every c x c block
-        qs = q.chunk(2, dim=2)  # the rank's two chunks
-        out: list[torch.Tensor | None] = [None, None]
-        lse: list[torch.Tensor | None] = [None, None]
+        aux = None  # the flash kernel's rng state etc., the same for every block
+        c = q.shape[2] // 2  # tokens per chunk
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # merged here
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        seen = [False, False]  # a query chunk's first block is written, later ones merged
         kv = torch.stack([k, v])
         buffers = [kv, torch.empty_like(kv)]  # double buffering: compute one, fill other
         for step, blocks in enumerate(plan):
             cur = buffers[step % 2]
             last = step == comm.size - 1
             pending = [] if last else _exchange(comm, cur, buffers[(step + 1) % 2])
-            ks, vs = cur[0].chunk(2, dim=2), cur[1].chunk(2, dim=2)
-            for qi, kj, kind in blocks:
-                o, s, aux = kern.forward(qs[qi], ks[kj], vs[kj], scale, kind == "causal")
-                if out[qi] is None:
-                    out[qi], lse[qi] = o, s
+            for b in blocks:
+                qs, ks = slice(b.q0 * c, b.q1 * c), slice(b.k0 * c, b.k1 * c)
+                o, s, aux = kern.forward(q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks],
+                                         scale, b.causal)
+                if not any(seen[b.q0:b.q1]):
+                    out[:, :, qs], lse[:, :, qs] = o, s
                 else:
-                    out[qi], lse[qi] = merge_attention(out[qi], lse[qi], o, s)
+                    out[:, :, qs], lse[:, :, qs] = merge_attention(out[:, :, qs],
+                                                                   lse[:, :, qs], o, s)
+                seen[b.q0:b.q1] = [True] * (b.q1 - b.q0)
             _wait(pending)
-        out_t, lse_t = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        res = out_t.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out_t if kern.io_dtype else res, lse_t)
+        res = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out if kern.io_dtype else res, lse)
         ctx.comm, ctx.layout, ctx.scale, ctx.kern, ctx.aux = comm, layout, scale, kern, aux
         return res
 
@@ -283,11 +318,10 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         comm, scale, kern = ctx.comm, ctx.scale, ctx.kern
-        plan = block_plan(comm.rank, comm.size, ctx.layout)
+        plan = ring_plan(comm.rank, comm.size, ctx.layout)
         dout = dout.to(kern.io_dtype or q.dtype)
-        qs, douts = q.chunk(2, dim=2), dout.chunk(2, dim=2)
-        lses, outs = lse.chunk(2, dim=2), out.chunk(2, dim=2)
-        dq = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
+        c = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         buffers = [kv, torch.empty_like(kv)]
         own = None  # this rank's contribution to its own dk, dv (step 0): added at the end
@@ -296,15 +330,15 @@ class RingAttentionFunction(torch.autograd.Function):
             cur = buffers[step % 2]
             last = step == comm.size - 1
             pending = [] if last else _exchange(comm, cur, buffers[(step + 1) % 2])
-            ks, vs = cur[0].chunk(2, dim=2), cur[1].chunk(2, dim=2)
             dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
-            dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)  # views into dkv
-            for qi, kj, kind in blocks:
-                g = kern.backward(qs[qi], ks[kj], vs[kj], outs[qi], douts[qi], lses[qi],
-                                  ctx.aux, scale, kind == "causal")
-                dq[qi] += g[0]
-                dks[kj].add_(g[1])
-                dvs[kj].add_(g[2])
+            for b in blocks:
+                qs, ks = slice(b.q0 * c, b.q1 * c), slice(b.k0 * c, b.k1 * c)
+                g = kern.backward(q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks],
+                                  out[:, :, qs], dout[:, :, qs], lse[:, :, qs], ctx.aux,
+                                  scale, b.causal)
+                dq[:, :, qs] += g[0]
+                dkv[0][:, :, ks] += g[1]
+                dkv[1][:, :, ks] += g[2]
             if step == 0:
                 own = dkv
             else:
@@ -319,7 +353,7 @@ class RingAttentionFunction(torch.autograd.Function):
             _wait(pending)
         _wait(moving_pending)
         dkv = own if moving is None else own + moving
-        return (torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None, None, None, None)
 
 
@@ -329,10 +363,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     """Causal softmax(q k^T * scale) v over the whole sequence, each rank holding a shard.
 
     Inputs and output: (batch, heads, t_local, head_dim), t_local = seq_len / cp, tokens
-    in the order ``shard_sequence`` gives them (``layout``). scale defaults to 1/sqrt(hd).
-    kernel: "auto" (``block_kernel``: flash on GPUs in 16 bits, else math), "math" or
-    "flash".
-    """
+    in ``shard_sequence``'s order (``layout``); scale defaults to 1/sqrt(hd); kernel:
+    "auto" (``block_kernel``: flash on GPUs in 16 bits, else math), "math" or "flash"."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
     if q.shape[2] % 2:
@@ -345,9 +377,8 @@ class RingAttention(nn.Module):
     """The attention core for a cp rank: ``core(q, k, v)`` of ``CausalSelfAttention``.
 
     Same signature and shapes as ``minipar.model.CausalSelfAttention.core`` (inputs
-    (b, heads, t_local, hd), output the same), so a plan can put it where the core was.
-    It holds no parameters: only the cp ``Comm`` and the layout. Attention dropout would
-    need the reference's own mask per block; it is refused rather than silently wrong.
+    (b, heads, t_local, hd), output the same), so a plan can put it where the core was;
+    no parameters. Attention dropout would need the reference's mask per block: refused.
     """
 
     def __init__(self, comm: Comm, layout: str = "zigzag", dropout: float = 0.0) -> None:
