@@ -155,7 +155,8 @@ def test_ring_bytes_theory_shape():
     assert ring_bytes(B, S, H * HD, 1)["forward"]["bytes"] == 0
     t = ring_bytes(1, 1024, 64, 4, bytes_per_element=2)
     assert t["forward"] == {"calls": 3, "bytes": 3 * 2 * 256 * 64 * 2}
-    assert t["backward"]["bytes"] == t["forward"]["bytes"] + 3 * 2 * 256 * 64 * 4
+    # backward: 2 k|v messages (the ring starts from the kept block) and 3 accumulators
+    assert t["backward"] == {"calls": 5, "bytes": 2 * 2 * 256 * 64 * 2 + 3 * 2 * 256 * 64 * 4}
 
 
 # --- the ring on 1, 2 and 4 ranks ------------------------------------------------------

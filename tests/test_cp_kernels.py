@@ -117,7 +117,7 @@ def test_flash_path_wiring_with_cpu_kernels(n):
 
     fp32 through the CPU flash kernel meets the fp32 tolerances; bf16 the bf16 one. The
     kernel runs exactly ``ring_plan``'s calls, causal where the plan says, each whole
-    chunks against whole chunks (no mask), forward and backward; the ring sends what it
+    chunks against whole chunks (no mask), forward, and backward in reverse; the ring sends what it
     sends on the math path (bf16 blocks, fp32 gradient accumulators).
     """
     res, want, c = launch(_flash_rank, n, timeout=120), _reference(), S // (2 * n)
@@ -128,11 +128,13 @@ def test_flash_path_wiring_with_cpu_kernels(n):
             err = _errors(_gathered(got, layout), want)
             assert err["out"] <= tol[0] and max(err.values()) <= tol[1], (layout, dtype, err)
             for rank, g in enumerate(got):
-                plan = [(b.causal, (b.q1 - b.q0) * c, (b.k1 - b.k0) * c)
-                        for step in ring_plan(rank, n, layout) for b in step]
-                # at most one fused call per ring step, as torch's ring makes
-                assert all(len(step) <= 1 for step in ring_plan(rank, n, layout))
-                assert g["calls"]["forward"] == plan and g["calls"]["backward"] == plan
+                steps = [[(b.causal, (b.q1 - b.q0) * c, (b.k1 - b.k0) * c) for b in step]
+                         for step in ring_plan(rank, n, layout)]
+                # at most one fused call per ring step, as torch's ring makes; the
+                # backward runs the steps last first
+                assert all(len(step) <= 1 for step in steps)
+                assert g["calls"]["forward"] == [x for step in steps for x in step]
+                assert g["calls"]["backward"] == [x for step in steps[::-1] for x in step]
             size = 2 if dtype == torch.bfloat16 else 4
             bytes_ = ring_bytes(B, S, H * HD, n, bytes_per_element=size, grad_bytes=4)
             assert all(g["sent"] == (bytes_["forward"]["calls"] + bytes_["backward"]["calls"],

@@ -258,17 +258,20 @@ def block_kernel(q: torch.Tensor, kernel: str = "auto") -> BlockKernel:
 
 
 # --- the ring ---------------------------------------------------------------------------
-def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor) -> list[Pending]:
-    """Send ``send`` to the next rank and receive ``recv`` from the previous one.
+def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor,
+              reverse: bool = False) -> list[Pending]:
+    """Send ``send`` to the next rank and receive ``recv`` from the previous one (the
+    other way round with ``reverse``: the backward's ring).
 
     Even ranks send first, odd ranks receive first: with two ranks both messages share
     one pair of ranks, and NCCL runs a pair's operations in the order they were posted,
     so the orders must match or both ranks wait for each other.
     """
-    nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    step = -1 if reverse else 1
+    to, source = (comm.rank + step) % comm.size, (comm.rank - step) % comm.size
     if comm.rank % 2 == 0:
-        return [comm.isend(send, nxt), comm.irecv(recv, prev)]
-    return [comm.irecv(recv, prev), comm.isend(send, nxt)]
+        return [comm.isend(send, to), comm.irecv(recv, source)]
+    return [comm.irecv(recv, source), comm.isend(send, to)]
 
 
 def _wait(pending: list[Pending]) -> None:
@@ -310,28 +313,35 @@ class RingAttentionFunction(torch.autograd.Function):
                 seen[b.q0:b.q1] = [True] * (b.q1 - b.q0)
             _wait(pending)
         res = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out if kern.io_dtype else res, lse)
+        # The block the ring ends with (rank + 1's k|v) is kept: the backward starts there.
+        held = cur if comm.size > 1 else cur[:0]
+        ctx.save_for_backward(q, k, v, out if kern.io_dtype else res, lse, held)
         ctx.comm, ctx.layout, ctx.scale, ctx.kern, ctx.aux = comm, layout, scale, kern, aux
         return res
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        """The forward's ring run backwards: last step first, on the kept block, then
+        each earlier step's block arrives from the *next* rank (kv goes to the previous
+        one), its dk|dv accumulator with it one step behind. A block's accumulator thus
+        ends at its owner in the last step, the rank's own block, and that transfer hides
+        behind the own block's compute: no exposed send at the end (C - 2 k|v messages
+        and C - 1 accumulators, ``theory.context.ring_bytes``)."""
+        q, k, v, out, lse, held = ctx.saved_tensors
         comm, scale, kern = ctx.comm, ctx.scale, ctx.kern
-        plan = ring_plan(comm.rank, comm.size, ctx.layout)
+        plan, c = ring_plan(comm.rank, comm.size, ctx.layout), q.shape[2] // 2
         dout = dout.to(kern.io_dtype or q.dtype)
-        c = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        buffers = [kv, torch.empty_like(kv)]
-        own = None  # this rank's contribution to its own dk, dv (step 0): added at the end
-        moving, moving_pending = None, []  # the accumulator of the block we hold, in flight
-        for step, blocks in enumerate(plan):
-            cur = buffers[step % 2]
-            last = step == comm.size - 1
-            pending = [] if last else _exchange(comm, cur, buffers[(step + 1) % 2])
+        own = torch.stack([k, v])
+        cur = held if comm.size > 1 else own
+        incoming, incoming_pending = None, []  # the accumulator of the block we hold
+        for step in reversed(range(comm.size)):  # the forward's steps, last first
+            nxt, pending = None, []
+            if step > 1:  # step - 1's block is another rank's: the next rank holds it now
+                nxt = torch.empty_like(cur)
+                pending = _exchange(comm, cur, nxt, reverse=True)
             dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
-            for b in blocks:
+            for b in plan[step]:
                 qs, ks = slice(b.q0 * c, b.q1 * c), slice(b.k0 * c, b.k1 * c)
                 g = kern.backward(q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks],
                                   out[:, :, qs], dout[:, :, qs], lse[:, :, qs], ctx.aux,
@@ -339,20 +349,14 @@ class RingAttentionFunction(torch.autograd.Function):
                 dq[:, :, qs] += g[0]
                 dkv[0][:, :, ks] += g[1]
                 dkv[1][:, :, ks] += g[2]
-            if step == 0:
-                own = dkv
-            else:
-                # The block's accumulator started on its owner's successor (step 1) and
-                # reaches us from our predecessor while we computed; add and pass it on.
-                # After the last step it arrives home: C - 1 hops, as many as k and v.
-                _wait(moving_pending)
-                if moving is not None:
-                    dkv += moving
-                moving = torch.empty_like(dkv)
-                moving_pending = _exchange(comm, dkv, moving)
+            _wait(incoming_pending)  # the other ranks' share of this block, if any
+            if incoming is not None:
+                dkv += incoming
+            if step > 0:  # pass it on towards its owner; take the next block's share
+                incoming = torch.empty_like(dkv)
+                incoming_pending = _exchange(comm, dkv, incoming, reverse=True)
             _wait(pending)
-        _wait(moving_pending)
-        dkv = own if moving is None else own + moving
+            cur = nxt if step > 1 else own
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None, None, None, None)
 

@@ -34,8 +34,9 @@ def ring_bytes(batch: int, seq_len: int, kv_width: int, cp: int,
 
     ``{"forward": {"calls", "bytes"}, "backward": {"calls", "bytes"}}``; each send has a
     matching receive of the same size (a receive puts nothing on the wire). k and v
-    travel as one message, so a forward step is one call; a backward step two (k|v and
-    the dk|dv accumulator).
+    travel as one message, so a forward step is one call. The backward runs the ring in
+    reverse from the block the forward kept (``parallel.cp``): C - 2 k|v messages and
+    C - 1 dk|dv accumulators (in ``grad_bytes``).
     """
     if cp <= 1:
         zero = {"calls": 0, "bytes": 0}
@@ -43,7 +44,15 @@ def ring_bytes(batch: int, seq_len: int, kv_width: int, cp: int,
     block = 2 * batch * (seq_len // cp) * kv_width  # elements of one k|v message
     kv = (cp - 1) * block * bytes_per_element
     return {"forward": {"calls": cp - 1, "bytes": kv},
-            "backward": {"calls": 2 * (cp - 1), "bytes": kv + (cp - 1) * block * grad_bytes}}
+            "backward": {"calls": 2 * cp - 3, "bytes": (cp - 2) * block * bytes_per_element
+                         + (cp - 1) * block * grad_bytes}}
+
+
+def ring_kept_bytes(batch: int, seq_len: int, kv_width: int, cp: int,
+                    bytes_per_element: int = 2) -> int:
+    """Bytes one ring-attention layer keeps for backward beyond plain attention: the
+    k|v block its forward ends with (rank + 1's), where the backward starts."""
+    return 0 if cp <= 1 else 2 * batch * (seq_len // cp) * kv_width * bytes_per_element
 
 
 def activation_fraction(cp: int) -> float:

@@ -95,7 +95,7 @@ def model_states(n_params: int, dp: int = 1, zero: int = 0, dtype: str = "bf16",
 # --- activations -----------------------------------------------------------------------
 def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
                       sp: bool = False, recompute: str = "none", dtype: str = "bf16",
-                      accounting: str = "korthikanti") -> dict[str, float]:
+                      accounting: str = "korthikanti", cp: int = 1) -> dict[str, float]:
     """Bytes one transformer layer stores for backward, per micro-batch, on one tp rank.
 
     Korthikanti et al. 2022, Sec. 4.1 and Table 2 (s sequence, b micro-batch, h hidden,
@@ -149,6 +149,8 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
         items["softmax output"] = scores * e / tp
         items["attention dropout mask"] = scores * 1 / tp
         items["attention dropout output"] = scores * e / tp
+    if cp > 1:  # ring attention keeps rank + 1's k|v block (``theory.context``); like
+        items["ring attention: kept k|v block"] = 2 * sbh * e / tp  # all, / cp by the caller
     items["attention proj input"] = sbh * e / tp
     if drop:
         items["attention residual dropout mask"] = sbh * 1 / rep
@@ -255,7 +257,7 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
                       microbatch_size: int = 1, microbatches: int = 1,
                       schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
                       recompute: str = "none", dtype: str = "bf16",
-                      accounting: str = "korthikanti") -> float:
+                      accounting: str = "korthikanti", cp: int = 1) -> float:
     """Peak activation bytes on one rank of pipeline stage ``stage``:
     per-layer bytes x layers per chunk x chunks in flight, plus the embedding terms on
     the first stage and the head terms on the last, each times its micro-batches in
@@ -264,7 +266,7 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
     cfg = get_model(cfg)
     check_divisible(cfg, tp)
     per_layer = sum(layer_activations(cfg, microbatch_size, tp, sp, recompute, dtype,
-                                      accounting).values())
+                                      accounting, cp).values())
     chunks = inflight(schedule, pp, microbatches, stage, virtual)
     if schedule == "zb":  # what waits for a deferred W pass, besides the layer inputs
         per_layer += deferred_weight_grad_bytes(cfg, microbatch_size, tp, sp, dtype)
@@ -323,7 +325,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         else:
             n = stage_params(cfg, pp, tp, s, virtual)
             act = stage_activations(cfg, pp, tp, s, microbatch_size, microbatches, schedule,
-                                    virtual, sp, recompute, dtype, accounting) / cp
+                                    virtual, sp, recompute, dtype, accounting, cp) / cp
         row = {"stage": s, "n_params": n, **model_states(n, dp * cp, zero, dtype, optimizer),
                "activations": int(round(act))}
         if offload:
