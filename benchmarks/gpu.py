@@ -107,7 +107,6 @@ def block_seconds(cfg, tokens: int, tp: int, device: torch.device, iters: int = 
     divides a layer's FLOPs by this measured pace instead of guessing an efficiency."""
     from minipar.model import Block
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     h, f = cfg.d_model, cfg.d_ff
     with torch.device(device):
         block = Block(cfg)
@@ -115,16 +114,24 @@ def block_seconds(cfg, tokens: int, tp: int, device: torch.device, iters: int = 
             a, m = block.attn, block.mlp
             a.qkv, a.proj = torch.nn.Linear(h, 3 * h // tp), torch.nn.Linear(h // tp, h)
             m.fc, m.proj = torch.nn.Linear(h, f // tp), torch.nn.Linear(f // tp, h)
-        block.to(dtype)
-        x = torch.randn(max(1, tokens // cfg.seq_len), cfg.seq_len, h, dtype=dtype,
-                        requires_grad=True)
-        grad = torch.randn_like(x)
+    return forward_backward_seconds(block, (max(1, tokens // cfg.seq_len), cfg.seq_len, h),
+                                    device, iters)
+
+
+def forward_backward_seconds(module: torch.nn.Module, shape: tuple, device: torch.device,
+                             iters: int = 5) -> float:
+    """Median wall seconds of ``module(x).backward()`` on a random ``x`` of ``shape``,
+    each call synchronised (so a host-bound module shows its launch time too)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    module.to(dtype)
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
     times = []
     with _attention_context(device):
         for i in range(iters + 2):  # two warm-ups
             _sync(device)
             t0 = time.perf_counter()
-            block(x).backward(grad)
+            module(x).backward(grad)
             _sync(device)
             if i >= 2:
                 times.append(time.perf_counter() - t0)

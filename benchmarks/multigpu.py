@@ -94,6 +94,7 @@ from gpu import (  # noqa: E402
     _sync,
     _timed,
     block_seconds,
+    forward_backward_seconds,
     matmul_tflops,
 )
 
@@ -255,10 +256,12 @@ def _device_name(device: torch.device) -> str:
 CALIB_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
-def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple]) -> dict:
+def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
+                    tp_blocks: list[tuple] = ()) -> dict:
     """On every rank: the matmul rate, the block's pace at each (model, tokens, tp) of
-    ``blocks``, then each op at each size (seconds per call, the slowest rank's). Through
-    ``minipar.comm.Comm``: the cost minipar itself pays."""
+    ``blocks``, the real tensor-parallel block at each (model, tokens, tp, sp) of
+    ``tp_blocks``, then each op at each size (seconds per call, the slowest rank's).
+    Through ``minipar.comm.Comm``: the cost minipar itself pays."""
     import torch.distributed as dist
 
     from minipar.comm import Comm
@@ -271,6 +274,7 @@ def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple]) -> dic
                          if device.type == "cuda" else 0),
         "block_seconds": [block_seconds(get_config(m), tokens, tp, device)
                           for m, tokens, tp in blocks]}
+    out["tp_block_seconds"] = _tp_block_seconds(tp_blocks, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' memory back before the large buffers
     n, rank = comm.size, comm.rank
@@ -306,6 +310,39 @@ def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple]) -> dic
     return out
 
 
+def _tp_block_seconds(tp_blocks: list[tuple], device: torch.device) -> list[float]:
+    """Each (model, tokens, tp, sp) of ``tp_blocks``: one block split by minipar's own
+    tensor-parallel plan over groups of ``tp`` neighbouring ranks, forward + backward,
+    its collectives included. Beside ``block_seconds`` (the same share without them) it
+    shows what the collectives and, with sp, the extra launches cost."""
+    import torch.distributed as dist
+
+    from minipar.comm import Comm
+    from minipar.model import Block
+    from minipar.parallel.tp import parallelize_module, tensor_parallel_plan
+
+    n, rank, comms = dist.get_world_size(), dist.get_rank(), {}
+    for tp in sorted({b[2] for b in tp_blocks}):
+        for first in range(0, n, tp):  # every rank creates every group, in one order
+            ranks = list(range(first, first + tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                comms[tp] = Comm(group, dim="tp", ranks=ranks)
+    out = []
+    for name, tokens, tp, sp in tp_blocks:
+        cfg = get_config(name)
+        holder = torch.nn.Module()
+        with torch.device(device):
+            holder.blocks = torch.nn.ModuleList([Block(cfg)])
+        plan = {k: v for k, v in tensor_parallel_plan(sp).items() if k.startswith("blocks")}
+        parallelize_module(holder, comms[tp], plan)
+        seq = cfg.seq_len // tp if sp else cfg.seq_len  # sp: this rank's sequence shard
+        out.append(forward_backward_seconds(
+            holder.blocks[0], (max(1, tokens // cfg.seq_len), seq, cfg.d_model), device))
+        comms[tp].log.clear()
+    return out
+
+
 def _collective(comm, op: str, full: torch.Tensor, shard: torch.Tensor, peer: int) -> None:
     if op == "all_reduce":
         comm.all_reduce(full)
@@ -331,8 +368,17 @@ def block_list(sizes: Sizes, n: int) -> list[tuple[str, int, int]]:
     return out
 
 
+def tp_block_list(sizes: Sizes, n: int) -> list[tuple[str, int, int, bool]]:
+    """(model, tokens, tp, sp) of the real tensor-parallel blocks calibrate times: the
+    smallest and largest micro-batch of ``block_list``, with and without sp."""
+    return [(m, t, tp, sp) for m, t, tp in block_list(sizes, n) if tp > 1
+            and t // get_config(m).seq_len in (sizes.block_batches[0],
+                                               sizes.block_batches[-1])
+            for sp in (False, True)]
+
+
 def calibration_from(results: list[dict], sizes: list[int], n: int,
-                     blocks: list[tuple] = ()) -> dict:
+                     blocks: list[tuple] = (), tp_blocks: list[tuple] = ()) -> dict:
     """Fit the alpha-beta model per op: latency (the smallest sizes' time) and bandwidth
     (wire bytes per second, the slope over the larger sizes), in ``load_calibration``'s
     shape; keep the per-size times, and the blocks' pace (``block_rates``: the median
@@ -350,6 +396,11 @@ def calibration_from(results: list[dict], sizes: list[int], n: int,
             "model": name, "hidden": cfg.d_model, "heads": cfg.n_head, "d_ff": cfg.d_ff,
             "seq_len": cfg.seq_len, "tokens": tokens, "tp": tp, "seconds": sec,
             "tflops": layer_flops_per_token(cfg) * tokens / tp / sec / 1e12})
+    # the slowest rank's: a tensor-parallel group moves at its pace
+    calib["tp_blocks"] = [
+        {"model": name, "hidden": get_config(name).d_model, "tokens": tokens, "tp": tp,
+         "sp": sp, "seconds": max(r["tp_block_seconds"][i] for r in results)}
+        for i, (name, tokens, tp, sp) in enumerate(tp_blocks)]
     nbytes = r0["bytes"]
     for op, times in r0["times"].items():
         if not times:
@@ -385,9 +436,10 @@ def section_calibrate(run: Run) -> None:
     s = run.sizes
 
     def go() -> dict:
-        blocks = block_list(s, run.n)
-        res = run.launch(_calibrate_rank, run.n, s.calib_sizes, s.matmul_n, blocks, cap=240)
-        calib = calibration_from(list(res), s.calib_sizes, run.n, blocks)
+        blocks, tp_blocks = block_list(s, run.n), tp_block_list(s, run.n)
+        res = run.launch(_calibrate_rank, run.n, s.calib_sizes, s.matmul_n, blocks,
+                         tp_blocks, cap=240)
+        calib = calibration_from(list(res), s.calib_sizes, run.n, blocks, tp_blocks)
         run.calibration = calib
         run.report["meta"]["device_name"] = calib["device"]
         _write_json(os.path.join(run.args.out, "calibration.json"), calib)
