@@ -99,6 +99,45 @@ def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 20) -> float
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+def block_seconds(cfg, tokens: int, tp: int, device: torch.device, iters: int = 5) -> float:
+    """Median seconds of one ``minipar.model.Block``'s forward + backward on ``tokens``
+    tokens (sequences of ``cfg.seq_len``) with its linear layers cut to one tensor-parallel
+    rank's share (hidden/tp columns: whole heads, as ``minipar.parallel.tp`` splits them;
+    no collectives). bf16 with flash attention on a GPU, fp32 on the CPU. The planner
+    divides a layer's FLOPs by this measured pace instead of guessing an efficiency."""
+    from minipar.model import Block
+
+    h, f = cfg.d_model, cfg.d_ff
+    with torch.device(device):
+        block = Block(cfg)
+        if tp > 1:  # one rank's share of each matrix, as Megatron's split leaves it
+            a, m = block.attn, block.mlp
+            a.qkv, a.proj = torch.nn.Linear(h, 3 * h // tp), torch.nn.Linear(h // tp, h)
+            m.fc, m.proj = torch.nn.Linear(h, f // tp), torch.nn.Linear(f // tp, h)
+    return forward_backward_seconds(block, (max(1, tokens // cfg.seq_len), cfg.seq_len, h),
+                                    device, iters)
+
+
+def forward_backward_seconds(module: torch.nn.Module, shape: tuple, device: torch.device,
+                             iters: int = 5) -> float:
+    """Median wall seconds of ``module(x).backward()`` on a random ``x`` of ``shape``,
+    each call synchronised (so a host-bound module shows its launch time too)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    module.to(dtype)
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+    times = []
+    with _attention_context(device):
+        for i in range(iters + 2):  # two warm-ups
+            _sync(device)
+            t0 = time.perf_counter()
+            module(x).backward(grad)
+            _sync(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _attention_context(device: torch.device):
     """Force flash attention on a GPU: a fallback to another kernel must not pass."""
     if device.type != "cuda":

@@ -6,9 +6,10 @@ Run from the repository root with ``PYTHONPATH=.``; it starts its own ranks (one
 GPU, NCCL, through ``minipar.launch`` and ``minipar.engine.train``; spawned, so CUDA is
 never initialised in this process). Sections (``--sections``, comma separated):
 
-* ``calibrate``: this machine's bf16 matmul rate and NCCL all-reduce / all-gather /
-  reduce-scatter / send-recv times over 1 KB .. 1 GB, fitted to a latency and a
-  bandwidth per op, written to ``calibration.json`` (``python -m minipar plan
+* ``calibrate``: this machine's bf16 matmul rate, the pace of the benchmarked presets'
+  transformer block (forward + backward, per micro-batch size and tp share), and NCCL
+  all-reduce / all-gather / reduce-scatter / send-recv times over 1 KB .. 1 GB, fitted
+  to a latency and a bandwidth per op, written to ``calibration.json`` (``python -m minipar plan
   --calibrate FILE`` reads it). Cheap (about 30 s): run it in every call, so that every
   call's JSON carries its own machine's numbers.
 * ``parity``: the covering matrix (dp with ZeRO 0-3, tp with and without sp, pp with
@@ -92,6 +93,8 @@ from gpu import (  # noqa: E402
     _attention_context,
     _sync,
     _timed,
+    block_seconds,
+    forward_backward_seconds,
     matmul_tflops,
 )
 
@@ -99,7 +102,7 @@ from minipar.comm import wire_bytes  # noqa: E402
 from minipar.config import TrainConfig, validate  # noqa: E402
 from minipar.launch import launch  # noqa: E402
 from minipar.model import get_config  # noqa: E402
-from minipar.theory.params import model_flops_per_token  # noqa: E402
+from minipar.theory.params import layer_flops_per_token, model_flops_per_token  # noqa: E402
 
 GiB = 2**30
 SECTIONS = ("calibrate", "parity", "speed", "scaling", "trace", "cp", "overlap")
@@ -122,6 +125,9 @@ class Sizes:
     parity_steps: int = 5
     calib_sizes: list = field(default_factory=lambda: [2**10 * 4**k for k in range(11)])
     matmul_n: int = 8192
+    # the transformer block's pace (calibrate): sequences per micro-batch and tp shares
+    block_batches: list = field(default_factory=lambda: [1, 2, 4, 8])
+    block_tps: tuple = (1, 2, 4)
     trace_model: str = "gpt2-125m"
     trace_overrides: dict = field(default_factory=lambda: {"vocab_size": 8192})
     cap_s: float = 300.0  # one configuration's time limit
@@ -132,6 +138,7 @@ def dry_sizes() -> Sizes:
     return Sizes(speed_model="small", big_model="small", per_gpu_batch=2, tp_batch=4,
                  pp_micro=1, big_per_gpu=2, steps=2, warmup=1, parity_steps=3,
                  calib_sizes=[2**10 * 4**k for k in range(4)], matmul_n=256,
+                 block_batches=[1, 2], block_tps=(1, 2),
                  trace_model="tiny", trace_overrides={}, cap_s=120.0, big_cap_s=120.0)
 
 
@@ -249,9 +256,12 @@ def _device_name(device: torch.device) -> str:
 CALIB_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
-def _calibrate_rank(sizes: list[int], matmul_n: int) -> dict:
-    """On every rank: the matmul rate, then each op at each size (seconds per call, the
-    slowest rank's). Through ``minipar.comm.Comm``: the cost minipar itself pays."""
+def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
+                    tp_blocks: list[tuple] = ()) -> dict:
+    """On every rank: the matmul rate, the block's pace at each (model, tokens, tp) of
+    ``blocks``, the real tensor-parallel block at each (model, tokens, tp, sp) of
+    ``tp_blocks``, then each op at each size (seconds per call, the slowest rank's).
+    Through ``minipar.comm.Comm``: the cost minipar itself pays."""
     import torch.distributed as dist
 
     from minipar.comm import Comm
@@ -261,7 +271,12 @@ def _calibrate_rank(sizes: list[int], matmul_n: int) -> dict:
     out = {"device_name": _device_name(device), "matmul_tflops": matmul_tflops(
         device, matmul_n), "times": {op: [] for op in CALIB_OPS},
         "memory_bytes": (torch.cuda.get_device_properties(device).total_memory
-                         if device.type == "cuda" else 0)}
+                         if device.type == "cuda" else 0),
+        "block_seconds": [block_seconds(get_config(m), tokens, tp, device)
+                          for m, tokens, tp in blocks]}
+    out["tp_block_seconds"] = _tp_block_seconds(tp_blocks, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the blocks' memory back before the large buffers
     n, rank = comm.size, comm.rank
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     item = torch.finfo(dtype).bits // 8
@@ -295,6 +310,39 @@ def _calibrate_rank(sizes: list[int], matmul_n: int) -> dict:
     return out
 
 
+def _tp_block_seconds(tp_blocks: list[tuple], device: torch.device) -> list[float]:
+    """Each (model, tokens, tp, sp) of ``tp_blocks``: one block split by minipar's own
+    tensor-parallel plan over groups of ``tp`` neighbouring ranks, forward + backward,
+    its collectives included. Beside ``block_seconds`` (the same share without them) it
+    shows what the collectives and, with sp, the extra launches cost."""
+    import torch.distributed as dist
+
+    from minipar.comm import Comm
+    from minipar.model import Block
+    from minipar.parallel.tp import parallelize_module, tensor_parallel_plan
+
+    n, rank, comms = dist.get_world_size(), dist.get_rank(), {}
+    for tp in sorted({b[2] for b in tp_blocks}):
+        for first in range(0, n, tp):  # every rank creates every group, in one order
+            ranks = list(range(first, first + tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                comms[tp] = Comm(group, dim="tp", ranks=ranks)
+    out = []
+    for name, tokens, tp, sp in tp_blocks:
+        cfg = get_config(name)
+        holder = torch.nn.Module()
+        with torch.device(device):
+            holder.blocks = torch.nn.ModuleList([Block(cfg)])
+        plan = {k: v for k, v in tensor_parallel_plan(sp).items() if k.startswith("blocks")}
+        parallelize_module(holder, comms[tp], plan)
+        seq = cfg.seq_len // tp if sp else cfg.seq_len  # sp: this rank's sequence shard
+        out.append(forward_backward_seconds(
+            holder.blocks[0], (max(1, tokens // cfg.seq_len), seq, cfg.d_model), device))
+        comms[tp].log.clear()
+    return out
+
+
 def _collective(comm, op: str, full: torch.Tensor, shard: torch.Tensor, peer: int) -> None:
     if op == "all_reduce":
         comm.all_reduce(full)
@@ -309,16 +357,50 @@ def _collective(comm, op: str, full: torch.Tensor, shard: torch.Tensor, peer: in
             comm.recv(full, peer)
 
 
-def calibration_from(results: list[dict], sizes: list[int], n: int) -> dict:
+def block_list(sizes: Sizes, n: int) -> list[tuple[str, int, int]]:
+    """(model, tokens per micro-batch, tp) of the blocks calibrate times: the presets the
+    benchmarks train, at each micro-batch size and each tp share that splits them."""
+    out = []
+    for name in dict.fromkeys((sizes.speed_model, sizes.big_model)):
+        cfg = get_config(name)
+        out += [(name, b * cfg.seq_len, tp) for tp in sizes.block_tps for b in
+                sizes.block_batches if tp <= n and cfg.n_head % tp == 0]
+    return out
+
+
+def tp_block_list(sizes: Sizes, n: int) -> list[tuple[str, int, int, bool]]:
+    """(model, tokens, tp, sp) of the real tensor-parallel blocks calibrate times: the
+    smallest and largest micro-batch of ``block_list``, with and without sp."""
+    return [(m, t, tp, sp) for m, t, tp in block_list(sizes, n) if tp > 1
+            and t // get_config(m).seq_len in (sizes.block_batches[0],
+                                               sizes.block_batches[-1])
+            for sp in (False, True)]
+
+
+def calibration_from(results: list[dict], sizes: list[int], n: int,
+                     blocks: list[tuple] = (), tp_blocks: list[tuple] = ()) -> dict:
     """Fit the alpha-beta model per op: latency (the smallest sizes' time) and bandwidth
     (wire bytes per second, the slope over the larger sizes), in ``load_calibration``'s
-    shape."""
+    shape; keep the per-size times, and the blocks' pace (``block_rates``: the median
+    rank's seconds and the TFLOP/s of a tp rank's share of the layer's FLOPs)."""
     r0 = results[0]
     calib = {"device": r0["device_name"], "gpus": n, "torch": torch.__version__,
              "memory_bytes": r0["memory_bytes"],
              "matmul_tflops": statistics.median(r["matmul_tflops"] for r in results),
              "matmul_tflops_per_rank": [r["matmul_tflops"] for r in results],
-             "collectives": {}}
+             "collectives": {}, "block_rates": []}
+    for i, (name, tokens, tp) in enumerate(blocks):
+        cfg = get_config(name)
+        sec = statistics.median(r["block_seconds"][i] for r in results)
+        calib["block_rates"].append({
+            "model": name, "hidden": cfg.d_model, "heads": cfg.n_head, "d_ff": cfg.d_ff,
+            "seq_len": cfg.seq_len, "tokens": tokens, "tp": tp, "seconds": sec,
+            "tflops": layer_flops_per_token(cfg) * tokens / tp / sec / 1e12})
+    # the slowest rank's: a tensor-parallel group moves at its pace
+    calib["tp_blocks"] = [
+        {"model": name, "hidden": get_config(name).d_model, "tokens": tokens, "tp": tp,
+         "sp": sp, "seconds": max(r["tp_block_seconds"][i] for r in results)}
+        for i, (name, tokens, tp, sp) in enumerate(tp_blocks)]
     nbytes = r0["bytes"]
     for op, times in r0["times"].items():
         if not times:
@@ -341,19 +423,31 @@ def calibration_from(results: list[dict], sizes: list[int], n: int) -> dict:
     return calib
 
 
+def blocks_brief(rates: list[dict]) -> str:
+    """The blocks' TFLOP/s, lowest to highest, per model (tp 1)."""
+    by: dict = {}
+    for r in rates:
+        if r["tp"] == 1:
+            by.setdefault(r["model"], []).append(r["tflops"])
+    return ", ".join(f"{m} {min(v):.0f}-{max(v):.0f} TFLOP/s" for m, v in by.items())
+
+
 def section_calibrate(run: Run) -> None:
     s = run.sizes
 
     def go() -> dict:
-        res = run.launch(_calibrate_rank, run.n, s.calib_sizes, s.matmul_n, cap=240)
-        calib = calibration_from(list(res), s.calib_sizes, run.n)
+        blocks, tp_blocks = block_list(s, run.n), tp_block_list(s, run.n)
+        res = run.launch(_calibrate_rank, run.n, s.calib_sizes, s.matmul_n, blocks,
+                         tp_blocks, cap=240)
+        calib = calibration_from(list(res), s.calib_sizes, run.n, blocks, tp_blocks)
         run.calibration = calib
         run.report["meta"]["device_name"] = calib["device"]
         _write_json(os.path.join(run.args.out, "calibration.json"), calib)
         ops = ", ".join(f"{op} {c['bus_bandwidth'] / 1e9:.0f} GB/s + "
                         f"{c['latency_s'] * 1e6:.0f} us" for op, c in calib["collectives"].items())
         return {"calibration": calib, "file": "calibration.json",
-                "brief": f"matmul {calib['matmul_tflops']:.0f} TFLOP/s; {ops}"}
+                "brief": f"matmul {calib['matmul_tflops']:.0f} TFLOP/s; block "
+                         f"{blocks_brief(calib['block_rates'])}; {ops}"}
 
     run.row("calibrate", f"{run.n} ranks", go)
 

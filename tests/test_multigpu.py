@@ -43,7 +43,13 @@ def test_dry_run_calibrate_and_parity(tmp_path) -> None:
 
     calib = load_calibration(str(out / "calibration.json"))
     assert set(calib["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
-    assert calibrated(cluster(2, "H100-80GB"), calib).links
+    cal = calibrated(cluster(2, "H100-80GB"), calib)
+    assert cal.links and cal.curves
+    # the block's pace per (tokens, tp), and the real tp block with and without sp
+    assert {(r["tokens"], r["tp"]) for r in calib["block_rates"]} == {
+        (64, 1), (128, 1), (64, 2), (128, 2)}
+    assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in calib["block_rates"])
+    assert len(cal.block_rates) == 4 and len(cal.sp_extra) == 2
     assert (out / "summary.md").exists() and len(list(out.iterdir())) <= 8
 
     # --report merges JSONs on any machine; predictions need only the calibration

@@ -158,6 +158,41 @@ def test_calibration_replaces_the_presets_rates(tmp_path) -> None:
     assert after.mfu < before.mfu
 
 
+def test_a_measured_block_pace_and_per_size_times_replace_the_fits() -> None:
+    """With ``block_rates`` a layer's FLOPs go at the measured pace of its micro-batch
+    (interpolated in log tokens, clamped at the ends); the head stays at matmul rate x
+    efficiency. With per-size times each call takes the bandwidth measured at its
+    payload; with ``tp_blocks`` sp pays its measured extra per layer. (The formulas, on
+    hand-written numbers; the 4 x H100 tests below pin the planner to measurements.)"""
+    from minipar.theory.clusters import calibrated
+    from minipar.theory.params import layer_flops_per_token
+    from minipar.theory.rates import interp_log
+
+    assert interp_log(4096, [2048, 8192], [1.0, 3.0]) == pytest.approx(2.0)
+    assert interp_log(1, [2048, 8192], [1.0, 3.0]) == 1.0
+    flat = [100e9] * 3
+    calib = {**CALIBRATION, "block_rates": [
+        {"hidden": 2048, "tokens": t, "tp": 4, "tflops": 200.0} for t in (2048, 16384)],
+        "tp_blocks": [{"hidden": 2048, "tokens": 16384, "tp": 4, "sp": sp, "seconds": s}
+                      for sp, s in ((False, 0.004), (True, 0.007))]}
+    calib["collectives"] = {op: {**row, "bytes": [2**10, 2**20, 2**30],
+                                 "bus_bandwidth_per_size": flat}
+                            for op, row in CALIBRATION["collectives"].items()}
+    cal = calibrated(cluster(4, "H100-80GB", gpus_per_node=4), calib)
+    plain = evaluate("gpt-1.3b", cal, 4, 1, 1, microbatch_size=8, global_batch=8)
+    sp = evaluate("gpt-1.3b", cal, 4, 1, 1, microbatch_size=8, global_batch=8, sp=True)
+    layers = layer_flops_per_token("gpt-1.3b") * 24 * 16384 / 4 / 200e12
+    head = 6 * 50304 * 2048 * 16384 / 4 / (500e12 * 0.7)
+    assert plain.time["compute"] == pytest.approx(layers + head)
+    # 4 all-reduces of b*s*h bf16 per layer + the embedding's and the head's, at 100 GB/s
+    # bus bandwidth (the loss's three small ones are in the tolerance)
+    each = 2 * 3 / 4 * 16384 * 2048 * 2 / 100e9
+    assert plain.time["tp"] == pytest.approx((24 * 4 + 2) * each, rel=0.01)
+    # sp moves 5/4 of the bytes (the column linears' inputs gathered again in backward)
+    # and pays the measured 3 ms per layer on top
+    assert sp.time["tp"] == pytest.approx(1.25 * plain.time["tp"] + 24 * 0.003, rel=0.02)
+
+
 def test_plan_command_reads_a_calibration(tmp_path, capsys) -> None:
     import json
 

@@ -18,7 +18,10 @@ not measurements:
 rates (``benchmarks/multigpu.py --sections calibrate`` writes them; ``python -m minipar
 plan --calibrate FILE`` reads them): the bf16 matmul rate, and per collective the
 latency and bandwidth (wire bytes per second per GPU, as ``minipar.comm.wire_bytes``
-counts them) inside one node.
+counts them) inside one node; with newer files also each op's time per message size,
+the transformer block's measured pace and sequence parallelism's extra cost per layer
+(``minipar.theory.rates``). Files without these still load: the planner then uses the
+matmul rate and the alpha-beta fits.
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ class Cluster:
     # per collective op, (op, latency in s, wire bytes per s per GPU)
     matmul_flops: float | None = None
     links: tuple[tuple[str, float, float], ...] = ()
+    # measured paces (``minipar.theory.rates`` reads them): per collective op (op,
+    # payload bytes, bus bandwidth at each); the block (hidden, tokens, tp, FLOP/s);
+    # what sequence parallelism adds per layer (hidden, tokens, tp, seconds)
+    curves: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...] = ()
+    block_rates: tuple[tuple[int, int, int, float], ...] = ()
+    sp_extra: tuple[tuple[int, int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -167,11 +176,26 @@ def calibrated(base: Cluster, calib: dict) -> Cluster:
     links = tuple((op, float(row["latency_s"]), float(row["bus_bandwidth"]))
                   for op, row in sorted(calib.get("collectives", {}).items())
                   if op in CALIBRATED_OPS)
+    curves = tuple((op, tuple(row["bytes"]), tuple(row["bus_bandwidth_per_size"]))
+                   for op, row in sorted(calib.get("collectives", {}).items())
+                   if op in CALIBRATED_OPS and row.get("bus_bandwidth_per_size"))
+    blocks = tuple((r["hidden"], r["tokens"], r["tp"], r["tflops"] * 1e12)
+                   for r in calib.get("block_rates", []))
     gpu = base.gpu
     if calib.get("memory_bytes"):
         gpu = replace(gpu, memory=int(calib["memory_bytes"]))
     return replace(base, gpu=gpu, matmul_flops=float(calib["matmul_tflops"]) * 1e12,
-                   links=links, name=base.name + " (calibrated)")
+                   links=links, curves=curves, block_rates=blocks,
+                   sp_extra=_sp_extra(calib.get("tp_blocks", [])),
+                   name=base.name + " (calibrated)")
+
+
+def _sp_extra(rows: list[dict]) -> tuple[tuple[int, int, int, float], ...]:
+    """(hidden, tokens, tp, seconds): the real tp block with sp minus the one without,
+    measured side by side (``benchmarks/multigpu.py``'s ``tp_blocks``)."""
+    plain = {(r["hidden"], r["tokens"], r["tp"]): r["seconds"] for r in rows if not r["sp"]}
+    return tuple((*key, r["seconds"] - plain[key]) for r in rows if r["sp"]
+                 for key in [(r["hidden"], r["tokens"], r["tp"])] if key in plain)
 
 
 def gpu_for_device(name: str) -> str:

@@ -194,6 +194,15 @@ def hardware_flops_per_token(cfg: GPTConfig | str, recompute: str = "none",
     return base + extra[recompute]
 
 
+def layer_flops_per_token(cfg: GPTConfig | str, recompute: str = "none",
+                          attention: str = "full") -> float:
+    """Training FLOPs per token of one transformer layer (``hardware_flops_per_token``
+    without the head, over the layers): what a calibrated block rate is measured in."""
+    cfg = get_model(cfg)
+    head = 6.0 * cfg.vocab_size * cfg.d_model
+    return (hardware_flops_per_token(cfg, recompute, attention) - head) / cfg.n_layer
+
+
 def narayanan_flops(cfg: GPTConfig | str, batch: int, recompute: bool = True) -> float:
     """FLOPs of one training iteration of ``batch`` sequences, Narayanan et al. 2021
     (arXiv 2104.04473, Sec. 5.1, eq. for F):

@@ -11,29 +11,28 @@ them.
 The step-time model is deliberately simple, so that every term can be read and argued
 with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
 
-    compute  = FLOPs per GPU (recomputation included) / (rate * matmul_efficiency), the
-               rate being the data sheet's peak, or the measured matmul rate of a
-               calibrated cluster (``clusters.calibrated``)
+    compute  = the busiest GPU's FLOPs (recomputation included) over a rate: a layer's
+               at the measured pace of the block at this micro-batch's tokens and tp
+               share when calibrated (``theory.rates``), else, like the head, at the
+               matmul rate (data sheet or measured) times ``matmul_efficiency``
     bubble   = compute * bubble ratio of the schedule ((p-1)/m for 1F1B, ...)
-    tp, pp   = wire bytes / bandwidth + calls * latency, all exposed (Megatron's tensor
-               parallel collectives sit on the critical path)
+    tp, pp   = every call exposed (tp collectives, each micro-batch's send and recv):
+               its measured time at its payload, else wire bytes / bandwidth +
+               latency; with sp, plus its measured extra launch cost per layer
     dp       = the same (gradients reduced in fp32, as minipar does), minus what hides
                behind compute (``_exposed_dp``): stages 0-2 reduce during the last
                micro-batch's backward and all-gather the new weights after the step;
                ZeRO-3 gathers during each forward and gathers + reduce-scatters during
                each backward. Overlapped, NCCL gets only ``OVERLAP_BANDWIDTH`` of its
                calibrated bandwidth (compute kernels hold the SMs and memory)
-    cp       = the ring's wire bytes / bandwidth + calls * latency, exposed only when a
-               rank's s / cp tokens are too few to hide a ring step behind its block's
-               compute (``theory.context.min_local_tokens_to_hide_ring``)
+    cp       = the ring's time, exposed only when a rank's s / cp tokens are too few to
+               hide a ring step (``theory.context.min_local_tokens_to_hide_ring``)
     step     = compute + bubble + tp + exposed cp + pp + exposed dp
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
-across nodes (network), read off the rank layout (``minipar.mesh.Mesh``); a calibrated
-cluster gives each collective its own measured latency and bandwidth inside a node.
-With pp > 1 the compute is the last stage's (its layers and the head). What it leaves
-out: kernel efficiency changing with matrix sizes, per-action overheads of a
-pipeline's many small micro-batches, network contention between groups. Use it to
+across nodes (network), read off the rank layout (``minipar.mesh.Mesh``). What it
+leaves out: the optimizer step, network contention between groups, and, without a
+block calibration, kernel efficiency changing with matrix sizes. Use it to
 rank and to reason, not to promise a number.
 """
 
@@ -52,7 +51,8 @@ from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.memory import memory_breakdown
 from minipar.theory.models import get_model
 from minipar.theory.offload import offload_seconds
-from minipar.theory.params import hardware_flops_per_token, model_flops_per_token
+from minipar.theory.params import model_flops_per_token
+from minipar.theory.rates import call_seconds, compute_seconds, sp_seconds
 
 TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
@@ -112,16 +112,22 @@ def _group_spans_nodes(dp: int, pp: int, tp: int, dim: str, order: str,
     return len({r // gpus_per_node for r in ranks}) > 1
 
 
-def _op_seconds(op: str, x: dict, cluster: Cluster, spans_nodes: bool,
+def _op_seconds(op: str, x: dict, cluster: Cluster, spans_nodes: bool, group: int,
                 bytes_scale: float = 1.0) -> float:
-    """One op's calls: wire bytes (times ``bytes_scale``) over its bandwidth, plus its
-    latency per call."""
+    """One op's calls (payloads times ``bytes_scale``): inside a node with measured
+    per-size times, each call at the bandwidth measured at its mean payload; else wire
+    bytes over the bandwidth plus a latency per call."""
+    each = x["calls"] and not spans_nodes and call_seconds(
+        cluster.curves, op, bytes_scale * x["bytes"] / x["calls"], group)
+    if each:
+        return x["calls"] * each
     bandwidth, latency = cluster.link(op, spans_nodes)
     return bytes_scale * x["wire_bytes"] / bandwidth + x["calls"] * latency
 
 
-def _comm_seconds(volume: dict, dim: str, cluster: Cluster, spans_nodes: bool) -> float:
-    return sum(_op_seconds(op, x, cluster, spans_nodes)
+def _comm_seconds(volume: dict, dim: str, cluster: Cluster, spans_nodes: bool,
+                  group: int) -> float:
+    return sum(_op_seconds(op, x, cluster, spans_nodes, group)
                for op, x in volume.get(dim, {}).items())
 
 
@@ -156,23 +162,24 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
 
     tokens = global_batch * cfg.seq_len
     peak = cluster.peak_flops
-    compute = hardware_flops_per_token(cfg, recompute) * tokens / cluster.gpus / (
-        cluster.matmul_rate * matmul_efficiency)
-    if pp > 1:  # the last stage also runs the head: the pipeline moves at its pace
-        head = 6.0 * cfg.vocab_size * cfg.d_model
-        per_token = hardware_flops_per_token(cfg, recompute)
-        compute *= ((per_token - head) / pp + head) / (per_token / pp)
+    shape = (tp, pp, cp, microbatch_size, m, recompute)
+    compute = compute_seconds(cfg, cluster, *shape, matmul_efficiency)
     bubble = compute * bubble_ratio_formula(schedule, pp, m, virtual) if pp > 1 else 0.0
+
+    group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp}  # pp: a send-recv pair
 
     def spans(dim: str) -> bool:
         n = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp}[dim]
         return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node,
                                             cp)
 
-    t = {d: _comm_seconds(vol, d, cluster, spans(d)) for d in ("tp", "cp", "pp")}
+    t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d]) for d in ("tp", "cp", "pp")}
+    if sp:  # the host's cost of sp's extra launches, measured per layer
+        t["tp"] += sp_seconds(cfg, cluster, *shape)
     fp32_grads = 2.0 if dtype == "bf16" else 1.0  # the volume counts 16-bit gradients
-    dp_ops = {op: _op_seconds(op, x, cluster, spans("dp"), fp32_grads if op in (
-        "all_reduce", "reduce_scatter") else 1.0) for op, x in vol.get("dp", {}).items()}
+    dp_ops = {op: _op_seconds(op, x, cluster, spans("dp"), group["dp"], fp32_grads if op
+                              in ("all_reduce", "reduce_scatter") else 1.0)
+              for op, x in vol.get("dp", {}).items()}
     t["dp"] = _exposed_dp(dp_ops, compute, m, zero, recompute) if overlap else \
         sum(dp_ops.values())
     if cp > 1:  # the ring hides behind the block compute once the local shard is long

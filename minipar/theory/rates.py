@@ -1,0 +1,109 @@
+"""Measured paces the planner prefers to data-sheet rates, when a calibration has them.
+
+``benchmarks/multigpu.py --sections calibrate`` measures, on the machine itself:
+
+* the transformer block's forward + backward (``block_rates``): one tensor-parallel
+  rank's share of a layer at a few micro-batch sizes. A layer's FLOPs over this pace is
+  its time; it knows what an 8192^3 matmul rate cannot, that h = 2048 matrices, a
+  tp-split 512-wide one, layer norms, GELU and flash attention run slower.
+* each collective's seconds per call at payloads from 1 KB to 1 GB: read at a call's
+  own size they give its latency and bandwidth together, where one alpha-beta line
+  fitted to all sizes misses the middle ones that tensor parallelism and pipeline
+  sends use.
+* the real tensor-parallel block with and without sequence parallelism
+  (``tp_blocks``): the difference is what sp's extra, smaller launches cost the host
+  per layer (its extra all-gather bytes, which the traffic term also counts, included).
+
+Each function returns ``None`` (or 0 for the sp extra) when the calibration lacks the
+measurement, and the planner falls back to the data-sheet model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from minipar.comm import wire_bytes
+from minipar.model import GPTConfig
+from minipar.theory.clusters import Cluster
+from minipar.theory.params import layer_flops_per_token
+
+
+def interp_log(x: float, xs: list[float], ys: list[float]) -> float:
+    """``ys`` linearly interpolated at ``x`` over log ``xs`` (sorted ascending), held
+    constant beyond the ends: a pace measured at 2k and 16k tokens says nothing of
+    what a far larger or smaller call does, so it is not extrapolated."""
+    if x <= xs[0]:
+        return ys[0]
+    for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return ys[-1]
+
+
+def _nearest(rows: tuple, hidden: int, tp: int) -> list[tuple]:
+    """The rows measured at the hidden size nearest ``hidden`` (in ratio) and, among
+    them, at the tp nearest ``tp``, sorted by tokens."""
+    if not rows:
+        return []
+    h = min({r[0] for r in rows}, key=lambda v: abs(math.log(v / hidden)))
+    same = [r for r in rows if r[0] == h]
+    t = min({r[2] for r in same}, key=lambda v: abs(math.log(v / tp)))
+    return sorted(r for r in same if r[2] == t)
+
+
+def block_flops(rows: tuple, hidden: int, tokens: int, tp: int) -> float | None:
+    """FLOP/s one rank reaches on its share of a layer, from ``(hidden, tokens, tp,
+    FLOP/s)`` rows, at this micro-batch's ``tokens``."""
+    near = _nearest(rows, hidden, tp)
+    if not near:
+        return None
+    return interp_log(tokens, [r[1] for r in near], [r[3] for r in near])
+
+
+def sp_extra_seconds(rows: tuple, hidden: int, tokens: int, tp: int) -> float:
+    """Seconds per layer forward + backward that sequence parallelism adds, from
+    ``(hidden, tokens, tp, seconds)`` rows; 0 without a measurement."""
+    near = _nearest(rows, hidden, tp)
+    if not near:
+        return 0.0
+    return max(0.0, interp_log(tokens, [r[1] for r in near], [r[3] for r in near]))
+
+
+def call_seconds(curves: tuple, op: str, payload: float, group: int) -> float | None:
+    """Seconds of one ``op`` call of ``payload`` bytes in a ``group``-rank group, from
+    ``(op, payload bytes, bus bandwidth per size)`` curves: this call's wire bytes over
+    the bus bandwidth measured at its payload. A ``recv`` waits for the same transfer
+    as its ``send``: it takes the send's time."""
+    op = "send" if op == "recv" else op
+    curve = next((c for c in curves if c[0] == op), None)
+    if curve is None or group < 2:
+        return None
+    bandwidth = interp_log(max(payload, 1.0), list(curve[1]), list(curve[2]))
+    return wire_bytes(op, int(payload), group) / bandwidth
+
+
+def compute_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
+                    microbatch_size: int, m: int, recompute: str,
+                    efficiency: float) -> float:
+    """Compute seconds per step of the busiest GPU: with pp > 1 the last stage, which
+    runs the head besides its layers (the pipeline moves at its pace). Layers at the
+    measured block pace of this micro-batch's tokens and tp share (recomputation adds
+    its FLOPs at that pace); the head, and the layers without a measured pace, at the
+    matmul rate times ``efficiency``."""
+    tokens = microbatch_size * cfg.seq_len // cp  # a rank's tokens per micro-batch
+    slow = cluster.matmul_rate * efficiency
+    rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
+    layers = layer_flops_per_token(cfg, recompute) * cfg.n_layer / pp
+    head = 6.0 * cfg.vocab_size * cfg.d_model
+    return tokens * m / tp * (layers / rate + head / slow)
+
+
+def sp_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
+               microbatch_size: int, m: int, recompute: str) -> float:
+    """Sequence parallelism's measured extra per layer, times the busiest stage's layers
+    and micro-batches (a recomputed forward repeats its share, in FLOPs' proportion)."""
+    tokens = microbatch_size * cfg.seq_len // cp
+    extra = sp_extra_seconds(cluster.sp_extra, cfg.d_model, tokens, tp)
+    again = layer_flops_per_token(cfg, recompute) / layer_flops_per_token(cfg)
+    return extra * again * cfg.n_layer / pp * m
