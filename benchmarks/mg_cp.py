@@ -42,7 +42,7 @@ from multigpu import GiB, _device_name, _local_device, minipar_spec, peer_spec, 
 
 from minipar.config import TrainConfig
 from minipar.model import get_config
-from minipar.theory.params import model_flops_per_token
+from minipar.theory.params import model_flops_per_token, param_count
 
 
 @dataclass
@@ -98,7 +98,8 @@ def _rank(spec: dict) -> dict:
     if spec["impl"] == "minipar":
         rec["comm_wire_bytes_per_step"] = rm.log.total("wire_bytes") / done
         rec["cp_wire_bytes_per_step"] = rm.log.total("wire_bytes", dim="cp") / done
-        rec["n_params"] = sum(p.numel() for p in parts.model.parameters())
+        # the model's count (ZeRO-3's module holds only this rank's shards)
+        rec["n_params"] = param_count(mc)
     return {**rec, "times": times, "losses": losses,
             "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0}
 
