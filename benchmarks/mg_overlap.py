@@ -307,12 +307,21 @@ def section_overlap(run) -> None:
                  run, cp_model, n, 1, {"seq_len": seq}, cp=n)),
              (f"torch context_parallel cp{n} seq{seq}", "cp", mg.peer_spec(
                  run, "torch-cp", cp_model, n, 1, {"seq_len": seq}))]
+    b, m = s.per_gpu_batch * n, s.per_gpu_batch * n // s.pp_micro  # the speed rows' pp
+    for sched in ("1f1b", "zb"):
+        ov = mg._untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched)
+        rows += [(f"minipar pp{n} {sched}", "pp", mg.minipar_spec(
+                     run, model, n, b, ov, pp=n, microbatches=m, schedule=sched)),
+                 (f"torch pipelining pp{n} {sched}", "pp", mg.peer_spec(
+                     run, "torch-pp", model, n, b, ov, schedule=sched, microbatches=m))]
     for name, group, spec in rows:
         spec.update(warmup=min(WARMUP, s.warmup), steps=PROFILED)
         trace = os.path.join(run.args.out, f"overlap_trace_dp{n}_zero2_rank0.json.gz") \
             if name == f"minipar dp{n} zero2" else None
-        if name == f"minipar tp{n} sp":  # every rank's: where the sp step waits (issue 17)
-            trace = os.path.join(run.args.out, f"overlap_trace_tp{n}_sp_rank{{rank}}.json.gz")
+        if name in (f"minipar tp{n} sp", f"minipar pp{n} 1f1b",
+                    f"torch pipelining pp{n} 1f1b"):  # every rank's: where steps wait
+            tag = name.split()[0] + "_" + "_".join(name.split()[-2:])
+            trace = os.path.join(run.args.out, f"overlap_trace_{tag}_rank{{rank}}.json.gz")
 
         def go(spec=spec, trace=trace) -> dict:
             if n < 2:
