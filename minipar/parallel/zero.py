@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from minipar.comm import Comm, Pending
-from minipar.meter import PeakBytes, optimizer_state_bytes, storage_bytes
+from minipar.meter import HeldBytes, PeakBytes, optimizer_state_bytes, storage_bytes
 from minipar.parallel.dp import (
     MB,
     Reducer,
@@ -67,7 +67,6 @@ from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public her
     all_reduce_grads,
     clip_owned,
     consolidate,
-    held_grad_bytes,
     realize,
     sharded_state,
 )
@@ -127,7 +126,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sync, self._synced = True, True
         self.backwards_per_step = 1  # backwards whose gradients one step sums
-        self.grad_bytes = PeakBytes()
+        self.grad_bytes, self._held = PeakBytes(), HeldBytes()  # peak; held now
         self.skipped_steps = 0
         for n, p in named.items():  # frozen weights on the meta device: made here
             if materialize is not None and p.is_meta and not p.requires_grad:
@@ -212,7 +211,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         self._reducer.check_open(i)
         if f.grad is None:
             f.grad = torch.zeros(f.padded, dtype=self.grad_dtype or p.dtype, device=p.device)
-            self.grad_bytes.observe(self._grads_held())
+            self._observe(f)
         f.grad[f.offsets[k]:f.offsets[k] + f.numels[k]].add_(p.grad.reshape(-1))
         p.grad = None
         self._synced = False
@@ -225,6 +224,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         if f.grad is None:  # nothing arrived here: this rank contributes zeros
             f.grad = torch.zeros(f.padded, dtype=self.grad_dtype or f.full.dtype,
                                  device=f.full.device)
+            self._held.update(id(f), self._held_by(f))  # observed once reduced, as before
         wire = f.grad
         if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:
             wire = wire.to(self.reduce_dtype)
@@ -255,11 +255,17 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
             f.grad = None
         if factor != 1.0 and self.offload is None:
             f.master.grad.mul_(factor)
-        self.grad_bytes.observe(self._grads_held())
+        self._observe(f)
 
-    def _grads_held(self) -> int:  # (offload: the device's only, not the host shards)
-        return storage_bytes(f.grad for f in self.flats) if self.offload else \
-            held_grad_bytes(self.flats)
+    def _held_by(self, f: FlatParams) -> tuple:  # (offload: the device's, not the host's)
+        return (f.grad,) if self.offload else (f.grad, f.master.grad)
+
+    def _observe(self, f: FlatParams) -> None:
+        """``f``'s buffers changed: recount ``f``'s alone, not every flat's (issue 17)."""
+        self.grad_bytes.observe(self._held.update(id(f), self._held_by(f)))
+
+    def _grads_held(self) -> int:
+        return storage_bytes(t for f in self.flats for t in self._held_by(f))
 
     def finish_gradient_sync(self) -> None:
         """Reduce every bucket not reduced yet, wait, and add the result to the shard."""
@@ -327,7 +333,10 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         if self.inner is not None:  # (a wrapped OffloadOptimizer zeroes its host grads)
             self.inner.zero_grad(set_to_none=True)
         self._arrivals.clear()
-        self.grad_bytes.reset(self._grads_held())
+        self._held = HeldBytes()  # recounted once a step: _observe keeps it current
+        for f in self.flats:
+            self._held.update(id(f), self._held_by(f))
+        self.grad_bytes.reset(self._held.total)
 
     # --- clipping, other groups, accounting -----------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> float:
