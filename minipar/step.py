@@ -160,7 +160,7 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     from minipar.parallel.zero import ZeroOptimizer
     from minipar.parallel.zero3 import Zero3
 
-    opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
+    opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg, host=cfg.offload)
     bf16 = cfg.dtype == "bf16"
     if cfg.zero == 3:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,

@@ -163,7 +163,7 @@ def _zero_run(stage: int, dtype: torch.dtype, offload: bool) -> dict:
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, comm=Comm(), bucket_mb=0,
                         lr=1e-2, weight_decay=0.1, offload=offload)
     opt.backwards_per_step = MICRO
-    during_backward = []
+    during_backward, host_grads = [], []
     for step in range(STEPS):
         for x, y in _batches(step):
             (_loss(model, x, y) / MICRO).backward()
@@ -171,11 +171,15 @@ def _zero_run(stage: int, dtype: torch.dtype, offload: bool) -> dict:
             during_backward.append(opt.offload.traffic["to_host"])
         opt.step()
         memory = opt.memory_bytes()
+        host_grads.append([f.master.grad.data_ptr() for i, f in enumerate(opt.flats)
+                           if offload and f.master.grad is opt.offload._grads[i]])
         opt.zero_grad()
     out = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
            "memory": memory, "shard": sum(f.hi - f.lo for f in opt.flats)}
     if offload:
         out.update(during_backward=during_backward, traffic=opt.offload.last_traffic,
+                   host_grads=host_grads, landing=len(opt.offload._landing),
+                   flats=len(opt.flats),
                    on_host=all(f.master.device.type == "cpu" for f in opt.flats),
                    apart=all(f.master.untyped_storage().data_ptr() !=
                              f.full.untyped_storage().data_ptr() for f in opt.flats))
@@ -202,6 +206,11 @@ def test_zero_offload_is_bit_identical_to_zero(stage, dtype):
         assert got["traffic"] == {"to_host": 4 * shard, "to_device": p * shard}
         if stage == 2:  # a bucket per parameter, two in flight: most left in backward
             assert all(b > 0 for b in got["during_backward"])
+        # the host gradients are made once and reused (no multi-GB allocation a step);
+        # one landing a step goes straight into them (no landing buffer made)
+        assert len(got["host_grads"][0]) == got["flats"]
+        assert all(ptrs == got["host_grads"][0] for ptrs in got["host_grads"])
+        assert got["landing"] == 0
 
 
 def test_zero_offload_traffic_theory():
@@ -308,15 +317,19 @@ def _zero3_run(dtype: torch.dtype, offload: bool) -> dict:
     sync = Zero3(GPT(CFG), Comm(), param_dtype=dtype, offload=offload)
     opt = torch.optim.AdamW(sync.parameters(), lr=1e-2, weight_decay=0.1)
     sync.publish_after(opt)
+    host_grads = []
     for step in range(STEPS):
         for x, y in _batches(step):
             (_loss(sync, x, y) / MICRO).backward()
         sync.finish_gradient_sync()
         opt.step()
         memory = sync.memory_bytes(opt)
+        host_grads.append([f.master.grad.data_ptr() for i, f in enumerate(sync.flats)
+                           if offload and f.master.grad is sync.offload._grads[i]])
         sync.zero_grad()
     weights, _ = sync.full_state_by_name(opt)
-    return {"weights": weights, "memory": memory,
+    return {"weights": weights, "memory": memory, "host_grads": host_grads,
+            "flats": len(sync.flats),
             "on_host": all(f.master.device.type == "cpu" for f in sync.flats)}
 
 
@@ -332,3 +345,18 @@ def test_zero3_offload_is_bit_identical_to_zero3(dtype):
         assert got["on_host"] and got["memory"]["optimizer"] == 0
         for k, w in want["weights"].items():
             assert torch.equal(w, got["weights"][k]), k
+        # each micro-batch's shard adds into the same host gradients, step after step
+        assert len(got["host_grads"][0]) == got["flats"]
+        assert all(ptrs == got["host_grads"][0] for ptrs in got["host_grads"])
+
+
+def test_host_optimizer_is_the_fused_adamw():
+    """The engine's host optimizer (``--offload``) is torch's fused CPU AdamW; the
+    reference and the layouts without offload keep the default (unless ``--fused``)."""
+    from minipar.config import TrainConfig, optimizer_kwargs
+
+    cfg = TrainConfig(offload=True)
+    assert optimizer_kwargs(cfg, host=True)["fused"] is True
+    assert "fused" not in optimizer_kwargs(cfg)
+    assert "fused" not in optimizer_kwargs(TrainConfig(offload=True, optimizer="sgd"),
+                                           host=True)

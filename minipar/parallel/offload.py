@@ -216,8 +216,11 @@ class OnHost:
     offload: HostShards | None
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
-        if self.offload is not None and isinstance(factor, torch.Tensor):
-            factor = factor.cpu()  # the shards are on the host (waits for the norm)
+        if self.offload is not None:
+            if isinstance(factor, torch.Tensor):
+                factor = factor.cpu()  # the shards are on the host (waits for the norm)
+            if float(factor) == 1.0:  # a norm under the clip limit: x * 1 is x, so the
+                return  # pass over every host shard (a read and a write each) is saved
         super().scale_grads(factor)
 
     def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
@@ -240,9 +243,12 @@ class HostShards:
 
     def __init__(self) -> None:
         self.cuda, self.stream = False, None  # set by the first ``to_host`` (its device)
-        self._landing: dict[int, torch.Tensor] = {}  # flat -> its gradient's host buffer
+        # Every host buffer is made once, on a flat's first use, and reused each step:
+        # a fresh multi-GB host tensor a step costs its page faults (first touch) again.
+        self._grads: dict[int, torch.Tensor] = {}  # flat -> its master's fp32 gradient
+        self._landing: dict[int, torch.Tensor] = {}  # flat -> a later landing's buffer
         self._up: dict[int, torch.Tensor] = {}  # flat -> its 16-bit parameter buffer
-        self._in_flight: dict[int, tuple] = {}  # flat -> (copy done, master, factor)
+        self._in_flight: dict[int, tuple] = {}  # flat -> (done, master, factor, buffer)
         self.traffic = {"to_host": 0, "to_device": 0}  # since the last publish
         self.last_traffic = dict(self.traffic)
 
@@ -261,10 +267,16 @@ class HostShards:
 
     def grad_to_host(self, i: int, shard: torch.Tensor, master: torch.Tensor,
                      factor: float = 1.0) -> None:
-        """Start copying flat i's reduced gradient ``shard`` into its host buffer; it is
-        added to ``master.grad`` (fp32) when it lands."""
-        self.land(i)  # its buffer may still hold an earlier reduction of this step
-        buf = self._buffer(self._landing, i, shard, shard.dtype)
+        """Start copying flat i's reduced gradient ``shard`` to the host; it becomes (the
+        step's first) or is added to (a later micro-batch's, ZeRO-3) ``master.grad``, in
+        fp32, scaled by ``factor``, when it lands."""
+        self.land(i)  # an earlier reduction of this step must be in ``master.grad`` first
+        if master.grad is None and shard.dtype == master.dtype:
+            # the step's first landing goes straight into the gradient accumulator (the
+            # optimizer's zero_grad dropped the last step's): no host pass to copy it
+            buf = self._buffer(self._grads, i, master, master.dtype)
+        else:
+            buf = self._buffer(self._landing, i, shard, shard.dtype)
         done = None
         if self.cuda:
             # the side stream waits for the reduction, then copies while the main
@@ -277,20 +289,26 @@ class HostShards:
             shard.record_stream(self.stream)
         else:
             buf.copy_(shard)
-        self._in_flight[i] = (done, master, factor)
+        self._in_flight[i] = (done, master, factor, buf)
         self.traffic["to_host"] += shard.numel() * shard.element_size()
 
     def land(self, i: int) -> None:
-        """Wait for flat i's copy, if one is in flight, and add it to its master's grad."""
+        """Wait for flat i's copy, if one is in flight, and put it in its master's grad."""
         if i not in self._in_flight:
             return
-        done, master, factor = self._in_flight.pop(i)
+        done, master, factor, buf = self._in_flight.pop(i)
         if done is not None:
             done.synchronize()
-        g = self._landing[i].to(master.dtype, copy=True)  # the buffer is reused
-        if factor != 1.0:
-            g.mul_(factor)
-        master.grad = g if master.grad is None else master.grad.add_(g)
+        grad = self._buffer(self._grads, i, master, master.dtype)
+        if master.grad is None:  # the step's first: it is the gradient
+            if buf is not grad:
+                grad.copy_(buf)  # (another dtype on the wire: cast up here)
+            if factor != 1.0:
+                grad.mul_(factor)
+            master.grad = grad
+        else:  # fp32 accumulation on the host, in place; the same values as scaling a
+            # copy first (factor is 1, or a power of two: the loss scale's inverse)
+            master.grad.add_(buf, alpha=factor)
 
     def land_all(self) -> None:
         for i in list(self._in_flight):
@@ -303,13 +321,13 @@ class HostShards:
         if self.cuda and slots:  # nothing queued before may still read the old weights
             self.stream.wait_stream(torch.cuda.current_stream(slots[0].device))
         for i, (m, slot) in enumerate(zip(masters, slots)):
-            buf = self._buffer(self._up, i, m, slot.dtype)
-            buf.copy_(m.detach())
-            if self.cuda:
+            if self.cuda:  # one cast, into the pinned buffer the copy reads
+                buf = self._buffer(self._up, i, m, slot.dtype)
+                buf.copy_(m.detach())
                 with torch.cuda.stream(self.stream):
                     slot.copy_(buf, non_blocking=True)
-            else:
-                slot.copy_(buf)
+            else:  # the "device" is the host: cast straight into the slot
+                slot.copy_(m.detach())
             self.traffic["to_device"] += slot.numel() * slot.element_size()
         if self.cuda and slots:  # the gather and the next forward wait for the copies;
             torch.cuda.current_stream(slots[0].device).wait_stream(self.stream)
@@ -359,8 +377,9 @@ class HostShards:
     def host_bytes(self, flats: list, optimizer) -> int:
         """Host memory: masters, their gradients, the optimizer's states, the buffers."""
         masters = [f.master for f in flats]
-        tensors = [*masters, *(m.grad for m in masters if m.grad is not None),
-                   *self._landing.values(), *self._up.values()]
+        grads = {id(t): t for t in [*self._grads.values(),
+                                    *(m.grad for m in masters if m.grad is not None)]}
+        tensors = [*masters, *grads.values(), *self._landing.values(), *self._up.values()]
         tensors += [v for s in (optimizer.state.values() if optimizer else ())
                     for v in s.values() if torch.is_tensor(v)]
         return sum(t.numel() * t.element_size() for t in tensors)
