@@ -20,7 +20,7 @@ parameter copy back (``minipar.theory.offload``); the paper's argument (Sec. 4) 
 this is the least traffic that moves the optimizer off the device, and that PCIe hides
 it behind backward for large enough batches. The CPU step is the price: the paper hides
 it with a vectorised CPU Adam and a one-step delay; minipar uses torch's own optimizer
-and no delay, so parity stays exact.
+(the engine: its fused CPU AdamW) and no delay, so parity stays exact.
 
 Use::
 
@@ -40,16 +40,22 @@ below gives ``ZeroOptimizer`` (stages 0-2) the paper's scheme over its flat shar
 fp32 master shard lives only on the host (the device keeps the compute-dtype weights
 ``full`` and the gradient buffers); each bucket's gradient is reduced (stage 0) or
 reduce-scattered (1, 2) in fp32 on the device, and its shard leaves for the host as soon
-as that reduction completes, during the last micro-batch's backward; a plain torch
-optimizer steps the host masters; the new shard is cast to the compute dtype on the
-host and only those 16-bit bytes cross back, into this rank's slot of ``full``, which an
-in-place all-gather then publishes. Per step and rank: the fp32 gradient shard to the
-host, the 16-bit parameter shard back (``theory.offload.zero_offload_traffic``).
+as that reduction completes, during the last micro-batch's backward, straight into the
+master's fp32 gradient (a pinned buffer made once and reused every step: host memory
+fresh each step costs its page faults again); a plain torch optimizer steps the host
+masters; the new shard is cast to the compute dtype on the host and only those 16-bit
+bytes cross back, into this rank's slot of ``full``, which an in-place all-gather then
+publishes. Per step and rank: the fp32 gradient shard to the host, the 16-bit parameter
+shard back (``theory.offload.zero_offload_traffic``). The host's passes over the shard:
+the step, the norm, the clip's scale (skipped when it is 1), the cast
+(``benchmarks/offload_host.py`` times each).
 
 ZeRO-3 (``Zero3(offload=True)``, DeepSpeed's offloaded-optimizer stage 3 in small) does
 the same per unit: the host holds the fp32 master shard, the device a 16-bit shard that
 each just-in-time gather reads; every micro-batch's reduce-scatter sends its fp32 shard
-to the host, where they add up; after the step the 16-bit shard comes back.
+to the host, where the later ones land in a second buffer and add up in place (as
+DeepSpeed's offloaded stage 3 accumulates on the CPU); after the step the 16-bit shard
+comes back.
 """
 
 from __future__ import annotations

@@ -25,7 +25,11 @@ from __future__ import annotations
 # ZeRO-Offload's two costs (``offload``), measured on the same 4 x H100 host: torch's
 # AdamW on the host, 4 threads per rank, updates about 0.4e9 parameters a second (0.84 s
 # for a 329 M shard of gpt-1.3b), and a GPU's copies to and from pinned host memory run
-# at PCIe Gen5's effective ~25 GB/s a direction.
+# at PCIe Gen5's effective ~25 GB/s a direction. That rate is torch's default (per-tensor)
+# AdamW; ``train --offload`` now steps with its fused CPU AdamW, which on a 2-core CPU
+# box runs 4-6x the default (``benchmarks/offload_host.py``: ~1.1e9 vs ~0.2e9 a second,
+# 28 bytes of memory traffic a parameter): expect the host step to be bound by the
+# host's memory bandwidth shared by its ranks, not by arithmetic. Recalibrate on a GPU host.
 HOST_ADAM_PARAMS_PER_S = 0.4e9
 PCIE_BANDWIDTH = 25e9
 
@@ -82,7 +86,9 @@ def zero_offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_byt
     master; ZeRO-3: this rank's 16-bit shard; gradient buffers: ``theory.memory``).
     Host, per element of this rank's shard (n / dp at stages 1-3, n at 0): fp32 master
     (4) and its gradient (4), the optimizer states, the pinned landing buffers of the
-    fp32 gradient (4) and of the 16-bit weights (p)."""
+    fp32 gradient (4) and of the 16-bit weights (p). The gradient's landing buffer is an
+    upper bound: a shard that lands once a step (ZeRO 0-2; ZeRO-3 with one micro-batch)
+    lands straight in its gradient, and the buffer is made only for a second landing."""
     shard = -(-n_params // dp) if zero >= 1 else n_params
     return {"device": (shard if zero == 3 else n_params) * param_bytes,
             "host": shard * (4 + 4 + optimizer_state_bytes + 4 + param_bytes)}
