@@ -5,8 +5,9 @@ A real ``ZeroOptimizer(offload=True)`` (one process, stage 1, bf16 weights) over
 stack of square linear layers; the "device" is the CPU too, so each phase is the host's
 work alone:
 
-* land: each flat's reduced fp32 shard lands ``--landings`` times (ZeRO 0-2: once a
-  step; ZeRO-3 without no_sync: once per micro-batch) and is added to the host gradient;
+* land: each flat's reduced fp32 shard lands ``--landings`` times a step and is put in
+  (then added to) the host gradient: the engine lands once a step at every stage; a
+  ``Zero3`` not told its ``backwards_per_step`` lands once per micro-batch;
 * norm: the global gradient norm over the host shards (``dp.global_grad_norm``);
 * clip: the clip scale applied to the host shards (``--no-clip``: a norm under the limit);
 * step: the host optimizer over the fp32 masters (AdamW; ``--fused``: torch's fused one);

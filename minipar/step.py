@@ -166,6 +166,7 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
                      shared=shared, average=False, materialize=materialize,
                      offload=cfg.offload)
+        sync.backwards_per_step = cfg.microbatches  # offload: shards leave at the last
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
         return sync, optimizer, None

@@ -293,8 +293,8 @@ def test_engine_zero3_offload_matches_single_device(layout):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_engine_zero3_offload_bytes_equal_the_theory(dtype):
-    """Each micro-batch's backward sends the fp32 gradient shard; the 16-bit shard
-    comes back once per step."""
+    """The micro-batches' fp32 gradient shards add up on the device and cross once
+    (during the last one's backward); the 16-bit shard comes back once per step."""
     from minipar.config import TrainConfig
     from minipar.engine import train
 
@@ -302,19 +302,19 @@ def test_engine_zero3_offload_bytes_equal_the_theory(dtype):
                       dtype=dtype)
     run = train(cfg)
     n = GPT(cfg.model_config()).num_params()
-    want = zero_offload_traffic(n, dp=2, zero=3, microbatches=2,
-                                param_bytes=2 if dtype == "bf16" else 4)
+    want = zero_offload_traffic(n, dp=2, zero=3, param_bytes=2 if dtype == "bf16" else 4)
     for r in run["ranks"]:
         for k in ("to_host", "to_device"):  # (padding: a few elements per unit)
             assert r["offload_bytes"][k] == pytest.approx(want[k], rel=5e-3)
 
 
-def _zero3_run(dtype: torch.dtype, offload: bool) -> dict:
+def _zero3_run(dtype: torch.dtype, offload: bool, per_step: int = 1) -> dict:
     from minipar.comm import Comm
     from minipar.parallel.zero3 import Zero3
 
     torch.manual_seed(0)
     sync = Zero3(GPT(CFG), Comm(), param_dtype=dtype, offload=offload)
+    sync.backwards_per_step = per_step  # MICRO: the shards add up on the device first
     opt = torch.optim.AdamW(sync.parameters(), lr=1e-2, weight_decay=0.1)
     sync.publish_after(opt)
     host_grads = []
@@ -329,19 +329,27 @@ def _zero3_run(dtype: torch.dtype, offload: bool) -> dict:
         sync.zero_grad()
     weights, _ = sync.full_state_by_name(opt)
     return {"weights": weights, "memory": memory, "host_grads": host_grads,
-            "flats": len(sync.flats),
+            "flats": len(sync.flats), "landing": len(sync.offload._landing) if offload else 0,
+            "traffic": sync.offload.last_traffic if offload else None,
+            "shard": sum(f.hi - f.lo for f in sync.flats),
             "on_host": all(f.master.device.type == "cpu" for f in sync.flats)}
 
 
-def _zero3_both(dtype: torch.dtype) -> tuple[dict, dict]:
-    return _zero3_run(dtype, False), _zero3_run(dtype, True)
+def _zero3_both(dtype: torch.dtype, per_step: int) -> tuple[dict, dict]:
+    return _zero3_run(dtype, False, per_step), _zero3_run(dtype, True, per_step)
 
 
+@pytest.mark.parametrize("per_step", [1, MICRO], ids=["host sums", "device sums"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_zero3_offload_is_bit_identical_to_zero3(dtype):
+def test_zero3_offload_is_bit_identical_to_zero3(dtype, per_step):
+    """The micro-batches' gradient shards summed on the host (each crosses) or, told how
+    many backwards make a step, on the device (one crossing): the same values."""
     from minipar.launch import launch
 
-    for want, got in launch(_zero3_both, 2, args=(dtype,), timeout=120):
+    for want, got in launch(_zero3_both, 2, args=(dtype, per_step), timeout=120):
+        crossings = MICRO if per_step == 1 else 1
+        assert got["traffic"]["to_host"] == 4 * got["shard"] * crossings
+        assert got["landing"] == (got["flats"] if per_step == 1 else 0)  # 2nd buffers
         assert got["on_host"] and got["memory"]["optimizer"] == 0
         for k, w in want["weights"].items():
             assert torch.equal(w, got["weights"][k]), k

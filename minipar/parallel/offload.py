@@ -41,21 +41,19 @@ fp32 master shard lives only on the host (the device keeps the compute-dtype wei
 ``full`` and the gradient buffers); each bucket's gradient is reduced (stage 0) or
 reduce-scattered (1, 2) in fp32 on the device, and its shard leaves for the host as soon
 as that reduction completes, during the last micro-batch's backward, straight into the
-master's fp32 gradient (a pinned buffer made once and reused every step: host memory
-fresh each step costs its page faults again); a plain torch optimizer steps the host
-masters; the new shard is cast to the compute dtype on the host and only those 16-bit
-bytes cross back, into this rank's slot of ``full``, which an in-place all-gather then
-publishes. Per step and rank: the fp32 gradient shard to the host, the 16-bit parameter
-shard back (``theory.offload.zero_offload_traffic``). The host's passes over the shard:
-the step, the norm, the clip's scale (skipped when it is 1), the cast
-(``benchmarks/offload_host.py`` times each).
+master's fp32 gradient (pinned, made once: fresh host memory each step costs its page
+faults again); a plain torch optimizer steps the host masters; the new shard is cast to
+the compute dtype on the host and only those 16-bit bytes cross back, into this rank's
+slot of ``full``, which an in-place all-gather then publishes. Per step and rank: the
+fp32 gradient shard to the host, the 16-bit shard back (``theory.offload``). The host
+passes over the shard: norm, clip scale (none if 1), step, cast (``benchmarks/
+offload_host.py`` times each).
 
 ZeRO-3 (``Zero3(offload=True)``, DeepSpeed's offloaded-optimizer stage 3 in small) does
 the same per unit: the host holds the fp32 master shard, the device a 16-bit shard that
-each just-in-time gather reads; every micro-batch's reduce-scatter sends its fp32 shard
-to the host, where the later ones land in a second buffer and add up in place (as
-DeepSpeed's offloaded stage 3 accumulates on the CPU); after the step the 16-bit shard
-comes back.
+each just-in-time gather reads; the micro-batches' reduce-scattered fp32 shards add up
+on the device and the sum crosses once, during the last one's backward (DeepSpeed adds
+them on the CPU: a host pass each); after the step the 16-bit shard comes back.
 """
 
 from __future__ import annotations
@@ -249,12 +247,12 @@ class HostShards:
 
     def __init__(self) -> None:
         self.cuda, self.stream = False, None  # set by the first ``to_host`` (its device)
-        # Every host buffer is made once, on a flat's first use, and reused each step:
-        # a fresh multi-GB host tensor a step costs its page faults (first touch) again.
+        # host buffers: made once per flat (fresh GBs each step cost their page faults)
         self._grads: dict[int, torch.Tensor] = {}  # flat -> its master's fp32 gradient
         self._landing: dict[int, torch.Tensor] = {}  # flat -> a later landing's buffer
         self._up: dict[int, torch.Tensor] = {}  # flat -> its 16-bit parameter buffer
         self._in_flight: dict[int, tuple] = {}  # flat -> (done, master, factor, buffer)
+        self._on_device: dict[int, tuple] = {}  # flat -> (device sum, master, factor)
         self.traffic = {"to_host": 0, "to_device": 0}  # since the last publish
         self.last_traffic = dict(self.traffic)
 
@@ -272,10 +270,16 @@ class HostShards:
         return nn.Parameter(host)
 
     def grad_to_host(self, i: int, shard: torch.Tensor, master: torch.Tensor,
-                     factor: float = 1.0) -> None:
+                     factor: float = 1.0, more: bool = False) -> None:
         """Start copying flat i's reduced gradient ``shard`` to the host; it becomes (the
-        step's first) or is added to (a later micro-batch's, ZeRO-3) ``master.grad``, in
-        fp32, scaled by ``factor``, when it lands."""
+        step's first) or is added to ``master.grad`` (fp32, times ``factor``) when it
+        lands. ``more``: another micro-batch's shard follows this step (ZeRO-3): summed
+        on the device in the host's order, they leave with the last (or ``land_all``)."""
+        if i in self._on_device:  # the earlier micro-batches' sum, on the device
+            shard = self._on_device.pop(i)[0].add_(shard)
+        if more:
+            self._on_device[i] = (shard, master, factor)
+            return
         self.land(i)  # an earlier reduction of this step must be in ``master.grad`` first
         if master.grad is None and shard.dtype == master.dtype:
             # the step's first landing goes straight into the gradient accumulator (the
@@ -312,13 +316,17 @@ class HostShards:
             if factor != 1.0:
                 grad.mul_(factor)
             master.grad = grad
-        else:  # fp32 accumulation on the host, in place; the same values as scaling a
-            # copy first (factor is 1, or a power of two: the loss scale's inverse)
+        else:  # in place, as scaling a copy first (factor: 1, or a loss scale's 1/2^k)
             master.grad.add_(buf, alpha=factor)
 
     def land_all(self) -> None:
+        for i in list(self._on_device):  # sums whose last micro-batch did not say so
+            self.grad_to_host(i, *self._on_device.pop(i))
         for i in list(self._in_flight):
             self.land(i)
+
+    def on_device(self) -> list[torch.Tensor]:  # sums waiting for their last micro-batch
+        return [t for t, _, _ in self._on_device.values()]
 
     def publish(self, masters: list[torch.Tensor], slots: list[torch.Tensor]) -> None:
         """Each updated host master, cast on the host (it rounds as the device's cast
