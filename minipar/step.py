@@ -160,12 +160,13 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     from minipar.parallel.zero import ZeroOptimizer
     from minipar.parallel.zero3 import Zero3
 
-    opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg)
+    opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg, host=cfg.offload)
     bf16 = cfg.dtype == "bf16"
     if cfg.zero == 3:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
                      shared=shared, average=False, materialize=materialize,
                      offload=cfg.offload)
+        sync.backwards_per_step = cfg.microbatches  # offload: shards leave at the last
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
         return sync, optimizer, None

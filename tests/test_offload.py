@@ -163,7 +163,7 @@ def _zero_run(stage: int, dtype: torch.dtype, offload: bool) -> dict:
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, comm=Comm(), bucket_mb=0,
                         lr=1e-2, weight_decay=0.1, offload=offload)
     opt.backwards_per_step = MICRO
-    during_backward = []
+    during_backward, host_grads = [], []
     for step in range(STEPS):
         for x, y in _batches(step):
             (_loss(model, x, y) / MICRO).backward()
@@ -171,11 +171,15 @@ def _zero_run(stage: int, dtype: torch.dtype, offload: bool) -> dict:
             during_backward.append(opt.offload.traffic["to_host"])
         opt.step()
         memory = opt.memory_bytes()
+        host_grads.append([f.master.grad.data_ptr() for i, f in enumerate(opt.flats)
+                           if offload and f.master.grad is opt.offload._grads[i]])
         opt.zero_grad()
     out = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
            "memory": memory, "shard": sum(f.hi - f.lo for f in opt.flats)}
     if offload:
         out.update(during_backward=during_backward, traffic=opt.offload.last_traffic,
+                   host_grads=host_grads, landing=len(opt.offload._landing),
+                   flats=len(opt.flats),
                    on_host=all(f.master.device.type == "cpu" for f in opt.flats),
                    apart=all(f.master.untyped_storage().data_ptr() !=
                              f.full.untyped_storage().data_ptr() for f in opt.flats))
@@ -202,6 +206,11 @@ def test_zero_offload_is_bit_identical_to_zero(stage, dtype):
         assert got["traffic"] == {"to_host": 4 * shard, "to_device": p * shard}
         if stage == 2:  # a bucket per parameter, two in flight: most left in backward
             assert all(b > 0 for b in got["during_backward"])
+        # the host gradients are made once and reused (no multi-GB allocation a step);
+        # one landing a step goes straight into them (no landing buffer made)
+        assert len(got["host_grads"][0]) == got["flats"]
+        assert all(ptrs == got["host_grads"][0] for ptrs in got["host_grads"])
+        assert got["landing"] == 0
 
 
 def test_zero_offload_traffic_theory():
@@ -284,8 +293,8 @@ def test_engine_zero3_offload_matches_single_device(layout):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_engine_zero3_offload_bytes_equal_the_theory(dtype):
-    """Each micro-batch's backward sends the fp32 gradient shard; the 16-bit shard
-    comes back once per step."""
+    """The micro-batches' fp32 gradient shards add up on the device and cross once
+    (during the last one's backward); the 16-bit shard comes back once per step."""
     from minipar.config import TrainConfig
     from minipar.engine import train
 
@@ -293,42 +302,69 @@ def test_engine_zero3_offload_bytes_equal_the_theory(dtype):
                       dtype=dtype)
     run = train(cfg)
     n = GPT(cfg.model_config()).num_params()
-    want = zero_offload_traffic(n, dp=2, zero=3, microbatches=2,
-                                param_bytes=2 if dtype == "bf16" else 4)
+    want = zero_offload_traffic(n, dp=2, zero=3, param_bytes=2 if dtype == "bf16" else 4)
     for r in run["ranks"]:
         for k in ("to_host", "to_device"):  # (padding: a few elements per unit)
             assert r["offload_bytes"][k] == pytest.approx(want[k], rel=5e-3)
 
 
-def _zero3_run(dtype: torch.dtype, offload: bool) -> dict:
+def _zero3_run(dtype: torch.dtype, offload: bool, per_step: int = 1) -> dict:
     from minipar.comm import Comm
     from minipar.parallel.zero3 import Zero3
 
     torch.manual_seed(0)
     sync = Zero3(GPT(CFG), Comm(), param_dtype=dtype, offload=offload)
+    sync.backwards_per_step = per_step  # MICRO: the shards add up on the device first
     opt = torch.optim.AdamW(sync.parameters(), lr=1e-2, weight_decay=0.1)
     sync.publish_after(opt)
+    host_grads = []
     for step in range(STEPS):
         for x, y in _batches(step):
             (_loss(sync, x, y) / MICRO).backward()
         sync.finish_gradient_sync()
         opt.step()
         memory = sync.memory_bytes(opt)
+        host_grads.append([f.master.grad.data_ptr() for i, f in enumerate(sync.flats)
+                           if offload and f.master.grad is sync.offload._grads[i]])
         sync.zero_grad()
     weights, _ = sync.full_state_by_name(opt)
-    return {"weights": weights, "memory": memory,
+    return {"weights": weights, "memory": memory, "host_grads": host_grads,
+            "flats": len(sync.flats), "landing": len(sync.offload._landing) if offload else 0,
+            "traffic": sync.offload.last_traffic if offload else None,
+            "shard": sum(f.hi - f.lo for f in sync.flats),
             "on_host": all(f.master.device.type == "cpu" for f in sync.flats)}
 
 
-def _zero3_both(dtype: torch.dtype) -> tuple[dict, dict]:
-    return _zero3_run(dtype, False), _zero3_run(dtype, True)
+def _zero3_both(dtype: torch.dtype, per_step: int) -> tuple[dict, dict]:
+    return _zero3_run(dtype, False, per_step), _zero3_run(dtype, True, per_step)
 
 
+@pytest.mark.parametrize("per_step", [1, MICRO], ids=["host sums", "device sums"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_zero3_offload_is_bit_identical_to_zero3(dtype):
+def test_zero3_offload_is_bit_identical_to_zero3(dtype, per_step):
+    """The micro-batches' gradient shards summed on the host (each crosses) or, told how
+    many backwards make a step, on the device (one crossing): the same values."""
     from minipar.launch import launch
 
-    for want, got in launch(_zero3_both, 2, args=(dtype,), timeout=120):
+    for want, got in launch(_zero3_both, 2, args=(dtype, per_step), timeout=120):
+        crossings = MICRO if per_step == 1 else 1
+        assert got["traffic"]["to_host"] == 4 * got["shard"] * crossings
+        assert got["landing"] == (got["flats"] if per_step == 1 else 0)  # 2nd buffers
         assert got["on_host"] and got["memory"]["optimizer"] == 0
         for k, w in want["weights"].items():
             assert torch.equal(w, got["weights"][k]), k
+        # each micro-batch's shard adds into the same host gradients, step after step
+        assert len(got["host_grads"][0]) == got["flats"]
+        assert all(ptrs == got["host_grads"][0] for ptrs in got["host_grads"])
+
+
+def test_host_optimizer_is_the_fused_adamw():
+    """The engine's host optimizer (``--offload``) is torch's fused CPU AdamW; the
+    reference and the layouts without offload keep the default (unless ``--fused``)."""
+    from minipar.config import TrainConfig, optimizer_kwargs
+
+    cfg = TrainConfig(offload=True)
+    assert optimizer_kwargs(cfg, host=True)["fused"] is True
+    assert "fused" not in optimizer_kwargs(cfg)
+    assert "fused" not in optimizer_kwargs(TrainConfig(offload=True, optimizer="sgd"),
+                                           host=True)

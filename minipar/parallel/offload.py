@@ -20,7 +20,7 @@ parameter copy back (``minipar.theory.offload``); the paper's argument (Sec. 4) 
 this is the least traffic that moves the optimizer off the device, and that PCIe hides
 it behind backward for large enough batches. The CPU step is the price: the paper hides
 it with a vectorised CPU Adam and a one-step delay; minipar uses torch's own optimizer
-and no delay, so parity stays exact.
+(the engine: its fused CPU AdamW) and no delay, so parity stays exact.
 
 Use::
 
@@ -40,16 +40,20 @@ below gives ``ZeroOptimizer`` (stages 0-2) the paper's scheme over its flat shar
 fp32 master shard lives only on the host (the device keeps the compute-dtype weights
 ``full`` and the gradient buffers); each bucket's gradient is reduced (stage 0) or
 reduce-scattered (1, 2) in fp32 on the device, and its shard leaves for the host as soon
-as that reduction completes, during the last micro-batch's backward; a plain torch
-optimizer steps the host masters; the new shard is cast to the compute dtype on the
-host and only those 16-bit bytes cross back, into this rank's slot of ``full``, which an
-in-place all-gather then publishes. Per step and rank: the fp32 gradient shard to the
-host, the 16-bit parameter shard back (``theory.offload.zero_offload_traffic``).
+as that reduction completes, during the last micro-batch's backward, straight into the
+master's fp32 gradient (pinned, made once: fresh host memory each step costs its page
+faults again); a plain torch optimizer steps the host masters; the new shard is cast to
+the compute dtype on the host and only those 16-bit bytes cross back, into this rank's
+slot of ``full``, which an in-place all-gather then publishes. Per step and rank: the
+fp32 gradient shard to the host, the 16-bit shard back (``theory.offload``). The host
+passes over the shard: norm, clip scale (none if 1), step, cast (``benchmarks/
+offload_host.py`` times each).
 
 ZeRO-3 (``Zero3(offload=True)``, DeepSpeed's offloaded-optimizer stage 3 in small) does
 the same per unit: the host holds the fp32 master shard, the device a 16-bit shard that
-each just-in-time gather reads; every micro-batch's reduce-scatter sends its fp32 shard
-to the host, where they add up; after the step the 16-bit shard comes back.
+each just-in-time gather reads; the micro-batches' reduce-scattered fp32 shards add up
+on the device and the sum crosses once, during the last one's backward (DeepSpeed adds
+them on the CPU: a host pass each); after the step the 16-bit shard comes back.
 """
 
 from __future__ import annotations
@@ -216,8 +220,11 @@ class OnHost:
     offload: HostShards | None
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
-        if self.offload is not None and isinstance(factor, torch.Tensor):
-            factor = factor.cpu()  # the shards are on the host (waits for the norm)
+        if self.offload is not None:
+            if isinstance(factor, torch.Tensor):
+                factor = factor.cpu()  # the shards are on the host (waits for the norm)
+            if float(factor) == 1.0:  # a norm under the clip limit: x * 1 is x, so the
+                return  # pass over every host shard (a read and a write each) is saved
         super().scale_grads(factor)
 
     def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
@@ -240,9 +247,12 @@ class HostShards:
 
     def __init__(self) -> None:
         self.cuda, self.stream = False, None  # set by the first ``to_host`` (its device)
-        self._landing: dict[int, torch.Tensor] = {}  # flat -> its gradient's host buffer
+        # host buffers: made once per flat (fresh GBs each step cost their page faults)
+        self._grads: dict[int, torch.Tensor] = {}  # flat -> its master's fp32 gradient
+        self._landing: dict[int, torch.Tensor] = {}  # flat -> a later landing's buffer
         self._up: dict[int, torch.Tensor] = {}  # flat -> its 16-bit parameter buffer
-        self._in_flight: dict[int, tuple] = {}  # flat -> (copy done, master, factor)
+        self._in_flight: dict[int, tuple] = {}  # flat -> (done, master, factor, buffer)
+        self._on_device: dict[int, tuple] = {}  # flat -> (device sum, master, factor)
         self.traffic = {"to_host": 0, "to_device": 0}  # since the last publish
         self.last_traffic = dict(self.traffic)
 
@@ -260,11 +270,23 @@ class HostShards:
         return nn.Parameter(host)
 
     def grad_to_host(self, i: int, shard: torch.Tensor, master: torch.Tensor,
-                     factor: float = 1.0) -> None:
-        """Start copying flat i's reduced gradient ``shard`` into its host buffer; it is
-        added to ``master.grad`` (fp32) when it lands."""
-        self.land(i)  # its buffer may still hold an earlier reduction of this step
-        buf = self._buffer(self._landing, i, shard, shard.dtype)
+                     factor: float = 1.0, more: bool = False) -> None:
+        """Start copying flat i's reduced gradient ``shard`` to the host; it becomes (the
+        step's first) or is added to ``master.grad`` (fp32, times ``factor``) when it
+        lands. ``more``: another micro-batch's shard follows this step (ZeRO-3): summed
+        on the device in the host's order, they leave with the last (or ``land_all``)."""
+        if i in self._on_device:  # the earlier micro-batches' sum, on the device
+            shard = self._on_device.pop(i)[0].add_(shard)
+        if more:
+            self._on_device[i] = (shard, master, factor)
+            return
+        self.land(i)  # an earlier reduction of this step must be in ``master.grad`` first
+        if master.grad is None and shard.dtype == master.dtype:
+            # the step's first landing goes straight into the gradient accumulator (the
+            # optimizer's zero_grad dropped the last step's): no host pass to copy it
+            buf = self._buffer(self._grads, i, master, master.dtype)
+        else:
+            buf = self._buffer(self._landing, i, shard, shard.dtype)
         done = None
         if self.cuda:
             # the side stream waits for the reduction, then copies while the main
@@ -277,24 +299,34 @@ class HostShards:
             shard.record_stream(self.stream)
         else:
             buf.copy_(shard)
-        self._in_flight[i] = (done, master, factor)
+        self._in_flight[i] = (done, master, factor, buf)
         self.traffic["to_host"] += shard.numel() * shard.element_size()
 
     def land(self, i: int) -> None:
-        """Wait for flat i's copy, if one is in flight, and add it to its master's grad."""
+        """Wait for flat i's copy, if one is in flight, and put it in its master's grad."""
         if i not in self._in_flight:
             return
-        done, master, factor = self._in_flight.pop(i)
+        done, master, factor, buf = self._in_flight.pop(i)
         if done is not None:
             done.synchronize()
-        g = self._landing[i].to(master.dtype, copy=True)  # the buffer is reused
-        if factor != 1.0:
-            g.mul_(factor)
-        master.grad = g if master.grad is None else master.grad.add_(g)
+        grad = self._buffer(self._grads, i, master, master.dtype)
+        if master.grad is None:  # the step's first: it is the gradient
+            if buf is not grad:
+                grad.copy_(buf)  # (another dtype on the wire: cast up here)
+            if factor != 1.0:
+                grad.mul_(factor)
+            master.grad = grad
+        else:  # in place, as scaling a copy first (factor: 1, or a loss scale's 1/2^k)
+            master.grad.add_(buf, alpha=factor)
 
     def land_all(self) -> None:
+        for i in list(self._on_device):  # sums whose last micro-batch did not say so
+            self.grad_to_host(i, *self._on_device.pop(i))
         for i in list(self._in_flight):
             self.land(i)
+
+    def on_device(self) -> list[torch.Tensor]:  # sums waiting for their last micro-batch
+        return [t for t, _, _ in self._on_device.values()]
 
     def publish(self, masters: list[torch.Tensor], slots: list[torch.Tensor]) -> None:
         """Each updated host master, cast on the host (it rounds as the device's cast
@@ -303,13 +335,13 @@ class HostShards:
         if self.cuda and slots:  # nothing queued before may still read the old weights
             self.stream.wait_stream(torch.cuda.current_stream(slots[0].device))
         for i, (m, slot) in enumerate(zip(masters, slots)):
-            buf = self._buffer(self._up, i, m, slot.dtype)
-            buf.copy_(m.detach())
-            if self.cuda:
+            if self.cuda:  # one cast, into the pinned buffer the copy reads
+                buf = self._buffer(self._up, i, m, slot.dtype)
+                buf.copy_(m.detach())
                 with torch.cuda.stream(self.stream):
                     slot.copy_(buf, non_blocking=True)
-            else:
-                slot.copy_(buf)
+            else:  # the "device" is the host: cast straight into the slot
+                slot.copy_(m.detach())
             self.traffic["to_device"] += slot.numel() * slot.element_size()
         if self.cuda and slots:  # the gather and the next forward wait for the copies;
             torch.cuda.current_stream(slots[0].device).wait_stream(self.stream)
@@ -359,8 +391,9 @@ class HostShards:
     def host_bytes(self, flats: list, optimizer) -> int:
         """Host memory: masters, their gradients, the optimizer's states, the buffers."""
         masters = [f.master for f in flats]
-        tensors = [*masters, *(m.grad for m in masters if m.grad is not None),
-                   *self._landing.values(), *self._up.values()]
+        grads = {id(t): t for t in [*self._grads.values(),
+                                    *(m.grad for m in masters if m.grad is not None)]}
+        tensors = [*masters, *grads.values(), *self._landing.values(), *self._up.values()]
         tensors += [v for s in (optimizer.state.values() if optimizer else ())
                     for v in s.values() if torch.is_tensor(v)]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -105,6 +105,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
         self._inflight: deque = deque()
         self._index = {id(f): i for i, f in enumerate(self.flats)}
         self._sync, self._end_queued = True, False
+        self.backwards_per_step, self._backwards = 1, 0  # (offload: sends at the last)
         self.param_bytes, self.grad_bytes = PeakBytes(), PeakBytes()
         self._grad_hooks = [t.register_post_accumulate_grad_hook(self._on_grad)
                             for u in self.units for t in u.leaves]
@@ -234,6 +235,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
             self._free(u)
         while self._inflight:
             self._complete_oldest()
+        self._backwards += 1
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -299,8 +301,10 @@ class Zero3(OnHost, ShardedState, nn.Module):
     def _complete_oldest(self) -> None:
         f, _, out, pending = self._inflight.popleft()
         pending.wait()
-        if self.offload is not None:  # to the host now, added there when it lands
-            self.offload.grad_to_host(self._index[id(f)], out, f.master)
+        if self.offload is not None:  # to the host at the step's last backward: the
+            # earlier ones' shards add up on the device (no host pass, one crossing)
+            more = self._backwards + 1 < self.backwards_per_step
+            self.offload.grad_to_host(self._index[id(f)], out, f.master, more=more)
             return self.grad_bytes.observe(self._grads_held())
         g = out.to(f.master.dtype)
         f.master.grad = g if f.master.grad is None else f.master.grad.add_(g)
@@ -308,6 +312,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
 
     def _grads_held(self) -> int:  # (offload: the device's only, not the host shards)
         wire = [t for _, w, o, _ in self._inflight for t in (w, o)]
+        wire += self.offload.on_device() if self.offload else []
         return storage_bytes([f.grad for f in self.flats] + wire) if self.offload else \
             held_grad_bytes(self.flats, wire)
 
@@ -322,6 +327,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
             self._complete_oldest()
         if self.offload is not None:
             self.offload.land_all()
+        self._backwards = 0
 
     # --- after the optimizer step --------------------------------------------------------
     @torch.no_grad()
@@ -345,6 +351,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for f in self.flats:
             f.master.grad, f.grad = None, None
+        self._backwards = 0
         self.grad_bytes.reset(0)
         self.param_bytes.reset(self._params_held())
 

@@ -25,7 +25,11 @@ from __future__ import annotations
 # ZeRO-Offload's two costs (``offload``), measured on the same 4 x H100 host: torch's
 # AdamW on the host, 4 threads per rank, updates about 0.4e9 parameters a second (0.84 s
 # for a 329 M shard of gpt-1.3b), and a GPU's copies to and from pinned host memory run
-# at PCIe Gen5's effective ~25 GB/s a direction.
+# at PCIe Gen5's effective ~25 GB/s a direction. That rate is torch's default (per-tensor)
+# AdamW; ``train --offload`` now steps with its fused CPU AdamW, which on a 2-core CPU
+# box runs 4-6x the default (``benchmarks/offload_host.py``: ~1.1e9 vs ~0.2e9 a second,
+# 28 bytes of memory traffic a parameter): expect the host step to be bound by the
+# host's memory bandwidth shared by its ranks, not by arithmetic. Recalibrate on a GPU host.
 HOST_ADAM_PARAMS_PER_S = 0.4e9
 PCIE_BANDWIDTH = 25e9
 
@@ -39,7 +43,7 @@ def offload_traffic(n_params: int, param_bytes: int = 2, grad_bytes: int | None 
 
 
 def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
-                         param_bytes: int = 2, microbatches: int = 1) -> dict[str, int]:
+                         param_bytes: int = 2) -> dict[str, int]:
     """Host-device bytes of one rank per step as ``train --offload`` composes offload with
     ZeRO (``parallel/zero.py``, ``HostShards``): the gradient is reduced on the device
     in fp32 (all-reduce at stage 0, reduce-scatter at 1-2), accumulated there over the
@@ -48,15 +52,18 @@ def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
     comes back in the compute dtype (``param_bytes``: 2 for bf16, 4 for fp32), into
     this rank's slot of the weights, which the device then all-gathers.
     ``{"to_host": 4 S, "to_device": p S}``, S = n / dp (padded) at stages 1-3, n at 0.
-    ZeRO-3 reduce-scatters each unit in every micro-batch's backward, so its shard
-    crosses m times (4 S m), and comes back into a 16-bit device shard gathered from.
-    The paper's stream (16-bit, per micro-batch: ``offload_traffic``) moves half the
-    gradient bytes per element but every micro-batch; this one trades that for the
-    device-side reduction in fp32.
+    ZeRO-3 reduce-scatters each unit in every micro-batch's backward; the shards add up
+    on the device (its fp32 gradient shard, which ZeRO-3 without offload keeps there
+    too) and cross once, during the last micro-batch's backward: 4 S whatever m (each
+    crossing also cost the host a pass to add it, not hidden by the backward); the
+    16-bit shard comes back into the device shard the gathers read. The paper's stream
+    (16-bit, per micro-batch: ``offload_traffic``) moves half the gradient bytes per
+    element but every micro-batch; this one trades that for the device-side reduction
+    in fp32 (Sec. 4's argument, minimal traffic, holds per step rather than per
+    micro-batch).
     """
     shard = -(-n_params // dp) if zero >= 1 else n_params
-    m = microbatches if zero == 3 else 1
-    return {"to_host": 4 * shard * m, "to_device": param_bytes * shard}
+    return {"to_host": 4 * shard, "to_device": param_bytes * shard}
 
 
 def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
@@ -82,7 +89,9 @@ def zero_offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_byt
     master; ZeRO-3: this rank's 16-bit shard; gradient buffers: ``theory.memory``).
     Host, per element of this rank's shard (n / dp at stages 1-3, n at 0): fp32 master
     (4) and its gradient (4), the optimizer states, the pinned landing buffers of the
-    fp32 gradient (4) and of the 16-bit weights (p)."""
+    fp32 gradient (4) and of the 16-bit weights (p). The gradient's landing buffer is an
+    upper bound: a shard that lands once a step (the engine's, every stage) lands
+    straight in its gradient; the buffer is made only for a second landing."""
     shard = -(-n_params // dp) if zero >= 1 else n_params
     return {"device": (shard if zero == 3 else n_params) * param_bytes,
             "host": shard * (4 + 4 + optimizer_state_bytes + 4 + param_bytes)}
@@ -93,7 +102,7 @@ def offload_seconds(n_params: int, shards: int, zero: int, dtype: str, m: int,
     """ZeRO-Offload's exposed time (Ren et al. 2021, Sec. 4): the host step over this
     rank's shard, the 16-bit weights' way back, and the gradients' way down beyond what
     the last micro-batch's backward hides (``zero_offload_traffic``)."""
-    traffic = zero_offload_traffic(n_params, shards, zero, 2 if dtype == "bf16" else 4, m)
+    traffic = zero_offload_traffic(n_params, shards, zero, 2 if dtype == "bf16" else 4)
     shard = -(-n_params // shards) if zero >= 1 else n_params
     down = max(0.0, traffic["to_host"] / PCIE_BANDWIDTH - compute * 2 / 3 / m)
     return shard / HOST_ADAM_PARAMS_PER_S + traffic["to_device"] / PCIE_BANDWIDTH + down
