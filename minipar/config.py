@@ -380,13 +380,9 @@ def optimizer_class(cfg: TrainConfig) -> type:
 def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
     """Keyword arguments for ``optimizer_class(cfg)`` (the learning rate is set per step).
 
-    ``host``: the optimizer steps fp32 masters on the CPU (ZeRO-Offload). AdamW is then
-    torch's fused CPU kernel: 4-6x its default per-tensor loop there
-    (``benchmarks/offload_host.py``), rounding 1 ulp apart from it at times (a few
-    elements in 10^4 after 10 steps), which the parity tolerances cover; the
-    single-device reference and every other layout keep the default unless
-    ``cfg.fused`` asks.
-    """
+    ``host`` (ZeRO-Offload's CPU step): AdamW is torch's fused CPU kernel, 4-6x its
+    per-tensor loop (``benchmarks/offload_host.py``), at times 1 ulp apart from it
+    (within the parity tolerances); elsewhere the default unless ``cfg.fused`` asks."""
     kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     if cfg.fused or (host and cfg.optimizer != "sgd"):
         kwargs["fused"] = True
