@@ -22,6 +22,8 @@ fp32 gradient shard, once per step, and its 16-bit parameter shard back. For gpt
 
 from __future__ import annotations
 
+from minipar.theory.rates import stepped_params
+
 # ZeRO-Offload's two costs (``offload``), measured on the same 4 x H100 host: torch's
 # AdamW on the host, 4 threads per rank, updates about 0.4e9 parameters a second (0.84 s
 # for a 329 M shard of gpt-1.3b), and a GPU's copies to and from pinned host memory run
@@ -54,7 +56,7 @@ def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
     gradient bytes per element but every micro-batch; this one trades that for the
     device-side reduction in fp32.
     """
-    shard = -(-n_params // dp) if zero >= 1 else n_params
+    shard = stepped_params(n_params, dp, zero)
     m = microbatches if zero == 3 else 1
     return {"to_host": 4 * shard * m, "to_device": param_bytes * shard}
 
@@ -94,6 +96,6 @@ def offload_seconds(n_params: int, shards: int, zero: int, dtype: str, m: int,
     rank's shard, the 16-bit weights' way back, and the gradients' way down beyond what
     the last micro-batch's backward hides (``zero_offload_traffic``)."""
     traffic = zero_offload_traffic(n_params, shards, zero, 2 if dtype == "bf16" else 4, m)
-    shard = -(-n_params // shards) if zero >= 1 else n_params
+    shard = stepped_params(n_params, shards, zero)
     down = max(0.0, traffic["to_host"] / PCIE_BANDWIDTH - compute * 2 / 3 / m)
     return shard / HOST_ADAM_PARAMS_PER_S + traffic["to_device"] / PCIE_BANDWIDTH + down
