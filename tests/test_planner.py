@@ -223,15 +223,15 @@ def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
     layers = layer_flops_per_token("gpt-1.3b") * 24 / 400e12
     per_mb = tokens * (layers + 6 * 50304 * 2048 / head_rate) + n * 4e-12
     assert lay.time["compute"] == pytest.approx(2 * per_mb)  # m = 32 / (4 * 4) = 2
-    assert lay.time["optimizer"] == pytest.approx(n * 20e-12)
+    assert lay.time["update"] == pytest.approx(n * 20e-12)
     for zero in (1, 2, 3):
         z = evaluate("gpt-1.3b", cal, 1, 1, 4, zero, microbatch_size=4, global_batch=32)
-        assert z.time["optimizer"] == pytest.approx(math.ceil(n / 4) * 20e-12)
+        assert z.time["update"] == pytest.approx(math.ceil(n / 4) * 20e-12)
     off = evaluate("gpt-1.3b", cal, 1, 1, 4, 1, microbatch_size=4, global_batch=32,
                    offload=True)
-    assert off.time["optimizer"] == 0 and off.time["offload"] > 0
+    assert off.time["update"] == 0 and off.time["offload"] > 0
     before = evaluate("gpt-1.3b", old, 1, 1, 4, 0, microbatch_size=4, global_batch=32)
-    assert before.time["optimizer"] == 0
+    assert before.time["update"] == 0
 
 
 def test_plan_command_reads_a_calibration(tmp_path, capsys) -> None:

@@ -28,8 +28,8 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                calibrated bandwidth (compute kernels hold the SMs and memory)
     cp       = the ring's time, exposed only when a rank's s / cp tokens are too few to
                hide a ring step (``theory.context.min_local_tokens_to_hide_ring``)
-    optimizer= the step over this rank's (ZeRO: sharded) parameters, when measured
-    step     = compute + bubble + tp + exposed cp + pp + exposed dp + optimizer
+    update   = the optimizer step over this rank's (ZeRO: sharded) parameters, when measured
+    step     = compute + bubble + tp + exposed cp + pp + exposed dp + update
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
 across nodes (network), read off the rank layout (``minipar.mesh.Mesh``). What it
@@ -56,7 +56,7 @@ from minipar.theory.offload import offload_seconds
 from minipar.theory.params import model_flops_per_token
 from minipar.theory.rates import call_seconds, compute_seconds, optimizer_seconds, sp_seconds
 
-TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload", "optimizer")
+TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload", "update")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
 # on 4 x H100 (benchmarks/multigpu.py, docs/benchmarks.md): gpt-13b ZeRO-3 at micro-batch
 # 1 takes 1.99 s against 1.23 s of compute, its per-layer backward transfers (4.5 ms at
@@ -191,7 +191,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
             t["cp"] = 0.0
     n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
     t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute) if offload else 0.0
-    t["optimizer"] = 0.0 if offload else optimizer_seconds(cluster, n, shards, zero)
+    t["update"] = 0.0 if offload else optimizer_seconds(cluster, n, shards, zero)
     time = {"compute": compute, "bubble": bubble, **t}
     time["step"] = sum(time[k] for k in TIME_KEYS)
     achieved = model_flops_per_token(cfg) * tokens / time["step"]
