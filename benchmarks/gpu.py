@@ -131,11 +131,91 @@ def forward_backward_seconds(module: torch.nn.Module, shape: tuple, device: torc
         for i in range(iters + 2):  # two warm-ups
             _sync(device)
             t0 = time.perf_counter()
-            module(x).backward(grad)
+            y = module(x)
+            y.backward(grad if y.shape == x.shape else None)  # a loss: d loss / d loss = 1
             _sync(device)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+class _Head(torch.nn.Module):
+    """The model's end as the last pipeline stage runs it: final layer norm, the head
+    (one tensor-parallel rank's vocabulary rows) and ``minipar.model.CrossEntropy`` (fp32
+    logits) against random targets of that shard."""
+
+    def __init__(self, cfg, tokens: int, tp: int, device: torch.device) -> None:
+        from minipar.model import CrossEntropy
+
+        super().__init__()
+        with torch.device(device):
+            self.ln_f = torch.nn.LayerNorm(cfg.d_model)
+            self.head = torch.nn.Linear(cfg.d_model, cfg.vocab_size // tp, bias=False)
+        self.loss_fn = CrossEntropy()
+        b = max(1, tokens // cfg.seq_len)
+        self.targets = torch.randint(cfg.vocab_size // tp, (b, cfg.seq_len), device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.head(self.ln_f(x)), self.targets)
+
+
+def head_seconds(cfg, tokens: int, tp: int, device: torch.device, iters: int = 5) -> float:
+    """Median seconds of the head and loss's forward + backward on ``tokens`` tokens at
+    one tensor-parallel rank's vocabulary share (the vocabulary-parallel loss's three
+    small all-reduces left out: the tp traffic counts them). The block timings leave
+    this out; its fp32 softmax over the vocabulary is memory-bound, slower than 6 V h
+    FLOPs per token at the matmul rate says."""
+    head = _Head(cfg, tokens, tp, device)
+    shape = (head.targets.shape[0], cfg.seq_len, cfg.d_model)
+    return forward_backward_seconds(head, shape, device, iters)
+
+
+def optimizer_seconds(n: int, device: torch.device, pieces: int = 8,
+                      iters: int = 5) -> dict:
+    """Seconds per parameter of what a ZeRO shard's owner does each step beyond the
+    blocks, on ``n`` parameters in ``pieces`` flats (like ``ZeroOptimizer``'s buckets):
+    ``step``: the global-norm clip (``global_grad_norm``, one fused scale), AdamW on the
+    fp32 masters (fused on a GPU, as ``train --fused`` and the benchmarks run it) and
+    ``publish``'s cast of the new masters into the 16-bit weights; ``accumulate``: one
+    micro-batch's 16-bit gradient added into the fp32 bucket (``ZeroOptimizer._on_grad``).
+    All memory-bound, so linear in ``n``: 64 M parameters (about 1.3 GB of states) give
+    the pace of 1.3 B."""
+    from minipar.parallel.dp import global_grad_norm
+
+    cuda = device.type == "cuda"
+    low = torch.bfloat16 if cuda else torch.float32
+    size = -(-n // pieces)
+    masters = [torch.zeros(size, device=device, requires_grad=True) for _ in range(pieces)]
+    weights = [torch.zeros(size, dtype=low, device=device) for _ in range(pieces)]
+    grads = [torch.randn(size, dtype=low, device=device) for _ in range(pieces)]
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    opt = torch.optim.AdamW(masters, lr=1e-4, **({"fused": True} if cuda else {}))
+
+    def step() -> None:
+        norm = global_grad_norm(m.grad for m in masters)
+        torch._foreach_mul_([m.grad for m in masters], (1.0 / (norm + 1e-6)).clamp(max=1.0))
+        opt.step()
+        with torch.no_grad():
+            for m, w in zip(masters, weights):
+                w.copy_(m.detach().to(low))
+
+    def accumulate() -> None:
+        for m, g in zip(masters, grads):
+            m.grad.add_(g)
+
+    out = {}
+    for name, fn in (("step", step), ("accumulate", accumulate)):
+        times = []
+        for i in range(iters + 2):  # two warm-ups (the first step allocates the moments)
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) / (size * pieces)
+    return out
 
 
 def _attention_context(device: torch.device):

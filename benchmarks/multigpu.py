@@ -95,7 +95,9 @@ from gpu import (  # noqa: E402
     _timed,
     block_seconds,
     forward_backward_seconds,
+    head_seconds,
     matmul_tflops,
+    optimizer_seconds,
 )
 
 from minipar.comm import wire_bytes  # noqa: E402
@@ -128,6 +130,7 @@ class Sizes:
     # the transformer block's pace (calibrate): sequences per micro-batch and tp shares
     block_batches: list = field(default_factory=lambda: [1, 2, 4, 8])
     block_tps: tuple = (1, 2, 4)
+    optimizer_params: int = 2**26  # the optimizer step's pace (calibrate), memory-bound
     trace_model: str = "gpt2-125m"
     trace_overrides: dict = field(default_factory=lambda: {"vocab_size": 8192})
     cap_s: float = 300.0  # one configuration's time limit
@@ -138,7 +141,7 @@ def dry_sizes() -> Sizes:
     return Sizes(speed_model="small", big_model="small", per_gpu_batch=2, tp_batch=4,
                  pp_micro=1, big_per_gpu=2, steps=2, warmup=1, parity_steps=3,
                  calib_sizes=[2**10 * 4**k for k in range(4)], matmul_n=256,
-                 block_batches=[1, 2], block_tps=(1, 2),
+                 block_batches=[1, 2], block_tps=(1, 2), optimizer_params=2**18,
                  trace_model="tiny", trace_overrides={}, cap_s=120.0, big_cap_s=120.0)
 
 
@@ -257,10 +260,13 @@ CALIB_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
 def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
-                    tp_blocks: list[tuple] = ()) -> dict:
+                    tp_blocks: list[tuple] = (), heads: list[tuple] = (),
+                    optimizer_params: int = 0) -> dict:
     """On every rank: the matmul rate, the block's pace at each (model, tokens, tp) of
     ``blocks``, the real tensor-parallel block at each (model, tokens, tp, sp) of
-    ``tp_blocks``, then each op at each size (seconds per call, the slowest rank's).
+    ``tp_blocks``, the head and loss at each (model, tokens, tp) of ``heads``, the
+    optimizer step and gradient accumulation per parameter (on ``optimizer_params``),
+    then each op at each size (seconds per call, the slowest rank's).
     Through ``minipar.comm.Comm``: the cost minipar itself pays."""
     import torch.distributed as dist
 
@@ -275,6 +281,10 @@ def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
         "block_seconds": [block_seconds(get_config(m), tokens, tp, device)
                           for m, tokens, tp in blocks]}
     out["tp_block_seconds"] = _tp_block_seconds(tp_blocks, device)
+    out["head_seconds"] = [head_seconds(get_config(m), tokens, tp, device)
+                           for m, tokens, tp in heads]
+    if optimizer_params:
+        out["optimizer"] = optimizer_seconds(optimizer_params, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' memory back before the large buffers
     n, rank = comm.size, comm.rank
@@ -368,27 +378,36 @@ def block_list(sizes: Sizes, n: int) -> list[tuple[str, int, int]]:
     return out
 
 
+def head_list(sizes: Sizes, n: int) -> list[tuple[str, int, int]]:
+    """(model, tokens, tp) of ``block_list`` at its smallest and largest micro-batch:
+    where calibrate times the head and loss (and, with tp > 1, the real tp block)."""
+    return [(m, t, tp) for m, t, tp in block_list(sizes, n)
+            if t // get_config(m).seq_len in (sizes.block_batches[0],
+                                              sizes.block_batches[-1])]
+
+
 def tp_block_list(sizes: Sizes, n: int) -> list[tuple[str, int, int, bool]]:
     """(model, tokens, tp, sp) of the real tensor-parallel blocks calibrate times: the
     smallest and largest micro-batch of ``block_list``, with and without sp."""
-    return [(m, t, tp, sp) for m, t, tp in block_list(sizes, n) if tp > 1
-            and t // get_config(m).seq_len in (sizes.block_batches[0],
-                                               sizes.block_batches[-1])
+    return [(m, t, tp, sp) for m, t, tp in head_list(sizes, n) if tp > 1
             for sp in (False, True)]
 
 
 def calibration_from(results: list[dict], sizes: list[int], n: int,
-                     blocks: list[tuple] = (), tp_blocks: list[tuple] = ()) -> dict:
+                     blocks: list[tuple] = (), tp_blocks: list[tuple] = (),
+                     heads: list[tuple] = (), optimizer_params: int = 0) -> dict:
     """Fit the alpha-beta model per op: latency (the smallest sizes' time) and bandwidth
     (wire bytes per second, the slope over the larger sizes), in ``load_calibration``'s
     shape; keep the per-size times, and the blocks' pace (``block_rates``: the median
-    rank's seconds and the TFLOP/s of a tp rank's share of the layer's FLOPs)."""
+    rank's seconds and the TFLOP/s of a tp rank's share of the layer's FLOPs); the
+    head and loss's likewise (``head_rates``, over 6 V h / tp FLOPs per token), and the
+    median rank's optimizer step and gradient accumulation per parameter."""
     r0 = results[0]
     calib = {"device": r0["device_name"], "gpus": n, "torch": torch.__version__,
              "memory_bytes": r0["memory_bytes"],
              "matmul_tflops": statistics.median(r["matmul_tflops"] for r in results),
              "matmul_tflops_per_rank": [r["matmul_tflops"] for r in results],
-             "collectives": {}, "block_rates": []}
+             "collectives": {}, "block_rates": [], "head_rates": []}
     for i, (name, tokens, tp) in enumerate(blocks):
         cfg = get_config(name)
         sec = statistics.median(r["block_seconds"][i] for r in results)
@@ -396,6 +415,17 @@ def calibration_from(results: list[dict], sizes: list[int], n: int,
             "model": name, "hidden": cfg.d_model, "heads": cfg.n_head, "d_ff": cfg.d_ff,
             "seq_len": cfg.seq_len, "tokens": tokens, "tp": tp, "seconds": sec,
             "tflops": layer_flops_per_token(cfg) * tokens / tp / sec / 1e12})
+    for i, (name, tokens, tp) in enumerate(heads):
+        cfg = get_config(name)
+        sec = statistics.median(r["head_seconds"][i] for r in results)
+        calib["head_rates"].append({
+            "model": name, "hidden": cfg.d_model, "vocab": cfg.vocab_size,
+            "tokens": tokens, "tp": tp, "seconds": sec, "seconds_per_token": sec / tokens,
+            "tflops": 6 * cfg.vocab_size * cfg.d_model * tokens / tp / sec / 1e12})
+    if optimizer_params:
+        for key, part in (("optimizer_step", "step"), ("grad_accumulate", "accumulate")):
+            calib[key] = {"params": optimizer_params, "seconds_per_param": statistics.median(
+                r["optimizer"][part] for r in results)}
     # the slowest rank's: a tensor-parallel group moves at its pace
     calib["tp_blocks"] = [
         {"model": name, "hidden": get_config(name).d_model, "tokens": tokens, "tp": tp,
@@ -437,9 +467,11 @@ def section_calibrate(run: Run) -> None:
 
     def go() -> dict:
         blocks, tp_blocks = block_list(s, run.n), tp_block_list(s, run.n)
+        heads, n_opt = head_list(s, run.n), s.optimizer_params
         res = run.launch(_calibrate_rank, run.n, s.calib_sizes, s.matmul_n, blocks,
-                         tp_blocks, cap=240)
-        calib = calibration_from(list(res), s.calib_sizes, run.n, blocks, tp_blocks)
+                         tp_blocks, heads, n_opt, cap=240)
+        calib = calibration_from(list(res), s.calib_sizes, run.n, blocks, tp_blocks,
+                                 heads, n_opt)
         run.calibration = calib
         run.report["meta"]["device_name"] = calib["device"]
         _write_json(os.path.join(run.args.out, "calibration.json"), calib)
@@ -447,7 +479,10 @@ def section_calibrate(run: Run) -> None:
                         f"{c['latency_s'] * 1e6:.0f} us" for op, c in calib["collectives"].items())
         return {"calibration": calib, "file": "calibration.json",
                 "brief": f"matmul {calib['matmul_tflops']:.0f} TFLOP/s; block "
-                         f"{blocks_brief(calib['block_rates'])}; {ops}"}
+                         f"{blocks_brief(calib['block_rates'])}; head "
+                         f"{blocks_brief(calib['head_rates'])}; optimizer step "
+                         f"{calib['optimizer_step']['seconds_per_param'] * 1e9:.1f} "
+                         f"ns/param; {ops}"}
 
     run.row("calibrate", f"{run.n} ranks", go)
 

@@ -50,6 +50,14 @@ def test_dry_run_calibrate_and_parity(tmp_path) -> None:
         (64, 1), (128, 1), (64, 2), (128, 2)}
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in calib["block_rates"])
     assert len(cal.block_rates) == 4 and len(cal.sp_extra) == 2
+    # the head and loss at the same (tokens, tp), the optimizer's and the fp32
+    # accumulation's seconds per parameter
+    assert {(r["tokens"], r["tp"]) for r in calib["head_rates"]} == {
+        (64, 1), (128, 1), (64, 2), (128, 2)}
+    assert all(r["seconds_per_token"] > 0 for r in calib["head_rates"])
+    assert len(cal.head_rates) == 4
+    assert cal.step_s_per_param > 0 and cal.accumulate_s_per_param > 0
+    assert calib["optimizer_step"]["params"] == calib["grad_accumulate"]["params"] > 0
     assert (out / "summary.md").exists() and len(list(out.iterdir())) <= 8
 
     # --report merges JSONs on any machine; predictions need only the calibration

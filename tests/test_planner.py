@@ -193,6 +193,47 @@ def test_a_measured_block_pace_and_per_size_times_replace_the_fits() -> None:
     assert sp.time["tp"] == pytest.approx(1.25 * plain.time["tp"] + 24 * 0.003, rel=0.02)
 
 
+def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
+    """With ``head_rates`` the head and loss go at their measured pace (interpolated in
+    log tokens like a block's); with ``grad_accumulate`` every micro-batch adds this
+    rank's parameters' gradients into the fp32 buffer; with ``optimizer_step`` the step
+    runs over this rank's parameters, 1/dp of them from ZeRO-1 on, none with offload
+    (the host steps). A file without them prices none of it (formulas, on hand-written
+    numbers)."""
+    import math
+
+    from minipar.theory.clusters import calibrated
+    from minipar.theory.params import layer_flops_per_token
+
+    calib = {**CALIBRATION,
+             "block_rates": [{"hidden": 2048, "tokens": t, "tp": 1, "tflops": 400.0}
+                             for t in (2048, 16384)],
+             "head_rates": [{"hidden": 2048, "tokens": t, "tp": 1, "tflops": f}
+                            for t, f in ((2048, 100.0), (16384, 300.0))],
+             "optimizer_step": {"params": 2**26, "seconds_per_param": 20e-12},
+             "grad_accumulate": {"params": 2**26, "seconds_per_param": 4e-12}}
+    base = cluster(4, "H100-80GB", gpus_per_node=4)
+    cal, old = calibrated(base, calib), calibrated(base, CALIBRATION)
+    assert (old.step_s_per_param, old.accumulate_s_per_param, old.head_rates) == (0, 0, ())
+    lay = evaluate("gpt-1.3b", cal, 1, 1, 4, 0, microbatch_size=4, global_batch=32)
+    n = lay.memory["n_params"]
+    assert 1.3e9 < n < 1.35e9  # the whole model on each dp rank (tp = pp = 1)
+    tokens = 4 * 2048  # per micro-batch: the head's pace halfway (in log) 100 -> 300
+    head_rate = (100 + 200 * math.log(4) / math.log(8)) * 1e12
+    layers = layer_flops_per_token("gpt-1.3b") * 24 / 400e12
+    per_mb = tokens * (layers + 6 * 50304 * 2048 / head_rate) + n * 4e-12
+    assert lay.time["compute"] == pytest.approx(2 * per_mb)  # m = 32 / (4 * 4) = 2
+    assert lay.time["update"] == pytest.approx(n * 20e-12)
+    for zero in (1, 2, 3):
+        z = evaluate("gpt-1.3b", cal, 1, 1, 4, zero, microbatch_size=4, global_batch=32)
+        assert z.time["update"] == pytest.approx(math.ceil(n / 4) * 20e-12)
+    off = evaluate("gpt-1.3b", cal, 1, 1, 4, 1, microbatch_size=4, global_batch=32,
+                   offload=True)
+    assert off.time["update"] == 0 and off.time["offload"] > 0
+    before = evaluate("gpt-1.3b", old, 1, 1, 4, 0, microbatch_size=4, global_batch=32)
+    assert before.time["update"] == 0
+
+
 def test_plan_command_reads_a_calibration(tmp_path, capsys) -> None:
     import json
 

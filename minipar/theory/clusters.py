@@ -19,9 +19,10 @@ rates (``benchmarks/multigpu.py --sections calibrate`` writes them; ``python -m 
 plan --calibrate FILE`` reads them): the bf16 matmul rate, and per collective the
 latency and bandwidth (wire bytes per second per GPU, as ``minipar.comm.wire_bytes``
 counts them) inside one node; with newer files also each op's time per message size,
-the transformer block's measured pace and sequence parallelism's extra cost per layer
-(``minipar.theory.rates``). Files without these still load: the planner then uses the
-matmul rate and the alpha-beta fits.
+the transformer block's measured pace and sequence parallelism's extra cost per layer,
+the head and loss's pace, and the optimizer step and gradient accumulation per
+parameter (``minipar.theory.rates``). Files without these still load: the planner then
+uses the matmul rate and the alpha-beta fits, and leaves the optimizer out.
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ class Cluster:
     curves: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...] = ()
     block_rates: tuple[tuple[int, int, int, float], ...] = ()
     sp_extra: tuple[tuple[int, int, int, float], ...] = ()
+    # the head and loss's pace (hidden, tokens, tp, FLOP/s over 6 V h / tp per token);
+    # seconds per parameter of the optimizer step (clip, AdamW, the 16-bit copy) and of
+    # one micro-batch's gradient accumulation into the fp32 buffer (0: not measured)
+    head_rates: tuple[tuple[int, int, int, float], ...] = ()
+    step_s_per_param: float = 0.0
+    accumulate_s_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -179,15 +186,21 @@ def calibrated(base: Cluster, calib: dict) -> Cluster:
     curves = tuple((op, tuple(row["bytes"]), tuple(row["bus_bandwidth_per_size"]))
                    for op, row in sorted(calib.get("collectives", {}).items())
                    if op in CALIBRATED_OPS and row.get("bus_bandwidth_per_size"))
-    blocks = tuple((r["hidden"], r["tokens"], r["tp"], r["tflops"] * 1e12)
-                   for r in calib.get("block_rates", []))
+    blocks, heads = (tuple((r["hidden"], r["tokens"], r["tp"], r["tflops"] * 1e12)
+                           for r in calib.get(key, [])) for key in ("block_rates", "head_rates"))
     gpu = base.gpu
     if calib.get("memory_bytes"):
         gpu = replace(gpu, memory=int(calib["memory_bytes"]))
     return replace(base, gpu=gpu, matmul_flops=float(calib["matmul_tflops"]) * 1e12,
                    links=links, curves=curves, block_rates=blocks,
-                   sp_extra=_sp_extra(calib.get("tp_blocks", [])),
+                   sp_extra=_sp_extra(calib.get("tp_blocks", [])), head_rates=heads,
+                   step_s_per_param=_per_param(calib, "optimizer_step"),
+                   accumulate_s_per_param=_per_param(calib, "grad_accumulate"),
                    name=base.name + " (calibrated)")
+
+
+def _per_param(calib: dict, key: str) -> float:
+    return float(calib.get(key, {}).get("seconds_per_param", 0.0))
 
 
 def _sp_extra(rows: list[dict]) -> tuple[tuple[int, int, int, float], ...]:

@@ -22,6 +22,8 @@ fp32 gradient shard, once per step, and its 16-bit parameter shard back. For gpt
 
 from __future__ import annotations
 
+from minipar.theory.rates import stepped_params
+
 # ZeRO-Offload's two costs (``offload``), measured on GPU hosts: the host step of
 # ``train --offload`` (torch's fused CPU AdamW, 16 threads per rank, plus the host's
 # landing, norm and cast passes) ran at about 1.3e9 parameters a second per rank on the
@@ -61,7 +63,7 @@ def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
     in fp32 (Sec. 4's argument, minimal traffic, holds per step rather than per
     micro-batch).
     """
-    shard = -(-n_params // dp) if zero >= 1 else n_params
+    shard = stepped_params(n_params, dp, zero)
     return {"to_host": 4 * shard, "to_device": param_bytes * shard}
 
 
@@ -102,6 +104,6 @@ def offload_seconds(n_params: int, shards: int, zero: int, dtype: str, m: int,
     rank's shard, the 16-bit weights' way back, and the gradients' way down beyond what
     the last micro-batch's backward hides (``zero_offload_traffic``)."""
     traffic = zero_offload_traffic(n_params, shards, zero, 2 if dtype == "bf16" else 4)
-    shard = -(-n_params // shards) if zero >= 1 else n_params
+    shard = stepped_params(n_params, shards, zero)
     down = max(0.0, traffic["to_host"] / PCIE_BANDWIDTH - compute * 2 / 3 / m)
     return shard / HOST_ADAM_PARAMS_PER_S + traffic["to_device"] / PCIE_BANDWIDTH + down

@@ -12,9 +12,10 @@ The step-time model is deliberately simple, so that every term can be read and a
 with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
 
     compute  = the busiest GPU's FLOPs (recomputation included) over a rate: a layer's
-               at the measured pace of the block at this micro-batch's tokens and tp
-               share when calibrated (``theory.rates``), else, like the head, at the
-               matmul rate (data sheet or measured) times ``matmul_efficiency``
+               and the head's at their measured paces at this micro-batch's tokens and
+               tp share when calibrated (``theory.rates``), else at the matmul rate
+               (data sheet or measured) times ``matmul_efficiency``; plus each micro-
+               batch's gradients added into the fp32 buffer, when measured
     bubble   = compute * bubble ratio of the schedule ((p-1)/m for 1F1B, ...)
     tp, pp   = every call exposed (tp collectives, each micro-batch's send and recv):
                its measured time at its payload, else wire bytes / bandwidth +
@@ -27,12 +28,13 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                calibrated bandwidth (compute kernels hold the SMs and memory)
     cp       = the ring's time, exposed only when a rank's s / cp tokens are too few to
                hide a ring step (``theory.context.min_local_tokens_to_hide_ring``)
-    step     = compute + bubble + tp + exposed cp + pp + exposed dp
+    update   = the optimizer step over this rank's (ZeRO: sharded) parameters, when measured
+    step     = compute + bubble + tp + exposed cp + pp + exposed dp + update
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
 across nodes (network), read off the rank layout (``minipar.mesh.Mesh``). What it
-leaves out: the optimizer step, network contention between groups, and, without a
-block calibration, kernel efficiency changing with matrix sizes. Use it to
+leaves out: network contention between groups, the embedding, and, without a
+calibration, the optimizer and kernel efficiency changing with matrix sizes. Use it to
 rank and to reason, not to promise a number.
 """
 
@@ -52,9 +54,9 @@ from minipar.theory.memory import memory_breakdown
 from minipar.theory.models import get_model
 from minipar.theory.offload import offload_seconds
 from minipar.theory.params import model_flops_per_token
-from minipar.theory.rates import call_seconds, compute_seconds, sp_seconds
+from minipar.theory.rates import call_seconds, compute_seconds, optimizer_seconds, sp_seconds
 
-TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload")
+TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload", "update")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
 # on 4 x H100 (benchmarks/multigpu.py, docs/benchmarks.md): gpt-13b ZeRO-3 at micro-batch
 # 1 takes 1.99 s against 1.23 s of compute, its per-layer backward transfers (4.5 ms at
@@ -163,7 +165,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     tokens = global_batch * cfg.seq_len
     peak = cluster.peak_flops
     shape = (tp, pp, cp, microbatch_size, m, recompute)
-    compute = compute_seconds(cfg, cluster, *shape, matmul_efficiency)
+    compute = compute_seconds(cfg, cluster, *shape, matmul_efficiency, mem["n_params"])
     bubble = compute * bubble_ratio_formula(schedule, pp, m, virtual) if pp > 1 else 0.0
 
     group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp}  # pp: a send-recv pair
@@ -187,8 +189,9 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
         e = 2 if dtype == "bf16" else 4
         if cfg.seq_len // cp >= min_local_tokens_to_hide_ring(cluster.matmul_rate, bw, e):
             t["cp"] = 0.0
-    t["offload"] = offload_seconds(mem["n_params"], dp * cp, zero, dtype, m,
-                                   compute) if offload else 0.0
+    n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
+    t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute) if offload else 0.0
+    t["update"] = 0.0 if offload else optimizer_seconds(cluster, n, shards, zero)
     time = {"compute": compute, "bubble": bubble, **t}
     time["step"] = sum(time[k] for k in TIME_KEYS)
     achieved = model_flops_per_token(cfg) * tokens / time["step"]
@@ -249,11 +252,7 @@ class Plan:
 
 
 def _powers_of_two(limit: int) -> list[int]:
-    out, k = [], 1
-    while k <= limit:
-        out.append(k)
-        k *= 2
-    return out
+    return [2**k for k in range(limit.bit_length())]  # 1, 2, 4, ... <= limit
 
 
 def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None = None,

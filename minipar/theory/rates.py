@@ -13,9 +13,18 @@
 * the real tensor-parallel block with and without sequence parallelism
   (``tp_blocks``): the difference is what sp's extra, smaller launches cost the host
   per layer (its extra all-gather bytes, which the traffic term also counts, included).
+* the final layer norm, head and loss (``head_rates``): its fp32 softmax over the
+  vocabulary is memory-bound, slower than the head's 6 V h FLOPs per token at the
+  matmul rate say.
+* what the blocks leave out of each step, per parameter, all memory-bound (so linear
+  in the parameters): the optimizer step as ``ZeroOptimizer`` runs it (global-norm
+  clip, fused AdamW on the fp32 masters, the cast into the 16-bit weights;
+  ``optimizer_step``) and each micro-batch's gradient added into the fp32 buffer
+  (``grad_accumulate``).
 
-Each function returns ``None`` (or 0 for the sp extra) when the calibration lacks the
-measurement, and the planner falls back to the data-sheet model.
+Each function returns ``None`` (or 0 for the sp extra, the optimizer and the
+accumulation) when the calibration lacks the measurement, and the planner falls back
+to the data-sheet model.
 """
 
 from __future__ import annotations
@@ -53,8 +62,8 @@ def _nearest(rows: tuple, hidden: int, tp: int) -> list[tuple]:
 
 
 def block_flops(rows: tuple, hidden: int, tokens: int, tp: int) -> float | None:
-    """FLOP/s one rank reaches on its share of a layer, from ``(hidden, tokens, tp,
-    FLOP/s)`` rows, at this micro-batch's ``tokens``."""
+    """FLOP/s one rank reaches on its share of a layer (or of the head, from its rows),
+    from ``(hidden, tokens, tp, FLOP/s)`` rows, at this micro-batch's ``tokens``."""
     near = _nearest(rows, hidden, tp)
     if not near:
         return None
@@ -85,18 +94,34 @@ def call_seconds(curves: tuple, op: str, payload: float, group: int) -> float | 
 
 def compute_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
                     microbatch_size: int, m: int, recompute: str,
-                    efficiency: float) -> float:
+                    efficiency: float, n_params: int = 0) -> float:
     """Compute seconds per step of the busiest GPU: with pp > 1 the last stage, which
     runs the head besides its layers (the pipeline moves at its pace). Layers at the
     measured block pace of this micro-batch's tokens and tp share (recomputation adds
-    its FLOPs at that pace); the head, and the layers without a measured pace, at the
-    matmul rate times ``efficiency``."""
+    its FLOPs at that pace), the head and loss at theirs; without a measured pace, at
+    the matmul rate times ``efficiency``. Each micro-batch also adds the gradients of
+    this rank's ``n_params`` into the fp32 buffer, at the measured pace (0 without)."""
     tokens = microbatch_size * cfg.seq_len // cp  # a rank's tokens per micro-batch
     slow = cluster.matmul_rate * efficiency
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
+    head_rate = block_flops(cluster.head_rates, cfg.d_model, tokens, tp) or slow
     layers = layer_flops_per_token(cfg, recompute) * cfg.n_layer / pp
     head = 6.0 * cfg.vocab_size * cfg.d_model
-    return tokens * m / tp * (layers / rate + head / slow)
+    accumulate = n_params * cluster.accumulate_s_per_param
+    return m * (tokens / tp * (layers / rate + head / head_rate) + accumulate)
+
+
+def stepped_params(n_params: int, shards: int, zero: int) -> int:
+    """Parameters whose optimizer step this rank runs: its shard of the (padded) flats
+    at ZeRO stage 1 and up, all of them at stage 0."""
+    return -(-n_params // shards) if zero >= 1 else n_params
+
+
+def optimizer_seconds(cluster: Cluster, n_params: int, shards: int, zero: int) -> float:
+    """The optimizer step's seconds (clip, AdamW, the 16-bit copy) on this rank's shard
+    of ``n_params`` over ``shards`` (dp x cp) ranks, at the measured pace; 0 without a
+    measurement (ZeRO-Offload steps on the host: ``theory.offload``)."""
+    return stepped_params(n_params, shards, zero) * cluster.step_s_per_param
 
 
 def sp_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,

@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 from minipar.theory.planner import TIME_KEYS, Plan
 
 COLOURS = {"compute": "#4C78A8", "bubble": "#BAB0AC", "tp": "#F58518", "cp": "#B279A2",
-           "pp": "#54A24B", "dp": "#E45756", "offload": "#9D755D"}
+           "pp": "#54A24B", "dp": "#E45756", "offload": "#9D755D", "update": "#EECA3B"}
 MEMORY = {"params": "#9ECAE9", "grads": "#72B7B2", "optimizer": "#FFBF79",
           "activations": "#FF9D98"}
 
