@@ -117,6 +117,7 @@ class PipelineExecutor:
         self._capture: list | None = None
         self._hooks = []
         self._shared: dict[int, list[nn.Parameter]] = {}  # chunk -> params 2 modules own
+        self._own: dict[nn.Module, list[nn.Parameter]] = {}  # module -> what its W does
         if self.split:  # remember each parameter-owning module's output for W
             for c, chunk in self.chunks.items():
                 owners: dict[int, int] = {}
@@ -126,6 +127,10 @@ class PipelineExecutor:
                     if next(module.parameters(recurse=False), None) is not None:
                         self._hooks.append(module.register_forward_hook(self._capture_output))
                 self._shared[c] = [p for p in chunk.parameters() if owners[id(p)] > 1]
+                # listed once here, not per W action: W runs once per module and micro-batch
+                for module in chunk.modules():
+                    self._own[module] = [p for p in module.parameters(recurse=False)
+                                         if owners[id(p)] == 1]
 
     def close(self) -> None:
         """Remove the forward hooks this executor put on the chunks."""
@@ -266,15 +271,19 @@ class PipelineExecutor:
             torch.autograd.backward(out, grad)
             dx = x.grad if needs_dx else None
         else:  # gradients of the input, of every parameter-owning module's output, and
-            # of the parameters two modules share (accumulated: their hooks fire)
+            # of the parameters two modules share. ``grad`` hands them back; ``backward``
+            # with non-leaf ``inputs=`` would ``retain_grad`` each output, cloning every
+            # gradient into ``.grad`` (a device copy per module, again in W)
             work = st.weight_work[key]
-            outputs = [o for _, o in work]
-            wrt = ([x] if needs_dx else []) + outputs + self._shared[a.chunk]
-            torch.autograd.backward(out, grad, inputs=wrt, retain_graph=True)
-            dx = x.grad if needs_dx else None
-            st.weight_work[key] = [(mod, o, o.grad) for mod, o in work]
-            for o in outputs:
-                o.grad = None
+            shared = self._shared[a.chunk]
+            wrt = ([x] if needs_dx else []) + [o for _, o in work] + shared
+            grads = list(torch.autograd.grad(out, wrt, grad, retain_graph=True,
+                                             allow_unused=True))
+            dx = grads.pop(0) if needs_dx else None
+            st.weight_work[key] = [(mod, o, g) for (mod, o), g in zip(work, grads)]
+            done = [(p, g) for p, g in zip(shared, grads[len(work):]) if g is not None]
+            if done:  # leaves as roots: accumulated into .grad as before, hooks fire
+                torch.autograd.backward(*map(list, zip(*done)))
         if dx is not None:
             if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
                 st.out_grads[(a.mb, a.chunk - 1)] = dx
@@ -284,10 +293,8 @@ class PipelineExecutor:
 
     def _weight_grad(self, a: Action, st: _StepState) -> None:
         """W: each module's weight gradient from its saved output gradient."""
-        shared = {id(p) for p in self._shared[a.chunk]}  # done in B
         for module, output, grad in st.weight_work.pop((a.mb, a.chunk)):
-            params = [p for p in module.parameters(recurse=False)
-                      if p.requires_grad and id(p) not in shared]
+            params = [p for p in self._own[module] if p.requires_grad]  # shared: done in B
             if grad is not None and params:
                 torch.autograd.backward(output, grad, inputs=params)
 
