@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from minipar.comm import Comm, Pending
 from minipar.parallel.schedules import (
@@ -291,7 +292,10 @@ class PipelineExecutor:
             wrt = ([x] if needs_dx else []) + [joined for _, _, joined in work]
             grads = list(torch.autograd.grad(out, wrt, grad, allow_unused=True))
             dx = grads.pop(0) if needs_dx else None
-            st.weight_work[key] = [(mod, o, g) for (mod, o, _), g in zip(work, grads)]
+            # W starts from each module's graph node, not its output: the outputs no
+            # node saved (q|k|v once attention's graph is gone) are freed now
+            st.weight_work[key] = [(mod, get_gradient_edge(o), g)
+                                   for (mod, o, _), g in zip(work, grads)]
         if dx is not None:
             if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
                 st.out_grads[(a.mb, a.chunk - 1)] = dx
@@ -302,12 +306,12 @@ class PipelineExecutor:
     def _weight_grad(self, a: Action, st: _StepState) -> None:
         """W: every module's weight gradients from its saved output gradient, in one
         engine call (the modules' graphs are disjoint)."""
-        work = [(mod, o, g) for mod, o, g in st.weight_work.pop((a.mb, a.chunk))
+        work = [(mod, e, g) for mod, e, g in st.weight_work.pop((a.mb, a.chunk))
                 if g is not None]
         params = list(dict.fromkeys(p for mod, _, _ in work for p in self._own[mod]
                                     if p.requires_grad))
         if params:
-            torch.autograd.backward([o for _, o, _ in work], [g for _, _, g in work],
+            torch.autograd.backward([e for _, e, _ in work], [g for _, _, g in work],
                                     inputs=params)
 
     def _pretend_compute(self, a: Action) -> None:
@@ -348,7 +352,7 @@ class _StepState:
     inputs: dict = field(default_factory=dict)  # chunk input, or (pending, buffer)
     out_grads: dict = field(default_factory=dict)  # grad of chunk output, likewise
     saved: dict = field(default_factory=dict)  # (input, output) until the backward
-    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)] until W
+    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)]; then its edge
     input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
     sends: list = field(default_factory=list)
     losses: list = field(default_factory=list)
