@@ -120,11 +120,11 @@ class PipelineExecutor:
         self._shapes_sent: set = set()
         self._shapes_known: dict = {}
         self._capture: list | None = None
-        self._cut: tuple | None = None  # a module's (inputs, detached inputs), pre -> post
+        self._cuts: list = []  # (inputs, detached inputs) per module running: they nest
         self._hooks = []
         self._own: dict[nn.Module, list[nn.Parameter]] = {}  # module -> what W reaches
         if self.split:  # run each parameter-owning module on its own graph (_Stitch)
-            for module in {m for c in chunks for m in c.modules()}:
+            for module in dict.fromkeys(m for c in chunks for m in c.modules()):
                 own = list(module.parameters(recurse=False))
                 if own:
                     self._own[module] = own
@@ -142,20 +142,21 @@ class PipelineExecutor:
         if self._capture is None:  # (also a recomputing forward inside a backward)
             return None
         originals = [t for t in (*args, *kwargs.values()) if _needs_grad(t)]
-        if not originals:
-            return None  # token ids in: the module's graph is its own already
+        if not originals:  # token ids in: the module's graph is its own already
+            self._cuts.append(None)
+            return None
         detached = {id(t): t.detach().requires_grad_() for t in originals}
-        self._cut = (originals, list(detached.values()))
+        self._cuts.append((originals, list(detached.values())))
         cut = [detached.get(id(t), t) for t in args]
         return tuple(cut), {k: detached.get(id(t), t) for k, t in kwargs.items()}
 
     def _capture_output(self, module: nn.Module, args, kwargs, output):
         if self._capture is None:
             return None
+        cut = self._cuts.pop()
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"{type(module).__name__} returns {type(output).__name__}; the "
                             "split backward (W actions) needs modules that return a tensor")
-        cut, self._cut = self._cut, None
         joined = output if cut is None else _Stitch.apply((output, cut[1]), *cut[0])
         if output.requires_grad:
             self._capture.append((module, output, joined))
