@@ -92,6 +92,8 @@ COVERING = [
     dict(dp=2, pp=2, tp=2, microbatches=4, zero=3, schedule="interleaved", virtual=2),
     dict(dp=2, pp=2, tp=2, microbatches=2, order="pp-inside-dp", recompute="full"),
     dict(tp=2, pp=2, microbatches=2, recompute="selective"),
+    # W runs each module on its own graph: a recomputed block must rebuild it
+    dict(pp=2, schedule="zb", microbatches=2, recompute="full"),
 ]
 
 

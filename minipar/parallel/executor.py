@@ -12,11 +12,15 @@ rank's action list (``minipar.parallel.schedules``) and does what it says:
 * ``B`` back-propagates the output gradient. If the list also has a ``W`` for that
   micro-batch and chunk (zero-bubble, arXiv 2401.10241), ``B`` computes only the input
   gradient and the gradients of every parameter-owning module's output; ``W`` later
-  turns those into weight gradients, one module at a time (``autograd.backward`` with
-  ``inputs=`` the module's own parameters, so only the weight products run and
-  gradient hooks fire). A parameter two modules share (a tied embedding in one chunk)
-  would be reached from both, and through everything between them: ``B`` computes its
-  gradient in the same pass instead, so every gradient is computed exactly once.
+  turns those into weight gradients (``autograd.backward`` with ``inputs=`` the
+  parameters, so only the weight products run and gradient hooks fire). For that, each
+  such module runs on *detached* inputs and ``_Stitch`` joins its output back to the
+  chunk's graph: B's gradient crosses the stitch into the module's own graph (its input
+  gradient), and W back-propagates every module's own graph in one engine call. The
+  graphs share no node, so no gradient reaches a parameter twice (a weight two modules
+  share, a tied embedding in one chunk, gets the sum of both), and the engine walks
+  each graph once: with one graph per chunk, each module's W walked everything
+  upstream of it (a micro-batch cost quadratic in the modules).
 * The loss of each micro-batch is multiplied by ``loss_scale`` (default 1/m) before the
   backward, so the gradients equal those of the mean loss of the whole batch on one
   device. (Forgetting the 1/m scales the gradient by m; picotron has that bug.)
@@ -39,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from minipar.comm import Comm, Pending
 from minipar.parallel.schedules import (
@@ -115,17 +120,17 @@ class PipelineExecutor:
         self._shapes_sent: set = set()
         self._shapes_known: dict = {}
         self._capture: list | None = None
+        self._cuts: list = []  # (inputs, detached inputs) per module running: they nest
         self._hooks = []
-        self._shared: dict[int, list[nn.Parameter]] = {}  # chunk -> params 2 modules own
-        if self.split:  # remember each parameter-owning module's output for W
-            for c, chunk in self.chunks.items():
-                owners: dict[int, int] = {}
-                for module in chunk.modules():
-                    for p in module.parameters(recurse=False):
-                        owners[id(p)] = owners.get(id(p), 0) + 1
-                    if next(module.parameters(recurse=False), None) is not None:
-                        self._hooks.append(module.register_forward_hook(self._capture_output))
-                self._shared[c] = [p for p in chunk.parameters() if owners[id(p)] > 1]
+        self._own: dict[nn.Module, list[nn.Parameter]] = {}  # module -> what W reaches
+        if self.split:  # run each parameter-owning module on its own graph (_Stitch)
+            for module in dict.fromkeys(m for c in chunks for m in c.modules()):
+                own = list(module.parameters(recurse=False))
+                if own:
+                    self._own[module] = own
+                    self._hooks += [
+                        module.register_forward_pre_hook(self._cut_inputs, with_kwargs=True),
+                        module.register_forward_hook(self._capture_output, with_kwargs=True)]
 
     def close(self) -> None:
         """Remove the forward hooks this executor put on the chunks."""
@@ -133,14 +138,29 @@ class PipelineExecutor:
             h.remove()
         self._hooks.clear()
 
-    def _capture_output(self, module: nn.Module, inputs, output) -> None:
+    def _cut_inputs(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self._capture is None:  # (also a recomputing forward inside a backward)
+            return None
+        originals = [t for t in (*args, *kwargs.values()) if _needs_grad(t)]
+        if not originals:  # token ids in: the module's graph is its own already
+            self._cuts.append(None)
+            return None
+        detached = {id(t): t.detach().requires_grad_() for t in originals}
+        self._cuts.append((originals, list(detached.values())))
+        cut = [detached.get(id(t), t) for t in args]
+        return tuple(cut), {k: detached.get(id(t), t) for k, t in kwargs.items()}
+
+    def _capture_output(self, module: nn.Module, args, kwargs, output):
         if self._capture is None:
-            return
+            return None
+        cut = self._cuts.pop()
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"{type(module).__name__} returns {type(output).__name__}; the "
                             "split backward (W actions) needs modules that return a tensor")
+        joined = output if cut is None else _Stitch.apply((output, cut[1]), *cut[0])
         if output.requires_grad:
-            self._capture.append((module, output))
+            self._capture.append((module, output, joined))
+        return joined
 
     # --- point to point, with a shape header the first time ----------------------
     def _send_activation(self, t: torch.Tensor, chunk: int, key: tuple) -> list[Pending]:
@@ -265,16 +285,18 @@ class PipelineExecutor:
         if key not in self.split:
             torch.autograd.backward(out, grad)
             dx = x.grad if needs_dx else None
-        else:  # gradients of the input, of every parameter-owning module's output, and
-            # of the parameters two modules share (accumulated: their hooks fire)
+        else:  # the input gradient, and each module's output gradient for W; the
+            # graph is not kept: W needs only the modules' own graphs. (``grad`` hands
+            # the gradients back: ``backward`` with non-leaf ``inputs=`` would
+            # ``retain_grad`` each output, a copy into ``.grad`` per module)
             work = st.weight_work[key]
-            outputs = [o for _, o in work]
-            wrt = ([x] if needs_dx else []) + outputs + self._shared[a.chunk]
-            torch.autograd.backward(out, grad, inputs=wrt, retain_graph=True)
-            dx = x.grad if needs_dx else None
-            st.weight_work[key] = [(mod, o, o.grad) for mod, o in work]
-            for o in outputs:
-                o.grad = None
+            wrt = ([x] if needs_dx else []) + [joined for _, _, joined in work]
+            grads = list(torch.autograd.grad(out, wrt, grad, allow_unused=True))
+            dx = grads.pop(0) if needs_dx else None
+            # W starts from each module's graph node, not its output: the outputs no
+            # node saved (q|k|v once attention's graph is gone) are freed now
+            st.weight_work[key] = [(mod, get_gradient_edge(o), g)
+                                   for (mod, o, _), g in zip(work, grads)]
         if dx is not None:
             if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
                 st.out_grads[(a.mb, a.chunk - 1)] = dx
@@ -283,13 +305,15 @@ class PipelineExecutor:
         return wait
 
     def _weight_grad(self, a: Action, st: _StepState) -> None:
-        """W: each module's weight gradient from its saved output gradient."""
-        shared = {id(p) for p in self._shared[a.chunk]}  # done in B
-        for module, output, grad in st.weight_work.pop((a.mb, a.chunk)):
-            params = [p for p in module.parameters(recurse=False)
-                      if p.requires_grad and id(p) not in shared]
-            if grad is not None and params:
-                torch.autograd.backward(output, grad, inputs=params)
+        """W: every module's weight gradients from its saved output gradient, in one
+        engine call (the modules' graphs are disjoint)."""
+        work = [(mod, e, g) for mod, e, g in st.weight_work.pop((a.mb, a.chunk))
+                if g is not None]
+        params = list(dict.fromkeys(p for mod, _, _ in work for p in self._own[mod]
+                                    if p.requires_grad))
+        if params:
+            torch.autograd.backward([e for _, e, _ in work], [g for _, _, g in work],
+                                    inputs=params)
 
     def _pretend_compute(self, a: Action) -> None:
         if self.synchronize:
@@ -297,6 +321,27 @@ class PipelineExecutor:
         if self.sleep_per_unit > 0:
             split = (a.mb, a.chunk) in self.split
             time.sleep(self.sleep_per_unit * action_cost(a.kind, split, UNIT_COST))
+
+
+def _needs_grad(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+class _Stitch(torch.autograd.Function):
+    """Joins a module's output, computed from detached inputs, to the chunk's graph.
+    Its backward is the module's input gradient, from the module's own graph (kept for
+    W: only the input products run here). ``inner`` is (output, detached inputs)."""
+
+    @staticmethod
+    def forward(ctx, inner: tuple, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.inner = inner
+        return inner[0].detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, detached = ctx.inner
+        return None, *torch.autograd.grad(out, detached, grad, retain_graph=True,
+                                          allow_unused=True)
 
 
 @dataclass
@@ -308,7 +353,7 @@ class _StepState:
     inputs: dict = field(default_factory=dict)  # chunk input, or (pending, buffer)
     out_grads: dict = field(default_factory=dict)  # grad of chunk output, likewise
     saved: dict = field(default_factory=dict)  # (input, output) until the backward
-    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)] until W
+    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)]; then its edge
     input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
     sends: list = field(default_factory=list)
     losses: list = field(default_factory=list)
