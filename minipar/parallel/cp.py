@@ -314,32 +314,26 @@ class RingAttentionFunction(torch.autograd.Function):
             _wait(pending)
         res = out.to(q.dtype)
         # The block the ring ends with (rank + 1's k|v) is kept: the backward starts there.
-        held = cur if comm.size > 1 else cur[:0]
-        ctx.save_for_backward(q, k, v, out if kern.io_dtype else res, lse, held)
+        ctx.save_for_backward(q, k, v, out if kern.io_dtype else res, lse, cur)
         ctx.comm, ctx.layout, ctx.scale, ctx.kern, ctx.aux = comm, layout, scale, kern, aux
         return res
 
     @staticmethod
     def backward(ctx, dout):
-        """The forward's ring run backwards: last step first, on the kept block, then
-        each earlier step's block arrives from the *next* rank (kv goes to the previous
-        one), its dk|dv accumulator with it one step behind. A block's accumulator thus
-        ends at its owner in the last step, the rank's own block, and that transfer hides
-        behind the own block's compute: no exposed send at the end (C - 2 k|v messages
-        and C - 1 accumulators, ``theory.context.ring_bytes``)."""
+        """The forward's ring run backwards from the kept block: blocks arrive from the
+        *next* rank, their dk|dv accumulators one step behind, so each accumulator gets
+        home while its owner computes its own block (``theory.context.ring_bytes``)."""
         q, k, v, out, lse, held = ctx.saved_tensors
         comm, scale, kern = ctx.comm, ctx.scale, ctx.kern
         plan, c = ring_plan(comm.rank, comm.size, ctx.layout), q.shape[2] // 2
         dout = dout.to(kern.io_dtype or q.dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        own = torch.stack([k, v])
-        cur = held if comm.size > 1 else own
+        cur = held  # at cp 1, the own block
         incoming, incoming_pending = None, []  # the accumulator of the block we hold
         for step in reversed(range(comm.size)):  # the forward's steps, last first
-            nxt, pending = None, []
-            if step > 1:  # step - 1's block is another rank's: the next rank holds it now
-                nxt = torch.empty_like(cur)
-                pending = _exchange(comm, cur, nxt, reverse=True)
+            # step - 1's block, if another rank's: the next rank holds it now
+            nxt = torch.empty_like(cur) if step > 1 else None
+            pending = _exchange(comm, cur, nxt, reverse=True) if step > 1 else []
             dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
             for b in plan[step]:
                 qs, ks = slice(b.q0 * c, b.q1 * c), slice(b.k0 * c, b.k1 * c)
@@ -356,7 +350,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 incoming = torch.empty_like(dkv)
                 incoming_pending = _exchange(comm, dkv, incoming, reverse=True)
             _wait(pending)
-            cur = nxt if step > 1 else own
+            cur = nxt if step > 1 else torch.stack([k, v])
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None, None, None, None)
 

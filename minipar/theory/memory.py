@@ -31,6 +31,7 @@ import math
 
 from minipar.model import GPTConfig
 from minipar.theory.activations import deferred_weight_grad_bytes
+from minipar.theory.context import ring_kept_bytes
 from minipar.theory.models import get_model
 from minipar.theory.params import check_divisible, stage_layers, stage_params
 
@@ -149,8 +150,8 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
         items["softmax output"] = scores * e / tp
         items["attention dropout mask"] = scores * 1 / tp
         items["attention dropout output"] = scores * e / tp
-    if cp > 1:  # ring attention keeps rank + 1's k|v block (``theory.context``); like
-        items["ring attention: kept k|v block"] = 2 * sbh * e / tp  # all, / cp by the caller
+    if cp > 1:  # ring attention keeps rank + 1's k|v block; like all, / cp by the caller
+        items["ring attention: kept k|v block"] = cp * ring_kept_bytes(b, s, h // tp, cp, e)
     items["attention proj input"] = sbh * e / tp
     if drop:
         items["attention residual dropout mask"] = sbh * 1 / rep
