@@ -75,16 +75,16 @@ def test_reshard_from_overlapping_shards_only(saved_tp: int, tp: int) -> None:
             assert torch.equal(got, shard_tensor(name, full, r, tp)), (name, r)
 
 
-def _peaks(zero: int, dtype: str = "fp32") -> list[dict]:
-    run = train(TrainConfig(model="small", layers=16, hidden=512, heads=8, dp=4, zero=zero,
+def _peaks(zero: int, dtype: str = "fp32", layers: int = 16) -> list[dict]:
+    run = train(TrainConfig(model="small", layers=layers, hidden=512, heads=8, dp=4, zero=zero,
                             steps=1, batch_size=4, timeout=300, dtype=dtype))
     return run["ranks"]
 
 
-def _model_bytes() -> int:
+def _model_bytes(layers: int = 16) -> int:
     """The fp32 bytes of the model ``_peaks`` trains (4 Psi), from its shapes."""
     return 4 * sum(p.numel() for p in GPT(get_config("small").with_(
-        n_layer=16, d_model=512, d_ff=2048), device="meta").parameters())
+        n_layer=layers, d_model=512, d_ff=2048), device="meta").parameters())
 
 
 def test_zero3_builds_in_a_fraction_of_the_host_memory() -> None:
@@ -106,15 +106,25 @@ def test_zero12_build_without_the_fp32_local_model() -> None:
     """bf16, dp 4: ZeRO-1/2 used to make the whole fp32 local model, then copy it into
     their buffers (an fp32 flat, its master shard, the bf16 weights): over twice the fp32
     model per rank. Now each bucket is filled from the values one weight at a time: the
-    bf16 weights and the fp32 master shard, Psi (2 + 4/N) bytes, and one tensor."""
-    model_bytes = _model_bytes()
-    want = model_bytes * (2 + 4 / 4) / 4  # bf16 weights + a quarter of the fp32 masters
+    bf16 weights and the fp32 master shard, Psi (2 + 4/N) bytes, and one tensor.
+
+    Measured as a slope, so that the process's own constant growth (allocator arenas,
+    code pages a first call touches: 20-50 MB here, varying run to run) cancels: the host
+    peak of a 16-layer and a 4-layer build, per rank, over their fp32 model bytes. Slopes
+    measured 0.76 (ZeRO-1) and 0.82 (ZeRO-2) against 0.75 in theory; the old path's was
+    2.6; any fp32 copy of the local model makes it at least 1."""
+    want = (2 + 4 / 4) / 4  # bf16 weights + a quarter of the fp32 masters, per fp32 byte
+    small, big = _model_bytes(4), _model_bytes(16)
     for zero in (1, 2):
-        peaks = [r["host_peak_bytes"] for r in _peaks(zero, "bf16")]
-        print(f"zero{zero} bf16 host peak / fp32 model", [round(p / model_bytes, 2)
-                                                         for p in peaks])
-        assert max(peaks) < 1.5 * want  # (the rest: the allocator, the step's buffers)
-        assert max(peaks) < 0.5 * 2 * model_bytes  # well below the old 2x
+        low = [r["host_peak_bytes"] for r in _peaks(zero, "bf16", layers=4)]
+        high = [r["host_peak_bytes"] for r in _peaks(zero, "bf16", layers=16)]
+        slopes = [(h - lo) / (big - small) for h, lo in zip(high, low)]
+        print(f"zero{zero} bf16 host peak growth per fp32 model byte",
+              [round(s, 2) for s in slopes], "16 layers / fp32 model",
+              [round(h / big, 2) for h in high])
+        assert max(slopes) < 1.0, slopes  # never an fp32 copy of the local model
+        assert min(slopes) > 0.8 * want, slopes  # the weights and masters are counted
+        assert max(high) < 1.5 * want * big  # (the rest: the allocator, the step's buffers)
 
 
 def _zero_built_both_ways(stage: int) -> list:
