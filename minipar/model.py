@@ -149,10 +149,7 @@ _MASK32 = 0xFFFFFFFF
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (a classic multiply-xorshift), in int64 so it runs anywhere."""
-    x = x & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32  # constants < 2^31: no int64 overflow
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
+    return _mix_(x & _MASK32)  # (a new tensor: ``x`` is left as it was)
 
 
 def set_dropout_key(module: nn.Module, seed: int, step: int, first_sample: int) -> None:
@@ -306,7 +303,7 @@ def keyed_normal(key: int, shape: tuple[int, ...], std: float = 1.0,
 
 
 def _mix_(x: torch.Tensor) -> torch.Tensor:
-    """``_mix`` in place (the same values; fewer temporaries)."""
+    """``_mix`` in place (fewer temporaries; constants < 2^31: no int64 overflow)."""
     x.bitwise_and_(_MASK32)
     x.bitwise_xor_(x >> 16).mul_(0x45D9F3B).bitwise_and_(_MASK32)
     x.bitwise_xor_(x >> 16).mul_(0x45D9F3B).bitwise_and_(_MASK32)
