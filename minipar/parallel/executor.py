@@ -91,8 +91,10 @@ class PipelineExecutor:
     action (F 1, B 2 or 1 + W 1): a stand-in for a bigger model, so that measured
     timelines are comparable with theory on a small, busy CPU.
 
-    ``synchronize=True`` waits for the GPU after every compute action, so that each
-    record's start and end are when the GPU ran it (a true timeline). Off by default:
+    ``synchronize=True`` waits for the GPU after every compute action, and for each
+    received tensor to arrive before the compute that needs it starts, so that each
+    record's start and end are when the GPU ran it and its wait is the GPU's wait for
+    the data (a true timeline; busy is compute only). Off by default:
     each wait stalls the host, which then cannot queue the next kernels while the GPU
     works, and costs a few per cent of a small model's step. Without it, on a GPU the
     records say when the host *queued* the work (the step's total stays true).
@@ -256,7 +258,7 @@ class PipelineExecutor:
         x, y = st.microbatches[a.mb]
         wait = 0.0
         if a.chunk > 0:
-            x, wait = st.take(st.inputs, key)
+            x, wait = self._take(st.inputs, key)
             x = x.detach().requires_grad_(x.is_floating_point())
             st.start = time.time()
         self._capture = [] if key in self.split else None
@@ -279,7 +281,7 @@ class PipelineExecutor:
         if a.chunk == self.n_chunks - 1:  # the output is the loss
             out = out * st.scale
         else:
-            grad, wait = st.take(st.out_grads, key)
+            grad, wait = self._take(st.out_grads, key)
             st.start = time.time()
         needs_dx = a.chunk > 0 and x.requires_grad
         if key not in self.split:
@@ -314,6 +316,19 @@ class PipelineExecutor:
         if params:
             torch.autograd.backward([e for _, e, _ in work], [g for _, _, g in work],
                                     inputs=params)
+
+    def _take(self, store: dict, key) -> tuple[torch.Tensor, float]:
+        """Pop a tensor; if it is still arriving, wait for it and report how long."""
+        value = store.pop(key)
+        if not isinstance(value, tuple):
+            return value, 0.0
+        t0 = time.time()
+        value[0].wait()
+        if self.synchronize:  # an NCCL wait only makes the stream wait for the data:
+            # wait for the data itself, or the compute's record counts the GPU's wait
+            # for it as busy (the measured bubble came out at half the simulated one)
+            torch.cuda.current_stream(self.device).synchronize()
+        return value[1], time.time() - t0
 
     def _pretend_compute(self, a: Action) -> None:
         if self.synchronize:
@@ -362,13 +377,3 @@ class _StepState:
 
     def shape_key(self, mb: int) -> tuple:
         return tuple(self.microbatches[mb][0].shape)
-
-    @staticmethod
-    def take(store: dict, key) -> tuple[torch.Tensor, float]:
-        """Pop a tensor; if it is still arriving, wait and report how long."""
-        value = store.pop(key)
-        if not isinstance(value, tuple):
-            return value, 0.0
-        t0 = time.time()
-        value[0].wait()
-        return value[1], time.time() - t0
