@@ -431,3 +431,49 @@ def test_held_gradient_bytes_are_counted_one_flat_at_a_time():
         # each flat: observed on its first gradient and once reduced (2 tensors each),
         # then recounted once in zero_grad: at most 6 tensors per flat and step
         assert max(res["reads"]) <= 6 * res["flats"], (spec, res)
+
+
+def _first_arrival_copies() -> dict:
+    """Three accumulated bf16 backwards into ZeRO's fp32 buffers (1 rank, stage 1, two
+    steps): which arrivals were told ``first``, and the gradients against fp32 sums."""
+    from minipar.parallel.zero_state import FlatParams
+
+    firsts, add_grad = [], FlatParams.add_grad
+
+    def recorded(self, k, g, dtype, first):
+        firsts.append(first)
+        return add_grad(self, k, g, dtype, first)
+
+    FlatParams.add_grad = recorded
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).bfloat16()
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=1, comm=Comm(), lr=0.1,
+                        grad_dtype=torch.float32)
+    out = {"firsts": [], "equal": []}
+    for step in range(2):
+        firsts.clear()
+        want = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
+        for i in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i))
+            grads = torch.autograd.grad(model(x.bfloat16()).sum(), list(model.parameters()))
+            for (n, _), g in zip(model.named_parameters(), grads):
+                want[n] += g.float()
+            with opt.no_sync():
+                model(x.bfloat16()).sum().backward()
+        opt.finish_gradient_sync()
+        out["firsts"].append(list(firsts))
+        out["equal"].append(all(torch.equal(g.view(want[n].shape), want[n])
+                                for n, g in opt.grad_shards()))
+        opt.step()
+        opt.zero_grad()
+    FlatParams.add_grad = add_grad
+    return out
+
+
+def test_a_first_arrival_is_copied_into_the_zeroed_buffer_bit_for_bit():
+    """The first gradient of a parameter in a step is copied into its slot, not added
+    to zeros (an fp32 read less); later ones add. Every step, and the sums are exactly
+    the fp32 sums of the bf16 gradients."""
+    out = launch(_first_arrival_copies, 1, timeout=60)[0]
+    assert out["firsts"] == [[True] * 4 + [False] * 8] * 2  # 4 parameters, 3 backwards
+    assert out["equal"] == [True, True]

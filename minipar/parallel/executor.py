@@ -3,10 +3,12 @@
 ``PipelineExecutor(chunks, comm, actions).step(microbatches)`` walks this
 rank's action list (``minipar.parallel.schedules``) and does what it says:
 
-* ``RECV_*`` posts a non-blocking ``irecv``; the compute that needs the data waits for
-  it (the wait is recorded). ``SEND_*`` posts an ``isend`` and moves on; sends are
-  completed at the end of the step. The lists are valid under *blocking* sends and
-  receives (``validate``), so this gentler execution cannot deadlock either.
+* ``RECV_*`` receives without blocking; the compute that needs the data waits for it
+  (the wait is recorded). ``SEND_*`` sends and moves on; sends are completed at the
+  end of the step. The sends and receives listed between two computes are posted
+  together, as one group (``Comm.batch_p2p``). The lists are valid under *blocking*
+  sends and receives in list order (``validate``), so this gentler execution cannot
+  deadlock either.
 * ``F`` calls the chunk module (``__call__``: wrappers' hooks fire) and keeps its
   input and output for the backward.
 * ``B`` back-propagates the output gradient. If the list also has a ``W`` for that
@@ -45,8 +47,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from minipar.comm import Comm, Pending
+from minipar.comm import Comm
 from minipar.parallel.schedules import (
+    COMPUTE,
     UNIT_COST,
     Action,
     Schedule,
@@ -91,8 +94,10 @@ class PipelineExecutor:
     action (F 1, B 2 or 1 + W 1): a stand-in for a bigger model, so that measured
     timelines are comparable with theory on a small, busy CPU.
 
-    ``synchronize=True`` waits for the GPU after every compute action, so that each
-    record's start and end are when the GPU ran it (a true timeline). Off by default:
+    ``synchronize=True`` waits for the GPU after every compute action, and for each
+    received tensor to arrive before the compute that needs it starts, so that each
+    record's start and end are when the GPU ran it and its wait is the GPU's wait for
+    the data (a true timeline; busy is compute only). Off by default:
     each wait stalls the host, which then cannot queue the next kernels while the GPU
     works, and costs a few per cent of a small model's step. Without it, on a GPU the
     records say when the host *queued* the work (the step's total stays true).
@@ -162,28 +167,22 @@ class PipelineExecutor:
             self._capture.append((module, output, joined))
         return joined
 
-    # --- point to point, with a shape header the first time ----------------------
-    def _send_activation(self, t: torch.Tensor, chunk: int, key: tuple) -> list[Pending]:
-        peer, out = rank_of(chunk + 1, self.pp), []
-        if (chunk + 1, key) not in self._shapes_sent:
-            self._shapes_sent.add((chunk + 1, key))
-            header = torch.zeros(_HEADER, dtype=torch.long, device=t.device)
-            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-            header[2:2 + t.dim()] = torch.tensor(t.shape)
-            out.append(self.comm.isend(header, peer))
-        out.append(self.comm.isend(t, peer))
-        return out
-
-    def _recv_activation(self, chunk: int, key: tuple) -> tuple[Pending, torch.Tensor]:
-        peer = rank_of(chunk - 1, self.pp)
-        if (chunk, key) not in self._shapes_known:
-            header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
-            self.comm.irecv(header, peer).wait()
-            h = header.tolist()
-            self._shapes_known[(chunk, key)] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
-        shape, dtype = self._shapes_known[(chunk, key)]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return self.comm.irecv(buf, peer), buf
+    # --- point to point -------------------------------------------------------------
+    # A group is one NCCL kernel: one after the other, a receive waited for the send
+    # queued before it (two H100s, 1F1B: the last stage's next input came only after
+    # its gradient had left, 0.3 ms a micro-batch). A lone message is a group too:
+    # NCCL carries grouped and single messages on different communicators.
+    def _post(self, st: _StepState) -> None:
+        """Post the queued sends and receives; a receive's compute finds it in its store."""
+        if not st.queued:
+            return
+        ops, st.queued = st.queued, []
+        pending = self.comm.batch_p2p([(kind, t, peer) for kind, t, peer, _, _ in ops])
+        for (_, t, _, store, key), p in zip(ops, pending):
+            if store is None:
+                st.sends.append(p)
+            else:
+                store[key] = (p, t)
 
     # --- one training step ---------------------------------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -212,17 +211,20 @@ class PipelineExecutor:
                "SEND_F": self._send_f, "SEND_B": self._send_b}
         records = []
         for a in self.actions:
+            if a.kind in COMPUTE:
+                self._post(st)  # the sends and receives listed since the last compute
             st.start = time.time()  # compute actions move it past their wait for inputs
-            if before_compute is not None and a.kind in ("F", "B", "W"):
+            if before_compute is not None and a.kind in COMPUTE:
                 before_compute(a.mb)
             wait = run[a.kind](a, st) or 0.0
-            if a.kind in ("F", "B", "W"):
+            if a.kind in COMPUTE:
                 self._pretend_compute(a)
             records.append(ActionRecord(self.rank, a.kind, a.mb, a.chunk, st.start,
                                         time.time(), wait))
             for s in [s for s in st.sends if s.is_completed()]:
                 s.wait()  # stamps its end in the comm log
                 st.sends.remove(s)
+        self._post(st)
         for s in st.sends:
             s.wait()
         loss = torch.stack(st.losses).mean() if st.losses else None
@@ -236,27 +238,41 @@ class PipelineExecutor:
 
     # each action: returns the seconds it waited for incoming data (or None)
     def _recv_f(self, a: Action, st: _StepState) -> None:
-        st.inputs[(a.mb, a.chunk)] = self._recv_activation(a.chunk, st.shape_key(a.mb))
+        peer, boundary = rank_of(a.chunk - 1, self.pp), (a.chunk, st.shape_key(a.mb))
+        if boundary not in self._shapes_known:  # the buffer needs the header: wait for
+            self._post(st)  # it, but post what the list has before, as listed
+            header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
+            self.comm.batch_p2p([("recv", header, peer)])[0].wait()
+            h = header.tolist()
+            self._shapes_known[boundary] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
+        shape, dtype = self._shapes_known[boundary]
+        st.queue("recv", torch.empty(shape, dtype=dtype, device=self.device), peer,
+                 st.inputs, (a.mb, a.chunk))
 
     def _recv_b(self, a: Action, st: _StepState) -> None:
-        buf = torch.empty_like(st.saved[(a.mb, a.chunk)][1])
-        st.out_grads[(a.mb, a.chunk)] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)),
-                                         buf)
+        st.queue("recv", torch.empty_like(st.saved[(a.mb, a.chunk)][1]),
+                 rank_of(a.chunk + 1, self.pp), st.out_grads, (a.mb, a.chunk))
 
     def _send_f(self, a: Action, st: _StepState) -> None:
         out = st.saved[(a.mb, a.chunk)][1].detach()
-        st.sends += self._send_activation(out, a.chunk, st.shape_key(a.mb))
+        peer, boundary = rank_of(a.chunk + 1, self.pp), (a.chunk + 1, st.shape_key(a.mb))
+        if boundary not in self._shapes_sent:
+            self._shapes_sent.add(boundary)
+            header = torch.zeros(_HEADER, dtype=torch.long, device=out.device)
+            header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
+            header[2:2 + out.dim()] = torch.tensor(out.shape)
+            st.queue("send", header, peer)
+        st.queue("send", out, peer)
 
     def _send_b(self, a: Action, st: _StepState) -> None:
-        grad = st.input_grads.pop((a.mb, a.chunk))
-        st.sends.append(self.comm.isend(grad, rank_of(a.chunk - 1, self.pp)))
+        st.queue("send", st.input_grads.pop((a.mb, a.chunk)), rank_of(a.chunk - 1, self.pp))
 
     def _forward(self, a: Action, st: _StepState) -> float:
         key, last = (a.mb, a.chunk), a.chunk == self.n_chunks - 1
         x, y = st.microbatches[a.mb]
         wait = 0.0
         if a.chunk > 0:
-            x, wait = st.take(st.inputs, key)
+            x, wait = self._take(st.inputs, key)
             x = x.detach().requires_grad_(x.is_floating_point())
             st.start = time.time()
         self._capture = [] if key in self.split else None
@@ -279,7 +295,7 @@ class PipelineExecutor:
         if a.chunk == self.n_chunks - 1:  # the output is the loss
             out = out * st.scale
         else:
-            grad, wait = st.take(st.out_grads, key)
+            grad, wait = self._take(st.out_grads, key)
             st.start = time.time()
         needs_dx = a.chunk > 0 and x.requires_grad
         if key not in self.split:
@@ -314,6 +330,19 @@ class PipelineExecutor:
         if params:
             torch.autograd.backward([e for _, e, _ in work], [g for _, _, g in work],
                                     inputs=params)
+
+    def _take(self, store: dict, key) -> tuple[torch.Tensor, float]:
+        """Pop a tensor; if it is still arriving, wait for it and report how long."""
+        value = store.pop(key)
+        if not isinstance(value, tuple):
+            return value, 0.0
+        t0 = time.time()
+        value[0].wait()
+        if self.synchronize:  # an NCCL wait only makes the stream wait for the data:
+            # wait for the data itself, or the compute's record counts the GPU's wait
+            # for it as busy (the measured bubble came out at half the simulated one)
+            torch.cuda.current_stream(self.device).synchronize()
+        return value[1], time.time() - t0
 
     def _pretend_compute(self, a: Action) -> None:
         if self.synchronize:
@@ -356,6 +385,7 @@ class _StepState:
     weight_work: dict = field(default_factory=dict)  # [(module, output, grad)]; then its edge
     input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
     sends: list = field(default_factory=list)
+    queued: list = field(default_factory=list)  # (kind, tensor, peer, store, key) to post
     losses: list = field(default_factory=list)
     peak: int = 0
     start: float = 0.0  # when the current action started (after its inputs arrived)
@@ -363,12 +393,7 @@ class _StepState:
     def shape_key(self, mb: int) -> tuple:
         return tuple(self.microbatches[mb][0].shape)
 
-    @staticmethod
-    def take(store: dict, key) -> tuple[torch.Tensor, float]:
-        """Pop a tensor; if it is still arriving, wait and report how long."""
-        value = store.pop(key)
-        if not isinstance(value, tuple):
-            return value, 0.0
-        t0 = time.time()
-        value[0].wait()
-        return value[1], time.time() - t0
+    def queue(self, kind: str, t: torch.Tensor, peer: int, store: dict | None = None,
+              key=None) -> None:
+        """A send (``store`` None), or a receive into ``t`` that ``store[key]`` awaits."""
+        self.queued.append((kind, t, peer, store, key))

@@ -209,10 +209,10 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         i, k = self._where[id(p)]
         f = self.flats[i]
         self._reducer.check_open(i)
-        if f.grad is None:
-            f.grad = torch.zeros(f.padded, dtype=self.grad_dtype or p.dtype, device=p.device)
+        # first: no arrival of p since its slot was zeroed (zero_grad and
+        # finish_gradient_sync clear the count; check_open refused a reduced bucket)
+        if f.add_grad(k, p.grad, self.grad_dtype or p.dtype, id(p) not in self._arrivals):
             self._observe(f)
-        f.grad[f.offsets[k]:f.offsets[k] + f.numels[k]].add_(p.grad.reshape(-1))
         p.grad = None
         self._synced = False
         arrived = self._arrivals[id(p)] = self._arrivals.get(id(p), 0) + 1

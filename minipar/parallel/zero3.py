@@ -254,10 +254,9 @@ class Zero3(OnHost, ShardedState, nn.Module):
     # --- gradients: accumulate per unit, reduce-scatter as each unit completes ----------
     def _on_grad(self, t: torch.Tensor) -> None:
         f, k = self._where[id(t)]
-        if f.grad is None:
-            f.grad = torch.zeros(f.padded, dtype=self.grad_dtype, device=t.device)
+        # (no count of arrivals per weight here: always added, to zeros the first time)
+        if f.add_grad(k, t.grad, self.grad_dtype, first=False):
             self.grad_bytes.observe(self._grads_held())
-        f.grad[f.offsets[k]:f.offsets[k] + f.numels[k]].add_(t.grad.reshape(-1))
         t.grad = None
         self._arrived(t)
 
