@@ -1087,7 +1087,10 @@ def predict(run: Run) -> None:
                     "memory_error": pred_mem / r["peak_gib"] - 1 if r["peak_gib"] else None,
                     "predicted_tokens_per_s": r["tokens_per_step"] / est.step_time,
                     "measured_tokens_per_s": r["tokens_per_s"], "fits": est.fits})
-    sec = {"cluster": _cluster(run, run.n).to_dict(), "rows": out}
+    from mg_cp import memory_predictions
+
+    sec = {"cluster": _cluster(run, run.n).to_dict(), "rows": out,
+           "cp_memory": memory_predictions(run.report)}
     # the planner's first choice against the measured fastest, among minipar's own rows
     # of the speed model on all N GPUs (tokens/s, since their global batches differ)
     mine = [p for p in out if p.get("impl") == "minipar" and p.get("world") == run.n
@@ -1213,6 +1216,11 @@ def summary(report: dict) -> str:
             lines.append(f"| {r['name']} | {r['predicted_step_s']:.3f} / "
                          f"{r['measured_step_s']:.3f} s | {100 * r['step_error']:+.0f}% | "
                          f"{r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | {me} |")
+        if p.get("cp_memory"):
+            lines += ["", "| cp section row | predicted / measured GiB | error |",
+                      "|---|---|---|"]
+            lines += [f"| {r['name']} | {r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | "
+                      f"{100 * r['memory_error']:+.0f}% |" for r in p["cp_memory"]]
         if "measured_fastest" in p:
             lines.append(f"planner's first choice among the measured: "
                          f"{p['first_choice_among_measured']}; measured fastest: "

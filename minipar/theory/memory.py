@@ -196,7 +196,7 @@ def edge_activations(cfg: GPTConfig | str, where: str, microbatch_size: int = 1,
 
 
 def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
-                   accounting: str = "korthikanti") -> float:
+                   accounting: str = "korthikanti", cp: int = 1) -> float:
     """Bytes the loss's backward allocates on the last stage while all activations live.
 
     ``minipar.model.GPT.loss`` is ``cross_entropy(logits.float())``: its forward stores
@@ -205,16 +205,17 @@ def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
     from it the fp32 gradient of the logits: 3 x 4 s b V bytes exist at once, at the
     very start of the backward, when no activation has been freed yet. A transient
     (an activation meter that counts saved tensors does not see it), but it sets the
-    peak: ``accounting="fused"`` counts the two gradients, 8 s b V / t bytes (the logits
-    are split over tp by a vocabulary-parallel head). The paper's accounting stops at
-    what is stored: 0 there.
+    peak: ``accounting="fused"`` counts the two gradients, 8 s b V / (t cp) bytes (the
+    logits are split over tp by a vocabulary-parallel head; a cp rank's loss covers its
+    s / cp tokens only, ``parallel.cp_plan``). The paper's accounting stops at what is
+    stored: 0 there.
     """
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
     if accounting != "fused":
         return 0.0
     cfg = get_model(cfg)
-    return 2 * cfg.seq_len * microbatch_size * cfg.vocab_size * 4 / tp
+    return 2 * (cfg.seq_len // cp) * microbatch_size * cfg.vocab_size * 4 / tp
 
 
 def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
@@ -338,7 +339,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             row["optimizer"] = 0  # master shard, states and step on the host
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
-            ws = loss_workspace(cfg, microbatch_size, tp, accounting) if s == pp - 1 else 0
+            ws = loss_workspace(cfg, microbatch_size, tp, accounting, cp) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
             row["total"] += row["loss_workspace"]
         out.append(row)
