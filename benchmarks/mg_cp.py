@@ -216,8 +216,13 @@ def memory_predictions(report: dict) -> list[dict]:
         lay = dict(r["layout"])
         mc = get_config(r["model"]).with_(**r["spec"].get("overrides", {}))
         pred = _predicted_gib(mc, microbatch_size=r["batch"] // lay.get("dp", 1), **lay)
-        out.append({"name": r["name"], "predicted_gib": pred, "measured_gib": r["peak_gib"],
-                    "memory_error": pred / r["peak_gib"] - 1})
+        row = {"name": r["name"], "predicted_gib": pred, "measured_gib": r["peak_gib"],
+               "memory_error": pred / r["peak_gib"] - 1}
+        base = [b for b in out if b["name"] + " offload" == r["name"]]
+        if base:  # what --offload saved: the row before it, without offload
+            row["saved_gib"] = (base[-1]["predicted_gib"] - pred,
+                                base[-1]["measured_gib"] - r["peak_gib"])
+        out.append(row)
     return out
 
 

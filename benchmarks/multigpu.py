@@ -1217,10 +1217,12 @@ def summary(report: dict) -> str:
                          f"{r['measured_step_s']:.3f} s | {100 * r['step_error']:+.0f}% | "
                          f"{r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | {me} |")
         if p.get("cp_memory"):
-            lines += ["", "| cp section row | predicted / measured GiB | error |",
-                      "|---|---|---|"]
+            lines += ["", "| cp section row | predicted / measured GiB | error | "
+                      "saved by offload, predicted / measured GiB |", "|---|---|---|---|"]
             lines += [f"| {r['name']} | {r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | "
-                      f"{100 * r['memory_error']:+.0f}% |" for r in p["cp_memory"]]
+                      f"{100 * r['memory_error']:+.0f}% | "
+                      + ("{:.2f} / {:.2f} |".format(*r["saved_gib"]) if "saved_gib" in r
+                         else " |") for r in p["cp_memory"]]
         if "measured_fastest" in p:
             lines.append(f"planner's first choice among the measured: "
                          f"{p['first_choice_among_measured']}; measured fastest: "
