@@ -1087,10 +1087,7 @@ def predict(run: Run) -> None:
                     "memory_error": pred_mem / r["peak_gib"] - 1 if r["peak_gib"] else None,
                     "predicted_tokens_per_s": r["tokens_per_step"] / est.step_time,
                     "measured_tokens_per_s": r["tokens_per_s"], "fits": est.fits})
-    from mg_cp import memory_predictions
-
-    sec = {"cluster": _cluster(run, run.n).to_dict(), "rows": out,
-           "cp_memory": memory_predictions(run.report)}
+    sec = {"cluster": _cluster(run, run.n).to_dict(), "rows": out}
     # the planner's first choice against the measured fastest, among minipar's own rows
     # of the speed model on all N GPUs (tokens/s, since their global batches differ)
     mine = [p for p in out if p.get("impl") == "minipar" and p.get("world") == run.n
@@ -1118,10 +1115,14 @@ def _find(rows: list[dict], name: str) -> dict | None:
 
 def derived(report: dict) -> dict:
     """Ratios measured in the same job: minipar over its peer, memory, exposed comm,
-    scaling efficiency."""
+    scaling efficiency; the memory theory against the cp section's rows (no calibration
+    needed)."""
+    from mg_cp import memory_predictions
+
     n = report["meta"]["gpus"]
     speed = report["sections"].get("speed", {}).get("rows", [])
-    out: dict = {"ratios": [], "exposed_dp": [], "scaling": []}
+    out: dict = {"ratios": [], "exposed_dp": [], "scaling": [],
+                 "cp_memory": memory_predictions(report)}
 
     def ratio(a: str, b: str, what: str = "step") -> None:
         ra, rb = _find(speed, a), _find(speed, b)
@@ -1216,18 +1217,18 @@ def summary(report: dict) -> str:
             lines.append(f"| {r['name']} | {r['predicted_step_s']:.3f} / "
                          f"{r['measured_step_s']:.3f} s | {100 * r['step_error']:+.0f}% | "
                          f"{r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | {me} |")
-        if p.get("cp_memory"):
-            lines += ["", "| cp section row | predicted / measured GiB | error | "
-                      "saved by offload, predicted / measured GiB |", "|---|---|---|---|"]
-            lines += [f"| {r['name']} | {r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | "
-                      f"{100 * r['memory_error']:+.0f}% | "
-                      + ("{:.2f} / {:.2f} |".format(*r["saved_gib"]) if "saved_gib" in r
-                         else " |") for r in p["cp_memory"]]
         if "measured_fastest" in p:
             lines.append(f"planner's first choice among the measured: "
                          f"{p['first_choice_among_measured']}; measured fastest: "
                          f"{p['measured_fastest']}; overall plan best: "
                          f"{p.get('planner_best_overall')}")
+    if d.get("cp_memory"):
+        lines += ["", "| cp section row | predicted / measured GiB | error | "
+                  "saved by offload, predicted / measured GiB |", "|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | "
+                  f"{100 * r['memory_error']:+.0f}% | "
+                  + ("{:.2f} / {:.2f} |".format(*r["saved_gib"]) if "saved_gib" in r
+                     else " |") for r in d["cp_memory"]]
     if "trace" in secs:
         for r in secs["trace"]["rows"]:
             lines.append(f"trace {r['name']}: {r.get('file') or r.get('error')}")
