@@ -1115,10 +1115,14 @@ def _find(rows: list[dict], name: str) -> dict | None:
 
 def derived(report: dict) -> dict:
     """Ratios measured in the same job: minipar over its peer, memory, exposed comm,
-    scaling efficiency."""
+    scaling efficiency; the memory theory against the cp section's rows (no calibration
+    needed)."""
+    from mg_cp import memory_predictions
+
     n = report["meta"]["gpus"]
     speed = report["sections"].get("speed", {}).get("rows", [])
-    out: dict = {"ratios": [], "exposed_dp": [], "scaling": []}
+    out: dict = {"ratios": [], "exposed_dp": [], "scaling": [],
+                 "cp_memory": memory_predictions(report)}
 
     def ratio(a: str, b: str, what: str = "step") -> None:
         ra, rb = _find(speed, a), _find(speed, b)
@@ -1218,6 +1222,13 @@ def summary(report: dict) -> str:
                          f"{p['first_choice_among_measured']}; measured fastest: "
                          f"{p['measured_fastest']}; overall plan best: "
                          f"{p.get('planner_best_overall')}")
+    if d.get("cp_memory"):
+        lines += ["", "| cp section row | predicted / measured GiB | error | "
+                  "saved by offload, predicted / measured GiB |", "|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | "
+                  f"{100 * r['memory_error']:+.0f}% | "
+                  + ("{:.2f} / {:.2f} |".format(*r["saved_gib"]) if "saved_gib" in r
+                     else " |") for r in d["cp_memory"]]
     if "trace" in secs:
         for r in secs["trace"]["rows"]:
             lines.append(f"trace {r['name']}: {r.get('file') or r.get('error')}")

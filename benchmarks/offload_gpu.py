@@ -1,10 +1,27 @@
-"""ZeRO-Offload (minipar.parallel.offload) on one GPU: parity, device memory, step time.
+"""``OffloadOptimizer`` (minipar.parallel.offload) on one GPU: parity, memory, step time.
 
-Three runs of the same model and batches: plain fp32 AdamW on the GPU (the baseline),
-offload with fp32 parameters on the GPU (must match the baseline to rounding: the CPU's
-AdamW and the GPU's differ only in summation order), and offload with bf16 parameters.
-For each: peak device memory, seconds per step (median after a warm-up) and the
-host-device bytes of the last step against ``minipar.theory.offload``.
+What this times is the paper's scheme on its own (Ren et al. 2021, arXiv 2101.06840,
+Sec. 4), no data parallelism: each parameter's gradient streams to a pinned host buffer
+in the device dtype as backward makes it and is added into its master's fp32 gradient
+(made once, reused every step); the CPU steps the fp32 masters with the optimizer
+passed, here torch's AdamW with its defaults (the per-tensor CPU loop); the updated
+weights come back in the device dtype. Three runs of the same model and batches: plain
+fp32 AdamW on the GPU (the baseline), offload with fp32 parameters on the GPU (must
+match the baseline to rounding: the CPU's AdamW and the GPU's differ only in summation
+order), and offload with bf16 parameters. For each: peak device memory, seconds per
+step (median after a warm-up) and the host-device bytes of the last step against
+``theory.offload.offload_traffic``.
+
+``train --offload`` no longer runs this path (the first wiring did: ``OffloadOptimizer``
+inside ZeRO 0-2). It runs ``offload.HostShards`` under ``ZeroOptimizer`` and ``Zero3``:
+the gradient is reduced on the device in fp32 and this rank's shard crosses once per
+step, as its bucket's reduction completes during the last micro-batch's backward (ZeRO-3
+sums the micro-batches' reduce-scattered shards on the device first), straight into
+persistent pinned fp32 host gradients; the host steps with torch's fused CPU AdamW
+(``config.optimizer_kwargs(host=True)``, 4-6x the per-tensor loop timed here); the new
+shard is cast on the host and crosses back in 16 bits (``theory.offload.
+zero_offload_traffic``). That path is measured by ``benchmarks/multigpu.py`` (its cp
+section's offload rows, ZeRO 1-3) and, host side only, by ``benchmarks/offload_host.py``.
 
     python benchmarks/offload_gpu.py --model gpt2-125m      # on a CUDA machine
     python benchmarks/offload_gpu.py --model tiny --device cpu  # a dry run anywhere
@@ -19,8 +36,8 @@ memory includes activations and the fp32 logits of a 50k vocabulary):
 Host-device bytes per step equal the theory exactly (125m bf16: 249 MB each way). The
 fp32 offload run differs from the GPU AdamW by at most 1.3e-5 (125m) and 4.7e-5 (350m)
 after 3 steps at lr 1e-4: the CPU's and GPU's AdamW round differently. The step costs
-3-5x: torch's CPU AdamW with no overlap of the step (the paper's delayed step and
-vectorised CPU Adam are not implemented).
+3-5x here: the per-tensor CPU AdamW, and the step does not overlap anything (the
+paper's one-step delay is not implemented, so parity stays exact).
 """
 
 from __future__ import annotations

@@ -202,3 +202,31 @@ def test_dry_run_context_parallel_and_offload(tmp_path) -> None:
          str(out / "multigpu.json"), "--out", str(tmp_path / "merged")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_report_recomputes_the_memory_theory_of_the_cp_rows(monkeypatch) -> None:
+    """``--report`` puts the current theory beside each measured minipar row of the cp
+    section (a GPU's peak; the CPU dry run has none), and what ``--offload`` saved
+    beside the row without it. Rows measured at exactly the theory's bytes give 0 error
+    and the theory's own saving."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from mg_cp import memory_predictions
+
+    from minipar.model import get_config
+    from minipar.theory.memory import memory_breakdown
+
+    gib, longer = 2 ** 30, get_config("tiny").with_(seq_len=64)
+    layouts = {"cp2": dict(cp=2), "dp2 zero3": dict(dp=2, zero=3),
+               "dp2 zero3 offload": dict(dp=2, zero=3, offload=True)}
+    rows = [{"name": name, "impl": "minipar", "status": "ok", "model": "tiny",
+             "batch": 4, "layout": lay, "spec": {"overrides": {"seq_len": 64}},
+             "peak_gib": memory_breakdown(longer, dtype="bf16", accounting="fused",
+                                          microbatch_size=4 // lay.get("dp", 1),
+                                          **lay)["total"] / gib}
+            for name, lay in layouts.items()]
+    rows.append({"name": "torch cp2", "impl": "torch-cp", "status": "ok", "peak_gib": 1.0})
+    out = {r["name"]: r for r in memory_predictions({"sections": {"cp": {"rows": rows}}})}
+    assert set(out) == set(layouts)
+    assert all(abs(r["memory_error"]) < 1e-9 for r in out.values())
+    predicted, measured = out["dp2 zero3 offload"]["saved_gib"]
+    assert predicted == measured == rows[1]["peak_gib"] - rows[2]["peak_gib"]

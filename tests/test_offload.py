@@ -339,6 +339,22 @@ def _zero3_both(dtype: torch.dtype, per_step: int) -> tuple[dict, dict]:
     return _zero3_run(dtype, False, per_step), _zero3_run(dtype, True, per_step)
 
 
+def test_zero3_offload_saves_the_states_less_the_16_bit_shard_it_adds():
+    """Without offload ZeRO-3's gathers cast from the fp32 master shard; with it the
+    master leaves and a 16-bit device shard takes its place: the weights and optimizer
+    bytes ``Zero3.memory_bytes`` reports fall by what ``theory.memory`` says."""
+    from minipar.launch import launch
+    from minipar.theory.memory import memory_breakdown
+
+    n = GPT(CFG).num_params()
+    theory = [memory_breakdown(params=n, dp=2, zero=3, offload=o) for o in (False, True)]
+    saved = theory[0]["total"] - theory[1]["total"]
+    for base, off in launch(_zero3_both, 2, args=(torch.bfloat16, MICRO), timeout=120):
+        held = [r["memory"]["params"] + r["memory"]["optimizer"] for r in (base, off)]
+        assert held[0] - held[1] == pytest.approx(saved, rel=1e-2)  # (padding, step counts)
+        assert off["memory"]["params"] - base["memory"]["params"] == 2 * off["shard"]
+
+
 @pytest.mark.parametrize("per_step", [1, MICRO], ids=["host sums", "device sums"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_zero3_offload_is_bit_identical_to_zero3(dtype, per_step):

@@ -419,3 +419,18 @@ def test_fused_accounting_adds_the_loss_backward_workspace_on_the_last_stage():
         assert r["total"] == sum(r[k] for k in ("params", "grads", "optimizer",
                                                 "activations", "loss_workspace"))
     assert "loss_workspace" not in memory_breakdown("tiny", microbatch_size=3)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_loss_workspace_of_a_cp_rank_covers_its_own_tokens(cp):
+    """A cp rank's loss is over the targets ``shard_batch`` gives it, so its backward's
+    two fp32 [tokens, V] gradients have that rank's token count, not the sequence's."""
+    from minipar.parallel.cp import shard_sequence
+
+    cfg, b = PRESETS["tiny"], 3
+    y = torch.zeros(b, cfg.seq_len, dtype=torch.long)
+    tokens = max(shard_sequence(y, r, cp).numel() for r in range(cp))
+    row = memory_breakdown("tiny", microbatch_size=b, accounting="fused", cp=cp)
+    assert row["loss_workspace"] == 2 * 4 * tokens * cfg.vocab_size
+    assert row["total"] == sum(row[k] for k in ("params", "grads", "optimizer",
+                                                "activations", "loss_workspace"))

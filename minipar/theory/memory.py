@@ -196,7 +196,7 @@ def edge_activations(cfg: GPTConfig | str, where: str, microbatch_size: int = 1,
 
 
 def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
-                   accounting: str = "korthikanti") -> float:
+                   accounting: str = "korthikanti", cp: int = 1) -> float:
     """Bytes the loss's backward allocates on the last stage while all activations live.
 
     ``minipar.model.GPT.loss`` is ``cross_entropy(logits.float())``: its forward stores
@@ -205,16 +205,17 @@ def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
     from it the fp32 gradient of the logits: 3 x 4 s b V bytes exist at once, at the
     very start of the backward, when no activation has been freed yet. A transient
     (an activation meter that counts saved tensors does not see it), but it sets the
-    peak: ``accounting="fused"`` counts the two gradients, 8 s b V / t bytes (the logits
-    are split over tp by a vocabulary-parallel head). The paper's accounting stops at
-    what is stored: 0 there.
+    peak: ``accounting="fused"`` counts the two gradients, 8 s b V / (t cp) bytes (the
+    logits are split over tp by a vocabulary-parallel head; a cp rank's loss covers its
+    s / cp tokens only, ``parallel.cp_plan``). The paper's accounting stops at what is
+    stored: 0 there.
     """
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
     if accounting != "fused":
         return 0.0
     cfg = get_model(cfg)
-    return 2 * cfg.seq_len * microbatch_size * cfg.vocab_size * 4 / tp
+    return 2 * (cfg.seq_len // cp) * microbatch_size * cfg.vocab_size * 4 / tp
 
 
 def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
@@ -299,11 +300,14 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     of every sequence, so its activations divide by cp (ring attention stores no s x s
     scores; with ``accounting="korthikanti"`` that term is divided by cp too, as the
     kernel does not keep it at all); the weights are replicated over cp, so ZeRO shards
-    over dp * cp. ZeRO-Offload (``offload``, Ren et al. 2021; ``theory.offload``): the
-    fp32 master shard and the optimizer states leave the device (``optimizer`` is 0:
-    the device keeps the compute-dtype weights and the gradient buffers), and ``host``
-    counts what the host holds (``zero_offload_memory``: master, its gradient, states,
-    landing buffers).
+    over dp * cp. ZeRO-3 in 16 bits as ``parallel.zero3`` holds it: its gathers cast
+    from the fp32 master shard, so no 16-bit shard (``params`` 0), and the gradient
+    shard is fp32 (4 bytes): the paper's 2 + 2 bytes, as 0 + 4. ZeRO-Offload
+    (``offload``, Ren et al. 2021; ``theory.offload``): the fp32 master shard and the
+    optimizer states leave the device (``optimizer`` is 0), the device keeps the
+    compute-dtype weights (ZeRO-3: now a 16-bit shard, which the gathers read) and the
+    gradient buffers, and ``host`` counts what the host holds (``zero_offload_memory``:
+    master, its gradient, states, landing buffers).
     """
     from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 
@@ -329,16 +333,19 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                                     virtual, sp, recompute, dtype, accounting, cp) / cp
         row = {"stage": s, "n_params": n, **model_states(n, dp * cp, zero, dtype, optimizer),
                "activations": int(round(act))}
+        pw = state_bytes(dtype, optimizer)[0]
+        if zero == 3 and pw < 4:  # a 16-bit shard only where offload took the master away
+            shard = math.ceil(n / (dp * cp))
+            row["params"], row["grads"] = (shard * pw if offload else 0), shard * 4
         if offload:
             from minipar.theory.offload import zero_offload_memory
 
-            pw = state_bytes(dtype, optimizer)[0]
             states = state_bytes("fp32", optimizer)[2]  # the moments, fp32, on the host
             row["host"] = zero_offload_memory(n, pw, states, dp * cp, zero)["host"]
             row["optimizer"] = 0  # master shard, states and step on the host
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
-            ws = loss_workspace(cfg, microbatch_size, tp, accounting) if s == pp - 1 else 0
+            ws = loss_workspace(cfg, microbatch_size, tp, accounting, cp) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
             row["total"] += row["loss_workspace"]
         out.append(row)
@@ -363,15 +370,10 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     Not counted: temporary buffers (ZeRO-3's gathered layer, communication buckets),
     the CUDA context and allocator fragmentation; keep a margin for them.
     """
-    if stage is not None:
-        return memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
-                                microbatches, schedule, sp, recompute, params=params,
-                                virtual=virtual, accounting=accounting,
-                                stages=[stage], cp=cp, offload=offload)[0]
     rows = memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
                             microbatches, schedule, sp, recompute, params=params,
-                            virtual=virtual, accounting=accounting,
-                            stages=sorted({0, pp - 1}), cp=cp, offload=offload)
+                            virtual=virtual, accounting=accounting, cp=cp, offload=offload,
+                            stages=sorted({0, pp - 1}) if stage is None else [stage])
     return max(rows, key=lambda r: r["total"])
 
 
