@@ -350,27 +350,3 @@ class Comm:
         peer, h = self.ranks[src], self._host(t)
         return self._run("recv", t, lambda: dist.irecv(h, peer, group=self.group), True,
                          peer=peer, then=self._back(t, h))
-
-    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Pending]:
-        """Post ``("send" | "recv", tensor, local peer)`` ops as one group
-        (``batch_isend_irecv``); each is counted as ``isend`` / ``irecv`` count it.
-
-        NCCL runs a group as one kernel: a send and a receive between two neighbours
-        progress together, where one after the other the receive queues behind the
-        send (torch's pipeline schedules batch theirs so). NCCL sends a grouped op on
-        the group's communicator and a single ``isend`` on one of the two ranks only,
-        so both ends of a message must group it, or neither. Backends that cannot
-        coalesce (gloo) post the ops one by one.
-        """
-        recs, p2p, thens = [], [], []
-        for kind, t, local in ops:
-            peer, h = self.ranks[local], self._host(t.contiguous() if kind == "send" else t)
-            recs.append(self.log.enter(kind, self.dim, t, self.size, peer=peer))
-            p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, h, peer,
-                                  self.group))
-            thens.append(self._back(t, h) if kind == "recv" else None)
-        works = dist.batch_isend_irecv(p2p)
-        if len(works) != len(p2p):  # one work for the whole group (NCCL)
-            works = works[-1:] * len(p2p)
-        return [Pending(w, rec, then, self.log.finish)
-                for w, rec, then in zip(works, recs, thens)]

@@ -60,10 +60,6 @@ def _every_op() -> dict:
     for p in pending:
         p.wait()
     out["irecv"] = got
-    got = torch.empty_like(x)  # one group: a send and a receive
-    for p in comm.batch_p2p([("send", 3 * x, (r + 1) % n), ("recv", got, (r - 1) % n)]):
-        p.wait()
-    out["batch"] = got
 
     g = torch.empty(n * flat.numel())
     out["all_gather_into_returns"] = comm.all_gather_into(g, flat)
@@ -140,7 +136,6 @@ def test_send_recv_and_isend_irecv(run):
     for r, out in enumerate(res):
         assert torch.equal(out["recv"], xs[(r - 1) % n])
         assert torch.equal(out["irecv"], 2 * xs[(r + 1) % n])
-        assert torch.equal(out["batch"], 3 * xs[(r - 1) % n])
 
 
 def test_flat_into_variants(run):
@@ -176,8 +171,7 @@ def _expected_records(n: int, rank: int) -> list[tuple]:
         *[("all_gather", gathered, (n - 1) * S, None)] * 3,
         *[("reduce_scatter", S, ring, None)] * 2,
         ("broadcast", S, S, None),
-        *p2p, ("send", S, S, prv), ("recv", S, 0, nxt), ("send", S, S, nxt),
-        ("recv", S, 0, prv),
+        *p2p, ("send", S, S, prv), ("recv", S, 0, nxt),
         ("all_gather", gathered, (n - 1) * S, None), ("reduce_scatter", S, ring, None),
         ("all_reduce", S, 2 * ring, None), ("all_gather", gathered, (n - 1) * S, None),
         ("reduce_scatter", S, ring, None),
@@ -205,11 +199,11 @@ def test_summary_adds_up_the_records(run):
         assert world["all_reduce"]["calls"] == 3
         assert world["all_reduce"]["bytes"] == 3 * S
         assert world["all_reduce"]["wire_bytes"] == 3 * 2 * (n - 1) * S // n
-        assert (world["send"]["calls"], world["send"]["bytes"]) == (3, 3 * S)
-        assert (world["recv"]["calls"], world["recv"]["wire_bytes"]) == (3, 0)
+        assert (world["send"]["calls"], world["send"]["bytes"]) == (2, 2 * S)
+        assert (world["recv"]["calls"], world["recv"]["wire_bytes"]) == (2, 0)
         assert all(s["seconds"] >= 0 for ops in out["summary"].values() for s in ops.values())
         assert log.total() == sum(r["wire_bytes"] for r in out["records"])
-        assert log.total("nbytes", op="send") == 3 * S
+        assert log.total("nbytes", op="send") == 2 * S
         assert log.total(dim="tp") == 0
 
 

@@ -3,12 +3,10 @@
 ``PipelineExecutor(chunks, comm, actions).step(microbatches)`` walks this
 rank's action list (``minipar.parallel.schedules``) and does what it says:
 
-* ``RECV_*`` receives without blocking; the compute that needs the data waits for it
-  (the wait is recorded). ``SEND_*`` sends and moves on; sends are completed at the
-  end of the step. The sends and receives listed between two computes are posted
-  together, as one group (``Comm.batch_p2p``). The lists are valid under *blocking*
-  sends and receives in list order (``validate``), so this gentler execution cannot
-  deadlock either.
+* ``RECV_*`` posts a non-blocking ``irecv``; the compute that needs the data waits for
+  it (the wait is recorded). ``SEND_*`` posts an ``isend`` and moves on; sends are
+  completed at the end of the step. The lists are valid under *blocking* sends and
+  receives (``validate``), so this gentler execution cannot deadlock either.
 * ``F`` calls the chunk module (``__call__``: wrappers' hooks fire) and keeps its
   input and output for the backward.
 * ``B`` back-propagates the output gradient. If the list also has a ``W`` for that
@@ -47,9 +45,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from minipar.comm import Comm
+from minipar.comm import Comm, Pending
 from minipar.parallel.schedules import (
-    COMPUTE,
     UNIT_COST,
     Action,
     Schedule,
@@ -167,22 +164,28 @@ class PipelineExecutor:
             self._capture.append((module, output, joined))
         return joined
 
-    # --- point to point -------------------------------------------------------------
-    # A group is one NCCL kernel: one after the other, a receive waited for the send
-    # queued before it (two H100s, 1F1B: the last stage's next input came only after
-    # its gradient had left, 0.3 ms a micro-batch). A lone message is a group too:
-    # NCCL carries grouped and single messages on different communicators.
-    def _post(self, st: _StepState) -> None:
-        """Post the queued sends and receives; a receive's compute finds it in its store."""
-        if not st.queued:
-            return
-        ops, st.queued = st.queued, []
-        pending = self.comm.batch_p2p([(kind, t, peer) for kind, t, peer, _, _ in ops])
-        for (_, t, _, store, key), p in zip(ops, pending):
-            if store is None:
-                st.sends.append(p)
-            else:
-                store[key] = (p, t)
+    # --- point to point, with a shape header the first time ----------------------
+    def _send_activation(self, t: torch.Tensor, chunk: int, key: tuple) -> list[Pending]:
+        peer, out = rank_of(chunk + 1, self.pp), []
+        if (chunk + 1, key) not in self._shapes_sent:
+            self._shapes_sent.add((chunk + 1, key))
+            header = torch.zeros(_HEADER, dtype=torch.long, device=t.device)
+            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+            header[2:2 + t.dim()] = torch.tensor(t.shape)
+            out.append(self.comm.isend(header, peer))
+        out.append(self.comm.isend(t, peer))
+        return out
+
+    def _recv_activation(self, chunk: int, key: tuple) -> tuple[Pending, torch.Tensor]:
+        peer = rank_of(chunk - 1, self.pp)
+        if (chunk, key) not in self._shapes_known:
+            header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
+            self.comm.irecv(header, peer).wait()
+            h = header.tolist()
+            self._shapes_known[(chunk, key)] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
+        shape, dtype = self._shapes_known[(chunk, key)]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return self.comm.irecv(buf, peer), buf
 
     # --- one training step ---------------------------------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -211,20 +214,17 @@ class PipelineExecutor:
                "SEND_F": self._send_f, "SEND_B": self._send_b}
         records = []
         for a in self.actions:
-            if a.kind in COMPUTE:
-                self._post(st)  # the sends and receives listed since the last compute
             st.start = time.time()  # compute actions move it past their wait for inputs
-            if before_compute is not None and a.kind in COMPUTE:
+            if before_compute is not None and a.kind in ("F", "B", "W"):
                 before_compute(a.mb)
             wait = run[a.kind](a, st) or 0.0
-            if a.kind in COMPUTE:
+            if a.kind in ("F", "B", "W"):
                 self._pretend_compute(a)
             records.append(ActionRecord(self.rank, a.kind, a.mb, a.chunk, st.start,
                                         time.time(), wait))
             for s in [s for s in st.sends if s.is_completed()]:
                 s.wait()  # stamps its end in the comm log
                 st.sends.remove(s)
-        self._post(st)
         for s in st.sends:
             s.wait()
         loss = torch.stack(st.losses).mean() if st.losses else None
@@ -238,34 +238,20 @@ class PipelineExecutor:
 
     # each action: returns the seconds it waited for incoming data (or None)
     def _recv_f(self, a: Action, st: _StepState) -> None:
-        peer, boundary = rank_of(a.chunk - 1, self.pp), (a.chunk, st.shape_key(a.mb))
-        if boundary not in self._shapes_known:  # the buffer needs the header: wait for
-            self._post(st)  # it, but post what the list has before, as listed
-            header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
-            self.comm.batch_p2p([("recv", header, peer)])[0].wait()
-            h = header.tolist()
-            self._shapes_known[boundary] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
-        shape, dtype = self._shapes_known[boundary]
-        st.queue("recv", torch.empty(shape, dtype=dtype, device=self.device), peer,
-                 st.inputs, (a.mb, a.chunk))
+        st.inputs[(a.mb, a.chunk)] = self._recv_activation(a.chunk, st.shape_key(a.mb))
 
     def _recv_b(self, a: Action, st: _StepState) -> None:
-        st.queue("recv", torch.empty_like(st.saved[(a.mb, a.chunk)][1]),
-                 rank_of(a.chunk + 1, self.pp), st.out_grads, (a.mb, a.chunk))
+        buf = torch.empty_like(st.saved[(a.mb, a.chunk)][1])
+        st.out_grads[(a.mb, a.chunk)] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)),
+                                         buf)
 
     def _send_f(self, a: Action, st: _StepState) -> None:
         out = st.saved[(a.mb, a.chunk)][1].detach()
-        peer, boundary = rank_of(a.chunk + 1, self.pp), (a.chunk + 1, st.shape_key(a.mb))
-        if boundary not in self._shapes_sent:
-            self._shapes_sent.add(boundary)
-            header = torch.zeros(_HEADER, dtype=torch.long, device=out.device)
-            header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
-            header[2:2 + out.dim()] = torch.tensor(out.shape)
-            st.queue("send", header, peer)
-        st.queue("send", out, peer)
+        st.sends += self._send_activation(out, a.chunk, st.shape_key(a.mb))
 
     def _send_b(self, a: Action, st: _StepState) -> None:
-        st.queue("send", st.input_grads.pop((a.mb, a.chunk)), rank_of(a.chunk - 1, self.pp))
+        grad = st.input_grads.pop((a.mb, a.chunk))
+        st.sends.append(self.comm.isend(grad, rank_of(a.chunk - 1, self.pp)))
 
     def _forward(self, a: Action, st: _StepState) -> float:
         key, last = (a.mb, a.chunk), a.chunk == self.n_chunks - 1
@@ -385,15 +371,9 @@ class _StepState:
     weight_work: dict = field(default_factory=dict)  # [(module, output, grad)]; then its edge
     input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
     sends: list = field(default_factory=list)
-    queued: list = field(default_factory=list)  # (kind, tensor, peer, store, key) to post
     losses: list = field(default_factory=list)
     peak: int = 0
     start: float = 0.0  # when the current action started (after its inputs arrived)
 
     def shape_key(self, mb: int) -> tuple:
         return tuple(self.microbatches[mb][0].shape)
-
-    def queue(self, kind: str, t: torch.Tensor, peer: int, store: dict | None = None,
-              key=None) -> None:
-        """A send (``store`` None), or a receive into ``t`` that ``store[key]`` awaits."""
-        self.queued.append((kind, t, peer, store, key))
