@@ -478,14 +478,14 @@ def test_synchronised_timeline_counts_the_wait_for_data_as_wait(monkeypatch):
     """Under ``synchronize`` the GPU's wait for a received activation is the record's
     wait, not part of the forward's busy time (it was: the measured 1F1B bubble on two
     H100s was 0.049 against 0.111 simulated). Rank 1 of pp = 2 receives its inputs."""
-    stream, m = _Stream(delay=0.2), 2
+    stream, m = _Stream(delay=0.5), 2  # a forward of 2 sequences: milliseconds
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "synchronize", stream.synchronize)
     sent = SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
     fake = SimpleNamespace(size=2, rank=1, irecv=stream.receive, isend=lambda t, dst: sent)
     ex = PipelineExecutor(build_stage(GPT(CFG), 1, 2), fake, make_schedule("1f1b", 2, m))
     ex.synchronize = True  # as benchmarks/multigpu.py sets it (the device is the CPU)
-    batches = split_batch(*_batch(), 0, 1, m)
+    batches = split_batch(*_batch(batch=2 * m), 0, 1, m)
     shape = (batches[0][0].shape[0], CFG.seq_len, CFG.d_model)
     ex._shapes_known[(1, tuple(batches[0][0].shape))] = (shape, torch.float32)
     records = ex.step(batches).timeline
