@@ -62,7 +62,6 @@ from minipar.parallel.dp import (
 )
 from minipar.parallel.offload import HostShards, OnHost
 from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public here too)
-    AccumulateStream,
     FlatParams,
     ShardedState,
     all_reduce_grads,
@@ -119,9 +118,10 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         self._shared = {id(named[s]) if isinstance(s, str) else id(s) for s in shared}
         self._values = materialize
         self.offload = HostShards() if offload else None  # masters on the host
-        self.flats, self.inner = [], None  # (FlatParams; the torch optimizer over masters)
+        self.flats: list[FlatParams] = []
+        self.inner: torch.optim.Optimizer | None = None
         self._inner_group: dict[int, int] = {}
-        self._grad_hooks, self._accumulate = [], AccumulateStream()
+        self._grad_hooks: list = []
         self._arrivals: dict[int, int] = {}
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sync, self._synced = True, True
@@ -211,8 +211,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         self._reducer.check_open(i)
         # first: no arrival of p since its slot was zeroed (zero_grad and
         # finish_gradient_sync clear the count; check_open refused a reduced bucket)
-        if self._accumulate.add(f, k, p.grad, self.grad_dtype or p.dtype,
-                                id(p) not in self._arrivals):
+        if f.add_grad(k, p.grad, self.grad_dtype or p.dtype, id(p) not in self._arrivals):
             self._observe(f)
         p.grad = None
         self._synced = False
@@ -222,7 +221,6 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
 
     def _start(self, i: int) -> Pending:
         f = self.flats[i]
-        self._accumulate.join()  # the side stream's adds into the buffers have landed
         if f.grad is None:  # nothing arrived here: this rank contributes zeros
             f.grad = torch.zeros(f.padded, dtype=self.grad_dtype or f.full.dtype,
                                  device=f.full.device)

@@ -131,39 +131,6 @@ class FlatParams:
         return flat[self.lo:self.hi].clone().to(self.master.device)
 
 
-class AccumulateStream:
-    """Gradient accumulation beside the backward, not in it (CUDA; elsewhere in line).
-
-    Adding a 16-bit gradient into an fp32 buffer reads and writes memory and computes
-    nothing: on the last stage of a 2 x H100 1F1B step, 1,176 such adds took 26 ms on the
-    backward's stream, between the matmuls. On a side stream they run while the next
-    matmuls do. Ordering: the side stream waits for the gradient (made on the backward's
-    stream), the gradient's memory is kept until the side stream read it
-    (``record_stream``), and whoever reads the buffers (the reduction) first ``join``s.
-    """
-
-    def __init__(self) -> None:
-        self.stream: torch.cuda.Stream | None = None
-
-    def add(self, f: FlatParams, k: int, g: torch.Tensor, dtype: torch.dtype,
-            first: bool) -> bool:
-        """``f.add_grad(k, g, dtype, first)``, on the side stream when ``g`` is on CUDA."""
-        if g.device.type != "cuda":
-            return f.add_grad(k, g, dtype, first)
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(g.device)
-        self.stream.wait_stream(torch.cuda.current_stream(g.device))
-        with torch.cuda.stream(self.stream):
-            made = f.add_grad(k, g, dtype, first)
-        g.record_stream(self.stream)
-        return made
-
-    def join(self) -> None:
-        """The current stream waits for every add queued so far."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-
 def realize(p: nn.Parameter, value: torch.Tensor) -> None:
     """Make ``value`` the data of ``p``, which may be on the meta device, keeping the
     object (optimizer groups, hooks and the user hold it). ``p.data = value`` cannot move
