@@ -507,7 +507,11 @@ def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
               both),
              (f"pp{n} 1f1b tied embeddings", dict(pp=n, microbatches=m2,
                                                   overrides={"tie_embeddings": True}), both),
-             (f"cp{n}", dict(cp=n), both)]
+             (f"cp{n}", dict(cp=n), both),
+             (f"pp{n} 1f1b grad-bf16", dict(pp=n, microbatches=m2, grad_dtype="bf16"),
+              ("bf16",)),
+             (f"dp{n} zero1 grad-bf16", dict(dp=n, zero=1, microbatches=2,
+                                             grad_dtype="bf16"), ("bf16",))]
     if n >= 4:
         rows += [("dp2 tp2 zero1", dict(dp=2, tp=2, zero=1), both),
                  ("dp2 pp2 zero2", dict(dp=2, pp=2, zero=2, microbatches=2), both),
@@ -808,7 +812,7 @@ def speed_row(run: Run, section: str, name: str, spec: dict, group: str,
 
     layout = {k: v for k, v in spec.get("cfg", spec).items()
               if k in ("dp", "pp", "tp", "zero", "schedule", "virtual", "microbatches", "sp",
-                       "recompute", "batch_size", "overrides")}
+                       "recompute", "batch_size", "overrides", "grad_dtype")}
     return run.row(section, name, go, group=group, impl=spec["impl"], world=spec["world"],
                    model=spec["model"], batch=spec["batch"], layout=layout,
                    spec={k: v for k, v in spec.items() if k != "cfg"})
@@ -860,6 +864,10 @@ def speed_pp(run: Run) -> None:
         speed_row(run, "speed", f"torch pipelining pp{n} {sched}",
                   peer_spec(run, "torch-pp", model, n, b, ov, schedule=sched,
                             microbatches=m), "pp")
+        if v == 1:  # the peer's numerics: micro-batch gradients summed in bf16
+            speed_row(run, "speed", f"minipar pp{n} {sched} grad-bf16",
+                      minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
+                                   schedule=sched, grad_dtype="bf16"), "pp")
 
 
 def section_speed(run: Run, groups: list[str]) -> None:
@@ -1139,6 +1147,8 @@ def derived(report: dict) -> dict:
         ratio(f"minipar tp{n}{tag}", f"torch DTensor tp{n}{tag}")
     for sched, v in (("1f1b", ""), ("interleaved", " v2"), ("zb", "")):
         ratio(f"minipar pp{n} {sched}{v}", f"torch pipelining pp{n} {sched}")
+        if not v:  # like for like: both sum micro-batch gradients in bf16
+            ratio(f"minipar pp{n} {sched} grad-bf16", f"torch pipelining pp{n} {sched}")
     big = [r for r in speed if r.get("group") == "big" and r.get("status") == "ok"]
     peer = [r for r in big if r["impl"] == "fsdp2"]
     for impl in ("minipar", "minipar-cli"):  # engine rows, then the command line's

@@ -39,6 +39,9 @@ def _add_train(sub) -> None:
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--grad-dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="where bf16 gradients are summed and reduced: fp32 (exact, default) "
+                        "or bf16 (half the bytes and traffic, as torch's peers do)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
@@ -90,7 +93,8 @@ def train_config(args) -> TrainConfig:
     return TrainConfig(
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
         schedule=args.schedule, virtual=args.virtual, microbatches=args.microbatches,
-        sp=args.sp, recompute=args.recompute, dtype=args.dtype, steps=args.steps,
+        sp=args.sp, recompute=args.recompute, dtype=args.dtype, grad_dtype=args.grad_dtype,
+        steps=args.steps,
         seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
         ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
@@ -107,7 +111,7 @@ def _cmd_train(args) -> int:
     from tqdm.auto import tqdm
 
     from minipar import checks
-    from minipar.config import oversubscription
+    from minipar.checks import oversubscription
     from minipar.engine import train, validate
 
     cfg = train_config(args)

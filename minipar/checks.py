@@ -117,3 +117,15 @@ def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
         positive(flag, value)
     if gpu not in GPUS:
         raise ValueError(f"unknown --gpu {gpu!r}; choose one of {sorted(GPUS)}")
+
+
+def oversubscription(world_size: int) -> str | None:
+    """A note when ranks outnumber the cores (the course promises laptops up to 8 ranks):
+    each rank then gets a slice of a core, and a run takes that many times longer."""
+    cores = os.cpu_count() or 1
+    if world_size <= 8:
+        return None
+    share = max(1.0, world_size / cores)
+    return (f"{world_size} ranks on {cores} cores: the cores are oversubscribed, so expect "
+            f"each step to take about {share:.0f}x as long as one rank per core would "
+            "(raise --timeout if the run needs longer than its default 600 s)")

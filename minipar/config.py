@@ -36,6 +36,7 @@ class TrainConfig:
     sp: bool = False
     recompute: str = "none"
     dtype: str = "fp32"
+    grad_dtype: str = "fp32"  # gradient sums under bf16: fp32 exact, or bf16 as torch's peers
     steps: int = 20
     seed: int = 0
     backend: str = "gloo"
@@ -134,6 +135,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _choice("zero", cfg.zero, (0, 1, 2, 3))
     _choice("schedule", cfg.schedule, SCHEDULE_NAMES)
     _choice("dtype", cfg.dtype, DTYPES)
+    _choice("grad-dtype", cfg.grad_dtype, DTYPES)
+    if cfg.grad_dtype == "bf16" and cfg.dtype != "bf16":
+        raise ValueError("--grad-dtype bf16 needs --dtype bf16 (fp32 weights get fp32 gradients)")
     _choice("recompute", cfg.recompute, RECOMPUTE)
     _choice("backend", cfg.backend, ("gloo", "nccl"))
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
@@ -292,18 +296,6 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int) -> tuple | 
         return None
     _, dp, pp, tp, zero, m, need = min(found, key=lambda f: f[0])
     return f"--dp {dp} --pp {pp} --tp {tp} --zero {zero} --microbatches {m}", need
-
-
-def oversubscription(world_size: int) -> str | None:
-    """A note when ranks outnumber the cores (the course promises laptops up to 8 ranks):
-    each rank then gets a slice of a core, and a run takes that many times longer."""
-    cores = os.cpu_count() or 1
-    if world_size <= 8:
-        return None
-    share = max(1.0, world_size / cores)
-    return (f"{world_size} ranks on {cores} cores: the cores are oversubscribed, so expect "
-            f"each step to take about {share:.0f}x as long as one rank per core would "
-            "(raise --timeout if the run needs longer than its default 600 s)")
 
 
 def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:

@@ -162,10 +162,13 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg, host=cfg.offload)
     bf16 = cfg.dtype == "bf16"
+    # fp32 sums keep every micro-batch's low bits (Megatron's default for the same
+    # reason); bf16 halves the buffers and the adds, as torch's peers sum .grad
+    grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
     if cfg.zero == 3:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
                      shared=shared, average=False, materialize=materialize,
-                     offload=cfg.offload)
+                     offload=cfg.offload, grad_dtype=grad_dtype)
         sync.backwards_per_step = cfg.microbatches  # offload: shards leave at the last
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
@@ -180,7 +183,8 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp_cp, precision=precision,
                          average=False, shared=shared, overlap=cfg.ddp == "overlapped",
                          bucket_mb=0 if cfg.ddp == "naive" else bucket_mb,
-                         materialize=materialize, offload=cfg.offload, **opt_kwargs)
+                         materialize=materialize, offload=cfg.offload, grad_dtype=grad_dtype,
+                         **opt_kwargs)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
     return sync, sync, precision
 

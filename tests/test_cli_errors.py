@@ -94,6 +94,7 @@ CASES = [
     ("train save under a file", "train --save {file}/sub", "is a file, not a directory"),
     ("train save other run", "train --save {tiny}", "already holds another run's checkpoints"),
     ("train save in use", "train --save {locked}", "is in use by another run (process 1)"),
+    ("train bf16 sums of fp32", "train --grad-dtype bf16", "--grad-dtype bf16 needs --dtype bf16"),
     # --- train: resume ---------------------------------------------------------------
     ("resume empty", "train --resume {empty}", "no checkpoint in"),
     ("resume a file", "train --resume {file}", "no such checkpoint directory"),
@@ -217,7 +218,7 @@ def test_memory_names_the_model_it_used(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_more_than_8_ranks_get_a_note_with_the_slowdown() -> None:
-    from minipar.config import oversubscription
+    from minipar.checks import oversubscription
 
     assert oversubscription(8) is None
     note = oversubscription(16)
