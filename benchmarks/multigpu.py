@@ -104,7 +104,11 @@ from minipar.comm import wire_bytes  # noqa: E402
 from minipar.config import TrainConfig, validate  # noqa: E402
 from minipar.launch import launch  # noqa: E402
 from minipar.model import get_config  # noqa: E402
-from minipar.theory.params import layer_flops_per_token, model_flops_per_token  # noqa: E402
+from minipar.theory.params import (  # noqa: E402
+    head_layers_for,
+    layer_flops_per_token,
+    model_flops_per_token,
+)
 
 GiB = 2**30
 SECTIONS = ("calibrate", "parity", "speed", "scaling", "trace", "cp", "overlap")
@@ -508,6 +512,7 @@ def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
              (f"pp{n} 1f1b tied embeddings", dict(pp=n, microbatches=m2,
                                                   overrides={"tie_embeddings": True}), both),
              (f"cp{n}", dict(cp=n), both),
+             (f"pp{n} 1f1b head-layers 1", dict(pp=n, microbatches=m2, head_layers=1), both),
              (f"pp{n} 1f1b grad-bf16", dict(pp=n, microbatches=m2, grad_dtype="bf16"),
               ("bf16",)),
              (f"dp{n} zero1 grad-bf16", dict(dp=n, zero=1, microbatches=2,
@@ -691,7 +696,7 @@ def _speed_build(spec: dict) -> types.SimpleNamespace:
         torch.manual_seed(0)
         model = GPT(mc)
         v = TORCH_SCHEDULES[spec["schedule"]][1]
-        chunks = build_stage(model, rank, world, v)
+        chunks = build_stage(model, rank, world, v, spec.get("head_layers", 0))
         model.to(device)
         masters = MasterWeights(model.parameters(), fused=cuda, group=dist.group.WORLD)
         model.to(torch.bfloat16)
@@ -812,7 +817,8 @@ def speed_row(run: Run, section: str, name: str, spec: dict, group: str,
 
     layout = {k: v for k, v in spec.get("cfg", spec).items()
               if k in ("dp", "pp", "tp", "zero", "schedule", "virtual", "microbatches", "sp",
-                       "recompute", "batch_size", "overrides", "grad_dtype")}
+                       "recompute", "batch_size", "overrides", "grad_dtype",
+                       "head_layers")}
     return run.row(section, name, go, group=group, impl=spec["impl"], world=spec["world"],
                    model=spec["model"], batch=spec["batch"], layout=layout,
                    spec={k: v for k, v in spec.items() if k != "cfg"})
@@ -867,7 +873,17 @@ def speed_pp(run: Run) -> None:
         if v == 1:  # the peer's numerics: micro-batch gradients summed in bf16
             speed_row(run, "speed", f"minipar pp{n} {sched} grad-bf16",
                       minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
-                                   schedule=sched, grad_dtype="bf16"), "pp")
+                                   schedule=sched, virtual=1, grad_dtype="bf16"), "pp")
+    # balanced stages: the last holds k layers fewer (its head and loss cost ~k), both
+    k = head_layers_for(model)
+    for sched in ("1f1b", "zb"):
+        ov = _untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched)
+        speed_row(run, "speed", f"minipar pp{n} {sched} head-layers {k}",
+                  minipar_spec(run, model, n, b, ov, pp=n, microbatches=m, schedule=sched,
+                               virtual=1, head_layers=k), "pp")
+        speed_row(run, "speed", f"torch pipelining pp{n} {sched} head-layers {k}",
+                  peer_spec(run, "torch-pp", model, n, b, ov, schedule=sched,
+                            microbatches=m, head_layers=k), "pp")
 
 
 def section_speed(run: Run, groups: list[str]) -> None:
@@ -1149,6 +1165,9 @@ def derived(report: dict) -> dict:
         ratio(f"minipar pp{n} {sched}{v}", f"torch pipelining pp{n} {sched}")
         if not v:  # like for like: both sum micro-batch gradients in bf16
             ratio(f"minipar pp{n} {sched} grad-bf16", f"torch pipelining pp{n} {sched}")
+    for r in speed:  # balanced stages, the same split on both sides
+        if r["name"].startswith(f"minipar pp{n} ") and " head-layers " in r["name"]:
+            ratio(r["name"], r["name"].replace("minipar", "torch pipelining"))
     big = [r for r in speed if r.get("group") == "big" and r.get("status") == "ok"]
     peer = [r for r in big if r["impl"] == "fsdp2"]
     for impl in ("minipar", "minipar-cli"):  # engine rows, then the command line's

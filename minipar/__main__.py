@@ -35,6 +35,9 @@ def _add_train(sub) -> None:
                    help="ZeRO-Offload: fp32 masters, optimizer states and step on the host")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
     p.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved)")
+    p.add_argument("--head-layers", type=int, default=0,
+                   help="the last pipeline chunk holds K layers fewer: its head and loss "
+                        "cost about K layers (gpt-1.3b: 2; `theory.params.head_layers_for`)")
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
@@ -92,7 +95,8 @@ def train_config(args) -> TrainConfig:
     """The ``TrainConfig`` a parsed ``train`` command line asks for (flag -> field)."""
     return TrainConfig(
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
-        schedule=args.schedule, virtual=args.virtual, microbatches=args.microbatches,
+        schedule=args.schedule, virtual=args.virtual, head_layers=args.head_layers,
+        microbatches=args.microbatches,
         sp=args.sp, recompute=args.recompute, dtype=args.dtype, grad_dtype=args.grad_dtype,
         steps=args.steps,
         seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,

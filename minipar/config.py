@@ -32,6 +32,7 @@ class TrainConfig:
     zero: int = 0
     schedule: str = "1f1b"
     virtual: int = 1
+    head_layers: int = 0  # the last pipeline chunk holds this many layers fewer (its head)
     microbatches: int = 1
     sp: bool = False
     recompute: str = "none"
@@ -129,6 +130,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     size of a job started by torchrun, which the layout must fill exactly."""
     from minipar import checks
     from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
+    from minipar.theory.params import partition_layers
 
     for name in ("dp", "pp", "tp", "cp", "steps", "microbatches", "virtual", "batch_size"):
         checks.positive(name.replace("_", "-"), getattr(cfg, name))
@@ -163,6 +165,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         if cfg.microbatches % cfg.pp:
             raise ValueError(f"--schedule interleaved needs --microbatches divisible by "
                              f"--pp ({cfg.microbatches} % {cfg.pp} != 0)")
+    if not isinstance(cfg.head_layers, int) or cfg.head_layers < 0:
+        raise ValueError(f"--head-layers must be 0 or a positive integer, got "
+                         f"{cfg.head_layers!r}")
+    partition_layers(model.n_layer, cfg.pp * cfg.virtual, cfg.head_layers)  # (or says why)
     if cfg.zero == 3 and cfg.schedule == "zb":  # at every pp: W runs at pp = 1 too
         raise ValueError("--zero 3 with --schedule zb is not supported: the split weight "
                          "gradient (W) runs after ZeRO-3 has freed the layer's weights")
@@ -221,13 +227,14 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, **layout) -> int:
     from minipar.theory.memory import memory_per_stage
 
     c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "cp", "zero", "microbatches", "sp",
-                                      "recompute", "schedule", "virtual", "offload")} | layout
+                                      "recompute", "schedule", "virtual", "offload",
+                                      "head_layers")} | layout
     rows = memory_per_stage(model, c["dp"], c["pp"], c["tp"], c["zero"], cfg.dtype,
                             "sgd" if cfg.optimizer == "sgd" else "adam",
                             max(1, cfg.batch_size // (c["dp"] * c["microbatches"])),
                             c["microbatches"], c["schedule"], c["sp"], c["recompute"],
                             virtual=c["virtual"], accounting="fused", cp=c["cp"],
-                            offload=c["offload"])
+                            offload=c["offload"], head_layers=c["head_layers"])
     return max(r["total"] for r in rows)
 
 

@@ -41,8 +41,10 @@ class ShardReader:
         self.meta = inspect(directory)
         self.cfg, self.tp_rank, self.tp, self.step = cfg, tp_rank, tp, self.meta["step"]
         self.saved_tp, self.saved_pp = int(self.meta["tp"]), int(self.meta.get("pp", 1))
-        virtual = int(self.meta["config"].get("virtual", 1) or 1)
-        chunks = partition_layers(cfg.n_layer, self.saved_pp * virtual)
+        saved = self.meta["config"]
+        virtual = int(saved.get("virtual", 1) or 1)
+        chunks = partition_layers(cfg.n_layer, self.saved_pp * virtual,
+                                  int(saved.get("head_layers", 0) or 0))
         self._layer_stage = {i: rank_of(c, self.saved_pp) for c, r in enumerate(chunks)
                              for i in r}
         self._files = {(int(i["pp_rank"]), int(i["tp_rank"])): f

@@ -100,7 +100,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
         from minipar.parallel.cp_plan import apply_context_parallel
 
         apply_context_parallel(full, rm.cp)
-    stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual)
+    stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual, cfg.head_layers)
     apply_recompute(stage, cfg.recompute)
     model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
     del full  # the layers no chunk took go with it

@@ -56,6 +56,18 @@ def test_tied_embeddings_reshard_from_one_stage_to_two(tmp_path) -> None:
     assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
 
 
+def test_balanced_stages_reshard_both_ways(tmp_path) -> None:
+    """A checkpoint saved with ``head_layers`` (the last stage holds fewer layers) is
+    read by the saved split: resumed with the even split, and back again."""
+    full = run(pp=2, microbatches=2, head_layers=1)
+    run(pp=2, microbatches=2, head_layers=1, save=str(tmp_path / "a"), stop_at=HALF)
+    resumed = run(pp=2, microbatches=2, resume=str(tmp_path / "a"))
+    assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
+    run(pp=2, microbatches=2, save=str(tmp_path / "b"), stop_at=HALF)
+    resumed = run(pp=2, microbatches=2, head_layers=1, resume=str(tmp_path / "b"))
+    assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
+
+
 def test_checkpoint_is_loaded_without_code(saved) -> None:
     d, _ = saved
     path = checkpoint.resolve(d)

@@ -94,6 +94,7 @@ CASES = [
     ("train save under a file", "train --save {file}/sub", "is a file, not a directory"),
     ("train save other run", "train --save {tiny}", "already holds another run's checkpoints"),
     ("train save in use", "train --save {locked}", "is in use by another run (process 1)"),
+    ("train head layers too many", "train --pp 2 --head-layers 9", "--head-layers 9 must"),
     ("train bf16 sums of fp32", "train --grad-dtype bf16", "--grad-dtype bf16 needs --dtype bf16"),
     # --- train: resume ---------------------------------------------------------------
     ("resume empty", "train --resume {empty}", "no checkpoint in"),

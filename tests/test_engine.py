@@ -111,6 +111,7 @@ SGD_COVERING = [
     dict(tp=2, sp=True),
     dict(pp=2, schedule="1f1b", microbatches=4),
     dict(pp=2, schedule="zb", microbatches=2),
+    dict(pp=2, microbatches=4, head_layers=1),  # balanced stages: the last one shorter
     dict(dp=2, pp=2, tp=2, microbatches=2, zero=1, schedule="interleaved", virtual=2),
 ]
 

@@ -268,6 +268,18 @@ def test_partition_balances_uneven_layers_and_reports_the_split():
         "rank 1: chunk 1 = layers 2-3, chunk 3 = layers 6-7 + head + loss"]
 
 
+def test_head_layers_take_layers_from_the_last_chunk():
+    """``head_layers`` k: an even split of n + k layers, the last chunk k layers short
+    (gpt-1.3b at pp 4: 7, 7, 6, 4 + the head, ~1.8 layers of FLOPs; even: 6 x 4)."""
+    assert [len(r) for r in partition_layers(24, 4, 2)] == [7, 7, 6, 4]
+    assert [len(r) for r in partition_layers(24, 4)] == [6, 6, 6, 6]
+    assert [list(r) for r in partition_layers(4, 4, 1)] == [[0, 1], [2], [3], []]
+    assert split_report(6, 2, 1, 2).splitlines() == [
+        "rank 0: chunk 0 = embed + layers 0-3", "rank 1: chunk 1 = layers 4-5 + head + loss"]
+    with pytest.raises(ValueError, match="head-layers 3"):
+        partition_layers(4, 4, 3)  # the last chunk would hold -1 layers
+
+
 def test_a_stage_owns_exactly_its_layers_under_reference_names():
     model = GPT(CFG)
     reference = dict(model.named_parameters())

@@ -42,6 +42,7 @@ from minipar.theory.memory import (
 from minipar.theory.params import (
     attention_flops_per_token,
     hardware_flops_per_token,
+    head_layers_for,
     hfu,
     matmul_params,
     mfu,
@@ -107,14 +108,22 @@ def test_stage_params_match_tensor_parallel_shards(tp):
         assert held == stage_params(TINY, pp=1, tp=tp)
 
 
-@pytest.mark.parametrize("pp, virtual", [(2, 1), (3, 1), (4, 2), (3, 2)])
-def test_stages_hold_every_parameter_once(pp, virtual):
+@pytest.mark.parametrize("pp, virtual, k", [(2, 1, 0), (3, 1, 0), (4, 2, 0), (3, 2, 0),
+                                            (4, 1, 2), (3, 2, 1)])
+def test_stages_hold_every_parameter_once(pp, virtual, k):
     cfg = TINY.with_(n_layer=10)
-    assert sum(stage_params(cfg, pp, 1, s, virtual) for s in range(pp)) == param_count(cfg)
-    ranges = partition_layers(cfg.n_layer, pp * virtual)  # the pipeline's own split
+    assert sum(stage_params(cfg, pp, 1, s, virtual, k) for s in range(pp)) == param_count(cfg)
+    ranges = partition_layers(cfg.n_layer, pp * virtual, k)  # the pipeline's own split
     for s in range(pp):
-        assert stage_layers(cfg.n_layer, pp, s, virtual) == sum(
+        assert stage_layers(cfg.n_layer, pp, s, virtual, k) == sum(
             len(ranges[c]) for c in range(s, pp * virtual, pp))
+
+
+def test_head_layers_balance_the_flops():
+    """gpt-1.3b: the head and loss (6 V h a token) cost 1.76 layers: 2; gpt-13b 0.77: 1;
+    a layer recomputed in full costs 4/3 as much, so the head weighs less."""
+    assert head_layers_for("gpt-1.3b") == 2 and head_layers_for("gpt-13b") == 1
+    assert head_layers_for("gpt-1.3b", "full") == 1
 
 
 def test_tied_head_is_a_copy_on_the_last_stage():

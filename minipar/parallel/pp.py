@@ -2,12 +2,14 @@
 
 **Stages.** ``build_stage(model, pp_rank, pp, virtual)`` splits the ``n_layer`` blocks
 into ``pp * virtual`` chunks of consecutive layers (uneven counts: the first chunks take
-one more), and gives rank ``r`` the chunks ``r, r + pp, ...`` (Megatron's virtual
-stages, arXiv 2104.04473). Each chunk is a ``PipelineStage``: an ``nn.Module`` that owns
-exactly its layers, under the reference model's names (``blocks.5.mlp.fc.weight``:
-``blocks`` is keyed by the global layer index), so checkpoints, tensor-parallel slicing
-and ZeRO find every parameter by the name it has on one device. The first chunk also
-embeds the tokens; the last applies the final norm, the head and the model's loss.
+one more; ``head_layers`` k gives the last chunk, which also runs the head and the loss,
+k layers fewer: ``theory.params.partition_layers``), and gives rank ``r`` the chunks
+``r, r + pp, ...`` (Megatron's virtual stages, arXiv 2104.04473). Each chunk is a
+``PipelineStage``: an ``nn.Module`` that owns exactly its layers, under the reference
+model's names (``blocks.5.mlp.fc.weight``: ``blocks`` is keyed by the global layer
+index), so checkpoints, tensor-parallel slicing and ZeRO find every parameter by the
+name it has on one device. The first chunk also embeds the tokens; the last applies the
+final norm, the head and the model's loss.
 
 **Tied embeddings** (Megatron's way, 1909.08053 section 3): with pp > 1 the first stage
 holds the token embedding and the last the head, each a copy of the one shared weight
@@ -30,6 +32,7 @@ from minipar.comm import Comm
 from minipar.model import GPT, embed_tokens
 from minipar.parallel.executor import ActionRecord, PipelineExecutor, StepResult
 from minipar.parallel.schedules import rank_of
+from minipar.theory.params import partition_layers  # the one split rule (theory's too)
 
 __all__ = ["partition_layers", "split_report", "PipelineStage", "build_stage",
            "StageLayers", "tied_copy", "tied_parameters", "sync_tied_grads",
@@ -39,22 +42,9 @@ __all__ = ["partition_layers", "split_report", "PipelineStage", "build_stage",
 # --- stages --------------------------------------------------------------------------
 
 
-def partition_layers(n_layer: int, n_chunks: int) -> list[range]:
-    """Consecutive layer ranges for ``n_chunks`` chunks; the first chunks take the rest."""
-    if n_chunks < 1:
-        raise ValueError(f"need at least one chunk, got {n_chunks}")
-    base, extra = divmod(n_layer, n_chunks)
-    out, start = [], 0
-    for i in range(n_chunks):
-        size = base + (1 if i < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def split_report(n_layer: int, pp: int, virtual: int = 1) -> str:
+def split_report(n_layer: int, pp: int, virtual: int = 1, head_layers: int = 0) -> str:
     """Which layers each rank holds, e.g. ``rank 0: chunk 0 = embed + layers 0-2``."""
-    ranges = partition_layers(n_layer, pp * virtual)
+    ranges = partition_layers(n_layer, pp * virtual, head_layers)
     last = pp * virtual - 1
     lines = []
     for r in range(pp):
@@ -104,15 +94,17 @@ class PipelineStage(nn.Module):
         return f"chunk {self.index} of {self.n_chunks}, layers {list(self.layers)}"
 
 
-def build_stage(model: GPT, pp_rank: int, pp: int, virtual: int = 1) -> list[PipelineStage]:
-    """This rank's chunks (local order). ``model`` is left as it was: once the caller
-    drops it, the layers no chunk took are freed."""
+def build_stage(model: GPT, pp_rank: int, pp: int, virtual: int = 1,
+                head_layers: int = 0) -> list[PipelineStage]:
+    """This rank's chunks (local order; ``head_layers``: see ``partition_layers``).
+    ``model`` is left as it was: once the caller drops it, the layers no chunk took are
+    freed."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp - 1}")
     if virtual < 1:
         raise ValueError(f"virtual must be >= 1, got {virtual}")
     n_chunks = pp * virtual
-    ranges = partition_layers(len(model.blocks), n_chunks)
+    ranges = partition_layers(len(model.blocks), n_chunks, head_layers)
     return [PipelineStage(model, c, n_chunks, ranges[c])
             for c in range(n_chunks) if rank_of(c, pp) == pp_rank]
 

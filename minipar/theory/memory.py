@@ -259,7 +259,8 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
                       microbatch_size: int = 1, microbatches: int = 1,
                       schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
                       recompute: str = "none", dtype: str = "bf16",
-                      accounting: str = "korthikanti", cp: int = 1) -> float:
+                      accounting: str = "korthikanti", cp: int = 1,
+                      head_layers: int = 0) -> float:
     """Peak activation bytes on one rank of pipeline stage ``stage``:
     per-layer bytes x layers per chunk x chunks in flight, plus the embedding terms on
     the first stage and the head terms on the last, each times its micro-batches in
@@ -272,7 +273,8 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
     chunks = inflight(schedule, pp, microbatches, stage, virtual)
     if schedule == "zb":  # what waits for a deferred W pass, besides the layer inputs
         per_layer += deferred_weight_grad_bytes(cfg, microbatch_size, tp, sp, dtype)
-    total = per_layer * stage_layers(cfg.n_layer, pp, stage, virtual) / virtual * chunks
+    total = per_layer * stage_layers(cfg.n_layer, pp, stage, virtual,
+                                     head_layers) / virtual * chunks
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
         total += whole * sum(edge_activations(cfg, "first", microbatch_size, tp, sp, dtype,
@@ -291,7 +293,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      recompute: str = "none", *, params: int | None = None,
                      virtual: int = 1, accounting: str = "korthikanti",
                      stages: list[int] | None = None, cp: int = 1,
-                     offload: bool = False) -> list[dict]:
+                     offload: bool = False, head_layers: int = 0) -> list[dict]:
     """``memory_breakdown`` for each pipeline stage (or the listed ``stages``); every
     data-, tensor- and context-parallel rank of a stage holds the same (up to ZeRO
     padding).
@@ -307,7 +309,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     optimizer states leave the device (``optimizer`` is 0), the device keeps the
     compute-dtype weights (ZeRO-3: now a 16-bit shard, which the gathers read) and the
     gradient buffers, and ``host`` counts what the host holds (``zero_offload_memory``:
-    master, its gradient, states, landing buffers).
+    master, its gradient, states, landing buffers). ``head_layers``: ``partition_layers``.
     """
     from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 
@@ -328,9 +330,10 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             n = math.ceil(params / (pp * tp))
             act = 0.0
         else:
-            n = stage_params(cfg, pp, tp, s, virtual)
+            n = stage_params(cfg, pp, tp, s, virtual, head_layers)
             act = stage_activations(cfg, pp, tp, s, microbatch_size, microbatches, schedule,
-                                    virtual, sp, recompute, dtype, accounting, cp) / cp
+                                    virtual, sp, recompute, dtype, accounting, cp,
+                                    head_layers) / cp
         row = {"stage": s, "n_params": n, **model_states(n, dp * cp, zero, dtype, optimizer),
                "activations": int(round(act))}
         pw = state_bytes(dtype, optimizer)[0]

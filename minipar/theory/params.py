@@ -100,19 +100,43 @@ def check_divisible(cfg: GPTConfig | str, tp: int = 1) -> None:
             raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}")
 
 
-def stage_layers(n_layer: int, pp: int = 1, stage: int = 0, virtual: int = 1) -> int:
+def partition_layers(n_layer: int, n_chunks: int, head_layers: int = 0) -> list[range]:
+    """Consecutive layer ranges of ``n_chunks`` pipeline chunks; the first chunks take the
+    rest. ``head_layers`` k: the last chunk's final norm, LM head and loss count as k
+    layers, so the split is even over ``n_layer + k`` and the last chunk holds k fewer
+    (Megatron's ``account_for_loss_in_pipeline_split``, torchtitan's output weight): a
+    stage with the head is otherwise the pipeline's slowest."""
+    if n_chunks < 1:
+        raise ValueError(f"need at least one chunk, got {n_chunks}")
+    base, extra = divmod(n_layer + head_layers, n_chunks)
+    sizes = [base + (1 if i < extra else 0) for i in range(n_chunks)]
+    sizes[-1] -= head_layers
+    if head_layers < 0 or sizes[-1] < 0:
+        raise ValueError(f"--head-layers {head_layers} must be 0 or more and leave the last "
+                         f"of {n_chunks} chunks 0 or more of the {n_layer} layers")
+    starts = [sum(sizes[:i]) for i in range(n_chunks)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def head_layers_for(cfg: GPTConfig | str, recompute: str = "none") -> int:
+    """The ``head_layers`` that balances a pipeline: the head and loss's FLOPs a token
+    (forward and backward, 6 V h) in layers' (``layer_flops_per_token``), rounded."""
+    cfg = get_model(cfg)
+    return round(6 * cfg.vocab_size * cfg.d_model / layer_flops_per_token(cfg, recompute))
+
+
+def stage_layers(n_layer: int, pp: int = 1, stage: int = 0, virtual: int = 1,
+                 head_layers: int = 0) -> int:
     """Transformer layers held by pipeline ``stage``: it holds chunks stage, stage + pp,
-    ... of ``pp * virtual`` chunks of consecutive layers, and when the layers do not
-    divide evenly the first chunks take one more (``minipar.parallel.pp``'s rule; a
-    test keeps the two in step)."""
+    ... of ``pp * virtual`` chunks (``partition_layers``, the pipeline's own rule)."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
-    base, extra = divmod(n_layer, pp * virtual)
-    return sum(base + (1 if c < extra else 0) for c in range(stage, pp * virtual, pp))
+    chunks = partition_layers(n_layer, pp * virtual, head_layers)
+    return sum(len(chunks[c]) for c in range(stage, pp * virtual, pp))
 
 
 def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
-                 virtual: int = 1) -> int:
+                 virtual: int = 1, head_layers: int = 0) -> int:
     """Parameters held by one rank of pipeline stage ``stage`` after a tp-way split.
 
     With ``virtual`` chunks per stage (interleaved schedule) a stage holds about the
@@ -120,7 +144,7 @@ def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
     """
     cfg = get_model(cfg)
     check_divisible(cfg, tp)
-    layers = stage_layers(cfg.n_layer, pp, stage, virtual)
+    layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers)
 
     def share(p: ParamInfo) -> int:
         return p.numel // tp if p.tp_split else p.numel
