@@ -104,6 +104,7 @@ from minipar.comm import wire_bytes  # noqa: E402
 from minipar.config import TrainConfig, validate  # noqa: E402
 from minipar.launch import launch  # noqa: E402
 from minipar.model import get_config  # noqa: E402
+from minipar.theory.clusters import rising  # noqa: E402
 from minipar.theory.params import (  # noqa: E402
     head_layers_for,
     layer_flops_per_token,
@@ -261,6 +262,12 @@ def _device_name(device: torch.device) -> str:
 
 # --- calibrate -------------------------------------------------------------------------
 CALIB_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+# timed windows per op and size, of which the median is kept: one window of a few
+# iterations caught a stall on 4 x H200 (all_reduce at 67 MB: 49 GB/s between 258 and
+# 326) and priced every tp 4 all-reduce 5x too slow. The median drops up to two such
+# windows yet stays a typical time, which a training step meets; the minimum would be
+# the best case, and the planner already prices steps on the fast side.
+CALIB_REPEATS = 5
 
 
 def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
@@ -270,7 +277,9 @@ def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
     ``blocks``, the real tensor-parallel block at each (model, tokens, tp, sp) of
     ``tp_blocks``, the head and loss at each (model, tokens, tp) of ``heads``, the
     optimizer step and gradient accumulation per parameter (on ``optimizer_params``),
-    then each op at each size (seconds per call, the slowest rank's).
+    then each op at each size (seconds per call: the slowest rank's in each of
+    ``CALIB_REPEATS`` windows, the median window; with the slowest window over the
+    fastest, to show how noisy each size was)
     Through ``minipar.comm.Comm``: the cost minipar itself pays."""
     import torch.distributed as dist
 
@@ -280,6 +289,7 @@ def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
     comm = Comm()
     out = {"device_name": _device_name(device), "matmul_tflops": matmul_tflops(
         device, matmul_n), "times": {op: [] for op in CALIB_OPS},
+        "spread": {op: [] for op in CALIB_OPS},
         "memory_bytes": (torch.cuda.get_device_properties(device).total_memory
                          if device.type == "cuda" else 0),
         "block_seconds": [block_seconds(get_config(m), tokens, tp, device)
@@ -310,16 +320,20 @@ def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
 
             for _ in range(2):
                 once()
-            _sync(device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                once()
-            _sync(device)
-            t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
+            windows = []
+            for _ in range(CALIB_REPEATS):
+                _sync(device)
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    once()
+                _sync(device)
+                windows.append((time.perf_counter() - t0) / iters)
+            t = torch.tensor(windows, dtype=torch.float64,
                              device=device)  # NCCL reduces device tensors only
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            out["times"][op].append(float(t))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # each window's slowest rank
+            out["times"][op].append(statistics.median(t.tolist()))
+            out["spread"][op].append(max(t.tolist()) / min(t.tolist()))
         comm.log.clear()
     return out
 
@@ -442,18 +456,21 @@ def calibration_from(results: list[dict], sizes: list[int], n: int,
         group = 2 if op == "send" else n
         wires = [wire_bytes(op, b, group) for b in nbytes]
         latency = min(times[:2])
+        per_size = [w / t for w, t in zip(wires, times)]
         # bandwidth: least-squares slope of time over wire bytes on the larger half of
-        # the sizes (where latency no longer dominates); else the largest size's rate
+        # the sizes (where latency no longer dominates), of the times the planner reads
+        # (``rising``: one slow size would tilt the line); else the largest size's rate
         half = len(times) // 2
-        xs, ys = wires[half:], times[half:]
+        xs = wires[half:]
+        ys = [w / bw for w, bw in zip(xs, rising(per_size)[half:])]
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-        bandwidth = 1 / slope if slope > 0 else wires[-1] / times[-1]
+        bandwidth = 1 / slope if slope > 0 else wires[-1] / ys[-1]
         calib["collectives"][op] = {
             "latency_s": latency, "bus_bandwidth": bandwidth,
-            "bytes": nbytes, "seconds": times,
-            "bus_bandwidth_per_size": [w / t for w, t in zip(wires, times)]}
+            "bytes": nbytes, "seconds": times, "spread": r0.get("spread", {}).get(op, []),
+            "bus_bandwidth_per_size": per_size}
     return calib
 
 

@@ -193,6 +193,29 @@ def test_a_measured_block_pace_and_per_size_times_replace_the_fits() -> None:
     assert sp.time["tp"] == pytest.approx(1.25 * plain.time["tp"] + 24 * 0.003, rel=0.02)
 
 
+def test_one_slow_size_in_a_measured_curve_does_not_price_the_calls_near_it() -> None:
+    """4 x H200's calibration read all_reduce at 67 MB at 49 GB/s, between 258 (16 MB)
+    and 326 (268 MB): noise in a few timed iterations. tp 4's layer all-reduces (gpt-1.3b,
+    8 x 2048 tokens) are 67 MB; read as measured they cost 5x, the step 0.28 s against
+    0.13 s measured. A curve is read as its running maximum (``clusters.rising``)."""
+    from minipar.theory.clusters import calibrated, rising
+
+    assert rising([1.0, 258.0, 49.0, 326.0, 300.0]) == (1.0, 258.0, 258.0, 326.0, 326.0)
+    sizes = [2**10, 2**24, 2**26, 2**28]
+
+    def tp4(bandwidths: list[float]) -> float:
+        calib = {**CALIBRATION, "collectives": {**CALIBRATION["collectives"], "all_reduce": {
+            **CALIBRATION["collectives"]["all_reduce"], "bytes": sizes,
+            "bus_bandwidth_per_size": [b * 1e9 for b in bandwidths]}}}
+        cal = calibrated(cluster(4, "H200-141GB", gpus_per_node=4), calib)
+        return evaluate("gpt-1.3b", cal, 4, 1, 1, microbatch_size=8, global_batch=8).time["tp"]
+
+    noisy, clean = tp4([1.0, 258.0, 49.0, 326.0]), tp4([1.0, 258.0, 258.0, 326.0])
+    assert noisy == pytest.approx(clean)
+    # ~100 calls, each 2 x 3/4 x 64 MiB on the wire at 258 GB/s
+    assert noisy == pytest.approx(101 * 1.5 * 2**26 / 258e9, rel=0.05)
+
+
 def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
     """With ``head_rates`` the head and loss go at their measured pace (interpolated in
     log tokens like a block's); with ``grad_accumulate`` every micro-batch adds this

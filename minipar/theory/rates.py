@@ -82,8 +82,9 @@ def sp_extra_seconds(rows: tuple, hidden: int, tokens: int, tp: int) -> float:
 def call_seconds(curves: tuple, op: str, payload: float, group: int) -> float | None:
     """Seconds of one ``op`` call of ``payload`` bytes in a ``group``-rank group, from
     ``(op, payload bytes, bus bandwidth per size)`` curves: this call's wire bytes over
-    the bus bandwidth measured at its payload. A ``recv`` waits for the same transfer
-    as its ``send``: it takes the send's time."""
+    the bus bandwidth measured at its payload (each curve as ``clusters.calibrated``
+    read it: its running maximum over sizes, ``clusters.rising``). A ``recv`` waits for
+    the same transfer as its ``send``: it takes the send's time."""
     op = "send" if op == "recv" else op
     curve = next((c for c in curves if c[0] == op), None)
     if curve is None or group < 2:
