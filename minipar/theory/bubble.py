@@ -171,7 +171,10 @@ def chunk_flops(cfg: GPTConfig | str, pp: int, virtual: int = 1,
     Chunk ``c`` runs its layers of ``partition_layers`` (the pipeline's own split); the
     last chunk adds the head (``head_flops_per_token``; norm and loss add no matmul
     FLOPs). The first chunk's embedding is a lookup, no matmul: 0 FLOPs, as in
-    ``hardware_flops_per_token``, so the chunks sum to that figure.
+    ``hardware_flops_per_token``, so the chunks sum to that figure. FLOPs only: the
+    loss's fp32 softmax over the vocabulary is memory-bound and takes longer than its
+    FLOPs say (``benchmarks/multigpu.py`` calibrates ``head_rates`` for that), so these
+    figures understate the last chunk's time somewhat.
     """
     cfg = get_model(cfg)
     layer = layer_flops_per_token(cfg, recompute)
