@@ -782,17 +782,24 @@ def _measure(run: Run, spec: dict, cap: float) -> dict:
     if "comm_wire_bytes_per_step" in res[0]:
         row["comm_wire_bytes_per_step"] = max(r["comm_wire_bytes_per_step"] for r in res)
     if "timeline" in res[0]:
-        from minipar.parallel.schedules import make_schedule
-        from minipar.theory.bubble import bubble_fraction_formula, bubble_stats, simulate
+        from minipar.theory.bubble import (
+            bubble_fraction_formula,
+            bubble_stats,
+            chunk_weights,
+            stage_cost_bubble,
+        )
 
         tl = [[types.SimpleNamespace(**e) for e in r["timeline"]] for r in res]
         c = spec["cfg"]
         # the pipeline group is the whole world in these rows (pp = N)
         row["bubble_measured"] = bubble_stats(tl)["bubble_fraction"]
-        row["bubble_theory"] = bubble_stats(simulate(make_schedule(
-            c["schedule"], c["pp"], c["microbatches"], c["virtual"])))["bubble_fraction"]
+        shape = (c["schedule"], c["pp"], c["microbatches"], c["virtual"])
+        row["bubble_theory"] = stage_cost_bubble(*shape)  # equal stages: unit costs
         row["bubble_formula"] = bubble_fraction_formula(c["schedule"], c["pp"],
                                                         c["microbatches"], c["virtual"])
+        # the same schedule with each chunk's real FLOPs: the last one runs the head too
+        weights = chunk_weights(mc, c["pp"], c["virtual"], c.get("recompute") or "none")
+        row["bubble_theory_stage_costs"] = stage_cost_bubble(*shape, weights)
     row["brief"] = (f"{1e3 * step:.1f} ms, {row['tokens_per_s']:,.0f} tok/s, MFU "
                     f"{100 * row['mfu']:.1f}%, peak {row['peak_gib']:.1f} GiB")
     return row
@@ -1229,7 +1236,8 @@ def summary(report: dict) -> str:
     for sec in ("speed", "scaling"):
         if sec not in secs:
             continue
-        lines += [f"| {sec} | step ms | tokens/s | MFU | peak GiB | bubble meas./theory |",
+        lines += [f"| {sec} | step ms | tokens/s | MFU | peak GiB | bubble meas. / theory "
+                  "(equal stages) / theory (stage costs) |",
                   "|---|---|---|---|---|---|"]
         for r in secs[sec]["rows"]:
             if r.get("status") != "ok":
@@ -1238,6 +1246,8 @@ def summary(report: dict) -> str:
                 continue
             bub = (f"{r['bubble_measured']:.3f} / {r['bubble_theory']:.3f}"
                    if "bubble_measured" in r else "")
+            if "bubble_theory_stage_costs" in r:  # rows from before it have no such key
+                bub += f" / {r['bubble_theory_stage_costs']:.3f}"
             lines.append(f"| {r['name']} | {1e3 * r['step_s']:.1f} | {r['tokens_per_s']:,.0f}"
                          f" | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {bub} |")
         lines.append("")

@@ -16,6 +16,12 @@ backward 2, or input-gradient 1 + weight-gradient 1 when the backward is split),
 action starting when its rank is free and its inputs have arrived. The lessons plot
 that timeline beside the one the executor measures; the tests check both against the
 closed forms. Everything here is a pure function.
+
+Unit times assume equal stages; a real split is not: the last chunk also runs the final
+norm, head and loss (for gpt-1.3b about 1.8 layers' FLOPs), so every other rank waits
+for it. ``chunk_weights`` gives each chunk's share of the FLOPs from the model config and
+``simulate(..., chunk_weight=...)`` scales every action by its chunk's weight. The closed
+forms, like Narayanan et al. (arXiv 2104.04473, section 2.2), assume balanced stages.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from minipar.model import GPTConfig
+from minipar.parallel.pp import partition_layers
 from minipar.parallel.schedules import (  # UNIT_COST, action_cost: re-exported
     COMPUTE,
     UNIT_COST,
@@ -35,6 +43,8 @@ from minipar.parallel.schedules import (  # UNIT_COST, action_cost: re-exported
     rank_of,
     schedule_shape,
 )
+from minipar.theory.models import get_model
+from minipar.theory.params import head_flops_per_token, layer_flops_per_token
 
 
 class Span(NamedTuple):
@@ -54,16 +64,22 @@ def split_backwards(actions: Schedule) -> set[tuple[int, int]]:
 
 
 def simulate(actions: Schedule, cost: Mapping[str, float] = UNIT_COST,
-             p2p: float = 0.0) -> list[list[Span]]:
+             p2p: float = 0.0,
+             chunk_weight: Sequence[float] | None = None) -> list[list[Span]]:
     """The timeline of ``actions``: per rank, the spans of its compute actions.
 
     Ranks run their lists in order. A compute starts when the rank is free and its
     inputs exist: a local result, or a message, which arrives ``p2p`` after the
     sender reaches its ``SEND`` (sends never hold the sender up; receives cost nothing
-    by themselves). Raises ``ValueError`` if the lists cannot finish (validate them).
+    by themselves). ``chunk_weight`` (one multiplier per global chunk, e.g.
+    ``chunk_weights``) scales every action of a chunk; None keeps all chunks equal.
+    Raises ``ValueError`` if the lists cannot finish (validate them).
     """
     pp, _, v = schedule_shape(actions)
     n_chunks = pp * v
+    weight = [1.0] * n_chunks if chunk_weight is None else list(chunk_weight)
+    if len(weight) != n_chunks:
+        raise ValueError(f"chunk_weight has {len(weight)} entries for {n_chunks} chunks")
     split = split_backwards(actions)
     clock = [0.0] * pp
     pos = [0] * pp
@@ -94,7 +110,8 @@ def simulate(actions: Schedule, cost: Mapping[str, float] = UNIT_COST,
                     if t is None:
                         break
                     start = max(clock[r], t)
-                    clock[r] = start + action_cost(a.kind, (a.mb, a.chunk) in split, cost)
+                    clock[r] = start + (action_cost(a.kind, (a.mb, a.chunk) in split, cost)
+                                        * weight[a.chunk])
                     end[a] = clock[r]
                     spans[r].append(Span(r, a.kind, a.mb, a.chunk, start, clock[r]))
                 elif a.kind.startswith("SEND"):
@@ -144,6 +161,50 @@ def bubble_fraction_formula(schedule: str, pp: int, microbatches: int,
     """Idle share of the step in closed form: ratio / (1 + ratio)."""
     ratio = bubble_ratio_formula(schedule, pp, microbatches, virtual)
     return ratio / (1 + ratio)
+
+
+# --- unequal stages: what each chunk of a real model costs -----------------------------
+def chunk_flops(cfg: GPTConfig | str, pp: int, virtual: int = 1,
+                recompute: str = "none") -> list[float]:
+    """Training FLOPs per token (forward + backward) of each global chunk.
+
+    Chunk ``c`` runs its layers of ``partition_layers`` (the pipeline's own split); the
+    last chunk adds the head (``head_flops_per_token``; norm and loss add no matmul
+    FLOPs). The first chunk's embedding is a lookup, no matmul: 0 FLOPs, as in
+    ``hardware_flops_per_token``, so the chunks sum to that figure. FLOPs only: the
+    loss's fp32 softmax over the vocabulary is memory-bound and takes longer than its
+    FLOPs say (``benchmarks/multigpu.py`` calibrates ``head_rates`` for that), so these
+    figures understate the last chunk's time somewhat.
+    """
+    cfg = get_model(cfg)
+    layer = layer_flops_per_token(cfg, recompute)
+    flops = [len(r) * layer for r in partition_layers(cfg.n_layer, pp * virtual)]
+    flops[-1] += head_flops_per_token(cfg)
+    return flops
+
+
+def chunk_weights(cfg: GPTConfig | str, pp: int, virtual: int = 1,
+                  recompute: str = "none") -> list[float]:
+    """``chunk_flops`` over their mean: weights for ``simulate(..., chunk_weight=...)``.
+
+    Normalised to mean 1, so a step's total work is the unit simulation's and only its
+    spread over the ranks changes. One weight scales F, B and W alike: the head, like a
+    layer, does 2 V h FLOPs forward and 4 V h backward, half input gradient and half
+    weight gradient, which is the 1 : 2 (ZB: 1 : 1 : 1) of the unit costs. (A layer's
+    attention products have no weight gradient, so its real B is a bit over half its
+    backward; the unit costs ignore that for every chunk alike.)
+    """
+    flops = chunk_flops(cfg, pp, virtual, recompute)
+    mean = sum(flops) / len(flops)
+    return [f / mean for f in flops]
+
+
+def stage_cost_bubble(schedule: str, pp: int, microbatches: int, virtual: int = 1,
+                      weights: Sequence[float] | None = None, p2p: float = 0.0) -> float:
+    """Bubble fraction of ``schedule`` simulated with per-chunk ``weights`` (None: equal
+    stages, the unit-cost figure; ``p2p`` in units of a mean chunk's forward)."""
+    actions = make_schedule(schedule, pp, microbatches, virtual)
+    return bubble_stats(simulate(actions, p2p=p2p, chunk_weight=weights))["bubble_fraction"]
 
 
 # --- activation memory ---------------------------------------------------------------

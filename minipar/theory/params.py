@@ -218,12 +218,20 @@ def hardware_flops_per_token(cfg: GPTConfig | str, recompute: str = "none",
     return base + extra[recompute]
 
 
+def head_flops_per_token(cfg: GPTConfig | str) -> float:
+    """Training FLOPs per token of the head: the V x h matmul, 2 V h forward and twice
+    that backward (input and weight gradient). Recomputation never repeats it, and the
+    final norm and the loss add no matmul FLOPs (their cost is memory traffic)."""
+    cfg = get_model(cfg)
+    return 6.0 * cfg.vocab_size * cfg.d_model
+
+
 def layer_flops_per_token(cfg: GPTConfig | str, recompute: str = "none",
                           attention: str = "full") -> float:
     """Training FLOPs per token of one transformer layer (``hardware_flops_per_token``
     without the head, over the layers): what a calibrated block rate is measured in."""
     cfg = get_model(cfg)
-    head = 6.0 * cfg.vocab_size * cfg.d_model
+    head = head_flops_per_token(cfg)
     return (hardware_flops_per_token(cfg, recompute, attention) - head) / cfg.n_layer
 
 

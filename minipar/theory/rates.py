@@ -34,7 +34,7 @@ import math
 from minipar.comm import wire_bytes
 from minipar.model import GPTConfig
 from minipar.theory.clusters import Cluster
-from minipar.theory.params import layer_flops_per_token
+from minipar.theory.params import head_flops_per_token, layer_flops_per_token
 
 
 def interp_log(x: float, xs: list[float], ys: list[float]) -> float:
@@ -107,7 +107,7 @@ def compute_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
     head_rate = block_flops(cluster.head_rates, cfg.d_model, tokens, tp) or slow
     layers = layer_flops_per_token(cfg, recompute) * cfg.n_layer / pp
-    head = 6.0 * cfg.vocab_size * cfg.d_model
+    head = head_flops_per_token(cfg)
     accumulate = n_params * cluster.accumulate_s_per_param
     return m * (tokens / tp * (layers / rate + head / head_rate) + accumulate)
 
