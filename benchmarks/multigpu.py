@@ -798,7 +798,8 @@ def _measure(run: Run, spec: dict, cap: float) -> dict:
         row["bubble_formula"] = bubble_fraction_formula(c["schedule"], c["pp"],
                                                         c["microbatches"], c["virtual"])
         # the same schedule with each chunk's real FLOPs: the last one runs the head too
-        weights = chunk_weights(mc, c["pp"], c["virtual"], c.get("recompute") or "none")
+        weights = chunk_weights(mc, c["pp"], c["virtual"], c.get("recompute") or "none",
+                                c.get("head_layers", 0))
         row["bubble_theory_stage_costs"] = stage_cost_bubble(*shape, weights)
     row["brief"] = (f"{1e3 * step:.1f} ms, {row['tokens_per_s']:,.0f} tok/s, MFU "
                     f"{100 * row['mfu']:.1f}%, peak {row['peak_gib']:.1f} GiB")

@@ -30,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from minipar.model import GPTConfig
-from minipar.parallel.pp import partition_layers
 from minipar.parallel.schedules import (  # UNIT_COST, action_cost: re-exported
     COMPUTE,
     UNIT_COST,
@@ -44,7 +43,11 @@ from minipar.parallel.schedules import (  # UNIT_COST, action_cost: re-exported
     schedule_shape,
 )
 from minipar.theory.models import get_model
-from minipar.theory.params import head_flops_per_token, layer_flops_per_token
+from minipar.theory.params import (
+    head_flops_per_token,
+    layer_flops_per_token,
+    partition_layers,
+)
 
 
 class Span(NamedTuple):
@@ -165,7 +168,7 @@ def bubble_fraction_formula(schedule: str, pp: int, microbatches: int,
 
 # --- unequal stages: what each chunk of a real model costs -----------------------------
 def chunk_flops(cfg: GPTConfig | str, pp: int, virtual: int = 1,
-                recompute: str = "none") -> list[float]:
+                recompute: str = "none", head_layers: int = 0) -> list[float]:
     """Training FLOPs per token (forward + backward) of each global chunk.
 
     Chunk ``c`` runs its layers of ``partition_layers`` (the pipeline's own split); the
@@ -178,13 +181,14 @@ def chunk_flops(cfg: GPTConfig | str, pp: int, virtual: int = 1,
     """
     cfg = get_model(cfg)
     layer = layer_flops_per_token(cfg, recompute)
-    flops = [len(r) * layer for r in partition_layers(cfg.n_layer, pp * virtual)]
+    chunks = partition_layers(cfg.n_layer, pp * virtual, head_layers)
+    flops = [len(r) * layer for r in chunks]
     flops[-1] += head_flops_per_token(cfg)
     return flops
 
 
 def chunk_weights(cfg: GPTConfig | str, pp: int, virtual: int = 1,
-                  recompute: str = "none") -> list[float]:
+                  recompute: str = "none", head_layers: int = 0) -> list[float]:
     """``chunk_flops`` over their mean: weights for ``simulate(..., chunk_weight=...)``.
 
     Normalised to mean 1, so a step's total work is the unit simulation's and only its
@@ -194,7 +198,7 @@ def chunk_weights(cfg: GPTConfig | str, pp: int, virtual: int = 1,
     attention products have no weight gradient, so its real B is a bit over half its
     backward; the unit costs ignore that for every chunk alike.)
     """
-    flops = chunk_flops(cfg, pp, virtual, recompute)
+    flops = chunk_flops(cfg, pp, virtual, recompute, head_layers)
     mean = sum(flops) / len(flops)
     return [f / mean for f in flops]
 

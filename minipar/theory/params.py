@@ -119,10 +119,10 @@ def partition_layers(n_layer: int, n_chunks: int, head_layers: int = 0) -> list[
 
 
 def head_layers_for(cfg: GPTConfig | str, recompute: str = "none") -> int:
-    """The ``head_layers`` that balances a pipeline: the head and loss's FLOPs a token
-    (forward and backward, 6 V h) in layers' (``layer_flops_per_token``), rounded."""
+    """The ``head_layers`` that balances a pipeline: the head's FLOPs a token (forward
+    and backward, ``head_flops_per_token``) in layers' (``layer_flops_per_token``)."""
     cfg = get_model(cfg)
-    return round(6 * cfg.vocab_size * cfg.d_model / layer_flops_per_token(cfg, recompute))
+    return round(head_flops_per_token(cfg) / layer_flops_per_token(cfg, recompute))
 
 
 def stage_layers(n_layer: int, pp: int = 1, stage: int = 0, virtual: int = 1,
