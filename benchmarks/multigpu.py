@@ -1106,7 +1106,8 @@ def predict(run: Run) -> None:
             m = lay.get("microbatches", 1)
             knobs = dict(zero=lay.get("zero", 0), schedule=lay.get("schedule", "1f1b"),
                          virtual=lay.get("virtual", 1), sp=lay.get("sp", False),
-                         recompute=lay.get("recompute", "none"))
+                         recompute=lay.get("recompute", "none"),
+                         head_layers=lay.get("head_layers", 0))
         else:
             spec = r["spec"]
             dp = world if r["impl"] in ("ddp", "fsdp2") else 1
@@ -1117,7 +1118,8 @@ def predict(run: Run) -> None:
                          schedule=spec.get("schedule", "1f1b") if pp > 1 else "1f1b",
                          # torch's zero-bubble peer loops 2 chunks; predicted as ZB-H1
                          virtual=2 if spec.get("schedule") == "interleaved" else 1,
-                         recompute="full" if spec.get("recompute") else "none")
+                         recompute="full" if spec.get("recompute") else "none",
+                         head_layers=spec.get("head_layers", 0))
         mc = get_config(r["model"]).with_(**r.get("spec", {}).get("overrides", {}))
         try:
             est = evaluate(mc, _cluster(run, world), tp, pp, dp,

@@ -21,12 +21,15 @@ Unit times assume equal stages; a real split is not: the last chunk also runs th
 norm, head and loss (for gpt-1.3b about 1.8 layers' FLOPs), so every other rank waits
 for it. ``chunk_weights`` gives each chunk's share of the FLOPs from the model config and
 ``simulate(..., chunk_weight=...)`` scales every action by its chunk's weight. The closed
-forms, like Narayanan et al. (arXiv 2104.04473, section 2.2), assume balanced stages.
+forms, like Narayanan et al. (arXiv 2104.04473, section 2.2), assume balanced stages; the
+planner prices a step with ``pipeline_seconds``: the schedule simulated on each chunk's
+seconds (``theory.rates.chunk_seconds``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 from minipar.model import GPTConfig
@@ -180,11 +183,17 @@ def chunk_flops(cfg: GPTConfig | str, pp: int, virtual: int = 1,
     figures understate the last chunk's time somewhat.
     """
     cfg = get_model(cfg)
-    layer = layer_flops_per_token(cfg, recompute)
-    chunks = partition_layers(cfg.n_layer, pp * virtual, head_layers)
-    flops = [len(r) * layer for r in chunks]
-    flops[-1] += head_flops_per_token(cfg)
-    return flops
+    return chunk_costs(cfg.n_layer, pp * virtual, layer_flops_per_token(cfg, recompute),
+                       head_flops_per_token(cfg), head_layers)
+
+
+def chunk_costs(n_layer: int, n_chunks: int, layer: float, head: float,
+                head_layers: int = 0) -> list[float]:
+    """Each chunk's cost (FLOPs, seconds, ...): its layers of ``partition_layers`` at
+    ``layer`` each, and ``head`` on the last chunk."""
+    costs = [len(r) * layer for r in partition_layers(n_layer, n_chunks, head_layers)]
+    costs[-1] += head
+    return costs
 
 
 def chunk_weights(cfg: GPTConfig | str, pp: int, virtual: int = 1,
@@ -209,6 +218,44 @@ def stage_cost_bubble(schedule: str, pp: int, microbatches: int, virtual: int = 
     stages, the unit-cost figure; ``p2p`` in units of a mean chunk's forward)."""
     actions = make_schedule(schedule, pp, microbatches, virtual)
     return bubble_stats(simulate(actions, p2p=p2p, chunk_weight=weights))["bubble_fraction"]
+
+
+def pipeline_seconds(schedule: str, pp: int, microbatches: int, virtual: int,
+                     seconds: Sequence[float]) -> tuple[float, float]:
+    """(compute, step) of a pipeline whose global chunks take ``seconds`` per micro-batch
+    (forward + backward, e.g. ``rates.chunk_seconds``): the busiest rank's compute and
+    the makespan of the schedule's timeline, so step - compute is that rank's bubble.
+
+    The simulation runs the schedule itself, so an uneven split (the head on the last
+    chunk) is counted once: the slowest stage paces the steady state and the others'
+    warm-up and cool-down add what the timeline says, not a closed form's (p-1)/m of
+    the slowest stage. Without a pipeline the micro-batches just run one after another.
+    """
+    busy = microbatches * max(sum(seconds[r::pp]) for r in range(pp))  # chunk c: rank c % pp
+    if pp == 1:
+        return busy, busy
+    # The idle time is the warm-up's and the cool-down's: past 4 pp micro-batches it no
+    # longer grows (tests/test_planner.py checks), so longer pipelines are simulated at
+    # 4 pp. The timeline scales with the seconds: simulated over their largest, rounded,
+    # one run serves the planner's many layouts of one shape.
+    top = max(seconds)
+    weights = tuple(round(x / top, 6) for x in seconds)
+    return busy, busy + top * _idle(schedule, pp, min(microbatches, 4 * pp), virtual, weights)
+
+
+_actions = lru_cache(maxsize=256)(make_schedule)  # read only: one list per shape
+
+
+@lru_cache(maxsize=4096)
+def _idle(schedule: str, pp: int, microbatches: int, virtual: int,
+          weights: tuple[float, ...]) -> float:
+    """The busiest rank's idle time in the simulated timeline, chunks at ``weights``
+    (a chunk's F + B, or F + B + W, in the units of the weights)."""
+    per_unit = UNIT_COST["F"] + UNIT_COST["B"]  # a chunk's F + B in unit costs
+    timeline = simulate(_actions(schedule, pp, microbatches, virtual),
+                        chunk_weight=[w / per_unit for w in weights])
+    busy = max(sum(s.end - s.start for s in row) for row in timeline)
+    return bubble_stats(timeline)["step_time"] - busy
 
 
 # --- activation memory ---------------------------------------------------------------

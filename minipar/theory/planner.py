@@ -5,8 +5,7 @@ parallel sizes with tp * pp * dp * cp = GPUs (cp > 1 only for sequences long eno
 each rank keeps ``min_cp_tokens`` or more), a ZeRO stage, a micro-batch size (which
 fixes the number of micro-batches m = global batch / (dp * b)), a pipeline schedule,
 sequence parallelism and activation recomputation. The planner enumerates them, drops
-the impossible ones (with the reason), estimates the step time of the rest and sorts
-them.
+the impossible ones (with the reason), estimates the step time of the rest, sorts them.
 
 The step-time model is deliberately simple, so that every term can be read and argued
 with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
@@ -16,7 +15,8 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                tp share when calibrated (``theory.rates``), else at the matmul rate
                (data sheet or measured) times ``matmul_efficiency``; plus each micro-
                batch's gradients added into the fp32 buffer, when measured
-    bubble   = compute * bubble ratio of the schedule ((p-1)/m for 1F1B, ...)
+    bubble   = the schedule's timeline with each pipeline chunk at its own seconds (the
+               last one runs the head), less the busiest GPU's compute
     tp, pp   = every call exposed (tp collectives, each micro-batch's send and recv):
                its measured time at its payload, else wire bytes / bandwidth +
                latency; with sp, plus its measured extra launch cost per layer
@@ -46,15 +46,15 @@ from functools import lru_cache
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
-from minipar.theory.bubble import bubble_ratio_formula
+from minipar.theory.bubble import pipeline_seconds
 from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
-from minipar.theory.memory import memory_breakdown
+from minipar.theory.memory import memory_per_stage
 from minipar.theory.models import get_model
 from minipar.theory.offload import offload_seconds
 from minipar.theory.params import model_flops_per_token
-from minipar.theory.rates import call_seconds, compute_seconds, optimizer_seconds, sp_seconds
+from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds, sp_seconds
 
 TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload", "update")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
@@ -85,6 +85,7 @@ class Layout:
     fits: bool = True
     cp: int = 1
     offload: bool = False
+    head_layers: int = 0  # the last pipeline chunk's layers fewer (``partition_layers``)
 
     @property
     def step_time(self) -> float:
@@ -94,7 +95,8 @@ class Layout:
         sched = "" if self.pp == 1 else (
             f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else ""))
         extras = (" sp" if self.sp else "") + (
-            f" recompute={self.recompute}" if self.recompute != "none" else "")
+            f" recompute={self.recompute}" if self.recompute != "none" else "") + (
+            f" head-layers={self.head_layers}" if self.head_layers else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero} "
                 f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}"
@@ -139,11 +141,12 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
              recompute: str = "none", *, dtype: str = "bf16", optimizer: str = "adam",
              matmul_efficiency: float = 0.7, memory_fraction: float = 0.9,
              accounting: str = "korthikanti", order: str = "megatron",
-             overlap: bool = True, cp: int = 1, offload: bool = False) -> Layout:
+             overlap: bool = True, cp: int = 1, offload: bool = False,
+             head_layers: int = 0) -> Layout:
     """Memory and step-time estimate of one layout (raises ValueError if it cannot be
     built at all: sizes that do not divide). ``fits`` says whether it fits in
     ``memory_fraction`` of a GPU's memory (the rest for the CUDA context, buffers and
-    fragmentation)."""
+    fragmentation). ``head_layers``: the last chunk's layers fewer (``partition_layers``)."""
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     if tp * pp * dp * cp != cluster.gpus:
         raise ValueError(f"tp*pp*dp*cp = {tp * pp * dp * cp} is not the cluster's "
@@ -156,34 +159,31 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     sp = sp and tp > 1
     common = dict(dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype, microbatch_size=microbatch_size,
                   microbatches=m, schedule=schedule, sp=sp, recompute=recompute)
-    mem = memory_breakdown(cfg, optimizer=optimizer, virtual=virtual, accounting=accounting,
-                           cp=cp, offload=offload, **common)
+    mem = max(memory_per_stage(cfg, optimizer=optimizer, virtual=virtual, cp=cp,
+                               accounting=accounting, offload=offload, head_layers=head_layers,
+                               stages=sorted({0, pp - 1}), **common), key=lambda r: r["total"])
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, **common)
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
 
-    tokens = global_batch * cfg.seq_len
-    peak = cluster.peak_flops
-    shape = (tp, pp, cp, microbatch_size, m, recompute)
-    compute = compute_seconds(cfg, cluster, *shape, matmul_efficiency, mem["n_params"])
-    bubble = compute * bubble_ratio_formula(schedule, pp, m, virtual) if pp > 1 else 0.0
-
+    chunks = chunk_seconds(cfg, cluster, tp, pp, cp, microbatch_size, recompute,
+                           matmul_efficiency, virtual, head_layers)
+    compute, step = pipeline_seconds(schedule, pp, m, virtual, tuple(chunks))
+    bubble = step - compute  # the busiest rank's idle time in the simulated schedule
     group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp}  # pp: a send-recv pair
 
     def spans(dim: str) -> bool:
         n = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp}[dim]
-        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node,
-                                            cp)
+        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node, cp)
 
     t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d]) for d in ("tp", "cp", "pp")}
     if sp:  # the host's cost of sp's extra launches, measured per layer
-        t["tp"] += sp_seconds(cfg, cluster, *shape)
+        t["tp"] += sp_seconds(cfg, cluster, tp, pp, cp, microbatch_size, m, recompute)
     fp32_grads = 2.0 if dtype == "bf16" else 1.0  # the volume counts 16-bit gradients
     dp_ops = {op: _op_seconds(op, x, cluster, spans("dp"), group["dp"], fp32_grads if op
                               in ("all_reduce", "reduce_scatter") else 1.0)
               for op, x in vol.get("dp", {}).items()}
-    t["dp"] = _exposed_dp(dp_ops, compute, m, zero, recompute) if overlap else \
-        sum(dp_ops.values())
+    t["dp"] = _exposed_dp(dp_ops, compute, m, zero, recompute) if overlap else sum(dp_ops.values())
     if cp > 1:  # the ring hides behind the block compute once the local shard is long
         bw = cluster.link("send", spans("cp"))[0]
         e = 2 if dtype == "bf16" else 4
@@ -194,13 +194,14 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     t["update"] = 0.0 if offload else optimizer_seconds(cluster, n, shards, zero)
     time = {"compute": compute, "bubble": bubble, **t}
     time["step"] = sum(time[k] for k in TIME_KEYS)
-    achieved = model_flops_per_token(cfg) * tokens / time["step"]
+    mfu = (model_flops_per_token(cfg) * global_batch * cfg.seq_len / time["step"]
+           / (cluster.gpus * cluster.peak_flops))
     traffic = {d: sum(x["wire_bytes"] for x in vol.get(d, {}).values())
                for d in ("tp", "cp", "pp", "dp")}
     return Layout(tp, pp, dp, zero, microbatch_size, m, schedule, virtual, sp, recompute,
-                  memory=mem, time=time, traffic=traffic, mfu=achieved / (cluster.gpus * peak),
-                  fits=mem["total"] <= memory_fraction * cluster.gpu_memory, cp=cp,
-                  offload=offload)
+                  memory=mem, time=time, traffic=traffic, mfu=mfu, cp=cp, offload=offload,
+                  fits=mem["total"] <= memory_fraction * cluster.gpu_memory,
+                  head_layers=head_layers)
 
 
 def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,

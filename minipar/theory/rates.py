@@ -33,8 +33,9 @@ import math
 
 from minipar.comm import wire_bytes
 from minipar.model import GPTConfig
+from minipar.theory.bubble import chunk_costs
 from minipar.theory.clusters import Cluster
-from minipar.theory.params import head_flops_per_token, layer_flops_per_token
+from minipar.theory.params import head_flops_per_token, layer_flops_per_token, stage_params
 
 
 def interp_log(x: float, xs: list[float], ys: list[float]) -> float:
@@ -93,23 +94,26 @@ def call_seconds(curves: tuple, op: str, payload: float, group: int) -> float | 
     return wire_bytes(op, int(payload), group) / bandwidth
 
 
-def compute_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
-                    microbatch_size: int, m: int, recompute: str,
-                    efficiency: float, n_params: int = 0) -> float:
-    """Compute seconds per step of the busiest GPU: with pp > 1 the last stage, which
-    runs the head besides its layers (the pipeline moves at its pace). Layers at the
-    measured block pace of this micro-batch's tokens and tp share (recomputation adds
-    its FLOPs at that pace), the head and loss at theirs; without a measured pace, at
-    the matmul rate times ``efficiency``. Each micro-batch also adds the gradients of
-    this rank's ``n_params`` into the fp32 buffer, at the measured pace (0 without)."""
+def chunk_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
+                  microbatch_size: int, recompute: str, efficiency: float,
+                  virtual: int = 1, head_layers: int = 0) -> list[float]:
+    """Seconds of one micro-batch's forward + backward on each of the ``pp * virtual``
+    pipeline chunks (one with pp = 1): its layers (``partition_layers``) at the measured
+    block pace of this micro-batch's tokens and tp share (recomputation adds its FLOPs at
+    that pace), the last chunk's head and loss at theirs; without a measured pace, at the
+    matmul rate times ``efficiency``. Each micro-batch also adds the gradients of the
+    chunk's rank (a stage's parameters, spread over its chunks) into the fp32 buffer, at
+    the measured pace (0 without). ``bubble.pipeline_seconds`` runs the schedule on them."""
     tokens = microbatch_size * cfg.seq_len // cp  # a rank's tokens per micro-batch
     slow = cluster.matmul_rate * efficiency
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
     head_rate = block_flops(cluster.head_rates, cfg.d_model, tokens, tp) or slow
-    layers = layer_flops_per_token(cfg, recompute) * cfg.n_layer / pp
-    head = head_flops_per_token(cfg)
-    accumulate = n_params * cluster.accumulate_s_per_param
-    return m * (tokens / tp * (layers / rate + head / head_rate) + accumulate)
+    per_token = chunk_costs(cfg.n_layer, pp * virtual, layer_flops_per_token(cfg, recompute)
+                            / rate, head_flops_per_token(cfg) / head_rate, head_layers)
+    acc = cluster.accumulate_s_per_param / virtual  # 0 unmeasured: skip the counting
+    accumulate = [acc and acc * stage_params(cfg, pp, tp, s, virtual, head_layers)
+                  for s in range(pp)]
+    return [tokens / tp * t + accumulate[c % pp] for c, t in enumerate(per_token)]
 
 
 def stepped_params(n_params: int, shards: int, zero: int) -> int:
