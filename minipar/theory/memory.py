@@ -342,7 +342,6 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             row["params"], row["grads"] = (shard * pw if offload else 0), shard * 4
         if offload:
             from minipar.theory.offload import zero_offload_memory
-
             states = state_bytes("fp32", optimizer)[2]  # the moments, fp32, on the host
             row["host"] = zero_offload_memory(n, pw, states, dp * cp, zero)["host"]
             row["optimizer"] = 0  # master shard, states and step on the host
@@ -351,6 +350,8 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             ws = loss_workspace(cfg, microbatch_size, tp, accounting, cp) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
             row["total"] += row["loss_workspace"]
+            if zero == 3 and microbatches == 1:  # backward frees a layer's activations as
+                row["total"] -= min(row["grads"], row["activations"])  # its shard appears
         out.append(row)
     return out
 
