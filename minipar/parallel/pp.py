@@ -3,7 +3,7 @@
 **Stages.** ``build_stage(model, pp_rank, pp, virtual)`` splits the ``n_layer`` blocks
 into ``pp * virtual`` chunks of consecutive layers (uneven counts: the first chunks take
 one more; ``head_layers`` k gives the last chunk, which also runs the head and the loss,
-k layers fewer: ``theory.params.partition_layers``), and gives rank ``r`` the chunks
+k layers fewer: ``partition_layers``), and gives rank ``r`` the chunks
 ``r, r + pp, ...`` (Megatron's virtual stages, arXiv 2104.04473). Each chunk is a
 ``PipelineStage``: an ``nn.Module`` that owns exactly its layers, under the reference
 model's names (``blocks.5.mlp.fc.weight``: ``blocks`` is keyed by the global layer
@@ -32,7 +32,6 @@ from minipar.comm import Comm
 from minipar.model import GPT, embed_tokens
 from minipar.parallel.executor import ActionRecord, PipelineExecutor, StepResult
 from minipar.parallel.schedules import rank_of
-from minipar.theory.params import partition_layers  # the one split rule (theory's too)
 
 __all__ = ["partition_layers", "split_report", "PipelineStage", "build_stage",
            "StageLayers", "tied_copy", "tied_parameters", "sync_tied_grads",
@@ -40,6 +39,24 @@ __all__ = ["partition_layers", "split_report", "PipelineStage", "build_stage",
 
 
 # --- stages --------------------------------------------------------------------------
+
+
+def partition_layers(n_layer: int, n_chunks: int, head_layers: int = 0) -> list[range]:
+    """Consecutive layer ranges of ``n_chunks`` pipeline chunks; the first chunks take the
+    rest. ``head_layers`` k: the last chunk's final norm, LM head and loss count as k
+    layers, so the split is even over ``n_layer + k`` and the last chunk holds k fewer
+    (Megatron's ``account_for_loss_in_pipeline_split``, torchtitan's output weight): a
+    stage with the head is otherwise the pipeline's slowest."""
+    if n_chunks < 1:
+        raise ValueError(f"need at least one chunk, got {n_chunks}")
+    base, extra = divmod(n_layer + head_layers, n_chunks)
+    sizes = [base + (1 if i < extra else 0) for i in range(n_chunks)]
+    sizes[-1] -= head_layers
+    if head_layers < 0 or sizes[-1] < 0:
+        raise ValueError(f"--head-layers {head_layers} must be 0 or more and leave the last "
+                         f"of {n_chunks} chunks 0 or more of the {n_layer} layers")
+    starts = [sum(sizes[:i]) for i in range(n_chunks)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
 def split_report(n_layer: int, pp: int, virtual: int = 1, head_layers: int = 0) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minipar.model import GPTConfig
+from minipar.parallel.pp import partition_layers  # the pipeline's own split rule
 from minipar.theory.models import get_model
 
 SECONDS_PER_DAY = 86400.0
@@ -98,24 +99,6 @@ def check_divisible(cfg: GPTConfig | str, tp: int = 1) -> None:
     for name in ("n_head", "d_ff", "vocab_size"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}")
-
-
-def partition_layers(n_layer: int, n_chunks: int, head_layers: int = 0) -> list[range]:
-    """Consecutive layer ranges of ``n_chunks`` pipeline chunks; the first chunks take the
-    rest. ``head_layers`` k: the last chunk's final norm, LM head and loss count as k
-    layers, so the split is even over ``n_layer + k`` and the last chunk holds k fewer
-    (Megatron's ``account_for_loss_in_pipeline_split``, torchtitan's output weight): a
-    stage with the head is otherwise the pipeline's slowest."""
-    if n_chunks < 1:
-        raise ValueError(f"need at least one chunk, got {n_chunks}")
-    base, extra = divmod(n_layer + head_layers, n_chunks)
-    sizes = [base + (1 if i < extra else 0) for i in range(n_chunks)]
-    sizes[-1] -= head_layers
-    if head_layers < 0 or sizes[-1] < 0:
-        raise ValueError(f"--head-layers {head_layers} must be 0 or more and leave the last "
-                         f"of {n_chunks} chunks 0 or more of the {n_layer} layers")
-    starts = [sum(sizes[:i]) for i in range(n_chunks)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
 def head_layers_for(cfg: GPTConfig | str, recompute: str = "none") -> int:
