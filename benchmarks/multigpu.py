@@ -944,7 +944,7 @@ def section_big(run: Run) -> None:
             layout = dict(dp=lay.dp, pp=lay.pp, tp=lay.tp, zero=lay.zero, sp=lay.sp,
                           microbatches=lay.microbatches, recompute=lay.recompute,
                           schedule=lay.schedule if lay.pp > 1 else "1f1b",
-                          virtual=lay.virtual)
+                          virtual=lay.virtual, head_layers=lay.head_layers)
             try:
                 validate(TrainConfig(model=model, backend=run.backend, batch_size=batch,
                                      dtype="bf16", **layout))  # as the rows run it
@@ -1006,7 +1006,8 @@ def cli_flags(layout: dict) -> list[str]:
                                       and value == 1) or (key, value) in (
                 ("zero", 0), ("recompute", "none"), ("schedule", "1f1b")):
             continue
-        flags += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
     return flags
 
 

@@ -15,8 +15,8 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                tp share when calibrated (``theory.rates``), else at the matmul rate
                (data sheet or measured) times ``matmul_efficiency``; plus each micro-
                batch's gradients added into the fp32 buffer, when measured
-    bubble   = the schedule's timeline with each pipeline chunk at its own seconds (the
-               last one runs the head), less the busiest GPU's compute
+    bubble   = the schedule's timeline with each chunk at its own seconds (the last runs
+               the head; pp > 1 splits ``head_layers_for``), less the busiest's compute
     tp, pp   = every call exposed (tp collectives, each micro-batch's send and recv):
                its measured time at its payload, else wire bytes / bandwidth +
                latency; with sp, plus its measured extra launch cost per layer
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
@@ -53,7 +53,7 @@ from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.memory import memory_per_stage
 from minipar.theory.models import get_model
 from minipar.theory.offload import offload_seconds
-from minipar.theory.params import model_flops_per_token
+from minipar.theory.params import head_layers_for, model_flops_per_token
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds, sp_seconds
 
 TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload", "update")
@@ -319,14 +319,14 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                 m = local // b
                 for schedule, v in _schedules(schedules, cfg, pp, m):
                     for zero in zero_stages:
-                        for rc in recomputes:
-                            lay = evaluate(cfg, cluster, tp, pp, dp, zero, b, global_batch,
-                                           schedule, v, sp and tp > 1, rc, cp=cp,
-                                           **settings)
+                        for rc in recomputes:  # pp: stages balanced for the head
+                            k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
+                            price = partial(evaluate, cfg, cluster, tp, pp, dp, zero, b,
+                                            global_batch, schedule, v, sp and tp > 1, rc,
+                                            cp=cp, head_layers=k, **settings)
+                            lay = price()
                             if not lay.fits and offload:
-                                lay = evaluate(cfg, cluster, tp, pp, dp, zero, b,
-                                               global_batch, schedule, v, sp and tp > 1,
-                                               rc, cp=cp, offload=True, **settings)
+                                lay = price(offload=True)
                             if lay.fits:
                                 layouts.append(lay)
                             else:
