@@ -234,7 +234,8 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, **layout) -> int:
                             max(1, cfg.batch_size // (c["dp"] * c["microbatches"])),
                             c["microbatches"], c["schedule"], c["sp"], c["recompute"],
                             virtual=c["virtual"], accounting="fused", cp=c["cp"],
-                            offload=c["offload"], head_layers=c["head_layers"])
+                            offload=c["offload"], head_layers=c["head_layers"],
+                            grad_dtype=cfg.grad_dtype)
     return max(r["total"] for r in rows)
 
 

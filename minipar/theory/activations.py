@@ -5,13 +5,16 @@ keeps for backward with tensor and sequence parallelism. ``activation_elements_p
 counts it for minipar's own layers (``minipar.parallel.tp``, fused attention, no
 dropout); ``minipar.meter.saved_tensor_elements`` measures the same thing on a real layer,
 and the tests hold the two equal. ``deferred_weight_grad_bytes``: what ZB-H1's split
-backward keeps in addition, until a layer's weight-gradient pass.
+backward keeps in addition, until a layer's weight-gradient pass. ``loss_workspace``:
+the loss backward's fp32 transients on the last stage.
 """
 
 from __future__ import annotations
 
 from minipar.model import GPTConfig
 from minipar.theory.models import get_model
+
+ACCOUNTINGS = ("korthikanti", "fused")
 
 
 def activation_elements_per_layer(cfg: GPTConfig, batch: int, tp: int,
@@ -50,3 +53,26 @@ def deferred_weight_grad_bytes(cfg: GPTConfig | str, microbatch_size: int = 1, t
     h, f = cfg.d_model, cfg.d_ff
     width = (3 * h + f) / tp + 2 * h / (tp if sp else 1)
     return e * cfg.seq_len * microbatch_size * width
+
+
+def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
+                   accounting: str = "korthikanti", cp: int = 1) -> float:
+    """Bytes the loss's backward allocates on the last stage while all activations live.
+
+    ``minipar.model.GPT.loss`` is ``cross_entropy(logits.float())``: its forward stores
+    the fp32 log-softmax (``edge_activations``' logits term), and its backward first
+    makes the fp32 gradient of the log-probabilities (nll_loss's backward, dense), then
+    from it the fp32 gradient of the logits: 3 x 4 s b V bytes exist at once, at the
+    very start of the backward, when no activation has been freed yet. A transient
+    (an activation meter that counts saved tensors does not see it), but it sets the
+    peak: ``accounting="fused"`` counts the two gradients, 8 s b V / (t cp) bytes (the
+    logits are split over tp by a vocabulary-parallel head; a cp rank's loss covers its
+    s / cp tokens only, ``parallel.cp_plan``). The paper's accounting stops at what is
+    stored: 0 there.
+    """
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    if accounting != "fused":
+        return 0.0
+    cfg = get_model(cfg)
+    return 2 * (cfg.seq_len // cp) * microbatch_size * cfg.vocab_size * 4 / tp

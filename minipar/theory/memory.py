@@ -30,7 +30,11 @@ from __future__ import annotations
 import math
 
 from minipar.model import GPTConfig
-from minipar.theory.activations import deferred_weight_grad_bytes
+from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-exported
+    ACCOUNTINGS,
+    deferred_weight_grad_bytes,
+    loss_workspace,
+)
 from minipar.theory.context import ring_kept_bytes
 from minipar.theory.models import get_model
 from minipar.theory.params import check_divisible, stage_layers, stage_params
@@ -47,7 +51,6 @@ _ALIASES = {"adamw": "adam", "fp16": "bf16"}
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-ACCOUNTINGS = ("korthikanti", "fused")
 
 
 def _act_bytes(dtype: str) -> int:
@@ -195,29 +198,6 @@ def edge_activations(cfg: GPTConfig | str, where: str, microbatch_size: int = 1,
     raise ValueError(f"where must be 'first' or 'last', got {where!r}")
 
 
-def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
-                   accounting: str = "korthikanti", cp: int = 1) -> float:
-    """Bytes the loss's backward allocates on the last stage while all activations live.
-
-    ``minipar.model.GPT.loss`` is ``cross_entropy(logits.float())``: its forward stores
-    the fp32 log-softmax (``edge_activations``' logits term), and its backward first
-    makes the fp32 gradient of the log-probabilities (nll_loss's backward, dense), then
-    from it the fp32 gradient of the logits: 3 x 4 s b V bytes exist at once, at the
-    very start of the backward, when no activation has been freed yet. A transient
-    (an activation meter that counts saved tensors does not see it), but it sets the
-    peak: ``accounting="fused"`` counts the two gradients, 8 s b V / (t cp) bytes (the
-    logits are split over tp by a vocabulary-parallel head; a cp rank's loss covers its
-    s / cp tokens only, ``parallel.cp_plan``). The paper's accounting stops at what is
-    stored: 0 there.
-    """
-    if accounting not in ACCOUNTINGS:
-        raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
-    if accounting != "fused":
-        return 0.0
-    cfg = get_model(cfg)
-    return 2 * (cfg.seq_len // cp) * microbatch_size * cfg.vocab_size * 4 / tp
-
-
 def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
              virtual: int = 1) -> int:
     """Peak number of micro-batches (model chunks, when interleaved) whose forward has
@@ -286,6 +266,24 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
 
 
 # --- the whole picture -------------------------------------------------------------------
+def _minipar_grads(row: dict, n: int, parts: int, zero: int, dtype: str, grad_dtype: str,
+                   microbatches: int) -> int:
+    """Make ``row["grads"]`` the gradient buffers minipar holds (``accounting="fused"``),
+    and return the change to ``row["total"]``. ZeRO 0-2 sum micro-batches in
+    ``grad_dtype`` (fp32 by default: 4 bytes, not the paper's 2) and ZeRO-2 and 3 keep
+    an fp32 shard. Only ZeRO-1's full buffer lives across steps; the others are made in
+    the backward, as it frees activations: with one micro-batch the peak holds the
+    larger of the two, with more the first micro-batch's gradients wait through the
+    next forwards (2 and 4 x H100/H200: every dp, 1F1B and interleaved row within 3%)."""
+    if zero < 3 and state_bytes(dtype)[0] < 4:
+        per = 4 if grad_dtype == "fp32" else 2
+        row["grads"] = (math.ceil(n / parts) * 4 if zero == 2 else n * per)
+    held = row["grads"] + row["activations"]
+    if zero != 1 and microbatches == 1:
+        held = max(row["grads"], row["activations"])
+    return held - (row["total"] - row["params"] - row["optimizer"])
+
+
 def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
                      tp: int = 1, zero: int = 0, dtype: str = "bf16",
                      optimizer: str = "adam", microbatch_size: int = 1,
@@ -293,7 +291,8 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      recompute: str = "none", *, params: int | None = None,
                      virtual: int = 1, accounting: str = "korthikanti",
                      stages: list[int] | None = None, cp: int = 1,
-                     offload: bool = False, head_layers: int = 0) -> list[dict]:
+                     offload: bool = False, head_layers: int = 0,
+                     grad_dtype: str = "fp32") -> list[dict]:
     """``memory_breakdown`` for each pipeline stage (or the listed ``stages``); every
     data-, tensor- and context-parallel rank of a stage holds the same (up to ZeRO
     padding).
@@ -349,9 +348,9 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
             ws = loss_workspace(cfg, microbatch_size, tp, accounting, cp) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
-            row["total"] += row["loss_workspace"]
-            if zero == 3 and microbatches == 1:  # backward frees a layer's activations as
-                row["total"] -= min(row["grads"], row["activations"])  # its shard appears
+            row["total"] += row["loss_workspace"] + _minipar_grads(row, n, dp * cp, zero,
+                                                                    dtype, grad_dtype,
+                                                                    microbatches)
         out.append(row)
     return out
 
