@@ -241,27 +241,28 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
                       recompute: str = "none", dtype: str = "bf16",
                       accounting: str = "korthikanti", cp: int = 1,
                       head_layers: int = 0) -> float:
-    """Peak activation bytes on one rank of pipeline stage ``stage``:
-    per-layer bytes x layers per chunk x chunks in flight, plus the embedding terms on
-    the first stage and the head terms on the last, each times its micro-batches in
-    flight (with interleaving, chunks in flight / v: the approximation Megatron's
-    estimator uses too; with uneven chunks, their mean size)."""
+    """Peak activation bytes on one rank of pipeline stage ``stage``: per-layer bytes x
+    layers per chunk x chunks in flight (interleaved: chunks in flight / v, as Megatron's
+    estimator; uneven chunks: their mean size), plus the embedding terms on the first
+    stage and the head terms on the last, times its micro-batches in flight."""
     cfg = get_model(cfg)
     check_divisible(cfg, tp)
     per_layer = sum(layer_activations(cfg, microbatch_size, tp, sp, recompute, dtype,
                                       accounting, cp).values())
     chunks = inflight(schedule, pp, microbatches, stage, virtual)
-    if schedule == "zb":  # what waits for a deferred W pass, besides the layer inputs
-        per_layer += deferred_weight_grad_bytes(cfg, microbatch_size, tp, sp, dtype)
-    total = per_layer * stage_layers(cfg.n_layer, pp, stage, virtual,
-                                     head_layers) / virtual * chunks
+    layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) / virtual
+    total = per_layer * layers * chunks
+    if schedule == "zb":  # output gradients wait for W: stage s has s + 1 W passes pending
+        pending = min(microbatches, stage + 1)
+        total += deferred_weight_grad_bytes(cfg, microbatch_size, tp, sp, dtype) * layers * pending
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
         total += whole * sum(edge_activations(cfg, "first", microbatch_size, tp, sp, dtype,
                                               accounting).values())
-    if stage == pp - 1:
-        total += whole * sum(edge_activations(cfg, "last", microbatch_size, tp, sp, dtype,
-                                              accounting).values())
+    if stage == pp - 1:  # under ZB-H1 the fp32 logits go with B (1F1B's count): W needs
+        last = edge_activations(cfg, "last", microbatch_size, tp, sp, dtype, accounting)
+        loss = last.pop("logits (fp32, for the loss)")  # only the head's input
+        total += whole * sum(last.values()) + (1 if schedule == "zb" else whole) * loss
     return total
 
 
