@@ -46,8 +46,8 @@ def test_torchrun_world_size_must_match_the_layout() -> None:
         validate(TrainConfig(dp=2, tp=2), world_size=8)
 
 
-FIT_EXAMPLE = ("this run does not fit: gpt2-125m dp=2 pp=1 tp=1 zero=0 fp32 needs 11.3 GiB "
-               "per rank x 2 ranks = 22.6 GiB of host memory, which has 16.0 GiB; --dp 2 "
+FIT_EXAMPLE = ("this run does not fit: gpt2-125m dp=2 pp=1 tp=1 zero=0 fp32 needs 10.8 GiB "
+               "per rank x 2 ranks = 21.7 GiB of host memory, which has 16.0 GiB; --dp 2 "
                "--pp 1 --tp 1 --zero 0 --microbatches 2 would need 6.7 GiB per rank")
 
 
@@ -79,6 +79,6 @@ def test_per_gpu_memory_decides_under_cuda(monkeypatch) -> None:
     ok = TrainConfig(tp=4, sp=True, recompute="full", **big)
     config.check_fits(ok, ok.model_config())
     bad = TrainConfig(dp=4, **big)
-    with pytest.raises(ValueError, match=r"needs 219.2 GiB per rank of memory per GPU, "
+    with pytest.raises(ValueError, match=r"needs 217.3 GiB per rank of memory per GPU, "
                                          r"which has 80.0 GiB; --dp 1 --pp 4"):
         config.check_fits(bad, bad.model_config())

@@ -252,17 +252,18 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
     chunks = inflight(schedule, pp, microbatches, stage, virtual)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) / virtual
     total = per_layer * layers * chunks
-    if schedule == "zb":  # output gradients wait for W: stage s has s + 1 W passes pending
-        pending = min(microbatches, stage + 1)
+    fused = accounting == "fused"  # minipar's ZB-H1: s + 1 W passes pending on stage s,
+    if schedule == "zb":  # each keeping its output gradients; the paper's: all in flight
+        pending = min(microbatches, stage + 1) if fused else chunks
         total += deferred_weight_grad_bytes(cfg, microbatch_size, tp, sp, dtype) * layers * pending
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
         total += whole * sum(edge_activations(cfg, "first", microbatch_size, tp, sp, dtype,
                                               accounting).values())
-    if stage == pp - 1:  # under ZB-H1 the fp32 logits go with B (1F1B's count): W needs
+    if stage == pp - 1:  # minipar's ZB-H1 frees the fp32 logits with B (W needs only the
         last = edge_activations(cfg, "last", microbatch_size, tp, sp, dtype, accounting)
-        loss = last.pop("logits (fp32, for the loss)")  # only the head's input
-        total += whole * sum(last.values()) + (1 if schedule == "zb" else whole) * loss
+        loss = last.pop("logits (fp32, for the loss)")  # head's input): 1F1B's one
+        total += whole * sum(last.values()) + (1 if schedule == "zb" and fused else whole) * loss
     return total
 
 
@@ -279,9 +280,8 @@ def _minipar_grads(row: dict, n: int, parts: int, zero: int, dtype: str, grad_dt
     if zero < 3 and state_bytes(dtype)[0] < 4:
         per = 4 if grad_dtype == "fp32" else 2
         row["grads"] = (math.ceil(n / parts) * 4 if zero == 2 else n * per)
-    held = row["grads"] + row["activations"]
-    if zero != 1 and microbatches == 1:
-        held = max(row["grads"], row["activations"])
+    pair = (row["grads"], row["activations"])
+    held = max(pair) if zero != 1 and microbatches == 1 else sum(pair)
     return held - (row["total"] - row["params"] - row["optimizer"])
 
 
