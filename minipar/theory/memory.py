@@ -276,7 +276,7 @@ def _minipar_grads(row: dict, n: int, parts: int, zero: int, dtype: str, grad_dt
     an fp32 shard. Only ZeRO-1's full buffer lives across steps; the others are made in
     the backward, as it frees activations: with one micro-batch the peak holds the
     larger of the two, with more the first micro-batch's gradients wait through the
-    next forwards (2 and 4 x H100/H200: every dp, 1F1B and interleaved row within 3%)."""
+    next forwards (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved rows within 3%)."""
     if zero < 3 and state_bytes(dtype)[0] < 4:
         per = 4 if grad_dtype == "fp32" else 2
         row["grads"] = (math.ceil(n / parts) * 4 if zero == 2 else n * per)
