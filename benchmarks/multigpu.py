@@ -332,8 +332,9 @@ def _calibrate_rank(sizes: list[int], matmul_n: int, blocks: list[tuple],
             t = torch.tensor(windows, dtype=torch.float64,
                              device=device)  # NCCL reduces device tensors only
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # each window's slowest rank
-            out["times"][op].append(statistics.median(t.tolist()))
-            out["spread"][op].append(max(t.tolist()) / min(t.tolist()))
+            slowest = t.tolist()
+            out["times"][op].append(statistics.median(slowest))
+            out["spread"][op].append(max(slowest) / min(slowest))
         comm.log.clear()
     return out
 

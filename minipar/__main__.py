@@ -96,10 +96,9 @@ def train_config(args) -> TrainConfig:
     return TrainConfig(
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
         schedule=args.schedule, virtual=args.virtual, head_layers=args.head_layers,
-        microbatches=args.microbatches,
-        sp=args.sp, recompute=args.recompute, dtype=args.dtype, grad_dtype=args.grad_dtype,
-        steps=args.steps,
-        seed=args.seed, backend=args.backend, batch_size=args.batch_size, lr=args.lr,
+        microbatches=args.microbatches, sp=args.sp, recompute=args.recompute,
+        dtype=args.dtype, grad_dtype=args.grad_dtype, steps=args.steps, seed=args.seed,
+        backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
         ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
         optimizer=args.optimizer, data=args.data, tokenizer=args.tokenizer,

@@ -129,8 +129,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Raise ``ValueError`` (one line) for anything that cannot run. ``world_size``: the
     size of a job started by torchrun, which the layout must fill exactly."""
     from minipar import checks
+    from minipar.parallel.pp import partition_layers
     from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
-    from minipar.theory.params import partition_layers
 
     for name in ("dp", "pp", "tp", "cp", "steps", "microbatches", "virtual", "batch_size"):
         checks.positive(name.replace("_", "-"), getattr(cfg, name))

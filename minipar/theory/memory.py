@@ -268,21 +268,14 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
 
 
 # --- the whole picture -------------------------------------------------------------------
-def _minipar_grads(row: dict, n: int, parts: int, zero: int, dtype: str, grad_dtype: str,
-                   microbatches: int) -> int:
-    """Make ``row["grads"]`` the gradient buffers minipar holds (``accounting="fused"``),
-    and return the change to ``row["total"]``. ZeRO 0-2 sum micro-batches in
-    ``grad_dtype`` (fp32 by default: 4 bytes, not the paper's 2) and ZeRO-2 and 3 keep
-    an fp32 shard. Only ZeRO-1's full buffer lives across steps; the others are made in
-    the backward, as it frees activations: with one micro-batch the peak holds the
-    larger of the two, with more the first micro-batch's gradients wait through the
-    next forwards (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved rows within 3%)."""
-    if zero < 3 and state_bytes(dtype)[0] < 4:
-        per = 4 if grad_dtype == "fp32" else 2
-        row["grads"] = (math.ceil(n / parts) * 4 if zero == 2 else n * per)
-    pair = (row["grads"], row["activations"])
-    held = max(pair) if zero != 1 and microbatches == 1 else sum(pair)
-    return held - (row["total"] - row["params"] - row["optimizer"])
+def _minipar_grads(grads: int, n: int, parts: int, zero: int, dtype: str,
+                   grad_dtype: str) -> int:
+    """The gradient bytes minipar holds (``accounting="fused"``), where the paper's
+    ``grads`` counts 2 under bf16: ZeRO 0-2 sum micro-batches in ``grad_dtype`` (fp32 by
+    default, 4 bytes) and ZeRO-2 keeps an fp32 shard (ZeRO-3's is counted already)."""
+    if zero == 3 or state_bytes(dtype)[0] == 4:
+        return grads
+    return math.ceil(n / parts) * 4 if zero == 2 else n * (4 if grad_dtype == "fp32" else 2)
 
 
 def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
@@ -349,9 +342,14 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
             ws = loss_workspace(cfg, microbatch_size, tp, accounting, cp) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
-            row["total"] += row["loss_workspace"] + _minipar_grads(row, n, dp * cp, zero,
-                                                                    dtype, grad_dtype,
-                                                                    microbatches)
+            row["grads"] = _minipar_grads(row["grads"], n, dp * cp, zero, dtype, grad_dtype)
+            # only ZeRO-1's full buffer lives across steps; the others are made in the
+            # backward as it frees activations: one micro-batch holds the larger of the
+            # two, with more the first's gradients wait through the next forwards
+            # (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved rows within 3%)
+            both = (row["grads"], row["activations"])
+            held = max(both) if zero != 1 and microbatches == 1 else sum(both)
+            row["total"] = row["params"] + row["optimizer"] + held + row["loss_workspace"]
         out.append(row)
     return out
 
