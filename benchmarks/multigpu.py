@@ -534,7 +534,10 @@ def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
              (f"pp{n} 1f1b grad-bf16", dict(pp=n, microbatches=m2, grad_dtype="bf16"),
               ("bf16",)),
              (f"dp{n} zero1 grad-bf16", dict(dp=n, zero=1, microbatches=2,
-                                             grad_dtype="bf16"), ("bf16",))]
+                                             grad_dtype="bf16"), ("bf16",)),
+             (f"pp{n} 1f1b unfused", dict(pp=n, microbatches=m2, wgrad_fusion=False), both),
+             (f"dp{n} zero2 unfused", dict(dp=n, zero=2, microbatches=2,
+                                           wgrad_fusion=False), both)]
     if n >= 4:
         rows += [("dp2 tp2 zero1", dict(dp=2, tp=2, zero=1), both),
                  ("dp2 pp2 zero2", dict(dp=2, pp=2, zero=2, microbatches=2), both),
@@ -844,7 +847,7 @@ def speed_row(run: Run, section: str, name: str, spec: dict, group: str,
     layout = {k: v for k, v in spec.get("cfg", spec).items()
               if k in ("dp", "pp", "tp", "zero", "schedule", "virtual", "microbatches", "sp",
                        "recompute", "batch_size", "overrides", "grad_dtype",
-                       "head_layers")}
+                       "head_layers", "wgrad_fusion")}
     return run.row(section, name, go, group=group, impl=spec["impl"], world=spec["world"],
                    model=spec["model"], batch=spec["batch"], layout=layout,
                    spec={k: v for k, v in spec.items() if k != "cfg"})
@@ -900,6 +903,10 @@ def speed_pp(run: Run) -> None:
             speed_row(run, "speed", f"minipar pp{n} {sched} grad-bf16",
                       minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
                                    schedule=sched, virtual=1, grad_dtype="bf16"), "pp")
+        if sched == "1f1b":  # fp32 sums without the fused weight-gradient GEMM
+            speed_row(run, "speed", f"minipar pp{n} {sched} unfused",
+                      minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
+                                   schedule=sched, wgrad_fusion=False), "pp")
     # balanced stages: the last holds k layers fewer (its head and loss cost ~k), both
     k = head_layers_for(model)
     for sched in ("1f1b", "zb"):

@@ -45,6 +45,9 @@ def _add_train(sub) -> None:
     p.add_argument("--grad-dtype", default="fp32", choices=("fp32", "bf16"),
                    help="where bf16 gradients are summed and reduced: fp32 (exact, default) "
                         "or bf16 (half the bytes and traffic, as torch's peers do)")
+    p.add_argument("--wgrad-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="add each linear weight gradient to its fp32 sum in the GEMM that "
+                        "makes it (ZeRO 0-2; default on; parallel/wgrad_fusion.py)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
@@ -97,7 +100,8 @@ def train_config(args) -> TrainConfig:
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
         schedule=args.schedule, virtual=args.virtual, head_layers=args.head_layers,
         microbatches=args.microbatches, sp=args.sp, recompute=args.recompute,
-        dtype=args.dtype, grad_dtype=args.grad_dtype, steps=args.steps, seed=args.seed,
+        dtype=args.dtype, grad_dtype=args.grad_dtype, wgrad_fusion=args.wgrad_fusion,
+        steps=args.steps, seed=args.seed,
         backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
         ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,

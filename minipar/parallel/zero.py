@@ -27,11 +27,12 @@ owns the contiguous shard [r*S, (r+1)*S), whose fp32 *master* the inner optimize
 Gradients. A hook takes each parameter's gradient as backward produces it and adds it to
 the bucket's buffer, in fp32 by default (``grad_dtype``): summing many bf16 micro-batch
 gradients in bf16 loses their low bits (Megatron accumulates and reduces in fp32 for the
-same reason). The bucket is reduced once every gradient in it has arrived
-``backwards_per_step`` times (an engine running m micro-batches sets m), i.e. during the
-last micro-batch's backward. ``reduce_dtype=torch.bfloat16`` halves the bytes on the
-wire at a measured cost in drift (docs/architecture.md). ``no_sync()`` and
-``finish_gradient_sync()`` work as in ``DataParallel``.
+same reason). A linear layer's weight gradient can skip the hook: ``accumulate_product``
+adds it in the GEMM that makes it (``wgrad_fusion.py``). The bucket is reduced once every
+gradient in it has arrived ``backwards_per_step`` times (an engine running m micro-batches
+sets m), i.e. during the last micro-batch's backward. ``reduce_dtype=torch.bfloat16``
+halves the bytes on the wire at a measured cost in drift (docs/architecture.md).
+``no_sync()`` and ``finish_gradient_sync()`` work as in ``DataParallel``.
 
 ``offload=True`` (ZeRO-Offload, ``parallel/offload.py``): fp32 masters, their gradients,
 states and step on the host; the 16-bit shard comes back before the all-gather.
@@ -85,10 +86,10 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
     so its shard is the same slice on every rank of that group. ``overlap``: reduce
     buckets during backward (else at ``finish_gradient_sync``); ``bucket_mb=0``: a
     bucket per parameter. ``max_inflight``: stage 2's buckets in flight at once.
-    ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
-    device (``parallel/materialize.py``): each bucket is filled from it one weight at a
-    time, so the fp32 local model is never made whole; nothing is broadcast, every rank
-    computes the same values (as ``Zero3``'s ``materialize``). ``offload``: see above.
+    ``materialize``: ``values(name, p) -> tensor`` for a ``module`` on the meta device
+    (``parallel/materialize.py``): each bucket is filled one weight at a time, never the
+    whole fp32 local model; every rank computes the same values, nothing is broadcast
+    (as ``Zero3``'s ``materialize``). ``offload``: see above.
     """
 
     def __init__(self, params: nn.Module | Iterable, optimizer_class: type =
@@ -206,14 +207,24 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
 
     # --- gradients: hook, reduce (in bucket order), accumulate into the shard ---------
     def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is not None:  # (None: a fused weight, whose product arrived already)
+            self._accumulate(p, lambda f, k, dtype, first: f.add_grad(k, p.grad, dtype, first))
+            p.grad = None
+
+    def holds_gradient(self, p: nn.Parameter) -> bool:
+        return id(p) in self._where
+
+    def accumulate_product(self, p: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """p's gradient is dy^T x: add it to the sum in one GEMM (``wgrad_fusion.py``)."""
+        self._accumulate(p, lambda f, k, dtype, first: f.add_product(k, dy, x, dtype, first))
+
+    def _accumulate(self, p: nn.Parameter, add: Callable) -> None:
         i, k = self._where[id(p)]
         f = self.flats[i]
         self._reducer.check_open(i)
-        # first: no arrival of p since its slot was zeroed (zero_grad and
-        # finish_gradient_sync clear the count; check_open refused a reduced bucket)
-        if f.add_grad(k, p.grad, self.grad_dtype or p.dtype, id(p) not in self._arrivals):
+        # first: no arrival of p since zero_grad or finish_gradient_sync zeroed its slot
+        if add(f, k, self.grad_dtype or p.dtype, id(p) not in self._arrivals):
             self._observe(f)
-        p.grad = None
         self._synced = False
         arrived = self._arrivals[id(p)] = self._arrivals.get(id(p), 0) + 1
         if self._sync and self.overlap and arrived >= self.backwards_per_step:
@@ -278,8 +289,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
     # --- the step ------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None) -> bool:
-        """Update this rank's shard and share the new weights. False if skipped (fp16
-        overflow)."""
+        """Update this rank's shard, share the new weights; False if skipped (overflow)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step takes no closure")
         if not self._synced:
@@ -321,15 +331,11 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
             p.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for f in self.flats:
+        for f in self.flats:  # stage 1 keeps its full-size gradient buffer
             f.master.grad = None
-            if f.grad is not None and self.stage == 1:
-                f.grad.zero_()
-            else:
-                f.grad = None
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
+            f.grad = f.grad.zero_() if f.grad is not None and self.stage == 1 else None
+        for p in [p for group in self.param_groups for p in group["params"]]:
+            p.grad = None
         if self.inner is not None:  # (a wrapped OffloadOptimizer zeroes its host grads)
             self.inner.zero_grad(set_to_none=True)
         self._arrivals.clear()
@@ -363,19 +369,15 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         weights = list(self.module.parameters()) if self.module else \
             [p for g in self.param_groups for p in g["params"]]
         full = {f.full.untyped_storage().data_ptr() for f in self.flats}
-        if self.offload is not None:  # ZeRO-Offload: masters, grads, states on the host
-            return {"params": storage_bytes(weights), "optimizer": 0,
-                    "grads": max(self.grad_bytes.peak, self._grads_held()),
-                    "host_optimizer": self.offload.host_bytes(self.flats, self.inner)}
-        host = getattr(self.inner, "host_bytes", None)  # a wrapped OffloadOptimizer
         out = {"params": storage_bytes(weights),
-               "grads": max(self.grad_bytes.peak, self._grads_held()),
-               "optimizer": storage_bytes(f.master for f in self.flats if
-                                          f.master.untyped_storage().data_ptr() not in full)
-               + (0 if host else optimizer_state_bytes(self.inner))}
-        if host:
-            out["host_optimizer"] = host()
-        return out
+               "grads": max(self.grad_bytes.peak, self._grads_held())}
+        if self.offload is not None:  # ZeRO-Offload: masters, grads, states on the host
+            return out | {"optimizer": 0,
+                          "host_optimizer": self.offload.host_bytes(self.flats, self.inner)}
+        host = getattr(self.inner, "host_bytes", None)  # a wrapped OffloadOptimizer
+        out["optimizer"] = (0 if host else optimizer_state_bytes(self.inner)) + storage_bytes(
+            f.master for f in self.flats if f.master.untyped_storage().data_ptr() not in full)
+        return out | ({"host_optimizer": host()} if host else {})
 
     # --- checkpoints (layout-free by name; see zero_state.py) -------------------------
     def _stepper(self, optimizer=None) -> torch.optim.Optimizer:

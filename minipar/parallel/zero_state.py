@@ -109,12 +109,33 @@ class FlatParams:
         none: returns True then). ``first``: k's slot holds no gradient yet, so ``g`` is
         copied, not added to zeros; a copy reads no fp32 zeros (2 + 4 bytes an element, an
         add 2 + 4 + 4): on two H100s, 1.3 ms of a 1F1B step's 26 ms of accumulation."""
-        made = self.grad is None
-        if made:
-            self.grad = torch.zeros(self.padded, dtype=dtype, device=g.device)
-        slot = self.grad[self.offsets[k]:self.offsets[k] + self.numels[k]]
+        slot, made = self._slot(k, dtype, g.device)
         (slot.copy_ if first else slot.add_)(g.reshape(-1))  # both exact: 0 + x is x
         return made
+
+    def add_product(self, k: int, dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
+                    first: bool) -> bool:
+        """As ``add_grad`` for g = dy^T x (a linear layer's weight gradient, dy [t, out],
+        x [t, in]), in one matrix multiply that reads and writes the sum: no 16-bit g is
+        made (``wgrad_fusion.py``). ``first``: beta 0, the slot is written, not read."""
+        slot, made = self._slot(k, dtype, dy.device)
+        out, beta = slot.view(dy.shape[-1], x.shape[-1]), 0.0 if first else 1.0
+        if dy.dtype == dtype:
+            out.addmm_(dy.t(), x, beta=beta)
+        elif dy.is_cuda:  # bf16 products summed in fp32 by the GEMM itself
+            torch.addmm(out, dy.t(), x, beta=beta, out_dtype=dtype, out=out)
+        else:  # (no mixed-dtype GEMM on the CPU: the operands are widened)
+            out.addmm_(dy.t().to(dtype), x.to(dtype), beta=beta)
+        return made
+
+    def _slot(self, k: int, dtype: torch.dtype, device: torch.device
+              ) -> tuple[torch.Tensor, bool]:
+        """Parameter k's part of the gradient buffer, made of zeros if there is none
+        (True then)."""
+        made = self.grad is None
+        if made:
+            self.grad = torch.zeros(self.padded, dtype=dtype, device=device)
+        return self.grad[self.offsets[k]:self.offsets[k] + self.numels[k]], made
 
     def owned(self) -> Iterator[tuple[int, int, int]]:
         """(k, a, b): the part of parameter k inside this rank's shard, as [a, b) of it."""
