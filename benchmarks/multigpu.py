@@ -906,7 +906,7 @@ def speed_pp(run: Run) -> None:
         if sched == "1f1b":  # fp32 sums without the fused weight-gradient GEMM
             speed_row(run, "speed", f"minipar pp{n} {sched} unfused",
                       minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
-                                   schedule=sched, wgrad_fusion=False), "pp")
+                                   schedule=sched, virtual=1, wgrad_fusion=False), "pp")
     # balanced stages: the last holds k layers fewer (its head and loss cost ~k), both
     k = head_layers_for(model)
     for sched in ("1f1b", "zb"):
