@@ -275,14 +275,16 @@ def test_one_slow_size_in_a_measured_curve_does_not_price_the_calls_near_it() ->
 def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
     """With ``head_rates`` the head and loss go at their measured pace (interpolated in
     log tokens like a block's); with ``grad_accumulate`` every micro-batch adds this
-    rank's parameters' gradients into the fp32 buffer; with ``optimizer_step`` the step
+    rank's parameters' gradients into the fp32 buffer (under ZeRO 0-2 only those the hook
+    adds, ``hook_params``: the linear weights' sums are made in their GEMMs; ZeRO-3 all
+    of them); with ``optimizer_step`` the step
     runs over this rank's parameters, 1/dp of them from ZeRO-1 on, none with offload
     (the host steps). A file without them prices none of it (formulas, on hand-written
     numbers)."""
     import math
 
     from minipar.theory.clusters import calibrated
-    from minipar.theory.params import layer_flops_per_token
+    from minipar.theory.params import hook_params, layer_flops_per_token
 
     calib = {**CALIBRATION,
              "block_rates": [{"hidden": 2048, "tokens": t, "tp": 1, "tflops": 400.0}
@@ -300,12 +302,16 @@ def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
     tokens = 4 * 2048  # per micro-batch: the head's pace halfway (in log) 100 -> 300
     head_rate = (100 + 200 * math.log(4) / math.log(8)) * 1e12
     layers = layer_flops_per_token("gpt-1.3b") * 24 / 400e12
-    per_mb = tokens * (layers + 6 * 50304 * 2048 / head_rate) + n * 4e-12
-    assert lay.time["compute"] == pytest.approx(2 * per_mb)  # m = 32 / (4 * 4) = 2
+    blocks = tokens * (layers + 6 * 50304 * 2048 / head_rate)
+    hooked = hook_params("gpt-1.3b")  # embeddings, norms, biases: 2048 * (50304 + ...)
+    assert 1e8 < hooked < 1.1e8
+    assert lay.time["compute"] == pytest.approx(2 * (blocks + hooked * 4e-12))  # m = 2
     assert lay.time["update"] == pytest.approx(n * 20e-12)
     for zero in (1, 2, 3):
         z = evaluate("gpt-1.3b", cal, 1, 1, 4, zero, microbatch_size=4, global_batch=32)
         assert z.time["update"] == pytest.approx(math.ceil(n / 4) * 20e-12)
+        assert z.time["compute"] == pytest.approx(2 * (blocks + (n if zero == 3 else hooked)
+                                                       * 4e-12))
     off = evaluate("gpt-1.3b", cal, 1, 1, 4, 1, microbatch_size=4, global_batch=32,
                    offload=True)
     assert off.time["update"] == 0 and off.time["offload"] > 0
