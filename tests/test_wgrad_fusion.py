@@ -123,3 +123,13 @@ def test_a_wrong_product_fails_the_check(monkeypatch) -> None:
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), f"a doubled weight gradient passed: {broken}"
     assert broken.grad_ratios[0] > 1.2  # most of the model's gradient is in those weights
+
+
+def test_the_command_line_turns_it_off() -> None:
+    from minipar.__main__ import build_parser, train_config
+
+    def parsed(flags: str) -> TrainConfig:
+        return train_config(build_parser().parse_args(["train", *flags.split()]))
+
+    assert parsed("").wgrad_fusion and parsed("--wgrad-fusion").wgrad_fusion
+    assert not parsed("--no-wgrad-fusion --dp 2").wgrad_fusion
