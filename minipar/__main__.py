@@ -47,7 +47,7 @@ def _add_train(sub) -> None:
                         "or bf16 (half the bytes and traffic, as torch's peers do)")
     p.add_argument("--wgrad-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="add each linear weight gradient to its fp32 sum in the GEMM that "
-                        "makes it (ZeRO 0-2; default on; parallel/wgrad_fusion.py)")
+                        "makes it (default on; parallel/wgrad_fusion.py)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))

@@ -38,7 +38,7 @@ class TrainConfig:
     recompute: str = "none"
     dtype: str = "fp32"
     grad_dtype: str = "fp32"  # gradient sums under bf16: fp32 exact, or bf16 as torch's peers
-    wgrad_fusion: bool = True  # a linear's weight gradient summed in its GEMM (ZeRO 0-2)
+    wgrad_fusion: bool = True  # a linear's weight gradient summed in the GEMM making it
     steps: int = 20
     seed: int = 0
     backend: str = "gloo"

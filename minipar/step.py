@@ -121,7 +121,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     sync, optimizer, precision = data_parallel(
         cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names,
         values)
-    if cfg.wgrad_fusion and cfg.zero < 3:  # before the executor looks at the modules
+    if cfg.wgrad_fusion:  # before the executor looks at the modules
         from minipar.parallel.wgrad_fusion import fuse_weight_gradients
 
         fuse_weight_gradients(stage, sync)

@@ -275,14 +275,15 @@ def test_one_slow_size_in_a_measured_curve_does_not_price_the_calls_near_it() ->
 def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
     """With ``head_rates`` the head and loss go at their measured pace (interpolated in
     log tokens like a block's); with ``grad_accumulate`` every micro-batch adds this
-    rank's parameters' gradients into the fp32 buffer (under ZeRO 0-2 only those the hook
-    adds, ``hook_params``: the linear weights' sums are made in their GEMMs; ZeRO-3 all
-    of them); with ``optimizer_step`` the step
+    rank's parameters' gradients into the fp32 buffer (only those the hook adds,
+    ``hook_params``: the linear weights' sums are made in their GEMMs); with
+    ``optimizer_step`` the step
     runs over this rank's parameters, 1/dp of them from ZeRO-1 on, none with offload
     (the host steps). A file without them prices none of it (formulas, on hand-written
     numbers)."""
     import math
 
+    from minipar.model import get_config
     from minipar.theory.clusters import calibrated
     from minipar.theory.params import hook_params, layer_flops_per_token
 
@@ -310,8 +311,11 @@ def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
     for zero in (1, 2, 3):
         z = evaluate("gpt-1.3b", cal, 1, 1, 4, zero, microbatch_size=4, global_batch=32)
         assert z.time["update"] == pytest.approx(math.ceil(n / 4) * 20e-12)
-        assert z.time["compute"] == pytest.approx(2 * (blocks + (n if zero == 3 else hooked)
-                                                       * 4e-12))
+        # (the head is the tied embedding here: hooked at every stage)
+        assert z.time["compute"] == pytest.approx(2 * (blocks + hooked * 4e-12))
+    untied = get_config("gpt-1.3b").with_(tie_embeddings=False)
+    assert hook_params(untied, zero=3) - hook_params(untied) == 50304 * 2048  # ZeRO-3's
+    # head gathers its own weight in its call: left unfused
     off = evaluate("gpt-1.3b", cal, 1, 1, 4, 1, microbatch_size=4, global_batch=32,
                    offload=True)
     assert off.time["update"] == 0 and off.time["offload"] > 0

@@ -21,6 +21,7 @@ from minipar.model import GPT, get_config
 from minipar.parallel import zero_state
 from minipar.parallel.wgrad_fusion import FusedWgradLinear, fuse_weight_gradients
 from minipar.parallel.zero import ZeroOptimizer
+from minipar.parallel.zero3 import Zero3
 from minipar.parity import TOLERANCES, compare
 
 FP32 = TOLERANCES["fp32"]
@@ -33,20 +34,24 @@ def _summed_grads(stage: int, microbatches: int = 3) -> list[list[torch.Tensor]]
     out = []
     for fused in (False, True):
         model = GPT("tiny", seed=0)
-        opt = ZeroOptimizer(model, torch.optim.SGD, stage=stage, comm=Comm(), lr=0.1)
-        opt.backwards_per_step = microbatches
-        if fused:
-            assert fuse_weight_gradients([model], opt) > 0
+        if stage == 3:
+            sync = run = Zero3(model, Comm())
+        else:
+            sync, run = ZeroOptimizer(model, torch.optim.SGD, stage=stage, comm=Comm(),
+                                      lr=0.1), model
+        sync.backwards_per_step = microbatches
+        if fused:  # the blocks' linear weights, and the head unless its call gathers it
+            assert fuse_weight_gradients([model], sync) == 4 * model.cfg.n_layer + (stage < 3)
         g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
         for _ in range(microbatches):
             idx = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=g)
-            model(idx, torch.roll(idx, -1, 1)).backward()
-        opt.finish_gradient_sync()
-        out.append([f.master.grad.clone() for f in opt.flats])
+            run(idx, torch.roll(idx, -1, 1)).backward()
+        sync.finish_gradient_sync()
+        out.append([f.master.grad.clone() for f in sync.flats])
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fused_sums_equal_the_hooks_sums(stage: int) -> None:
     for plain, fused in launch(_summed_grads, 2, args=(stage,), timeout=120):
         assert len(plain) == len(fused) > 0
@@ -58,7 +63,7 @@ class _CountingSink:
     def __init__(self) -> None:
         self.products: list[torch.Tensor] = []
 
-    def holds_gradient(self, p) -> bool:
+    def fusable(self, linear) -> bool:
         return True
 
     def accumulate_product(self, p, dy, x) -> None:
@@ -95,14 +100,15 @@ def test_tied_head_and_foreign_weights_stay_unfused() -> None:
     assert n == 4 * model.cfg.n_layer  # qkv, attention proj, fc, mlp proj
 
     class Nothing(_CountingSink):
-        def holds_gradient(self, p) -> bool:
+        def fusable(self, linear) -> bool:
             return False
     assert fuse_weight_gradients([GPT("tiny", seed=0)], Nothing()) == 0
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2, zero=1, microbatches=2),
+                                    dict(dp=2, zero=3, microbatches=2),
                                     dict(pp=2, schedule="zb", microbatches=2)],
-                         ids=["dp2 zero1", "pp2 zb"])
+                         ids=["dp2 zero1", "dp2 zero3", "pp2 zb"])
 def test_unfused_path_still_matches(layout: dict) -> None:
     cfg = TrainConfig(steps=3, timeout=240, wgrad_fusion=False, **layout, **SGD)
     parity = compare(train(cfg), train_reference(cfg))

@@ -16,10 +16,10 @@ more exact: no micro-batch's gradient is rounded to bf16 first.
 
 Applied from outside by replacing submodules: each ``nn.Linear`` whose weight the
 optimizer's flat buffers hold becomes a ``FusedWgradLinear`` holding the same parameters
-under the same names. Its backward hands (dy, x) to a *sink*, ``ZeroOptimizer``
-(``accumulate_product``), which adds the product to the weight's slot and counts the
-arrival as its gradient hook would. The weight then gets no ``.grad`` at all; the bias
-still goes through autograd and the hook.
+under the same names. Its backward hands (dy, x) to a *sink*, ``ZeroOptimizer`` or
+``Zero3`` (``accumulate_product``), which adds the product to the weight's slot and
+counts the arrival as its gradient hook would. The weight then gets no ``.grad`` at all;
+the bias still goes through autograd and the hook.
 
 The zero-bubble pipeline splits a backward into B (input gradients) and W (weight
 gradients) and runs each through the engine with only what it wants (``executor.py``).
@@ -42,10 +42,10 @@ from torch import nn
 
 
 class ProductSink(Protocol):
-    """Where fused weight gradients go (``ZeroOptimizer``)."""
+    """Where fused weight gradients go (``ZeroOptimizer``, ``Zero3``)."""
 
-    def holds_gradient(self, p: nn.Parameter) -> bool: ...
-    def accumulate_product(self, p: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None: ...
+    def fusable(self, linear: nn.Linear) -> bool: ...
+    def accumulate_product(self, p: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
 def _will_run(node, in_autograd_grad: bool) -> bool:
@@ -99,19 +99,25 @@ class FusedWgradLinear(nn.Module):
                 f"bias={self.bias is not None}, weight gradient into the fp32 sum")
 
 
+def _weights(m: nn.Module) -> list[torch.Tensor]:
+    """What ``m`` itself holds: its parameters, or the plain leaves ZeRO-3 put there."""
+    return [*m.parameters(recurse=False),
+            *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
+
+
 def fuse_weight_gradients(chunks: Iterable[nn.Module], sink: ProductSink) -> int:
-    """Replace every ``nn.Linear`` of ``chunks`` whose weight ``sink`` holds, and that no
-    other module uses (a head tied to the embedding on the same rank would arrive twice
-    a backward), by a ``FusedWgradLinear``. Returns how many were replaced."""
+    """Replace every ``nn.Linear`` of ``chunks`` that ``sink`` can take (it holds the
+    weight's gradient sum) and whose weight no other module uses (a head tied to the
+    embedding on the same rank would arrive twice a backward) by a
+    ``FusedWgradLinear``. Returns how many were replaced."""
     chunks = list(chunks)
-    uses = Counter(id(p) for c in chunks for m in c.modules()
-                   for p in m.parameters(recurse=False))
+    uses = Counter(id(t) for c in chunks for m in c.modules() for t in _weights(m))
     replaced = 0
     for chunk in chunks:
         for parent in list(chunk.modules()):
             for name, child in list(parent.named_children()):
                 if (type(child) is nn.Linear and uses[id(child.weight)] == 1
-                        and sink.holds_gradient(child.weight)):
+                        and sink.fusable(child)):
                     setattr(parent, name, FusedWgradLinear(child, sink))
                     replaced += 1
     return replaced

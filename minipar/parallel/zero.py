@@ -211,8 +211,8 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
             self._accumulate(p, lambda f, k, dtype, first: f.add_grad(k, p.grad, dtype, first))
             p.grad = None
 
-    def holds_gradient(self, p: nn.Parameter) -> bool:
-        return id(p) in self._where
+    def fusable(self, linear: nn.Linear) -> bool:
+        return id(linear.weight) in self._where
 
     def accumulate_product(self, p: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None:
         """p's gradient is dy^T x: add it to the sum in one GEMM (``wgrad_fusion.py``)."""

@@ -144,18 +144,19 @@ def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
 
 
 def hook_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
-                virtual: int = 1, head_layers: int = 0) -> int:
+                virtual: int = 1, head_layers: int = 0, zero: int = 0) -> int:
     """Of ``stage_params``, those whose micro-batch gradient the optimizer's hook adds to
-    the fp32 sum when ZeRO 0-2 fuses each linear weight's gradient into its GEMM
+    the fp32 sum when each linear weight's gradient is fused into its GEMM
     (``parallel/wgrad_fusion.py``, plain ``nn.Linear`` only: none under tp): the
-    embeddings, norms and biases, and a head tied to the embedding on the same rank."""
+    embeddings, norms and biases, a head tied to the embedding on the same rank, and
+    under ZeRO-3 the head (its own call gathers its weight: it stays unfused)."""
     cfg = get_model(cfg)
     n = stage_params(cfg, pp, tp, stage, virtual, head_layers)
     if tp > 1:
         return n
     h, f = cfg.d_model, cfg.d_ff
     n -= stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) * (4 * h * h + 2 * h * f)
-    if stage == pp - 1 and not (cfg.tie_embeddings and pp == 1):
+    if stage == pp - 1 and not (cfg.tie_embeddings and pp == 1) and zero < 3:
         n -= cfg.vocab_size * h
     return n
 

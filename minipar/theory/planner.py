@@ -167,7 +167,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
 
     chunks = chunk_seconds(cfg, cluster, tp, pp, cp, microbatch_size, recompute,
-                           matmul_efficiency, virtual, head_layers, fused=zero < 3)
+                           matmul_efficiency, virtual, head_layers, zero)
     compute, step = pipeline_seconds(schedule, pp, m, virtual, tuple(chunks))
     bubble = step - compute  # the busiest rank's idle time in the simulated schedule
     group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp}  # pp: a send-recv pair

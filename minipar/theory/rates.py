@@ -39,7 +39,6 @@ from minipar.theory.params import (
     head_flops_per_token,
     hook_params,
     layer_flops_per_token,
-    stage_params,
 )
 
 
@@ -101,16 +100,16 @@ def call_seconds(curves: tuple, op: str, payload: float, group: int) -> float | 
 
 def chunk_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
                   microbatch_size: int, recompute: str, efficiency: float,
-                  virtual: int = 1, head_layers: int = 0, fused: bool = True) -> list[float]:
+                  virtual: int = 1, head_layers: int = 0, zero: int = 0) -> list[float]:
     """Seconds of one micro-batch's forward + backward on each of the ``pp * virtual``
     pipeline chunks (one with pp = 1): its layers (``partition_layers``) at the measured
     block pace of this micro-batch's tokens and tp share (recomputation adds its FLOPs at
     that pace), the last chunk's head and loss at theirs; without a measured pace, at the
     matmul rate times ``efficiency``. Each micro-batch also adds the gradients of the
     chunk's rank (a stage's parameters, spread over its chunks) into the fp32 buffer, at
-    the measured pace (0 without); ``fused`` (ZeRO 0-2): the linear weights' are added in
-    their GEMM (``hook_params``), as the calibrated block adds its bf16 ``.grad``, so only
-    the rest count. ``bubble.pipeline_seconds`` runs the schedule on them."""
+    the measured pace (0 without): the linear weights' are added in their GEMM, as the
+    calibrated block adds its bf16 ``.grad``, so only the rest count (``hook_params``,
+    which takes the ZeRO stage). ``bubble.pipeline_seconds`` runs the schedule on them."""
     tokens = microbatch_size * cfg.seq_len // cp  # a rank's tokens per micro-batch
     slow = cluster.matmul_rate * efficiency
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
@@ -118,8 +117,8 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
     per_token = chunk_costs(cfg.n_layer, pp * virtual, layer_flops_per_token(cfg, recompute)
                             / rate, head_flops_per_token(cfg) / head_rate, head_layers)
     acc = cluster.accumulate_s_per_param / virtual  # 0 unmeasured: skip the counting
-    count = hook_params if fused else stage_params
-    accumulate = [acc and acc * count(cfg, pp, tp, s, virtual, head_layers) for s in range(pp)]
+    accumulate = [acc and acc * hook_params(cfg, pp, tp, s, virtual, head_layers, zero)
+                  for s in range(pp)]
     return [tokens / tp * t + accumulate[c % pp] for c, t in enumerate(per_token)]
 
 
