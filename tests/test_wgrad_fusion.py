@@ -41,7 +41,9 @@ def _summed_grads(stage: int, microbatches: int = 3) -> list[list[torch.Tensor]]
                                       lr=0.1), model
         sync.backwards_per_step = microbatches
         if fused:  # the blocks' linear weights, and the head unless its call gathers it
+            names = [n for n, _ in model.named_parameters()]
             assert fuse_weight_gradients([model], sync) == 4 * model.cfg.n_layer + (stage < 3)
+            assert [n for n, _ in model.named_parameters()] == names  # (no sink inside)
         g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
         for _ in range(microbatches):
             idx = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=g)
@@ -76,7 +78,7 @@ def test_split_backward_computes_each_product_once() -> None:
     the zero-bubble schedule."""
     torch.manual_seed(0)
     sink, linear = _CountingSink(), nn.Linear(8, 4)
-    fused = FusedWgradLinear(linear, sink)
+    fused = FusedWgradLinear(linear, sink.accumulate_product)
     x = torch.randn(3, 8).requires_grad_()
     y = fused(x)
     dy = torch.randn_like(y)

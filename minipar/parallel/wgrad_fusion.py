@@ -33,7 +33,7 @@ input gradient is computed and the weight's is not.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -63,9 +63,9 @@ class _LinearIntoSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                sink: ProductSink) -> torch.Tensor:
+                accumulate: Callable) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.param = sink, weight  # (saved tensors come back as new objects)
+        ctx.accumulate, ctx.param = accumulate, weight  # (saved tensors: new objects)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -76,7 +76,7 @@ class _LinearIntoSum(torch.autograd.Function):
             3 - len(ctx.next_functions))
         dx = dy @ weight if _will_run(x_node, in_autograd_grad=True) else None
         if _will_run(w_node, in_autograd_grad=False):
-            ctx.sink.accumulate_product(ctx.param, dy.reshape(-1, dy.shape[-1]),
+            ctx.accumulate(ctx.param, dy.reshape(-1, dy.shape[-1]),
                                         x.reshape(-1, x.shape[-1]))
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if _will_run(b_node, False) else None
         return dx, None, db, None
@@ -84,15 +84,17 @@ class _LinearIntoSum(torch.autograd.Function):
 
 class FusedWgradLinear(nn.Module):
     """``linear`` (its very parameters, under the same names) with a fused weight
-    gradient: backward adds dy^T x to ``sink``'s sum for the weight."""
+    gradient: backward calls ``accumulate(weight, dy, x)`` (a sink's
+    ``accumulate_product``; kept as a function, so a sink that is a module, ``Zero3``,
+    does not become a submodule of its own model)."""
 
-    def __init__(self, linear: nn.Linear, sink: ProductSink) -> None:
+    def __init__(self, linear: nn.Linear, accumulate: Callable) -> None:
         super().__init__()
-        self.weight, self.bias, self.sink = linear.weight, linear.bias, sink
+        self.weight, self.bias, self.accumulate = linear.weight, linear.bias, accumulate
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearIntoSum.apply(x, self.weight, self.bias, self.sink)
+        return _LinearIntoSum.apply(x, self.weight, self.bias, self.accumulate)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -118,6 +120,6 @@ def fuse_weight_gradients(chunks: Iterable[nn.Module], sink: ProductSink) -> int
             for name, child in list(parent.named_children()):
                 if (type(child) is nn.Linear and uses[id(child.weight)] == 1
                         and sink.fusable(child)):
-                    setattr(parent, name, FusedWgradLinear(child, sink))
+                    setattr(parent, name, FusedWgradLinear(child, sink.accumulate_product))
                     replaced += 1
     return replaced
