@@ -75,10 +75,10 @@ class _LinearIntoSum(torch.autograd.Function):
         x_node, w_node, b_node = [n for n, _ in ctx.next_functions] + [None] * (
             3 - len(ctx.next_functions))
         dx = dy @ weight if _will_run(x_node, in_autograd_grad=True) else None
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [tokens, out]
         if _will_run(w_node, in_autograd_grad=False):
-            ctx.accumulate(ctx.param, dy.reshape(-1, dy.shape[-1]),
-                                        x.reshape(-1, x.shape[-1]))
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if _will_run(b_node, False) else None
+            ctx.accumulate(ctx.param, dy2, x.reshape(-1, x.shape[-1]))
+        db = dy2.sum(0) if _will_run(b_node, in_autograd_grad=False) else None
         return dx, None, db, None
 
 

@@ -253,14 +253,9 @@ class Zero3(OnHost, ShardedState, nn.Module):
 
     # --- gradients: accumulate per unit, reduce-scatter as each unit completes ----------
     def _on_grad(self, t: torch.Tensor) -> None:
-        if t.grad is None:  # a fused weight's (None) gradient: its product arrived already
-            return
-        f, k = self._where[id(t)]
-        # (no count of arrivals per weight here: always added, to zeros the first time)
-        if f.add_grad(k, t.grad, self.grad_dtype, first=False):
-            self.grad_bytes.observe(self._grads_held())
-        t.grad = None
-        self._arrived(t)
+        if t.grad is not None:  # (None: a fused weight, whose product arrived already)
+            g, t.grad = t.grad, None
+            self._add(t, lambda f, k: f.add_grad(k, g, self.grad_dtype, first=False))
 
     def fusable(self, linear: nn.Linear) -> bool:
         """Whether ``wgrad_fusion`` may replace ``linear``: not when its own call gathers
@@ -270,8 +265,12 @@ class Zero3(OnHost, ShardedState, nn.Module):
 
     def accumulate_product(self, t: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         """t's gradient is dy^T x: add it to the unit's sum in one GEMM."""
+        self._add(t, lambda f, k: f.add_product(k, dy, x, self.grad_dtype, first=False))
+
+    def _add(self, t: torch.Tensor, add) -> None:
         f, k = self._where[id(t)]
-        if f.add_product(k, dy, x, self.grad_dtype, first=False):
+        # (no count of arrivals per weight here: always added, to zeros the first time)
+        if add(f, k):
             self.grad_bytes.observe(self._grads_held())
         self._arrived(t)
 

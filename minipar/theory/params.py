@@ -154,10 +154,9 @@ def hook_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
     n = stage_params(cfg, pp, tp, stage, virtual, head_layers)
     if tp > 1:
         return n
-    h, f = cfg.d_model, cfg.d_ff
-    n -= stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) * (4 * h * h + 2 * h * f)
+    n -= stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) * layer_matmul_params(cfg)
     if stage == pp - 1 and not (cfg.tie_embeddings and pp == 1) and zero < 3:
-        n -= cfg.vocab_size * h
+        n -= cfg.vocab_size * cfg.d_model
     return n
 
 
@@ -167,8 +166,13 @@ def matmul_params(cfg: GPTConfig | str) -> int:
     and the head (V x h, tied or not). Embedding lookups, biases and norms cost no
     matmul FLOPs. This is the N of "6N FLOPs per token" (Kaplan et al. 2020)."""
     cfg = get_model(cfg)
-    h, f = cfg.d_model, cfg.d_ff
-    return cfg.n_layer * (4 * h * h + 2 * h * f) + cfg.vocab_size * h
+    return cfg.n_layer * layer_matmul_params(cfg) + cfg.vocab_size * cfg.d_model
+
+
+def layer_matmul_params(cfg: GPTConfig | str) -> int:
+    """One layer's four weight matrices: 4 h^2 (q|k|v, projection) + 2 h f (the MLP)."""
+    cfg = get_model(cfg)
+    return 4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff
 
 
 def attention_flops_per_token(cfg: GPTConfig | str, count: str = "full") -> float:
