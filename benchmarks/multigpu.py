@@ -749,6 +749,16 @@ def _speed_rank(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     losses, times = _timed(step_fn, steps, warmup, device)
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    if spec.get("profile") and cuda:  # after the timed steps: they never see the profiler
+        from profile_summary import profile_steps
+
+        try:  # a profiler failure must not lose the timed row
+            with _attention_context(device):
+                summary = profile_steps(step_fn, warmup + steps + 2, 2, device)
+        except Exception as e:  # noqa: BLE001
+            summary = {"error": _error_text(e)}
+        if torch.distributed.get_rank() == 0:
+            extra["profile"] = summary
     if impl == "minipar" and cfg.pp > 1:  # two more steps, every action synchronised
         from minipar.engine import train_step
 
@@ -783,6 +793,8 @@ def _measure(run: Run, spec: dict, cap: float) -> dict:
            "device_name": res[0]["device_name"]}
     if run.report["meta"]["device_name"] is None:
         run.report["meta"]["device_name"] = res[0]["device_name"]
+    if "profile" in res[0]:
+        row["profile"] = res[0]["profile"]
     if "comm_wire_bytes_per_step" in res[0]:
         row["comm_wire_bytes_per_step"] = max(r["comm_wire_bytes_per_step"] for r in res)
     if "timeline" in res[0]:
@@ -790,6 +802,7 @@ def _measure(run: Run, spec: dict, cap: float) -> dict:
             bubble_fraction_formula,
             bubble_stats,
             chunk_weights,
+            measured_cost_bubble,
             stage_cost_bubble,
         )
 
@@ -805,9 +818,23 @@ def _measure(run: Run, spec: dict, cap: float) -> dict:
         weights = chunk_weights(mc, c["pp"], c["virtual"], c.get("recompute") or "none",
                                 c.get("head_layers", 0))
         row["bubble_theory_stage_costs"] = stage_cost_bubble(*shape, weights)
+        # ... and with each action's measured time and the calibrated send of one
+        # micro-batch's activations: what these costs imply, the rest is waiting
+        p2p = _send_seconds(run, mc, spec["batch"] // c["microbatches"])
+        row["bubble_p2p_s"] = p2p
+        row["bubble_theory_measured_costs"] = measured_cost_bubble(*shape, tl, p2p)
     row["brief"] = (f"{1e3 * step:.1f} ms, {row['tokens_per_s']:,.0f} tok/s, MFU "
                     f"{100 * row['mfu']:.1f}%, peak {row['peak_gib']:.1f} GiB")
     return row
+
+
+def _send_seconds(run: Run, mc, microbatch_size: int) -> float:
+    """The calibrated seconds of one pipeline send of a micro-batch's bf16 activations
+    (0 without a calibration in this run or a file)."""
+    from minipar.theory.rates import call_seconds
+
+    payload = 2 * microbatch_size * mc.seq_len * mc.d_model
+    return call_seconds(_cluster(run, 2).curves, "send", payload, 2) or 0.0
 
 
 def minipar_spec(run: Run, model: str, world: int, batch: int, overrides: dict | None = None,
@@ -841,6 +868,9 @@ def refused_or(spec: dict, measure) -> dict:
 
 def speed_row(run: Run, section: str, name: str, spec: dict, group: str,
               cap: float | None = None) -> dict | None:
+    if run.args.profile and re.search(run.args.profile, name):
+        spec = {**spec, "profile": True}
+
     def go() -> dict:
         return refused_or(spec, lambda: _measure(run, spec, cap or run.sizes.cap_s))
 
@@ -1250,7 +1280,7 @@ def summary(report: dict) -> str:
         if sec not in secs:
             continue
         lines += [f"| {sec} | step ms | tokens/s | MFU | peak GiB | bubble meas. / theory "
-                  "(equal stages) / theory (stage costs) |",
+                  "(equal stages) / (FLOPs' stage costs) / (measured action costs) |",
                   "|---|---|---|---|---|---|"]
         for r in secs[sec]["rows"]:
             if r.get("status") != "ok":
@@ -1261,6 +1291,8 @@ def summary(report: dict) -> str:
                    if "bubble_measured" in r else "")
             if "bubble_theory_stage_costs" in r:  # rows from before it have no such key
                 bub += f" / {r['bubble_theory_stage_costs']:.3f}"
+            if "bubble_theory_measured_costs" in r:
+                bub += f" / {r['bubble_theory_measured_costs']:.3f}"
             lines.append(f"| {r['name']} | {1e3 * r['step_s']:.1f} | {r['tokens_per_s']:,.0f}"
                          f" | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {bub} |")
         lines.append("")
@@ -1367,6 +1399,9 @@ def main() -> int:
                     help="how this script starts ranks (default: spawn on CUDA, else fork)")
     ap.add_argument("--cp-tokens", type=int,
                     help="tokens per rank of the cp rows (default 8192 on CUDA)")
+    ap.add_argument("--profile", metavar="REGEX",
+                    help="speed rows whose name matches: two more steps under "
+                         "torch.profiler, summarised in the row (profile_summary.py)")
     ap.add_argument("--report", nargs="+", metavar="JSON",
                     help="merge these multigpu.json files and summarise; runs nothing")
     args = ap.parse_args()

@@ -17,6 +17,7 @@ from minipar.theory.bubble import (
     bubble_stats,
     chunk_flops,
     chunk_weights,
+    measured_cost_bubble,
     simulate,
     stage_cost_bubble,
 )
@@ -102,3 +103,28 @@ def test_stage_costs_widen_every_schedules_bubble():
     w = chunk_weights(cfg, 4)
     step = bubble_stats(simulate(make_schedule("1f1b", 4, 16), chunk_weight=w))["step_time"]
     assert step == pytest.approx(3 * (16 * w[-1] + sum(w[:-1])))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: "-".join(map(str, t)))
+def test_a_timeline_replayed_with_its_own_costs_gives_its_own_bubble(layout):
+    """``measured_cost_bubble`` re-simulates a schedule with every action at the time it
+    took: fed a simulated (idle only where the schedule waits) weighted timeline, it
+    returns that timeline's bubble; a send that takes time can only add to it."""
+    name, pp, m, v = layout
+    weights = [1.0 + 0.3 * c for c in range(pp * v)]
+    timeline = simulate(make_schedule(name, pp, m, v), chunk_weight=weights)
+    own = bubble_stats(timeline)["bubble_fraction"]
+    assert measured_cost_bubble(name, pp, m, v, timeline) == pytest.approx(own)
+    assert measured_cost_bubble(name, pp, m, v, timeline, p2p=0.2) > own
+
+
+def test_waiting_the_schedule_does_not_explain_is_left_out():
+    """A measured rank that idles before every action (a launch gap, say) has a larger
+    bubble than its actions' costs imply: the replay drops the gaps."""
+    timeline = simulate(make_schedule("1f1b", 2, 4))
+    gapped = [[s._replace(start=s.start + 0.5 * i, end=s.end + 0.5 * i)
+               for i, s in enumerate(row)] for row in timeline]
+    assert bubble_stats(gapped)["bubble_fraction"] > bubble_stats(timeline)[
+        "bubble_fraction"] + 0.05
+    assert measured_cost_bubble("1f1b", 2, 4, 1, gapped) == pytest.approx(
+        bubble_stats(timeline)["bubble_fraction"])

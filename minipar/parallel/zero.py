@@ -31,8 +31,8 @@ same reason). A linear layer's weight gradient can skip the hook: ``accumulate_p
 adds it in the GEMM that makes it (``wgrad_fusion.py``). The bucket is reduced once every
 gradient in it has arrived ``backwards_per_step`` times (an engine running m micro-batches
 sets m), i.e. during the last micro-batch's backward. ``reduce_dtype=torch.bfloat16``
-halves the bytes on the wire at a measured cost in drift (docs/architecture.md).
-``no_sync()`` and ``finish_gradient_sync()`` work as in ``DataParallel``.
+halves the bytes on the wire at a measured cost in drift (docs/architecture.md). As in
+``DataParallel``: ``no_sync()``, ``finish_gradient_sync()``.
 
 ``offload=True`` (ZeRO-Offload, ``parallel/offload.py``): fp32 masters, their gradients,
 states and step on the host; the 16-bit shard comes back before the all-gather.
@@ -54,13 +54,7 @@ from torch import nn
 
 from minipar.comm import Comm, Pending
 from minipar.meter import HeldBytes, PeakBytes, optimizer_state_bytes, storage_bytes
-from minipar.parallel.dp import (
-    MB,
-    Reducer,
-    bucket_params,
-    claim_gradients,
-    trainable_params,
-)
+from minipar.parallel.dp import MB, Reducer, bucket_params, claim_gradients, trainable_params
 from minipar.parallel.offload import HostShards, OnHost
 from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public here too)
     FlatParams,
@@ -110,8 +104,8 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         self.stage, self.comm, self.module = stage, comm or Comm(), module
         self.precision, self.average, self.overlap = precision, average, overlap
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype
-        self.optimizer_class, self.bucket_bytes, self.broadcast = (optimizer_class,
-                                                                   bucket_mb * MB, broadcast)
+        self.optimizer_class, self.bucket_bytes = optimizer_class, bucket_mb * MB
+        self.broadcast = broadcast
         self.max_inflight = max_inflight if stage == 2 else None
         named = dict(module.named_parameters()) if module is not None else {}
         self._names = {id(p): n for n, p in named.items()}
@@ -331,9 +325,10 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
             p.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for f in self.flats:  # stage 1 keeps its full-size gradient buffer
+        for f in self.flats:  # stage 1 keeps its full buffer (_complete zeroed it if reduced)
             f.master.grad = None
-            f.grad = f.grad.zero_() if f.grad is not None and self.stage == 1 else None
+            if f.grad is not None and (self.stage != 1 or not self._synced):
+                f.grad = f.grad.zero_() if self.stage == 1 else None
         for p in [p for group in self.param_groups for p in group["params"]]:
             p.grad = None
         if self.inner is not None:  # (a wrapped OffloadOptimizer zeroes its host grads)

@@ -70,8 +70,9 @@ def split_backwards(actions: Schedule) -> set[tuple[int, int]]:
 
 
 def simulate(actions: Schedule, cost: Mapping[str, float] = UNIT_COST,
-             p2p: float = 0.0,
-             chunk_weight: Sequence[float] | None = None) -> list[list[Span]]:
+             p2p: float = 0.0, chunk_weight: Sequence[float] | None = None,
+             durations: Mapping[tuple[str, int, int], float] | None = None
+             ) -> list[list[Span]]:
     """The timeline of ``actions``: per rank, the spans of its compute actions.
 
     Ranks run their lists in order. A compute starts when the rank is free and its
@@ -79,6 +80,8 @@ def simulate(actions: Schedule, cost: Mapping[str, float] = UNIT_COST,
     sender reaches its ``SEND`` (sends never hold the sender up; receives cost nothing
     by themselves). ``chunk_weight`` (one multiplier per global chunk, e.g.
     ``chunk_weights``) scales every action of a chunk; None keeps all chunks equal.
+    ``durations``: each action's own time by ``(kind, mb, chunk)`` (e.g. as a measured
+    timeline took them: ``measured_cost_bubble``), instead of ``cost`` and the weights.
     Raises ``ValueError`` if the lists cannot finish (validate them).
     """
     pp, _, v = schedule_shape(actions)
@@ -116,8 +119,9 @@ def simulate(actions: Schedule, cost: Mapping[str, float] = UNIT_COST,
                     if t is None:
                         break
                     start = max(clock[r], t)
-                    clock[r] = start + (action_cost(a.kind, (a.mb, a.chunk) in split, cost)
-                                        * weight[a.chunk])
+                    clock[r] = start + (
+                        durations[(a.kind, a.mb, a.chunk)] if durations is not None else
+                        action_cost(a.kind, (a.mb, a.chunk) in split, cost) * weight[a.chunk])
                     end[a] = clock[r]
                     spans[r].append(Span(r, a.kind, a.mb, a.chunk, start, clock[r]))
                 elif a.kind.startswith("SEND"):
@@ -218,6 +222,20 @@ def stage_cost_bubble(schedule: str, pp: int, microbatches: int, virtual: int = 
     stages, the unit-cost figure; ``p2p`` in units of a mean chunk's forward)."""
     actions = make_schedule(schedule, pp, microbatches, virtual)
     return bubble_stats(simulate(actions, p2p=p2p, chunk_weight=weights))["bubble_fraction"]
+
+
+def measured_cost_bubble(schedule: str, pp: int, microbatches: int, virtual: int,
+                         timeline: Sequence[Sequence], p2p: float = 0.0) -> float:
+    """Bubble fraction of ``schedule`` simulated with every action taking the time it took
+    in a measured ``timeline`` (the executor's records: ``.kind .mb .chunk .start
+    .end``) and each message ``p2p`` seconds: the idle time the schedule's dependencies
+    imply for these very costs (uneven stages, B longer than W, a slow loss). What the
+    measured bubble has beyond it is waiting the schedule does not explain: launches,
+    synchronisation, transfers slower than ``p2p``."""
+    took = {(s.kind, s.mb, s.chunk): s.end - s.start for row in timeline for s in row
+            if s.kind in COMPUTE}
+    actions = make_schedule(schedule, pp, microbatches, virtual)
+    return bubble_stats(simulate(actions, p2p=p2p, durations=took))["bubble_fraction"]
 
 
 def pipeline_seconds(schedule: str, pp: int, microbatches: int, virtual: int,
