@@ -749,16 +749,6 @@ def _speed_rank(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     losses, times = _timed(step_fn, steps, warmup, device)
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-    if spec.get("profile") and cuda:  # after the timed steps: they never see the profiler
-        from profile_summary import profile_steps
-
-        try:  # a profiler failure must not lose the timed row
-            with _attention_context(device):
-                summary = profile_steps(step_fn, warmup + steps + 2, 2, device)
-        except Exception as e:  # noqa: BLE001
-            summary = {"error": _error_text(e)}
-        if torch.distributed.get_rank() == 0:
-            extra["profile"] = summary
     if impl == "minipar" and cfg.pp > 1:  # two more steps, every action synchronised
         from minipar.engine import train_step
 
@@ -793,8 +783,6 @@ def _measure(run: Run, spec: dict, cap: float) -> dict:
            "device_name": res[0]["device_name"]}
     if run.report["meta"]["device_name"] is None:
         run.report["meta"]["device_name"] = res[0]["device_name"]
-    if "profile" in res[0]:
-        row["profile"] = res[0]["profile"]
     if "comm_wire_bytes_per_step" in res[0]:
         row["comm_wire_bytes_per_step"] = max(r["comm_wire_bytes_per_step"] for r in res)
     if "timeline" in res[0]:
@@ -868,9 +856,6 @@ def refused_or(spec: dict, measure) -> dict:
 
 def speed_row(run: Run, section: str, name: str, spec: dict, group: str,
               cap: float | None = None) -> dict | None:
-    if run.args.profile and re.search(run.args.profile, name):
-        spec = {**spec, "profile": True}
-
     def go() -> dict:
         return refused_or(spec, lambda: _measure(run, spec, cap or run.sizes.cap_s))
 
@@ -1399,9 +1384,6 @@ def main() -> int:
                     help="how this script starts ranks (default: spawn on CUDA, else fork)")
     ap.add_argument("--cp-tokens", type=int,
                     help="tokens per rank of the cp rows (default 8192 on CUDA)")
-    ap.add_argument("--profile", metavar="REGEX",
-                    help="speed rows whose name matches: two more steps under "
-                         "torch.profiler, summarised in the row (profile_summary.py)")
     ap.add_argument("--report", nargs="+", metavar="JSON",
                     help="merge these multigpu.json files and summarise; runs nothing")
     args = ap.parse_args()
