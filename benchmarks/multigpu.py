@@ -862,7 +862,7 @@ def speed_row(run: Run, section: str, name: str, spec: dict, group: str,
     layout = {k: v for k, v in spec.get("cfg", spec).items()
               if k in ("dp", "pp", "tp", "zero", "schedule", "virtual", "microbatches", "sp",
                        "recompute", "batch_size", "overrides", "grad_dtype",
-                       "head_layers", "wgrad_fusion")}
+                       "head_layers", "wgrad_fusion", "overlap_param_gather")}
     return run.row(section, name, go, group=group, impl=spec["impl"], world=spec["world"],
                    model=spec["model"], batch=spec["batch"], layout=layout,
                    spec={k: v for k, v in spec.items() if k != "cfg"})
@@ -885,6 +885,10 @@ def speed_dp(run: Run) -> None:
     for z in range(4):
         speed_row(run, "speed", f"minipar dp{n} zero{z}",
                   minipar_spec(run, model, n, b * n, dp=n, zero=z), "dp")
+    for z in (1, 2):  # the weights' gather waited for in the step, not the next forward
+        speed_row(run, "speed", f"minipar dp{n} zero{z} gather in step",
+                  minipar_spec(run, model, n, b * n, dp=n, zero=z,
+                               overlap_param_gather=False), "dp")
     speed_row(run, "speed", f"torch DDP dp{n}", peer_spec(run, "ddp", model, n, b * n), "dp")
     speed_row(run, "speed", f"torch FSDP2 dp{n}", peer_spec(run, "fsdp2", model, n, b * n),
               "dp")

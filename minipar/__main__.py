@@ -48,6 +48,9 @@ def _add_train(sub) -> None:
     p.add_argument("--wgrad-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="add each linear weight gradient to its fp32 sum in the GEMM that "
                         "makes it (default on; parallel/wgrad_fusion.py)")
+    p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
+                   default=True, help="ZeRO-1/2: gather each bucket's new weights during the "
+                   "next forward, not after the step (default on; parallel/param_gather.py)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
@@ -101,6 +104,7 @@ def train_config(args) -> TrainConfig:
         schedule=args.schedule, virtual=args.virtual, head_layers=args.head_layers,
         microbatches=args.microbatches, sp=args.sp, recompute=args.recompute,
         dtype=args.dtype, grad_dtype=args.grad_dtype, wgrad_fusion=args.wgrad_fusion,
+        overlap_param_gather=args.overlap_param_gather,
         steps=args.steps, seed=args.seed,
         backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,

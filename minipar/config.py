@@ -39,6 +39,7 @@ class TrainConfig:
     dtype: str = "fp32"
     grad_dtype: str = "fp32"  # gradient sums under bf16: fp32 exact, or bf16 as torch's peers
     wgrad_fusion: bool = True  # a linear's weight gradient summed in the GEMM making it
+    overlap_param_gather: bool = True  # ZeRO-1/2's weight gathers finish in the next forward
     steps: int = 20
     seed: int = 0
     backend: str = "gloo"

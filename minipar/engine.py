@@ -92,6 +92,7 @@ def rank_main(cfg: TrainConfig) -> dict:
             last_report = (done, time.time())
             report_progress(f"{done} {out['loss']:.6f} {rate:.1f} "
                             f"{evals[-1]['loss'] if evals else float('nan'):.6f}")
+    parts.data_parallel.finish_param_sync()  # (ZeRO-1/2: the last step's weight gathers)
     if cfg.save:
         _save(cfg, rm, parts, end)
     last_step = [e for e in timeline if e["step"] == end - 1]

@@ -144,7 +144,8 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     """The one place that picks the data-parallel layout: (gradient sync, optimizer,
     precision). Every ZeRO stage offers the same calls to the step below:
     ``finish_gradient_sync``, ``grad_shards``, ``scale_grads``, ``all_reduce_grads``,
-    ``zero_grad``, ``memory_bytes``, ``full_state_by_name`` (checkpoints).
+    ``zero_grad``, ``memory_bytes``, ``full_state_by_name`` (checkpoints),
+    ``finish_param_sync``.
 
     ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
     and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
@@ -184,10 +185,12 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     if cfg.zero == 2:  # a bucket per block: ZeRO-2 then holds one full-size bucket at most
         bucket_mb = max((sum(p.numel() * p.element_size() for p in u.parameters())
                          for u in units), default=bucket_mb * 2**20) / 2**20
+    overlap = cfg.ddp == "overlapped"  # gradient reductions in the backward, gathers forward
     sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp_cp, precision=precision,
-                         average=False, shared=shared, overlap=cfg.ddp == "overlapped",
+                         average=False, shared=shared, overlap=overlap,
                          bucket_mb=0 if cfg.ddp == "naive" else bucket_mb,
                          materialize=materialize, offload=cfg.offload, grad_dtype=grad_dtype,
+                         overlap_param_gather=overlap and cfg.overlap_param_gather,
                          **opt_kwargs)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
     return sync, sync, precision

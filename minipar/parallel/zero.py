@@ -56,6 +56,7 @@ from minipar.comm import Comm, Pending
 from minipar.meter import HeldBytes, PeakBytes, optimizer_state_bytes, storage_bytes
 from minipar.parallel.dp import MB, Reducer, bucket_params, claim_gradients, trainable_params
 from minipar.parallel.offload import HostShards, OnHost
+from minipar.parallel.param_gather import ParamGathers
 from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public here too)
     FlatParams,
     ShardedState,
@@ -80,6 +81,8 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
     so its shard is the same slice on every rank of that group. ``overlap``: reduce
     buckets during backward (else at ``finish_gradient_sync``); ``bucket_mb=0``: a
     bucket per parameter. ``max_inflight``: stage 2's buckets in flight at once.
+    ``overlap_param_gather``: ``step`` returns with stage 1/2's weight gathers in flight,
+    each finished by the next forward (``param_gather.py``; needs ``module``).
     ``materialize``: ``values(name, p) -> tensor`` for a ``module`` on the meta device
     (``parallel/materialize.py``): each bucket is filled one weight at a time, never the
     whole fp32 local model; every rank computes the same values, nothing is broadcast
@@ -93,7 +96,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
                  reduce_dtype: torch.dtype | None = None, average: bool = True,
                  bucket_mb: float = 25.0, overlap: bool = True, max_inflight: int = 2,
                  broadcast: bool = True, shared: Iterable = (), materialize=None,
-                 offload: bool = False, **defaults):
+                 offload: bool = False, overlap_param_gather: bool = False, **defaults):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer covers stages 0-2, got {stage!r}; stage 3 "
                              "shards the weights too: minipar.parallel.zero3.Zero3")
@@ -107,6 +110,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         self.optimizer_class, self.bucket_bytes = optimizer_class, bucket_mb * MB
         self.broadcast = broadcast
         self.max_inflight = max_inflight if stage == 2 else None
+        self.overlap_param_gather, self._gathers = overlap_param_gather, ParamGathers(module)
         named = dict(module.named_parameters()) if module is not None else {}
         self._names = {id(p): n for n, p in named.items()}
         self._pos = {id(p): i for i, p in enumerate(named.values())}
@@ -304,25 +308,25 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
                 self.inner.param_groups[self._inner_group[g]].update(
                     {k: v for k, v in group.items() if k != "params"})
         self.inner.step()
-        self.publish()
+        self.publish(self.overlap_param_gather)
         return True
 
     @torch.no_grad()
-    def publish(self) -> None:
-        """New fp32 shards -> the model's weights: copy (stage 0) or all-gather (1, 2)."""
+    def publish(self, overlap: bool = False) -> None:
+        """New fp32 shards -> the model's weights: copy (stage 0) or all-gather (1, 2);
+        ``overlap``: each gather finishes when the next forward first needs its bucket
+        (``param_gather.py``; ``step`` passes ``overlap_param_gather``)."""
         if self.offload is not None:  # cast on the host, 16-bit bytes back, then gathered
             return self.offload.publish_flats(self.flats, self.comm, gather=self.stage > 0)
-        pending = []
+        if self.stage > 0:
+            return self._gathers.start(self.flats, self.comm, overlap)
         for f in self.flats:
-            if f.master.untyped_storage().data_ptr() == f.full.untyped_storage().data_ptr():
-                continue  # stage 0 in fp32: the master *is* the weights
-            new = f.master.detach().to(f.full.dtype)
-            if self.stage == 0:
-                f.full.copy_(new)
-            else:
-                pending.append(self.comm.all_gather_into(f.full, new, async_op=True))
-        for p in pending:
-            p.wait()
+            if f.master.untyped_storage().data_ptr() != f.full.untyped_storage().data_ptr():
+                f.full.copy_(f.master.detach())  # (fp32: the master *is* the weights)
+
+    def finish_param_sync(self) -> None:
+        """Wait for the weights' gathers still in flight (``overlap_param_gather``)."""
+        self._gathers.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for f in self.flats:  # stage 1 keeps its full buffer (_complete zeroed it if reduced)

@@ -231,6 +231,10 @@ class ShardedState(NoSync):
     def publish(self) -> None:
         raise NotImplementedError
 
+    def finish_param_sync(self) -> None:
+        """Wait for weights still on the wire after a step (ZeRO-1/2 with
+        ``overlap_param_gather``); ZeRO-3 gathers every unit before it runs: nothing."""
+
     def remove(self) -> None:
         """Remove the gradient hooks (the model keeps its weights as they are)."""
         for h in self._grad_hooks:

@@ -23,7 +23,10 @@ for it. ``chunk_weights`` gives each chunk's share of the FLOPs from the model c
 ``simulate(..., chunk_weight=...)`` scales every action by its chunk's weight. The closed
 forms, like Narayanan et al. (arXiv 2104.04473, section 2.2), assume balanced stages; the
 planner prices a step with ``pipeline_seconds``: the schedule simulated on each chunk's
-seconds (``theory.rates.chunk_seconds``).
+seconds (``theory.rates.chunk_seconds``). FLOPs still miss what is memory-bound (the
+loss's softmax), that B outlasts W, and the sends; ``measured_cost_bubble`` replays a
+schedule at the times its actions took on a real run: the bubble the schedule itself
+implies for those costs, against which the measured one shows only the waiting.
 """
 
 from __future__ import annotations
