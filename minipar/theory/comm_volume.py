@@ -74,7 +74,10 @@ def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
               microbatches: int = 1, dim: str = "dp") -> dict:
     """Data-parallel traffic of one rank holding ``n_params`` parameters (before ZeRO):
     an all-reduce of the gradients (stage 0), or reduce-scatter + all-gather (ZeRO
-    paper, Sec. 7.2: the same 2 Psi per rank for stages 1 and 2, 3 Psi for stage 3)."""
+    paper, Sec. 7.2: the same 2 Psi per rank for stages 1 and 2, 3 Psi for stage 3).
+    ``microbatches``: ZeRO-3 reduce-scatters (and gathers) every micro-batch; minipar's
+    ZeRO-2 keeps each bucket whole until the last micro-batch's backward, then reduces
+    it once (``parallel/zero.py``)."""
     out: dict = defaultdict(lambda: defaultdict(lambda: {"calls": 0, "bytes": 0,
                                                          "wire_bytes": 0}))
     pw, pg, _ = state_bytes(dtype)
@@ -84,8 +87,8 @@ def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
     elif zero == 1:
         _add(out, dim, "reduce_scatter", 1, padded * pg, dp)
         _add(out, dim, "all_gather", 1, padded * pw, dp)
-    elif zero == 2:
-        _add(out, dim, "reduce_scatter", microbatches, padded * pg, dp)
+    elif zero == 2:  # (once a step, as stage 1: the last micro-batch's backward reduces)
+        _add(out, dim, "reduce_scatter", 1, padded * pg, dp)
         _add(out, dim, "all_gather", 1, padded * pw, dp)
     elif zero == 3:
         _add(out, dim, "reduce_scatter", microbatches, padded * pg, dp)

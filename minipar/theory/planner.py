@@ -217,9 +217,9 @@ def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
     if zero == 3:  # half the gathers in forwards, half (+ every reduction) in backwards
         return (max(0.0, gather / 2 * slow - forward)
                 + max(0.0, (gather / 2 + reduce) * slow - backward))
-    # the last micro-batch's backward hides the reduction; the weights' all-gather after
-    # the optimizer step (ZeRO-1/2), the next step's first forward (param_gather.py)
-    return max(0.0, reduce * slow - backward / m) + max(0.0, gather * slow - forward / m)
+    # the last micro-batch's backward hides the reduction, the next step's first forward
+    # ZeRO-1/2's weight gather (param_gather.py): slowed while they overlap, then whole
+    return max(0.0, reduce * slow - backward / m) + max(0.0, gather - forward / m / slow)
 
 
 @dataclass
