@@ -1119,6 +1119,11 @@ ABLATIONS = ("wgrad_fusion", "overlap_param_gather")  # engine defaults a row tu
 PEER_AS = {"ddp": dict(zero=0), "fsdp2": dict(zero=3), "dtensor": {}, "torch-pp": {}}
 
 
+def _iqr(xs: list[float]) -> float:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [0.0, 0.0, 0.0]
+    return q[2] - q[0]
+
+
 def predict(run: Run) -> None:
     """The calibrated planner's step time and memory beside every measured row."""
     from minipar.theory.planner import evaluate, plan
@@ -1184,6 +1189,13 @@ def predict(run: Run) -> None:
         sec["first_choice_among_measured"] = first["name"]
         sec["measured_fastest"] = fastest["name"]
         sec["first_choice_is_fastest"] = first["name"] == fastest["name"]
+        # ... or as fast as the step-to-step spread can tell: the first choice's median
+        # step within the wider interquartile range of the two rows of the fastest's
+        spread = {r["name"]: _iqr(r["step_s_all"]) for r in rows if r.get("step_s_all")}
+        gap = first["measured_step_s"] - fastest["measured_step_s"]
+        sec["first_choice_gap_s"] = gap
+        sec["first_choice_within_spread"] = gap <= max(spread.get(first["name"], 0.0),
+                                                       spread.get(fastest["name"], 0.0))
         try:
             best = plan(run.sizes.speed_model, _cluster(run, run.n),
                         run.sizes.per_gpu_batch * run.n, accounting="fused").best
@@ -1314,9 +1326,13 @@ def summary(report: dict) -> str:
                          f"{r['measured_step_s']:.3f} s | {100 * r['step_error']:+.0f}% | "
                          f"{r['predicted_gib']:.1f} / {r['measured_gib']:.1f} | {me} |")
         if "measured_fastest" in p:
+            within = p.get("first_choice_within_spread")
+            note = "" if p["first_choice_is_fastest"] or within is None else (
+                f" ({1e3 * p['first_choice_gap_s']:.1f} ms slower: "
+                + ("within" if within else "beyond") + " the steps' spread)")
             lines.append(f"planner's first choice among the measured: "
                          f"{p['first_choice_among_measured']}; measured fastest: "
-                         f"{p['measured_fastest']}; overall plan best: "
+                         f"{p['measured_fastest']}{note}; overall plan best: "
                          f"{p.get('planner_best_overall')}")
     if d.get("cp_memory"):
         lines += ["", "| cp section row | predicted / measured GiB | error | "
