@@ -181,13 +181,15 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     # on a meta model its masters are placeholders: ZeroOptimizer makes its own shards
     # from ``materialize`` and releases them; it keeps the loss scale
     precision = MixedPrecision(model, torch.bfloat16) if bf16 else None
-    # A bucket per block (PyTorch DDP's 25 MB where there are no blocks): ZeRO-2 then
-    # holds one full-size bucket at most, and every stage makes a few large collectives,
-    # not many small ones (gpt-1.3b on 4 H200s, ZeRO-1: 123 reduce-scatters a step at
-    # 25 MB, 10 ms slower than ZeRO-2's 26, docs/benchmarks.md, eighth session).
-    bucket_mb = max((sum(p.numel() * p.element_size() for p in u.parameters())
-                     for u in units), default=25 * 2**20) / 2**20
+    # Overlapped (the default): a bucket per block. ZeRO-2 then holds one full-size
+    # bucket at most, and every stage makes a few large collectives, not many small ones
+    # (gpt-1.3b on 4 H200s, ZeRO-1: 123 reduce-scatters a step at 25 MB, 10 ms slower
+    # than ZeRO-2's 26; docs/benchmarks.md, eighth session). ``--ddp bucketed`` keeps
+    # PyTorch DDP's 25 MB, as lesson 01 teaches it.
     overlap = cfg.ddp == "overlapped"  # gradient reductions in the backward, gathers forward
+    bucket_mb = 25.0 if not overlap and cfg.zero < 2 else max(
+        (sum(p.numel() * p.element_size() for p in u.parameters()) for u in units),
+        default=25 * 2**20) / 2**20
     sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp_cp, precision=precision,
                          average=False, shared=shared, overlap=overlap,
                          bucket_mb=0 if cfg.ddp == "naive" else bucket_mb,
