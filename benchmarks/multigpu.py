@@ -787,6 +787,7 @@ def _measure(run: Run, spec: dict, cap: float) -> dict:
     if "comm_wire_bytes_per_step" in res[0]:
         row["comm_wire_bytes_per_step"] = max(r["comm_wire_bytes_per_step"] for r in res)
     if "timeline" in res[0]:
+        from minipar.parallel.schedules import COMPUTE
         from minipar.theory.bubble import (
             bubble_fraction_formula,
             bubble_stats,
@@ -803,8 +804,8 @@ def _measure(run: Run, spec: dict, cap: float) -> dict:
         # actions (posting sends and receives) idles the GPU there, not in the timed steps:
         # the idle share of the timed step, with each action's synchronised duration
         # (GPUs only: on the CPU a rank's actions take as long either way)
-        busy = sum(e.end - e.start for rank in tl for e in rank if e.kind in ("F", "B", "W"))
         if run.cuda:
+            busy = sum(e.end - e.start for rank in tl for e in rank if e.kind in COMPUTE)
             row["bubble_measured_timed_step"] = 1 - busy / (len(tl) * step)
         shape = (c["schedule"], c["pp"], c["microbatches"], c["virtual"])
         row["bubble_theory"] = stage_cost_bubble(*shape)  # equal stages: unit costs

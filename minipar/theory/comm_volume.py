@@ -84,10 +84,7 @@ def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
     padded = math.ceil(n_params / dp) * dp  # flat buffers padded to a multiple of dp
     if zero == 0:
         _add(out, dim, "all_reduce", 1, n_params * pg, dp)
-    elif zero == 1:
-        _add(out, dim, "reduce_scatter", 1, padded * pg, dp)
-        _add(out, dim, "all_gather", 1, padded * pw, dp)
-    elif zero == 2:  # (once a step, as stage 1: the last micro-batch's backward reduces)
+    elif zero in (1, 2):  # once a step: the last micro-batch's backward reduces
         _add(out, dim, "reduce_scatter", 1, padded * pg, dp)
         _add(out, dim, "all_gather", 1, padded * pw, dp)
     elif zero == 3:
