@@ -40,7 +40,9 @@ REPO = Path(__file__).resolve().parents[1]
 LESSONS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
 SHOTS = REPO / "build" / "screenshots"
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-BUDGET_S = float(os.environ.get("MINIPAR_BROWSER_BUDGET_S", "340"))
+# The whole run took 323-333 s on the 2-core course machine once the lessons had grown
+# (eighth session), at the old 340 s: one slow run of the last notebook failed there.
+BUDGET_S = float(os.environ.get("MINIPAR_BROWSER_BUDGET_S", "450"))
 DEADLINE = time.monotonic() + BUDGET_S  # the whole module shares one budget
 
 # What "broken" looks like on the page. (JupyterLab 4.6 draws an exception's traceback as
