@@ -59,7 +59,7 @@ notebooks: setup
 # page, the mesh/timeline/memory dashboards redraw when a control moves, and every request
 # that leaves 127.0.0.1 is blocked (plotly and widgets render offline). Installs Debian's
 # chromium through apt and Playwright into .venv when missing (never `playwright install`);
-# screenshots go to build/screenshots/. Bounded: about 5 minutes at most.
+# screenshots go to build/screenshots/. Bounded: about 6 minutes, 7.5 at most.
 .PHONY: test-browser
 test-browser: setup
 	@command -v chromium >/dev/null || { s=$$([ "$$(id -u)" = 0 ] || echo sudo); \
