@@ -59,6 +59,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         raise ValueError(f"the checkpoint is at step {start} and the run ends at step "
                          f"{end}: nothing to train")
     parts = build(cfg, rm, reader)
+    device = device_for(cfg)
+    after_build = _device_allocated(device)
     data = make_data(cfg, parts.model.cfg.vocab_size, parts.model.cfg.seq_len)
     reports_loss = (rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
                     and rm.coords.cp == 0)
@@ -106,7 +108,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         "comm": rm.log.summary(),
         "comm_bytes_per_step": rm.log.total("wire_bytes") / max(1, end - start),
         "offload_bytes": out["offload"] if end > start else None,  # last step, host<->device
-        "device_peak_bytes": _device_peak(device_for(cfg)),
+        "device_peak_bytes": _device_peak(device),
+        "device_memory": _device_memory(device, after_build),
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
@@ -116,6 +119,24 @@ def rank_main(cfg: TrainConfig) -> dict:
 def _device_peak(device: torch.device) -> int | None:
     """The accelerator's peak allocated bytes over the whole run (None on the CPU)."""
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _device_allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _device_memory(device: torch.device, after_build: int | None) -> dict | None:
+    """What the card held (None on the CPU): tensors after ``build`` (the weights and
+    their states), the peaks of tensors and of the caching allocator's reserve, and the
+    whole process's share of the card (the reserve plus the CUDA context and NCCL's
+    buffers, which live outside the allocator), as the driver reports it."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return {"after_build": after_build,
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "peak_reserved": torch.cuda.max_memory_reserved(device),
+            "process_used": total - free, "capacity": total}
 
 
 def _save(cfg: TrainConfig, rm: RankMesh, parts: Parts, step: int) -> None:

@@ -102,6 +102,28 @@ class Layout:
                 f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}"
                 + (" offload" if self.offload else ""))
 
+    def train_flags(self, model: str, global_batch: int, dtype: str = "bf16") -> list[str]:
+        """The ``python -m minipar train`` flags that run this layout, every setting the
+        planner priced (schedule, virtual stages, head layers, recompute, micro-batches)."""
+        flags = ["--model", model, "--dp", str(self.dp), "--pp", str(self.pp),
+                 "--tp", str(self.tp)]
+        flags += ["--cp", str(self.cp)] if self.cp > 1 else []
+        flags += ["--zero", str(self.zero), "--microbatches", str(self.microbatches),
+                  "--batch-size", str(global_batch)]
+        if self.pp > 1:
+            flags += ["--schedule", self.schedule]
+            flags += ["--virtual", str(self.virtual)] if self.virtual > 1 else []
+            flags += ["--head-layers", str(self.head_layers)] if self.head_layers else []
+        flags += ["--sp"] if self.sp else []
+        flags += ["--recompute", self.recompute] if self.recompute != "none" else []
+        flags += ["--offload"] if self.offload else []
+        return flags + ["--dtype", dtype]
+
+    def command(self, model: str, global_batch: int, backend: str = "nccl") -> str:
+        """The command line that trains this layout on its GPUs (one rank per GPU)."""
+        return " ".join(["python -m minipar train", *self.train_flags(model, global_batch),
+                         "--backend", backend])
+
     def to_dict(self) -> dict:
         return {**asdict(self), "step_time": self.step_time, "label": self.label()}
 
