@@ -255,13 +255,28 @@ def pipeline_seconds(schedule: str, pp: int, microbatches: int, virtual: int,
     busy = microbatches * max(sum(seconds[r::pp]) for r in range(pp))  # chunk c: rank c % pp
     if pp == 1:
         return busy, busy
+    top = max(seconds)
+    if pp > SIMULATED_PP:  # the closed form: exact when the busiest rank runs the head
+        per_rank = [sum(seconds[r::pp]) for r in range(pp)]
+        idle = (sum(per_rank) - max(per_rank)) * IDLE_SHARE[schedule] / virtual
+        return busy, busy + idle
     # The idle time is the warm-up's and the cool-down's: past 4 pp micro-batches it no
     # longer grows (tests/test_planner.py checks), so longer pipelines are simulated at
     # 4 pp. The timeline scales with the seconds: simulated over their largest, rounded,
     # one run serves the planner's many layouts of one shape.
-    top = max(seconds)
     weights = tuple(round(x / top, 6) for x in seconds)
     return busy, busy + top * _idle(schedule, pp, min(microbatches, 4 * pp), virtual, weights)
+
+
+# Past this many stages a simulation costs seconds (its actions grow as pp^2) and the
+# closed form takes over: the busiest rank waits while the warm-up and the cool-down cross
+# every other rank once, all of their F + B under 1F1B and GPipe, a 1/v of it interleaved
+# (chunks v times smaller), a third under ZB-H1 (only the F's; B and W fill the rest).
+# Against the simulation at pp 8 and 16 (tests/test_planner.py): equal when the last
+# stage, which runs the head, is the busiest; up to 6% above it when a lighter last stage
+# lets the others overlap their cool-downs.
+SIMULATED_PP = 8
+IDLE_SHARE = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0, "zb": 1 / 3}
 
 
 _actions = lru_cache(maxsize=256)(make_schedule)  # read only: one list per shape

@@ -269,13 +269,51 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
 
 # --- the whole picture -------------------------------------------------------------------
 def _minipar_grads(grads: int, n: int, parts: int, zero: int, dtype: str,
-                   grad_dtype: str) -> int:
+                   grad_dtype: str, microbatches: int = 1) -> int:
     """The gradient bytes minipar holds (``accounting="fused"``), where the paper's
     ``grads`` counts 2 under bf16: ZeRO 0-2 sum micro-batches in ``grad_dtype`` (fp32 by
-    default, 4 bytes) and ZeRO-2 keeps an fp32 shard (ZeRO-3's is counted already)."""
+    default, 4 bytes). ZeRO-2 reduces once a step, in the last micro-batch's backward:
+    with one micro-batch it holds the fp32 shard only, with more the full-size sum waits
+    through the micro-batches before it (ZeRO-3's shard is counted already)."""
     if zero == 3 or state_bytes(dtype)[0] == 4:
         return grads
-    return math.ceil(n / parts) * 4 if zero == 2 else n * (4 if grad_dtype == "fp32" else 2)
+    full = n * (4 if grad_dtype == "fp32" else 2)
+    return math.ceil(n / parts) * 4 if zero == 2 and microbatches == 1 else full
+
+
+# --- what the card holds beyond the tensors ----------------------------------------------
+# Measured on 4 x H100 80GB, torch 2.11, NCCL (benchmarks/card_memory.py; the rows and
+# the fit are in docs/benchmarks.md): the process's share of the card beyond the caching
+# allocator's reserve (the CUDA context, cuBLAS workspaces, NCCL's buffers) ...
+CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
+# ... and the reserve beyond the peak of live tensors (blocks cached between sizes that
+# do not fit each other): ZeRO-3's per-layer gathers and frees fragment it the most.
+RESERVE_FACTOR = {0: 1.03, 1: 1.03, 2: 1.03, 3: 1.12}
+# The headroom a plan keeps on top of that (share of the card): the largest
+# under-prediction measured there (tp 2 dp 2 ZeRO-3 with sp: 7%, its reserve 17% over the
+# live tensors), so that no layout the model lets through runs out of memory.
+MEMORY_MARGIN = 0.07
+
+
+def optimizer_step_bytes(n: int, parts: int, zero: int, dtype: str = "bf16",
+                         optimizer: str = "adam") -> int:
+    """The transient of the optimizer step itself: torch's multi-tensor AdamW works on
+    whole lists at once and keeps one temporary the size of the fp32 parameters it
+    updates (the shard under ZeRO 1-3). Plain SGD makes none."""
+    if _ALIASES.get(optimizer, optimizer) == "sgd":
+        return 0
+    return (math.ceil(n / parts) if zero >= 1 else n) * 4
+
+
+def card_bytes(row: dict, zero: int, device: str = "cuda") -> dict[str, int]:
+    """From a stage's live-tensor peak (``row["total"]``) to what the card must hold:
+    ``reserved`` (the caching allocator's peak reserve) and ``process`` (``reserved``
+    plus the runtime outside the allocator). On the CPU the allocator keeps no reserve
+    and the runtime is the interpreter's and torch's (``RUNTIME_BYTES``-like)."""
+    if device != "cuda":
+        return {"reserved": row["total"], "process": row["total"] + 300 * 2**20}
+    reserved = int(row["total"] * RESERVE_FACTOR[zero])
+    return {"reserved": reserved, "process": reserved + CUDA_RUNTIME_BYTES}
 
 
 def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
@@ -342,14 +380,22 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
             ws = loss_workspace(cfg, microbatch_size, tp, accounting, cp) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
-            row["grads"] = _minipar_grads(row["grads"], n, dp * cp, zero, dtype, grad_dtype)
-            # only ZeRO-1's full buffer lives across steps; the others are made in the
-            # backward as it frees activations: one micro-batch holds the larger of the
-            # two, with more the first's gradients wait through the next forwards
-            # (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved rows within 3%)
+            row["grads"] = _minipar_grads(row["grads"], n, dp * cp, zero, dtype, grad_dtype,
+                                          microbatches)
+            # only ZeRO-1's full buffer lives across steps; the others are
+            # made in the backward as it frees activations: one micro-batch holds the
+            # larger of the two, with more the first's gradients wait through the next
+            # forwards (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved within 3%)
             both = (row["grads"], row["activations"])
             held = max(both) if zero != 1 and microbatches == 1 else sum(both)
-            row["total"] = row["params"] + row["optimizer"] + held + row["loss_workspace"]
+            backward = row["params"] + row["optimizer"] + held + row["loss_workspace"]
+            # the step: states, the reduced gradients and the optimizer's temporary
+            row["optimizer_step"] = 0 if offload else optimizer_step_bytes(
+                n, dp * cp, zero, dtype, optimizer)
+            step = (row["params"] + row["optimizer"] + row["optimizer_step"]
+                    + (row["grads"] if zero != 2 or microbatches == 1
+                       else math.ceil(n / (dp * cp)) * 4))
+            row["total"] = max(backward, step)
         out.append(row)
     return out
 

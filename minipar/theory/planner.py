@@ -50,7 +50,7 @@ from minipar.theory.bubble import pipeline_seconds
 from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
-from minipar.theory.memory import memory_per_stage
+from minipar.theory.memory import MEMORY_MARGIN, card_bytes, memory_per_stage
 from minipar.theory.models import get_model
 from minipar.theory.offload import offload_seconds
 from minipar.theory.params import head_layers_for, model_flops_per_token
@@ -161,14 +161,16 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
              zero: int = 0, microbatch_size: int = 1, global_batch: int | None = None,
              schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
              recompute: str = "none", *, dtype: str = "bf16", optimizer: str = "adam",
-             matmul_efficiency: float = 0.7, memory_fraction: float = 0.9,
-             accounting: str = "korthikanti", order: str = "megatron",
+             matmul_efficiency: float = 0.7, memory_margin: float = MEMORY_MARGIN,
+             accounting: str = "fused", order: str = "megatron",
              overlap: bool = True, cp: int = 1, offload: bool = False,
              head_layers: int = 0) -> Layout:
     """Memory and step-time estimate of one layout (raises ValueError if it cannot be
-    built at all: sizes that do not divide). ``fits`` says whether it fits in
-    ``memory_fraction`` of a GPU's memory (the rest for the CUDA context, buffers and
-    fragmentation). ``head_layers``: the last chunk's layers fewer (``partition_layers``)."""
+    built at all: sizes that do not divide). ``memory`` is the busiest stage's
+    ``memory_per_stage`` row plus what the card holds beyond the tensors
+    (``memory.card_bytes``: ``reserved``, ``process``); ``fits`` says whether ``process``
+    stays under the GPU's memory less ``memory_margin`` of it. ``head_layers``: the last
+    chunk's layers fewer (``partition_layers``)."""
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     if tp * pp * dp * cp != cluster.gpus:
         raise ValueError(f"tp*pp*dp*cp = {tp * pp * dp * cp} is not the cluster's "
@@ -184,6 +186,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     mem = max(memory_per_stage(cfg, optimizer=optimizer, virtual=virtual, cp=cp,
                                accounting=accounting, offload=offload, head_layers=head_layers,
                                stages=sorted({0, pp - 1}), **common), key=lambda r: r["total"])
+    mem.update(card_bytes(mem, zero, "cuda"))
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, **common)
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
@@ -222,7 +225,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
                for d in ("tp", "cp", "pp", "dp")}
     return Layout(tp, pp, dp, zero, microbatch_size, m, schedule, virtual, sp, recompute,
                   memory=mem, time=time, traffic=traffic, mfu=mfu, cp=cp, offload=offload,
-                  fits=mem["total"] <= memory_fraction * cluster.gpu_memory,
+                  fits=mem["process"] <= (1 - memory_margin) * cluster.gpu_memory,
                   head_layers=head_layers)
 
 
@@ -295,7 +298,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     the ring cannot hide behind the blocks' compute), within a node with tp.
     ``offload=True``: a layout that does not fit is tried again with ZeRO-Offload.
     ``settings`` go to ``evaluate`` (dtype, optimizer, matmul_efficiency,
-    memory_fraction, accounting, order, overlap).
+    memory_margin, accounting, order, overlap).
     """
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     gpus = cluster.gpus
