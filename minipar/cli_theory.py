@@ -10,6 +10,7 @@ import argparse
 import json
 
 from minipar.config import SCHEDULE_NAMES
+from minipar.theory.memory import MEMORY_MARGIN
 
 
 def _write_json(path: str | None, payload: dict) -> None:
@@ -156,17 +157,32 @@ def _cmd_plan(args) -> int:
                           for op, lat, bw in where.links)
         print(f"calibrated ({args.calibrate}): matmul {where.matmul_rate / 1e12:.0f} TFLOP/s"
               f"; {rates}")
-    result = plan(cfg, where, args.batch, offload=args.offload)
+    result = plan(cfg, where, args.batch, offload=args.offload,
+                  memory_margin=args.memory_margin)
+    batch = result.global_batch
+    model_flags = _model_flags(args)
     print(f"{'#':>3}  {'layout':<60} {'step s':>9} {'MFU':>6} {'GiB/GPU':>8}")
     for i, lay in enumerate(result.layouts[: args.top]):
         print(f"{i + 1:>3}  {lay.label():<60} {lay.step_time:>9.3g} {lay.mfu:>6.1%} "
-              f"{lay.memory['total'] / 2**30:>8.1f}")
+              f"{lay.memory['process'] / 2**30:>8.1f}")
+        print(f"     {lay.command(args.model, batch)}{model_flags}")
+    print(f"(GiB/GPU: what the card holds, the allocator's reserve and the runtime included; "
+          f"a layout fits within {1 - args.memory_margin:.0%} of the card's "
+          f"{where.gpu_memory / 2**30:.1f} GiB: --memory-margin {args.memory_margin})")
     print()
     print(result.why())
     _write_json(args.json, {"best": result.best.to_dict() if result.best else None,
-                            "layouts": [x.to_dict() for x in result.layouts[: args.top]],
+                            "layouts": [{**x.to_dict(), "command": x.command(args.model, batch)
+                                         + model_flags} for x in result.layouts[: args.top]],
                             "rejected": dict(result.rejected), "why": result.why()})
     return 0
+
+
+def _model_flags(args) -> str:
+    """The model size flags given to ``plan``, for the ``train`` commands it prints."""
+    sizes = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len")
+    return "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in sizes
+                   if getattr(args, k, None) is not None)
 
 
 def _add_model_args(p, default: str | None) -> None:
@@ -217,5 +233,8 @@ def _add_theory(sub) -> None:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--offload", action="store_true",
                    help="try ZeRO-Offload where a layout does not fit without it")
+    p.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN,
+                   help="share of each GPU's memory a layout leaves free (default "
+                   f"{MEMORY_MARGIN}: the largest under-prediction measured on 4 x H100)")
     p.add_argument("--calibrate", metavar="FILE", help="measured rates of a machine "
                    "(benchmarks/multigpu.py --sections calibrate) instead of the preset's")

@@ -219,14 +219,16 @@ def _check_files(cfg: TrainConfig) -> None:
         checkpoint.check_save(cfg.save, cfg.resume)
 
 
-RUNTIME_BYTES = 300 * 2**20  # per rank: the interpreter, torch, communication buffers
-
-
-def predicted_bytes(cfg: TrainConfig, model: GPTConfig, **layout) -> int:
-    """Bytes the most loaded rank of ``cfg`` (with ``layout``'s fields changed) holds:
-    model states by ZeRO stage, activations by recompute and sp, the pipeline's
-    micro-batches in flight, the loss workspace (``theory.memory.memory_per_stage``)."""
-    from minipar.theory.memory import memory_per_stage
+def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None,
+                    device: str | None = None, **layout) -> int:
+    """Bytes a rank of ``cfg`` (with ``layout``'s fields changed) holds on its device, on
+    pipeline stage ``stage`` or the most loaded one: the live tensors
+    (``theory.memory.memory_per_stage``: model states by ZeRO stage, activations by
+    recompute and sp, the pipeline's micro-batches in flight, the loss workspace, the
+    optimizer's temporary) and what the device holds beyond them (``card_bytes``: the
+    caching allocator's reserve and the runtime). The planner prices layouts with the
+    same two functions."""
+    from minipar.theory.memory import card_bytes, memory_per_stage
 
     c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "cp", "zero", "microbatches", "sp",
                                       "recompute", "schedule", "virtual", "offload",
@@ -237,8 +239,10 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, **layout) -> int:
                             c["microbatches"], c["schedule"], c["sp"], c["recompute"],
                             virtual=c["virtual"], accounting="fused", cp=c["cp"],
                             offload=c["offload"], head_layers=c["head_layers"],
-                            grad_dtype=cfg.grad_dtype)
-    return max(r["total"] for r in rows)
+                            grad_dtype=cfg.grad_dtype,
+                            stages=None if stage is None else [stage])
+    device = device or device_for(cfg).type
+    return max(card_bytes(r, c["zero"], device)["process"] for r in rows)
 
 
 def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:
@@ -259,15 +263,18 @@ def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:
 def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
     """Refuse, before launch, a run whose predicted memory exceeds this machine's: per
     GPU under CUDA, the whole host's for CPU ranks (they share it). The prediction is
-    the theory's (``predicted_bytes``) plus ``RUNTIME_BYTES`` per rank; only a run that
-    cannot fit even in all of the memory is refused (``doctor --model`` says when a fit
-    is tight). The message names the numbers and a layout of the same ranks that fits."""
+    ``predicted_bytes``, the planner's own; only a run predicted not to fit at all is
+    refused (the planner keeps a margin on top: ``theory.memory.MEMORY_MARGIN``). The
+    message names the numbers and a layout of the same ranks that fits: on GPUs the
+    planner's first choice for this card."""
     what, have, sharing = machine_memory(cfg)
-    per_rank = predicted_bytes(cfg, model) + RUNTIME_BYTES
+    device = "cuda" if what == "memory per GPU" else "cpu"
+    per_rank = predicted_bytes(cfg, model, device=device)
     if per_rank * sharing <= have:
         return
     gib = 2**30
-    fix = _fitting_layout(cfg, model, have // sharing)
+    fix = _planned_layout(cfg, model, have) if device == "cuda" else None
+    fix = fix or _fitting_layout(cfg, model, have // sharing, device)
     raise ValueError(
         f"this run does not fit: {cfg.model} dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} "
         + (f"cp={cfg.cp} " if cfg.cp > 1 else "")
@@ -278,7 +285,29 @@ def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
            f"no layout of {cfg.world_size} ranks fits: use more machines or a smaller model"))
 
 
-def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int) -> tuple | None:
+def _planned_layout(cfg: TrainConfig, model: GPTConfig, capacity: int) -> tuple | None:
+    """The planner's first choice for this model, batch and number of GPUs, on a card of
+    ``capacity`` bytes: its flags and its predicted bytes per rank, or None."""
+    from dataclasses import replace
+
+    import torch
+
+    from minipar.theory import clusters
+    from minipar.theory.planner import plan
+
+    kind = clusters.gpu_for_device(torch.cuda.get_device_name(0)
+                                   if torch.cuda.is_available() else "")
+    gpu = replace(clusters.GPUS[kind], memory=capacity)
+    where = clusters.cluster(cfg.world_size, gpu, cfg.world_size)
+    best = plan(model, where, cfg.batch_size, dtype=cfg.dtype).best
+    if best is None:
+        return None
+    flags = " ".join(best.train_flags(cfg.model, cfg.batch_size, cfg.dtype)[2:])
+    return flags, best.memory["process"]
+
+
+def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int,
+                    device: str = "cpu") -> tuple | None:
     """The first layout of the same world size that fits ``budget`` bytes per rank, in
     the order: least ZeRO, least model parallelism (tp * pp), fewest micro-batches; or
     None. Flags for it, and its bytes per rank."""
@@ -297,9 +326,9 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int) -> tuple | 
                 except ValueError:
                     continue
                 for zero in range(4):
-                    need = predicted_bytes(cfg, model, dp=dp, pp=pp, tp=tp, zero=zero,
-                                           microbatches=m, virtual=1,
-                                           schedule="1f1b") + RUNTIME_BYTES
+                    need = predicted_bytes(cfg, model, device=device, dp=dp, pp=pp, tp=tp,
+                                           zero=zero, microbatches=m, virtual=1,
+                                           schedule="1f1b")
                     if need <= budget:
                         found.append(((zero, tp * pp, m), dp, pp, tp, zero, m, need))
     if not found:

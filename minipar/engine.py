@@ -26,6 +26,7 @@ from minipar.config import (
     lr_at,
     optimizer_class,
     optimizer_kwargs,
+    predicted_bytes,
     validate,
 )
 from minipar.corpus import make_data, prepare_data
@@ -110,6 +111,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         "offload_bytes": out["offload"] if end > start else None,  # last step, host<->device
         "device_peak_bytes": _device_peak(device),
         "device_memory": _device_memory(device, after_build),
+        "predicted_peak_bytes": predicted_bytes(cfg, parts.model.cfg, stage=rm.coords.pp),
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,

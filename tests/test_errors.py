@@ -71,7 +71,8 @@ def test_a_run_that_cannot_fit_is_refused_with_a_layout_that_does(monkeypatch, c
 
 def test_per_gpu_memory_decides_under_cuda(monkeypatch) -> None:
     """On GPUs each rank has its own device: gpt-13b on 4 x 80 GiB fits with tp 4, sp and
-    full recompute in bf16 (the GPU benchmark's run), not with dp 4."""
+    full recompute in bf16 (the GPU benchmark's run), not with dp 4 ZeRO-0; the refusal
+    names the planner's first choice for the card, with its flags."""
     import minipar.config as config
 
     monkeypatch.setattr(config, "machine_memory", lambda cfg: ("memory per GPU", 80 * 2**30, 1))
@@ -79,6 +80,8 @@ def test_per_gpu_memory_decides_under_cuda(monkeypatch) -> None:
     ok = TrainConfig(tp=4, sp=True, recompute="full", **big)
     config.check_fits(ok, ok.model_config())
     bad = TrainConfig(dp=4, **big)
-    with pytest.raises(ValueError, match=r"needs 217.3 GiB per rank of memory per GPU, "
-                                         r"which has 80.0 GiB; --dp 1 --pp 4"):
+    with pytest.raises(ValueError, match=r"needs 274.0 GiB per rank of memory per GPU, "
+                                         r"which has 80.0 GiB; --dp 4 --pp 1 --tp 1 --zero 3 "
+                                         r"--microbatches 1 --batch-size 8 --dtype bf16 "
+                                         r"would need 73.6 GiB"):
         config.check_fits(bad, bad.model_config())

@@ -513,3 +513,31 @@ def test_every_example_plans_in_seconds() -> None:
         t0 = time.process_time()
         plan(ex.model, ex.cluster, ex.global_batch)
         assert time.process_time() - t0 < 6, name
+
+
+def test_the_printed_command_runs_the_planned_layout(tmp_path) -> None:
+    """``plan`` prints, for each layout, the ``train`` command with every setting it
+    priced; run (on CPU ranks) it trains exactly that layout."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+
+    from minipar.__main__ import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpu", "H100-80GB",
+                 "--gpus-per-node", "2", "--batch", "4", "--top", "3",
+                 "--json", str(out)]) == 0
+    planned = json.loads(out.read_text())["layouts"]
+    pipelined = next((x for x in planned if x["pp"] > 1), planned[0])
+    command = shlex.split(pipelined["command"].replace("--backend nccl", "--backend gloo"))
+    assert command[:4] == ["python", "-m", "minipar", "train"]
+    run = tmp_path / "run.json"
+    subprocess.run([sys.executable, *command[1:], "--steps", "1", "--quiet", "--json",
+                    str(run)], check=True, capture_output=True, timeout=120)
+    config = json.loads(run.read_text())["config"]
+    for key in ("dp", "pp", "tp", "cp", "zero", "microbatches", "schedule", "virtual", "sp",
+                "recompute", "offload", "head_layers"):
+        assert config[key] == pipelined[key], key
+    assert config["batch_size"] == 4

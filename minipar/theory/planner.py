@@ -344,6 +344,10 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                 m = local // b
                 for schedule, v in _schedules(schedules, cfg, pp, m):
                     for zero in zero_stages:
+                        if zero == 3 and schedule == "zb":  # config.validate refuses it
+                            reject("ZeRO-3 frees the weights zb's W pass needs",
+                                   f"zero=3 with zb, pp={pp}")
+                            continue
                         for rc in recomputes:  # pp: stages balanced for the head
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
                             price = partial(evaluate, cfg, cluster, tp, pp, dp, zero, b,
@@ -357,11 +361,11 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                             else:
                                 reject("does not fit in memory", lay.label())
                                 if (smallest is None
-                                        or lay.memory["total"] < smallest.memory["total"]):
+                                        or lay.memory["process"] < smallest.memory["process"]):
                                     smallest = lay
     # Ties (dp traffic fully hidden) go to the layout that moves fewer bytes, then to
     # the one that needs less memory.
-    layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["total"]))
+    layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["process"]))
     return Plan(cfg, cluster, global_batch, layouts, rejected, examples, smallest)
 
 
@@ -378,8 +382,8 @@ def _schedules(names: tuple[str, ...], cfg: GPTConfig, pp: int, m: int):
             yield name, 1
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f} GB"
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB"
 
 
 def explain(result: Plan) -> str:
@@ -389,7 +393,7 @@ def explain(result: Plan) -> str:
         lines = [f"No layout of this model fits on {result.cluster.describe()}."]
         if result.smallest_misfit is not None:
             s = result.smallest_misfit
-            lines.append(f"The smallest needs {_gb(s.memory['total'])} per GPU "
+            lines.append(f"The smallest needs {_gib(s.memory['process'])} per GPU "
                          f"({s.label()}).")
         lines += [f"  rejected, {r}: {n} (e.g. {result.examples[r]})"
                   for r, n in result.rejected.most_common()]
@@ -399,7 +403,7 @@ def explain(result: Plan) -> str:
     lines = [
         f"Best: {best.label()}",
         f"  {t['step']:.3g} s per step, estimated MFU {best.mfu:.0%}, "
-        f"{_gb(best.memory['total'])} of {_gb(result.cluster.gpu_memory)} per GPU.",
+        f"{_gib(best.memory['process'])} of {_gib(result.cluster.gpu_memory)} per GPU.",
         "  step = " + " + ".join(f"{k} {t[k]:.3g}" for k in TIME_KEYS) + " s",
     ]
     for reason, n in result.rejected.most_common():
