@@ -95,6 +95,10 @@ def _add_train(sub) -> None:
     p.add_argument("--log-every", type=int, default=1, help="progress every N steps")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout probability (masks keyed by position: every layout alike)")
+    p.add_argument("--init-from", help="start from a GPT-2 transformers directory (its sizes "
+                   "and weights; its tokenizer.json tokenises text data)")
+    p.add_argument("--text-field", default="text",
+                   help="the text column of JSON Lines, Parquet or datasets --data")
 
 
 def train_config(args) -> TrainConfig:
@@ -115,7 +119,8 @@ def train_config(args) -> TrainConfig:
         heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
         warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
         save_every=args.save_every, keep=args.keep, log_every=args.log_every,
-        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload)
+        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload,
+        init_from=args.init_from, text_field=args.text_field)
 
 
 def _cmd_train(args) -> int:
@@ -235,8 +240,9 @@ def _cmd_sample(args) -> int:
 
 def _cmd_export(args) -> int:
     from minipar.export import export
+    from minipar.hf import export_hf
 
-    out = export(args.resume, args.out)
+    out = (export_hf if args.format == "hf" else export)(args.resume, args.out)
     print(f"wrote {out['path']}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB, "
           f"step {out['step']}")
     _write_json(args.json, out)
@@ -263,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     e = sub.add_parser("export", help="the full model of a checkpoint, as safetensors")
     e.add_argument("--resume", required=True, help="checkpoint directory (train --save)")
-    e.add_argument("--out", required=True, help="the .safetensors file to write")
+    e.add_argument("--out", required=True,
+                   help="the .safetensors file to write (--format hf: a directory)")
+    e.add_argument("--format", default="minipar", choices=("minipar", "hf"),
+                   help="hf: a directory transformers loads (GPT2LMHeadModel, AutoTokenizer)")
     e.add_argument("--json")
     return parser
 

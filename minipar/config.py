@@ -78,6 +78,9 @@ class TrainConfig:
     # --- context parallelism and ZeRO-Offload (issue 20) ---
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
     offload: bool = False  # ZeRO-Offload: fp32 masters, optimizer states and step on the host
+    # --- the Hugging Face ecosystem (minipar/hf.py) ---
+    init_from: str | None = None  # a GPT-2 transformers directory: its sizes and weights
+    text_field: str = "text"  # the text column of JSON Lines, Parquet or datasets data
 
     @property
     def world_size(self) -> int:
@@ -89,12 +92,15 @@ class TrainConfig:
         return f"dp={self.dp} x pp={self.pp} x tp={self.tp}{cp}"
 
     def model_config(self) -> GPTConfig:
-        """The preset, with ``overrides``, the size flags, and the data's vocabulary."""
+        """The preset (``init_from``: the directory's sizes), with ``overrides``, the size
+        flags, and the data's vocabulary."""
         from minipar.corpus import data_vocab
+        from minipar.hf import read_config
 
-        cfg = sized(get_config(self.model).with_(**self.overrides), self.layers,
+        base = read_config(self.init_from) if self.init_from else get_config(self.model)
+        cfg = sized(base.with_(**self.overrides), self.layers,
                     self.hidden, self.heads, self.ffn, self.vocab, self.seq_len)
-        if self.vocab is None:
+        if self.vocab is None and not self.init_from:
             vocab = data_vocab(self.data, self.tokenizer, cfg.vocab_size)
             if vocab is not None:
                 cfg = cfg.with_(vocab_size=vocab)
@@ -189,6 +195,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_device(cfg)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
+    if cfg.init_from is not None:
+        from minipar.hf import check_init_from
+
+        check_init_from(cfg, model)
     check_fits(cfg, model)
 
 
