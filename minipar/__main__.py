@@ -77,8 +77,9 @@ def _add_train(sub) -> None:
     p.add_argument("--data", default="markov",
                    help="markov (generated), pystdlib (Python's own sources), a text file, "
                    "a directory of text files, or a .bin token file")
-    p.add_argument("--tokenizer", default="byte", choices=("byte", "bpe"),
-                   help="for text: bytes (vocab 256) or BPE trained to the model's vocab")
+    p.add_argument("--tokenizer", help="for text: byte (vocab 256, the default), bpe "
+                   "(trained to the model's vocab) or a tokenizer.json file (--init-from: "
+                   "the directory's, when it has one)")
     p.add_argument("--data-cache", help="where tokenised text is kept (~/.cache/minipar)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="validation loss every N steps and at the end (0: never)")
@@ -103,6 +104,8 @@ def _add_train(sub) -> None:
 
 def train_config(args) -> TrainConfig:
     """The ``TrainConfig`` a parsed ``train`` command line asks for (flag -> field)."""
+    from minipar.hf import default_tokenizer
+
     return TrainConfig(
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
         schedule=args.schedule, virtual=args.virtual, head_layers=args.head_layers,
@@ -113,7 +116,8 @@ def train_config(args) -> TrainConfig:
         backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
         ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
-        optimizer=args.optimizer, data=args.data, tokenizer=args.tokenizer,
+        optimizer=args.optimizer, data=args.data,
+        tokenizer=args.tokenizer or default_tokenizer(args.init_from),
         data_cache=args.data_cache, eval_every=args.eval_every,
         eval_batches=args.eval_batches, layers=args.layers, hidden=args.hidden,
         heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,

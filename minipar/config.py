@@ -159,7 +159,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                          f"ranks does not match the job's world size {world_size}")
     from minipar.corpus import check_source
 
-    check_source(cfg.data, cfg.tokenizer)  # before model_config, which may read it
+    check_source(cfg.data, cfg.tokenizer, cfg.text_field)  # before model_config reads it
     model = cfg.model_config()
     check_tp(model, cfg.tp, cfg.sp)
     checks.layout(model, cfg.dp, cfg.pp, cfg.tp, cfg.virtual, cfg.sp)
@@ -319,7 +319,7 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int) -> tuple | 
 
 
 def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
-    from minipar.corpus import sidecar
+    from minipar.corpus import sidecar, tokenizer_vocab
 
     for name in ("eval_every", "save_every", "keep", "warmup"):
         value = getattr(cfg, name)
@@ -345,6 +345,11 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
     if cfg.data != "markov" and cfg.tokenizer == "bpe" and model.vocab_size < 512:
         raise ValueError(f"--tokenizer bpe needs a vocabulary of 512 or more (the 256 bytes "
                          f"plus merges), got {model.vocab_size}: pass --vocab")
+    if cfg.data != "markov" and cfg.tokenizer.endswith(".json"):  # a tokenizer.json
+        need = tokenizer_vocab(cfg.tokenizer)
+        if need > model.vocab_size:
+            raise ValueError(f"--tokenizer {cfg.tokenizer} has {need} tokens: the model's "
+                             f"vocabulary ({model.vocab_size}) is too small")
     if cfg.data.endswith(".bin"):
         known = sidecar(cfg.data).get("vocab_size")
         if known is not None and known > model.vocab_size:

@@ -161,6 +161,13 @@ def read_config(directory: str) -> GPTConfig:
     return _gpt_config(_config_json(directory))
 
 
+def default_tokenizer(init_from: str | None) -> str:
+    """``--tokenizer`` when not given: ``init_from``'s ``tokenizer.json`` if it has one
+    (the ids its weights were trained on), else ``byte``."""
+    path = os.path.join(init_from, "tokenizer.json") if init_from else ""
+    return path if path and os.path.isfile(path) else "byte"
+
+
 def check_init_from(cfg, model: GPTConfig) -> None:
     """Before launch: ``--init-from`` names a GPT-2 directory whose architecture is
     ``model``'s (with ``--resume`` too, the weights then come from the checkpoint)."""
