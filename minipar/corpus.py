@@ -310,8 +310,8 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
 
     Returns its path; ``NAME.json`` beside it holds dtype, vocab_size, token count and
     the tokenizer's file. Documents are streamed: BPE training reads them once, and
-    encoding once more, a batch at a time, appending to the file (byte: documents joined
-    by a newline; BPE: each followed by ``<|endoftext|>`` when the tokenizer has it).
+    encoding once more, a batch at a time, appending to the file (documents each
+    followed by ``<|endoftext|>`` when the tokenizer has it, else joined by a newline).
     Written to a temporary name and renamed: a concurrent or interrupted preparation
     never leaves a half-written file where a run would read it.
     """
@@ -341,10 +341,12 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
                     ids.astype(dtype).tofile(out)
                     count += len(ids)
             else:
-                eot = tok.tok.token_to_id(EOT)
+                eot = tok.tok.token_to_id(EOT)  # without one: a newline between, as bytes
                 end = [] if eot is None else [eot]
                 it = texts()
                 while batch := list(itertools.islice(it, 256)):
+                    if eot is None:
+                        batch = [("\n" if n_docs + j else "") + t for j, t in enumerate(batch)]
                     n_docs += len(batch)
                     for x in tok.encode_batch(batch):
                         np.asarray(x + end, dtype=dtype).tofile(out)

@@ -141,7 +141,7 @@ def _config_json(directory: str) -> dict:
     path = os.path.join(directory, CONFIG)
     if not os.path.isfile(path):
         raise ValueError(f"--init-from {directory}: no {CONFIG} (a transformers model "
-                         "directory, e.g. one `minipar export --format hf` wrote)")
+                         "directory, as minipar export --format hf writes)")
     with open(path) as f:
         return json.load(f)
 

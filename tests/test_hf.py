@@ -65,15 +65,23 @@ def test_transformers_gives_minipars_logits(preset: str, tmp_path) -> None:
     assert tok(text)["input_ids"] == ByteTokenizer().encode(text)
 
 
-def test_export_of_a_tp_pp_run_loads_and_generates_in_transformers(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[str, str]:
+    """A pp2 x tp2 run on byte-level text, saved and exported with --format hf."""
+    tmp = tmp_path_factory.mktemp("exported")
+    text = tmp / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    ckpt, out = str(tmp / "ckpt"), str(tmp / "hf")
+    train(TrainConfig(pp=2, tp=2, microbatches=2, steps=2, data=str(text), save=ckpt,
+                      data_cache=str(tmp / "cache"), timeout=240))
+    assert main(["export", "--resume", ckpt, "--format", "hf", "--out", out]) == 0
+    return ckpt, out
+
+
+def test_export_of_a_tp_pp_run_loads_and_generates_in_transformers(exported) -> None:
     """pp2 x tp2 checkpoint (byte text) -> export --format hf -> transformers: the same
     logits, the same greedy continuation as ``sample``, the same tokenizer."""
-    text = tmp_path / "corpus.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    train(TrainConfig(pp=2, tp=2, microbatches=2, steps=2, data=str(text), save=ckpt,
-                      data_cache=str(tmp_path / "cache"), timeout=240))
-    assert main(["export", "--resume", ckpt, "--format", "hf", "--out", out]) == 0
+    ckpt, out = exported
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json",
                                        "tokenizer_config.json"]
     ref, tok = load_model(ckpt)
@@ -89,6 +97,29 @@ def test_export_of_a_tp_pp_run_loads_and_generates_in_transformers(tmp_path) -> 
                          eos_token_id=None)
     assert hf_out[0, len(prompt):].tolist() == greedy
     assert hf_tok.decode(greedy) == tok.decode(greedy)
+
+
+def test_fine_tune_an_exported_model_on_json_lines(exported, tmp_path, capsys) -> None:
+    """The round trip back: --init-from the exported directory, on dp2 x tp2, with JSON
+    Lines data tokenised by the directory's tokenizer.json (the run's bytes again)."""
+    _, out = exported
+    data = tmp_path / "notes.jsonl"
+    data.write_text("".join(json.dumps({"text": f"note {i}: the lazy dog sleeps."}) + "\n"
+                            for i in range(300)))
+    ckpt = str(tmp_path / "tuned")
+    assert main(["train", "--init-from", out, "--data", str(data), "--dp", "2", "--tp", "2",
+                 "--steps", "2", "--data-cache", str(tmp_path / "cache"), "--save", ckpt,
+                 "--quiet"]) == 0
+    from minipar import corpus
+
+    cached = corpus.prepare(str(data), os.path.join(out, "tokenizer.json"), 256,
+                            str(tmp_path / "cache"))
+    byte = corpus.prepare(str(data), "byte", 256, str(tmp_path / "cache"))
+    assert cached != byte and list(corpus.open_tokens(cached, 256)) == list(
+        corpus.open_tokens(byte, 256))
+    capsys.readouterr()
+    assert main(["sample", "--resume", ckpt, "--prompt", "note", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("note")
 
 
 @pytest.fixture(scope="module")
