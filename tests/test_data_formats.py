@@ -115,3 +115,14 @@ def test_a_large_file_is_streamed_not_loaded(tmp_path, fmt) -> None:
         peaks.append(_traced_peak(src, str(tmp_path / "cache")))
         sizes.append(sum(map(len, docs)))
     assert peaks[1] < 1.3 * peaks[0] + 2**16 and peaks[1] < sizes[1] / 5, (peaks, sizes)
+
+
+def test_a_missing_optional_library_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    import sys
+
+    src = write_parquet(tmp_path / "d.parquet", DOCS)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if not installed
+    assert main(["train", "--data", src, "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("needs the optional package pyarrow.parquet: "
+                        "pip install 'minipar[hf]'") and len(err.splitlines()) == 1, err
