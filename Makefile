@@ -13,7 +13,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -c constraints.txt -e ".[dev]"
+	$(PIP) install -c constraints.txt -e ".[dev,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

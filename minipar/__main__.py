@@ -77,8 +77,9 @@ def _add_train(sub) -> None:
     p.add_argument("--data", default="markov",
                    help="markov (generated), pystdlib (Python's own sources), a text file, "
                    "a directory of text files, or a .bin token file")
-    p.add_argument("--tokenizer", default="byte", choices=("byte", "bpe"),
-                   help="for text: bytes (vocab 256) or BPE trained to the model's vocab")
+    p.add_argument("--tokenizer", help="for text: byte (vocab 256, the default), bpe "
+                   "(trained to the model's vocab) or a tokenizer.json file (--init-from: "
+                   "the directory's, when it has one)")
     p.add_argument("--data-cache", help="where tokenised text is kept (~/.cache/minipar)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="validation loss every N steps and at the end (0: never)")
@@ -95,10 +96,16 @@ def _add_train(sub) -> None:
     p.add_argument("--log-every", type=int, default=1, help="progress every N steps")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout probability (masks keyed by position: every layout alike)")
+    p.add_argument("--init-from", help="start from a GPT-2 transformers directory (its sizes "
+                   "and weights; its tokenizer.json tokenises text data)")
+    p.add_argument("--text-field", default="text",
+                   help="the text column of JSON Lines, Parquet or datasets --data")
 
 
 def train_config(args) -> TrainConfig:
     """The ``TrainConfig`` a parsed ``train`` command line asks for (flag -> field)."""
+    from minipar.hf import default_tokenizer
+
     return TrainConfig(
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
         schedule=args.schedule, virtual=args.virtual, head_layers=args.head_layers,
@@ -109,13 +116,15 @@ def train_config(args) -> TrainConfig:
         backend=args.backend, batch_size=args.batch_size, lr=args.lr,
         order=args.order, save=args.save, resume=args.resume, trace=args.trace,
         ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
-        optimizer=args.optimizer, data=args.data, tokenizer=args.tokenizer,
+        optimizer=args.optimizer, data=args.data,
+        tokenizer=args.tokenizer or default_tokenizer(args.init_from),
         data_cache=args.data_cache, eval_every=args.eval_every,
         eval_batches=args.eval_batches, layers=args.layers, hidden=args.hidden,
         heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
         warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
         save_every=args.save_every, keep=args.keep, log_every=args.log_every,
-        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload)
+        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload,
+        init_from=args.init_from, text_field=args.text_field)
 
 
 def _cmd_train(args) -> int:
@@ -235,8 +244,9 @@ def _cmd_sample(args) -> int:
 
 def _cmd_export(args) -> int:
     from minipar.export import export
+    from minipar.hf import export_hf
 
-    out = export(args.resume, args.out)
+    out = (export_hf if args.format == "hf" else export)(args.resume, args.out)
     print(f"wrote {out['path']}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB, "
           f"step {out['step']}")
     _write_json(args.json, out)
@@ -263,7 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     e = sub.add_parser("export", help="the full model of a checkpoint, as safetensors")
     e.add_argument("--resume", required=True, help="checkpoint directory (train --save)")
-    e.add_argument("--out", required=True, help="the .safetensors file to write")
+    e.add_argument("--out", required=True,
+                   help="the .safetensors file to write (--format hf: a directory)")
+    e.add_argument("--format", default="minipar", choices=("minipar", "hf"),
+                   help="hf: a directory transformers loads (GPT2LMHeadModel, AutoTokenizer)")
     e.add_argument("--json")
     return parser
 

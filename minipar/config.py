@@ -78,6 +78,9 @@ class TrainConfig:
     # --- context parallelism and ZeRO-Offload (issue 20) ---
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
     offload: bool = False  # ZeRO-Offload: fp32 masters, optimizer states and step on the host
+    # --- the Hugging Face ecosystem (minipar/hf.py) ---
+    init_from: str | None = None  # a GPT-2 transformers directory: its sizes and weights
+    text_field: str = "text"  # the text column of JSON Lines, Parquet or datasets data
 
     @property
     def world_size(self) -> int:
@@ -89,12 +92,15 @@ class TrainConfig:
         return f"dp={self.dp} x pp={self.pp} x tp={self.tp}{cp}"
 
     def model_config(self) -> GPTConfig:
-        """The preset, with ``overrides``, the size flags, and the data's vocabulary."""
+        """The preset (``init_from``: the directory's sizes), with ``overrides``, the size
+        flags, and the data's vocabulary."""
         from minipar.corpus import data_vocab
+        from minipar.hf import read_config
 
-        cfg = sized(get_config(self.model).with_(**self.overrides), self.layers,
+        base = read_config(self.init_from) if self.init_from else get_config(self.model)
+        cfg = sized(base.with_(**self.overrides), self.layers,
                     self.hidden, self.heads, self.ffn, self.vocab, self.seq_len)
-        if self.vocab is None:
+        if self.vocab is None and not self.init_from:
             vocab = data_vocab(self.data, self.tokenizer, cfg.vocab_size)
             if vocab is not None:
                 cfg = cfg.with_(vocab_size=vocab)
@@ -153,7 +159,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                          f"ranks does not match the job's world size {world_size}")
     from minipar.corpus import check_source
 
-    check_source(cfg.data, cfg.tokenizer)  # before model_config, which may read it
+    check_source(cfg.data, cfg.tokenizer, cfg.text_field)  # before model_config reads it
     model = cfg.model_config()
     check_tp(model, cfg.tp, cfg.sp)
     checks.layout(model, cfg.dp, cfg.pp, cfg.tp, cfg.virtual, cfg.sp)
@@ -189,6 +195,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_device(cfg)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
+    if cfg.init_from is not None:
+        from minipar.hf import check_init_from
+
+        check_init_from(cfg, model)
     check_fits(cfg, model)
 
 
@@ -338,7 +348,7 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int,
 
 
 def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
-    from minipar.corpus import sidecar
+    from minipar.corpus import sidecar, tokenizer_vocab
 
     for name in ("eval_every", "save_every", "keep", "warmup"):
         value = getattr(cfg, name)
@@ -364,6 +374,11 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
     if cfg.data != "markov" and cfg.tokenizer == "bpe" and model.vocab_size < 512:
         raise ValueError(f"--tokenizer bpe needs a vocabulary of 512 or more (the 256 bytes "
                          f"plus merges), got {model.vocab_size}: pass --vocab")
+    if cfg.data != "markov" and cfg.tokenizer.endswith(".json"):  # a tokenizer.json
+        need = tokenizer_vocab(cfg.tokenizer)
+        if need > model.vocab_size:
+            raise ValueError(f"--tokenizer {cfg.tokenizer} has {need} tokens: the model's "
+                             f"vocabulary ({model.vocab_size}) is too small")
     if cfg.data.endswith(".bin"):
         known = sidecar(cfg.data).get("vocab_size")
         if known is not None and known > model.vocab_size:

@@ -7,15 +7,21 @@
   library's own ``.py`` files (found with ``sysconfig``): a deterministic subset of
   about 4 MB, so tokenising takes seconds;
 * a text file, or a directory of text files (read recursively, in sorted order);
+* JSON Lines (``.jsonl``: one JSON object a line, its ``--text-field``, default
+  ``text``), Parquet (``.parquet``, or a directory of them: that column, read one
+  record batch at a time with ``pyarrow``), or a Hugging Face ``datasets`` directory
+  written by ``save_to_disk`` (its ``train`` split when it holds several);
 * a ``.bin`` token file: a flat little-endian uint16 or uint32 array, the convention
   nanoGPT made common. The dtype (and vocabulary size, and optionally a tokenizer) come
   from a sidecar ``NAME.json``; without one, from the vocabulary (uint16 up to 65,536).
 
 Text is tokenised once, before any rank starts, into such a token file in a cache
 directory (``~/.cache/minipar`` or ``--data-cache``), with the tokenizer beside it, so
-the second run starts at once. Tokenizers: ``byte`` (the UTF-8 bytes: vocabulary 256,
-nothing to train) or ``bpe`` (byte-level BPE trained with Hugging Face ``tokenizers``
-on the corpus itself, to the model's vocabulary size).
+the second run starts at once; documents are streamed (one file, line or record batch
+at a time), never the whole corpus in memory. Tokenizers: ``byte`` (the UTF-8 bytes:
+vocabulary 256, nothing to train), ``bpe`` (byte-level BPE trained with Hugging Face
+``tokenizers`` on the corpus itself, to the model's vocabulary size), or a
+``tokenizer.json`` file of that library (e.g. a GPT-2 model directory's).
 
 ``TokenData`` serves the training contract of ``minipar.data``: row r of step s is a
 window of ``seq_len + 1`` tokens starting at an offset hashed from (seed, s, r), read
@@ -26,10 +32,12 @@ read). The last ``VAL_FRACTION`` of the tokens is held out for validation.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +50,7 @@ TOKENIZERS = ("byte", "bpe")
 VAL_FRACTION = 0.05
 PYSTDLIB_BYTES = 4 * 2**20  # enough text to learn from; tokenises in seconds
 EOT = "<|endoftext|>"  # BPE's document separator (id 0)
+DATASETS_MARKS = ("dataset_info.json", "dataset_dict.json")  # a save_to_disk directory
 
 
 def default_cache() -> str:
@@ -82,11 +91,30 @@ def text_files(source: str) -> list[str]:
     return found
 
 
-def check_source(source: str, tokenizer: str) -> None:
+def data_format(source: str) -> str:
+    """How SOURCE's documents are read: ``text``, ``jsonl``, ``parquet`` or ``datasets``
+    (a directory of only ``.jsonl`` or only ``.parquet`` files is read as that)."""
+    if os.path.isdir(source) and any(os.path.isfile(os.path.join(source, m))
+                                     for m in DATASETS_MARKS):
+        return "datasets"
+    names = [source] if os.path.isfile(source) else text_files(source) \
+        if os.path.isdir(source) else []
+    for fmt in ("jsonl", "parquet"):
+        if names and all(n.endswith(f".{fmt}") for n in names):
+            return fmt
+    return "text"
+
+
+def check_tokenizer(tokenizer: str) -> None:
+    if tokenizer not in TOKENIZERS and not (tokenizer.endswith(".json")
+                                            and os.path.isfile(tokenizer)):
+        raise ValueError(f"--tokenizer must be one of {', '.join(TOKENIZERS)} or a "
+                         f"tokenizer.json file, got {tokenizer!r}")
+
+
+def check_source(source: str, tokenizer: str, text_field: str = "text") -> None:
     """Raise ``ValueError`` (one line) for a SOURCE that cannot be read."""
-    if tokenizer not in TOKENIZERS:
-        raise ValueError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, "
-                         f"got {tokenizer!r}")
+    check_tokenizer(tokenizer)
     if source in BUILTIN:
         return
     if source.endswith(".bin"):
@@ -96,9 +124,66 @@ def check_source(source: str, tokenizer: str) -> None:
     if os.path.isfile(source) or os.path.isdir(source):
         if not text_files(source):
             raise ValueError(f"--data {source}: the directory holds no files")
+        if data_format(source) != "text":
+            next(documents(source, text_field), None)  # the library, the field: or why not
         return
     raise ValueError(f"--data {source!r} is not a file, a directory, a .bin token file or a "
                      f"built-in corpus ({', '.join(BUILTIN)})")
+
+
+def documents(source: str, text_field: str = "text") -> Iterator[str]:
+    """SOURCE's non-empty documents, one at a time: a text file each, a JSON line's or
+    a table row's ``text_field``."""
+    fmt = data_format(source)
+    if fmt == "text":
+        yield from (t for t in map(_read_text, text_files(source)) if t)
+    elif fmt == "jsonl":
+        for path in text_files(source):
+            with open(path, encoding="utf-8") as f:
+                for i, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"--data {path}:{i}: not JSON ({e.msg})") from None
+                        text = _field(record, text_field, f"{path}:{i}")
+                        if text:
+                            yield text
+    else:
+        for batch in _table_batches(source, fmt, text_field):
+            yield from (t for t in batch if t)
+
+
+def _field(record, text_field: str, where: str) -> str:
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise ValueError(f"--data {where}: no text field {text_field!r} (pass --text-field)")
+    return record[text_field]
+
+
+def _table_batches(source: str, fmt: str, text_field: str) -> Iterator[list]:
+    """Column ``text_field`` of Parquet files or a ``datasets`` directory, a record
+    batch at a time (memory-mapped Arrow: only the batch read is in memory)."""
+    from minipar.hf import require
+
+    if fmt == "parquet":
+        pq = require("pyarrow.parquet", "Parquet --data")
+        for path in text_files(source):
+            f = pq.ParquetFile(path)
+            if text_field not in f.schema_arrow.names:
+                raise ValueError(f"--data {path}: no column {text_field!r} (columns: "
+                                 f"{', '.join(f.schema_arrow.names)}; pass --text-field)")
+            for b in f.iter_batches(batch_size=256, columns=[text_field]):
+                yield b.column(0).to_pylist()
+        return
+    datasets = require("datasets", "a datasets --data directory")
+    ds = datasets.load_from_disk(source)
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+    if text_field not in ds.column_names:
+        raise ValueError(f"--data {source}: no column {text_field!r} (columns: "
+                         f"{', '.join(ds.column_names)}; pass --text-field)")
+    for b in ds.select_columns([text_field]).iter(batch_size=256):
+        yield b[text_field]
 
 
 def _read_text(path: str) -> str | None:
@@ -138,7 +223,7 @@ class BPETokenizer:
         self.vocab_size = tok.get_vocab_size()
 
     @classmethod
-    def train(cls, texts: list[str], vocab_size: int) -> BPETokenizer:
+    def train(cls, texts: Iterator[str], vocab_size: int) -> BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         tok = Tokenizer(models.BPE())
@@ -194,55 +279,89 @@ def sidecar(bin_path: str) -> dict:
     return meta
 
 
-def _cache_key(source: str, tokenizer: str, vocab_size: int, files: list[str]) -> str:
+def _cache_key(source: str, tokenizer: str, vocab_size: int, files: list[str],
+               text_field: str = "text") -> str:
+    structured = data_format(source) != "text"
     h = hashlib.sha1(f"{tokenizer} {vocab_size} {sys.version_info[:2]}".encode())
-    for p in files:
+    for p in files + ([tokenizer] if tokenizer not in TOKENIZERS else []):
         st = os.stat(p)
         h.update(f"{os.path.abspath(p)} {st.st_size} {st.st_mtime_ns}\n".encode())
+    if structured:
+        h.update(f"field {text_field}".encode())
     name = "pystdlib" if source == "pystdlib" else os.path.basename(source.rstrip("/"))
-    return f"{name}-{tokenizer}{vocab_size if tokenizer == 'bpe' else ''}-{h.hexdigest()[:12]}"
+    kind = tokenizer if tokenizer in TOKENIZERS else "file"
+    return f"{name}-{kind}{vocab_size if kind == 'bpe' else ''}-{h.hexdigest()[:12]}"
+
+
+def _tokenizer_for(tokenizer: str, vocab_size: int, texts):
+    """The byte tokenizer, BPE trained on ``texts()`` (a fresh iterator), or a file's."""
+    if tokenizer == "byte":
+        return ByteTokenizer()
+    if tokenizer == "bpe":
+        return BPETokenizer.train(texts(), vocab_size)
+    from tokenizers import Tokenizer
+
+    return BPETokenizer(Tokenizer.from_file(tokenizer))
 
 
 def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
-            cache: str | None = None, progress=None) -> str:
+            cache: str | None = None, progress=None, text_field: str = "text") -> str:
     """The ``.bin`` token file for SOURCE, tokenising it into the cache the first time.
 
     Returns its path; ``NAME.json`` beside it holds dtype, vocab_size, token count and
-    the tokenizer's file. Written to a temporary name and renamed: a concurrent or
-    interrupted preparation never leaves a half-written file where a run would read it.
+    the tokenizer's file. Documents are streamed: BPE training reads them once, and
+    encoding once more, a batch at a time, appending to the file (documents each
+    followed by ``<|endoftext|>`` when the tokenizer has it, else joined by a newline).
+    Written to a temporary name and renamed: a concurrent or interrupted preparation
+    never leaves a half-written file where a run would read it.
     """
     if source.endswith(".bin"):
         return source
     files = text_files(source)
     out_dir = os.path.join(cache or default_cache(),
-                           _cache_key(source, tokenizer, vocab_size, files))
+                           _cache_key(source, tokenizer, vocab_size, files, text_field))
     bin_path = os.path.join(out_dir, "tokens.bin")
     if os.path.exists(os.path.join(out_dir, "tokens.json")):
         return bin_path  # the second run: nothing to do
     os.makedirs(out_dir, exist_ok=True)
-    texts = [t for t in (_read_text(p) for p in files) if t]
-    if not texts:
-        raise ValueError(f"--data {source}: no text found")
     if progress is not None:
-        progress(f"tokenising {len(texts)} files ({sum(map(len, texts)) / 1e6:.1f} M "
-                 f"characters) with {tokenizer}; cached in {out_dir}")
-    if tokenizer == "byte":
-        tok = ByteTokenizer()
-        ids = np.frombuffer("\n".join(texts).encode("utf-8"), dtype=np.uint8)
-    else:
-        tok = BPETokenizer.train(texts, vocab_size)
-        eot = tok.tok.token_to_id(EOT)
-        ids = np.concatenate([np.asarray(x + [eot], dtype=np.int64)
-                              for x in tok.encode_batch(texts)])
+        progress(f"tokenising {source} ({data_format(source)}, {len(files)} files) with "
+                 f"{tokenizer}; cached in {out_dir}")
+    texts = lambda: documents(source, text_field)  # noqa: E731 (a fresh pass each call)
+    tok = _tokenizer_for(tokenizer, vocab_size, texts)
     dtype = token_dtype(tok.vocab_size)
     pid = os.getpid()
-    ids.astype(dtype).tofile(bin_path + f".{pid}.tmp")
+    count = n_docs = 0
+    try:
+        with open(bin_path + f".{pid}.tmp", "wb") as out:
+            if tok.kind == "byte":
+                for n_docs, text in enumerate(texts(), 1):
+                    sep = "\n" if n_docs > 1 else ""
+                    ids = np.frombuffer((sep + text).encode("utf-8"), dtype=np.uint8)
+                    ids.astype(dtype).tofile(out)
+                    count += len(ids)
+            else:
+                eot = tok.tok.token_to_id(EOT)  # without one: a newline between, as bytes
+                end = [] if eot is None else [eot]
+                it = texts()
+                while batch := list(itertools.islice(it, 256)):
+                    if eot is None:
+                        batch = [("\n" if n_docs + j else "") + t for j, t in enumerate(batch)]
+                    n_docs += len(batch)
+                    for x in tok.encode_batch(batch):
+                        np.asarray(x + end, dtype=dtype).tofile(out)
+                        count += len(x) + len(end)
+        if not n_docs:
+            raise ValueError(f"--data {source}: no text found")
+    except BaseException:
+        os.remove(bin_path + f".{pid}.tmp")  # (an unreadable record: nothing left behind)
+        raise
     os.replace(bin_path + f".{pid}.tmp", bin_path)
     tok.save(os.path.join(out_dir, f"tokenizer.json.{pid}.tmp"))
     os.replace(os.path.join(out_dir, f"tokenizer.json.{pid}.tmp"),
                os.path.join(out_dir, "tokenizer.json"))
-    meta = {"dtype": dtype.name, "vocab_size": tok.vocab_size, "tokens": int(len(ids)),
-            "tokenizer": "tokenizer.json", "source": source, "files": len(texts)}
+    meta = {"dtype": dtype.name, "vocab_size": tok.vocab_size, "tokens": count,
+            "tokenizer": "tokenizer.json", "source": source, "documents": n_docs}
     with open(os.path.join(out_dir, f"tokens.json.{pid}.tmp"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(out_dir, f"tokens.json.{pid}.tmp"),
@@ -314,7 +433,16 @@ def data_vocab(source: str, tokenizer: str, vocab_size: int | None) -> int | Non
     if source.endswith(".bin"):
         v = sidecar(source).get("vocab_size") if os.path.isfile(source) else None
         return None if v is None else -(-int(v) // 8) * 8
-    return 256 if tokenizer == "byte" else vocab_size
+    if tokenizer in TOKENIZERS:
+        return 256 if tokenizer == "byte" else vocab_size
+    return -(-tokenizer_vocab(tokenizer) // 8) * 8  # a tokenizer.json's, rounded up
+
+
+def tokenizer_vocab(path: str) -> int:
+    """The vocabulary of a ``tokenizer.json`` file (Hugging Face ``tokenizers``)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path).get_vocab_size()
 
 
 # --- what the engine calls ----------------------------------------------------------------
@@ -326,7 +454,8 @@ def prepare_data(cfg) -> str | None:
         return None
     vocab = cfg.model_config().vocab_size
     path = prepare(cfg.data, cfg.tokenizer, vocab, cfg.data_cache,
-                   progress=lambda text: print(f"minipar: {text}", file=sys.stderr))
+                   progress=lambda text: print(f"minipar: {text}", file=sys.stderr),
+                   text_field=cfg.text_field)
     if cfg.data.endswith(".bin"):
         tokens = open_tokens(path, vocab)
         biggest = int(tokens.max()) if len(tokens) else 0  # one streaming pass
@@ -342,5 +471,6 @@ def make_data(cfg, vocab_size: int, seq_len: int):
 
     if cfg.data == "markov":
         return MarkovData(vocab_size, seq_len, seed=cfg.seed)
-    path = prepare(cfg.data, cfg.tokenizer, vocab_size, cfg.data_cache)  # the cache
+    path = prepare(cfg.data, cfg.tokenizer, vocab_size, cfg.data_cache,  # the cache
+                   text_field=cfg.text_field)
     return TokenData.open(path, vocab_size, seq_len, seed=cfg.seed)

@@ -244,7 +244,14 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
     from minipar.model import set_dropout_key
 
     torch.manual_seed(cfg.seed)  # (the weights: from the seed by name, init_parameter)
-    model = GPT(cfg.model_config(), seed=cfg.seed)
+    if cfg.init_from:  # or a transformers GPT-2 directory's
+        from minipar.hf import HFCheckpoint
+        from minipar.model import materialize
+
+        model = materialize(GPT(cfg.model_config(), device="meta"),
+                            HFCheckpoint(cfg.init_from).values())
+    else:
+        model = GPT(cfg.model_config(), seed=cfg.seed)
     prepare_data(cfg)
     data = make_data(cfg, model.cfg.vocab_size, model.cfg.seq_len)
     opt = optimizer_class(cfg)(model.parameters(), **optimizer_kwargs(cfg))

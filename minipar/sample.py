@@ -33,7 +33,8 @@ def write_run_card(directory: str, cfg, model_cfg: GPTConfig) -> None:
 
     tok_file = None
     if cfg.data != "markov":
-        source = prepare(cfg.data, cfg.tokenizer, model_cfg.vocab_size, cfg.data_cache)
+        source = prepare(cfg.data, cfg.tokenizer, model_cfg.vocab_size, cfg.data_cache,
+                         text_field=cfg.text_field)
         found = tokenizer_path(source)
         if found and os.path.exists(found):
             tok_file = TOKENIZER

@@ -109,8 +109,15 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
         resume = ShardReader(resume, mcfg, rm.coords.tp, cfg.tp)
     # each weight's value, this rank's tp shard of it: the reference initialisation
     # (by name, from the seed) or the checkpoint's tensor, made one at a time
-    values = resume.values(device) if resume is not None else \
-        init_values(mcfg, cfg.seed, rm.coords.tp, cfg.tp, device)
+    # (or, from --init-from, the transformers directory's)
+    if resume is not None:
+        values = resume.values(device)
+    elif cfg.init_from:
+        from minipar.hf import HFCheckpoint
+
+        values = HFCheckpoint(cfg.init_from).values(rm.coords.tp, cfg.tp, device)
+    else:
+        values = init_values(mcfg, cfg.seed, rm.coords.tp, cfg.tp, device)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # parameters whose gradient is summed over another group after the dp reduction:
     # sequence parallelism's replicated norms (over tp) and a tied embedding's two

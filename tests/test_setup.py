@@ -19,7 +19,8 @@ def _name(req: str) -> str:
 
 def _pyproject() -> dict[str, str]:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = meta["dependencies"] + meta["optional-dependencies"]["dev"]
+    extras = meta["optional-dependencies"]  # make test installs both
+    reqs = meta["dependencies"] + extras["dev"] + extras["hf"]
     return {_name(r): r.replace(" ", "") for r in reqs}
 
 
