@@ -325,7 +325,7 @@ class Comm:
         the next ``send_rows[1]`` to rank 1, ...; returns the rows received, rank 0's
         first (``all_to_all_single`` with split sizes; expert parallelism's dispatch and
         combine). Counted: the payload sent, and on the wire the rows that leave."""
-        row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+        row = t.shape[1:].numel() * t.element_size()
         out_shape = (sum(recv_rows), *t.shape[1:])
         if self.size == 1:
             return t.clone()
