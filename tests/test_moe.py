@@ -86,11 +86,12 @@ def test_adamw_clipped_zero1_with_z_loss_and_replicated_experts() -> None:
 def test_all_to_all_bytes_equal_the_theory() -> None:
     """Dropless: the payload an ep group sends is fixed (every routed row goes out and
     comes back, forward and backward), whichever expert each row chose."""
-    cfg = TrainConfig(model="moe-tiny", steps=2, dp=2, ep=2, timeout=240)
+    cfg = TrainConfig(model="moe-tiny", steps=2, dp=2, ep=2, microbatches=2, timeout=240)
     run = train(cfg)
     sent = sum(r["comm"]["ep"]["all_to_all"]["bytes"] for r in run["ranks"])
     tokens = cfg.batch_size // cfg.dp * cfg.model_config().seq_len
-    per_rank = all_to_all_bytes(cfg.model_config(), tokens, cfg.ep, "fp32")
+    per_rank = all_to_all_bytes(cfg.model_config(), tokens, cfg.ep, "fp32",
+                                microbatches=cfg.microbatches)
     assert sent == cfg.dp * cfg.steps * per_rank["bytes"]
     calls = {r["comm"]["ep"]["all_to_all"]["calls"] for r in run["ranks"]}
     assert calls == {cfg.steps * per_rank["calls"]}

@@ -70,10 +70,13 @@ def moe_model_states(cfg: GPTConfig | str, dp: int = 1, ep: int = 1, zero: int =
 
 
 def all_to_all_bytes(cfg: GPTConfig | str, tokens: int, ep: int, dtype: str = "bf16",
-                     kept: float = 1.0, recompute: bool = False) -> dict[str, float]:
-    """All-to-all bytes one rank sends in a step that routes ``tokens`` of its own.
+                     kept: float = 1.0, recompute: bool = False,
+                     microbatches: int = 1) -> dict[str, float]:
+    """All-to-all bytes one rank sends in a step that routes ``tokens`` of its own, in
+    ``microbatches`` forwards.
 
-    Per MoE layer: the row counts (E integers), then four exchanges of the routed rows
+    Per MoE layer and micro-batch: the row counts (E integers), then four exchanges of
+    the routed rows
     (h values each, k rows a token times the share ``kept`` that is not dropped):
     dispatch and combine in the forward, their gradients in the backward (``recompute``:
     the forward's two again). ``bytes`` is the payload (``CommLog``'s ``bytes``: exact
@@ -86,9 +89,10 @@ def all_to_all_bytes(cfg: GPTConfig | str, tokens: int, ep: int, dtype: str = "b
     rows = tokens * cfg.moe_top_k * kept
     forwards = 2 if recompute else 1
     exchanges = 2 * forwards + 2
-    per_layer = exchanges * rows * cfg.d_model * width + forwards * cfg.n_expert * COUNT_BYTES
-    payload = cfg.n_moe_layers * per_layer
-    return {"calls": cfg.n_moe_layers * (exchanges + forwards), "bytes": payload,
+    counts = microbatches * forwards * cfg.n_expert * COUNT_BYTES
+    payload = cfg.n_moe_layers * (exchanges * rows * cfg.d_model * width + counts)
+    calls = cfg.n_moe_layers * microbatches * (exchanges + forwards)
+    return {"calls": calls, "bytes": payload,
             "wire_bytes": payload * (ep - 1) / ep}
 
 
