@@ -9,7 +9,8 @@ layout starts from the same weights without any rank holding the whole model:
 1. tensor parallelism replaces submodules by sharded ones, following a printable plan
    (``parallel/tp.py``); context parallelism then replaces the attention cores by the
    ring, the position embedding and dropouts by their sequence-shard versions
-   (``parallel/cp_plan.py``);
+   (``parallel/cp_plan.py``); expert parallelism each MoE layer's experts by this
+   rank's share of them (``parallel/ep.py``);
 2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
    the rest of the reference model is dropped;
 3. recomputation replaces blocks (``parallel/recompute.py``);
@@ -169,7 +170,9 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     dp * cp * m (``loss_scale``). The group is dp x cp (``rm.dp_cp``, just dp when
     cp = 1): the weights are replicated over both, so their gradients are summed, and
     ZeRO shards, over both (as Megatron-Core's distributed optimizer does with context
-    parallelism).
+    parallelism). With ``--ep`` the experts' weights, split over ep, are summed and
+    sharded over their own replicas instead (``rm.edp``): a second ZeroOptimizer,
+    joined to the first by ``parallel/ep.ExpertDataParallel``.
     """
     from minipar.parallel.precision import MixedPrecision
     from minipar.parallel.zero import ZeroOptimizer
