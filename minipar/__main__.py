@@ -100,6 +100,16 @@ def _add_train(sub) -> None:
                    "and weights; its tokenizer.json tokenises text data)")
     p.add_argument("--text-field", default="text",
                    help="the text column of JSON Lines, Parquet or datasets --data")
+    # mixture of experts (model.MoE) and expert parallelism (parallel/ep.py)
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (inside dp): each MoE layer's experts split")
+    p.add_argument("--moe-experts", type=int, help="experts per MoE layer (0: dense)")
+    p.add_argument("--moe-top-k", type=int, help="experts per token (1 or 2)")
+    p.add_argument("--moe-every", type=int, help="every N-th block is MoE (2: every other)")
+    p.add_argument("--capacity-factor", type=float,
+                   help="expert slots per sequence over k*seq/E (0: dropless)")
+    p.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight")
+    p.add_argument("--z-loss-coef", type=float, help="router z-loss weight")
 
 
 def train_config(args) -> TrainConfig:
@@ -124,7 +134,10 @@ def train_config(args) -> TrainConfig:
         warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
         save_every=args.save_every, keep=args.keep, log_every=args.log_every,
         timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload,
-        init_from=args.init_from, text_field=args.text_field)
+        init_from=args.init_from, text_field=args.text_field,
+        ep=args.ep, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+        moe_every=args.moe_every, capacity_factor=args.capacity_factor,
+        aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef)
 
 
 def _cmd_train(args) -> int:

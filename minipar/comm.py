@@ -12,6 +12,7 @@ as NCCL and gloo use for large messages; Patarasuk & Yuan 2009):
 * all-gather: (N-1)/N * S     (S = the gathered output)
 * reduce-scatter: (N-1)/N * S (S = the full input)
 * broadcast: S (pipelined ring: every rank but the last forwards it once)
+* all-to-all: the bytes this rank sends to the others (its own rows stay)
 * send: S; recv: 0
 
 The torch-version differences live here and nowhere else: torch 2.13 deprecates
@@ -119,9 +120,10 @@ class CommLog:
             self.on_exit = rank_status_reporter(after=True)
 
     def enter(self, op: str, dim: str, t: torch.Tensor, n: int, nbytes: int | None = None,
-              peer: int | None = None) -> CommRecord:
+              peer: int | None = None, wire: int | None = None) -> CommRecord:
         nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
-        rec = CommRecord(op, dim, nbytes, wire_bytes(op, nbytes, n), tuple(t.shape),
+        wire = wire_bytes(op, nbytes, n) if wire is None else wire
+        rec = CommRecord(op, dim, nbytes, wire, tuple(t.shape),
                          str(t.dtype).replace("torch.", ""), time.time(), peer=peer)
         if self.on_enter is not None:
             self.on_enter(rec)
@@ -236,8 +238,8 @@ class Comm:
         """Copy a staged result ``h`` back into ``t`` (None if nothing was staged)."""
         return None if h is t else (lambda: t.copy_(h))
 
-    def _run(self, op, t, fn, async_op, nbytes=None, peer=None, then=None):
-        rec = self.log.enter(op, self.dim, t, self.size, nbytes, peer)
+    def _run(self, op, t, fn, async_op, nbytes=None, peer=None, then=None, wire=None):
+        rec = self.log.enter(op, self.dim, t, self.size, nbytes, peer, wire)
         work = fn()
         if async_op:
             return Pending(work, rec, then, self.log.finish)
@@ -316,6 +318,24 @@ class Comm:
         return self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
             h_out, h_in, rop, group=self.group, async_op=async_op), async_op,
             then=self._back(out, h_out))
+
+    def all_to_all(self, t: torch.Tensor, send_rows: list[int],
+                   recv_rows: list[int]) -> torch.Tensor:
+        """Rows of ``t`` to each rank of the group: the first ``send_rows[0]`` to rank 0,
+        the next ``send_rows[1]`` to rank 1, ...; returns the rows received, rank 0's
+        first (``all_to_all_single`` with split sizes; expert parallelism's dispatch and
+        combine). Counted: the payload sent, and on the wire the rows that leave."""
+        row = t.shape[1:].numel() * t.element_size()
+        out_shape = (sum(recv_rows), *t.shape[1:])
+        if self.size == 1:
+            return t.clone()
+        src = self._host(t.contiguous())
+        out = torch.empty(out_shape, dtype=t.dtype, device=src.device)
+        wire = (sum(send_rows) - send_rows[self.rank]) * row
+        self._run("all_to_all", src, lambda: dist.all_to_all_single(
+            out, src, list(recv_rows), list(send_rows), group=self.group), False,
+            wire=wire)
+        return out.to(t.device)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy ``t`` from the group's local rank ``src`` to every rank, in place."""

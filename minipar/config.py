@@ -81,6 +81,14 @@ class TrainConfig:
     # --- the Hugging Face ecosystem (minipar/hf.py) ---
     init_from: str | None = None  # a GPT-2 transformers directory: its sizes and weights
     text_field: str = "text"  # the text column of JSON Lines, Parquet or datasets data
+    # --- mixture of experts and expert parallelism (parallel/ep.py) ---
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep ranks of dp
+    moe_experts: int | None = None  # MoE settings over the preset's (None: the preset's)
+    moe_top_k: int | None = None
+    moe_every: int | None = None
+    capacity_factor: float | None = None  # 0: dropless
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -100,6 +108,10 @@ class TrainConfig:
         base = read_config(self.init_from) if self.init_from else get_config(self.model)
         cfg = sized(base.with_(**self.overrides), self.layers,
                     self.hidden, self.heads, self.ffn, self.vocab, self.seq_len)
+        moe = {"n_expert": self.moe_experts, "moe_top_k": self.moe_top_k,
+               "moe_every": self.moe_every, "capacity_factor": self.capacity_factor,
+               "aux_loss_coef": self.aux_loss_coef, "z_loss_coef": self.z_loss_coef}
+        cfg = cfg.with_(**{k: v for k, v in moe.items() if v is not None})
         if self.vocab is None and not self.init_from:
             vocab = data_vocab(self.data, self.tokenizer, cfg.vocab_size)
             if vocab is not None:
@@ -140,7 +152,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     from minipar.parallel.pp import partition_layers
     from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 
-    for name in ("dp", "pp", "tp", "cp", "steps", "microbatches", "virtual", "batch_size"):
+    for name in ("dp", "pp", "tp", "cp", "ep", "steps", "microbatches", "virtual",
+                 "batch_size"):
         checks.positive(name.replace("_", "-"), getattr(cfg, name))
     _choice("zero", cfg.zero, (0, 1, 2, 3))
     _choice("schedule", cfg.schedule, SCHEDULE_NAMES)
@@ -184,6 +197,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
     check_batch_split(cfg.batch_size, cfg.dp, cfg.microbatches)
     _check_cp_and_offload(cfg, model)
+    from minipar.parallel.ep import check_ep
+
+    check_ep(cfg, model)
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ValueError(f"--stop-at must be between 1 and --steps ({cfg.steps}), "
                          f"got {cfg.stop_at}")

@@ -49,7 +49,7 @@ def _with_total(mem: dict) -> dict:
 
 def rank_main(cfg: TrainConfig) -> dict:
     """Train on this rank (inside ``launch`` or torchrun); return this rank's record."""
-    mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp)
+    mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep)
     rm = mesh.connect()
     reader, start = None, 0
     if cfg.resume:  # each rank reads only the shards it needs
@@ -163,7 +163,7 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
     from minipar.trace import write_chrome_trace
 
     ranks = sorted(ranks, key=lambda r: r["rank"])
-    last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp).rank(dp=0, pp=cfg.pp - 1)
+    last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep).rank(dp=0, pp=cfg.pp - 1)
     record = {"config": cfg.to_dict(), "losses": ranks[last]["losses"],
               "first_step": ranks[last].get("first_step", 0),
               "eval": ranks[last].get("eval", []), "seconds": seconds,

@@ -25,6 +25,12 @@ distributed optimizer does over its data-parallel-with-context-parallel group).
 here is global: the mesh is passed to whatever needs it. One more group, not a
 dimension: the *embedding group* (the first and last pp ranks of one dp/tp coordinate),
 where a tied embedding's two copies sum their gradients (Megatron-LM, 1909.08053).
+
+Expert parallelism (``ep``, keyword-only) is not a fifth dimension of ranks: it splits
+the dp coordinate, dp = (dp // ep) x ep with ep fastest (Megatron-Core's and
+torchtitan's placement). The *ep group* (ranks differing only in that inner digit) holds
+one MoE layer's experts between them; the *edp group* (same ep digit, any other dp and
+cp coordinate) holds the replicas of one expert, where its gradients are summed.
 """
 
 from __future__ import annotations
@@ -65,10 +71,14 @@ class Mesh:
     tp: int = 1
     order: str = "megatron"
     cp: int = field(default=1, kw_only=True)
+    ep: int = field(default=1, kw_only=True)  # expert parallel: a split of dp
 
     def __post_init__(self) -> None:
-        for name in DIMS:
+        for name in (*DIMS, "ep"):
             _check_size(name, getattr(self, name))
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (experts are split "
+                             "over ranks of the data-parallel group)")
         if self.order not in ORDERS:
             raise ValueError(f"unknown rank order {self.order!r}; choose one of {list(ORDERS)}")
 
@@ -137,11 +147,26 @@ class Mesh:
         c = self.coords(rank)
         return [self.rank(d, c.pp, c.tp, k) for d in range(self.dp) for k in range(self.cp)]
 
+    def ep_ranks(self, rank: int) -> list[int]:
+        """The expert-parallel group of ``rank``: the ep ranks of its dp block (dp
+        coordinates ep * (d // ep) + j), everything else equal. Ordered by ep rank."""
+        c = self.coords(rank)
+        first = c.dp - c.dp % self.ep
+        return [self.rank(first + j, c.pp, c.tp, c.cp) for j in range(self.ep)]
+
+    def edp_ranks(self, rank: int) -> list[int]:
+        """The replicas of ``rank``'s experts: the same ep digit and pp, tp coordinates,
+        any other dp and cp; ordered by (dp, cp). All of dp x cp when ep = 1."""
+        c = self.coords(rank)
+        return [self.rank(d, c.pp, c.tp, k) for d in range(c.dp % self.ep, self.dp, self.ep)
+                for k in range(self.cp)]
+
     def groups(self, dim: str) -> list[list[int]]:
-        """Every group of one dimension, each a list of global ranks, ordered."""
+        """Every group of one dimension (or dp_cp, ep, edp), each a list of global
+        ranks, ordered."""
         seen: dict[tuple[int, ...], None] = {}
-        ranks_of = self.dp_cp_ranks if dim == "dp_cp" else (
-            lambda r: self.group_ranks(dim, r))
+        special = {"dp_cp": self.dp_cp_ranks, "ep": self.ep_ranks, "edp": self.edp_ranks}
+        ranks_of = special.get(dim) or (lambda r: self.group_ranks(dim, r))
         for r in range(self.world_size):
             seen.setdefault(tuple(ranks_of(r)), None)
         return [list(g) for g in seen]
@@ -205,6 +230,11 @@ class Mesh:
                 if rank in ranks:
                     comms[dim] = Comm(group, dim, log, ranks)
         comms.setdefault("dp_cp", comms["dp"])
+        for dim in ("ep", "edp") if self.ep > 1 else ():  # (ep = 1: no experts split)
+            for ranks in self.groups(dim):
+                group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+                if rank in ranks:
+                    comms[dim] = Comm(group, dim, log, ranks)
         # pp = 1: one weight, no copies to sum, no group
         for ranks in map(list, self.embedding_groups() if self.pp > 1 else []):
             group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
@@ -247,6 +277,17 @@ class RankMesh:
         """dp x cp: the replicas of this rank's weights; the data-parallel layer's group
         (the same group as ``dp`` when cp = 1)."""
         return self.comms["dp_cp"]
+
+    @property
+    def ep(self) -> Comm | None:
+        """The expert-parallel group (the ranks sharing one MoE layer's experts); None
+        when ep = 1."""
+        return self.comms.get("ep")
+
+    @property
+    def edp(self) -> Comm:
+        """Where an expert's gradients are summed: its replicas (``dp_cp`` when ep = 1)."""
+        return self.comms.get("edp", self.comms["dp_cp"])
 
     @property
     def embed(self) -> Comm | None:

@@ -14,6 +14,8 @@ The architecture is a pre-norm GPT-2 style decoder:
            -> cross-entropy against the next token (a small module, ``loss_fn``)
 
 Attention goes through ``scaled_dot_product_attention`` (flash attention on GPUs).
+With ``n_expert > 0`` every ``moe_every``-th block's MLP is a mixture of experts
+(``MoE``: a router and E expert MLPs, GShard / Switch Transformer).
 Every part a technique may replace is a submodule (``attn.core``, ``loss_fn``, each
 dropout), and dropout masks are keyed by position in the global batch
 (``KeyedDropout``), so every layout draws the same masks as this one device.
@@ -44,10 +46,23 @@ class GPTConfig:
     d_ff: int = 0  # 0 means 4 * d_model
     dropout: float = 0.0
     tie_embeddings: bool = False
+    # mixture of experts (``MoE``); n_expert = 0: every block dense
+    n_expert: int = 0  # experts per MoE layer
+    moe_top_k: int = 2  # experts per token (1: Switch, 2: GShard)
+    moe_every: int = 1  # block i is MoE when (i + 1) % moe_every == 0 (2: every other)
+    expert_d_ff: int = 0  # an expert's hidden size; 0 means d_ff
+    capacity_factor: float = 0.0  # slots per expert per sequence over k*s/E; 0: dropless
+    aux_loss_coef: float = 0.01  # the load-balancing loss's weight (Switch: 0.01)
+    z_loss_coef: float = 0.0  # the router z-loss's weight (ST-MoE: 0.001)
 
     def __post_init__(self) -> None:
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
+        if self.expert_d_ff == 0:
+            object.__setattr__(self, "expert_d_ff", self.d_ff)
+        if self.n_expert and not 1 <= self.moe_top_k <= self.n_expert:
+            raise ValueError(f"moe_top_k={self.moe_top_k} must be between 1 and "
+                             f"n_expert={self.n_expert}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_head={self.n_head}"
@@ -56,6 +71,14 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    def is_moe(self, index: int) -> bool:
+        """Whether block ``index``'s MLP is a mixture of experts."""
+        return self.n_expert > 0 and (index + 1) % max(1, self.moe_every) == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layer))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,6 +100,13 @@ PRESETS: dict[str, GPTConfig] = {
                            d_model=1024, tie_embeddings=True),
     "gpt-1.3b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=24, n_head=32,
                           d_model=2048, tie_embeddings=True),
+    # mixtures of experts: "tiny" with 8 experts (ep up to 8) in every other block, and
+    # gpt-1.3b's active parameters (top-2 of 8 experts of half its FFN: 2.5B in all)
+    "moe-tiny": GPTConfig(vocab_size=64, seq_len=32, n_layer=8, n_head=8, d_model=64,
+                          n_expert=8, moe_top_k=2, moe_every=2),
+    "moe-1.3b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=24, n_head=32,
+                          d_model=2048, tie_embeddings=True, n_expert=8, moe_top_k=2,
+                          moe_every=2, expert_d_ff=4096),
     "gpt-6.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32,
                           d_model=4096, tie_embeddings=True),
     "gpt-13b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=40, n_head=40,
@@ -213,6 +243,167 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+# --- mixture of experts ----------------------------------------------------------------
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
+                   ) -> torch.Tensor:
+    """Rows of ``x`` sorted by expert times each expert's ``weight[e]^T`` ([E, out, in],
+    ``nn.Linear``'s layout per expert); ``counts[e]`` rows belong to expert e. One grouped
+    GEMM (``torch._grouped_mm``) on a GPU in bf16, else a loop over the experts (never
+    over tokens). Every expert's weight is read, so each gets a gradient (zero if idle)."""
+    if getattr(torch, "_grouped_mm", None) is not None and x.is_cuda \
+            and x.dtype == torch.bfloat16:
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    pieces = x.split(counts.tolist())
+    return torch.cat([xe @ weight[e].t() for e, xe in enumerate(pieces)])
+
+
+class GroupedLinear(nn.Module):
+    """E linear maps side by side: ``weight`` [E, out, in], ``bias`` [E, out]. The input's
+    rows are sorted by expert, ``counts[e]`` of them for expert e."""
+
+    def __init__(self, n: int, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, d_out, d_in))
+        self.bias = nn.Parameter(torch.empty(n, d_out))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        return grouped_matmul(x, self.weight, counts) + bias
+
+
+class Experts(nn.Module):
+    """E MLPs (fc, GELU, proj), computed together on rows sorted by expert. Expert
+    parallelism replaces this submodule (``parallel/ep.py``): same call, some of the
+    experts here and the rest on other ranks, tokens moved by all-to-all."""
+
+    def __init__(self, n: int, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.fc = GroupedLinear(n, d_model, d_ff)
+        self.proj = GroupedLinear(n, d_ff, d_model)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x, counts), approximate="tanh"), counts)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the layer's output; its backward also starts the auxiliary loss's
+    backward with gradient ``scale`` (Megatron-Core's ``MoEAuxLossAutoScaler``). So the
+    auxiliary loss reaches the weights wherever the layer runs (any pipeline stage)
+    without travelling to the loss, scaled as the micro-batch's loss is."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+def route(logits: torch.Tensor, k: int, capacity: int) -> tuple[torch.Tensor, ...]:
+    """Top-k routing of [b, s, E] router logits, decided per sequence.
+
+    Returns (gate [b, s, k], expert [b, s, k], keep [b, s, k] bool, probs [b, s, E] fp32).
+    Gates are the softmax probabilities of the chosen experts, renormalised over the k
+    for k > 1 (GShard). ``capacity`` > 0: an expert takes at most that many of one
+    sequence's assignments, first choices before second ones, earlier positions first
+    (GShard's order); the rest are dropped (their tokens pass by the residual only).
+    """
+    probs = logits.float().softmax(-1)
+    gate, expert = probs.topk(k, dim=-1)
+    if k > 1:
+        gate = gate / gate.sum(-1, keepdim=True)
+    if capacity <= 0:
+        return gate, expert, torch.ones_like(expert, dtype=torch.bool), probs
+    b, s, _ = expert.shape
+    order = expert.transpose(1, 2).reshape(b, k * s)  # choice-major: all 1st choices first
+    onehot = F.one_hot(order, logits.shape[-1])
+    slot = (onehot.cumsum(1) * onehot).sum(-1) - 1  # place in its expert's queue
+    keep = (slot < capacity).view(b, k, s).transpose(1, 2)
+    return gate, expert, keep, probs
+
+
+def load_balancing_loss(probs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """E * sum_i f_i P_i per sequence, averaged over sequences (Switch Transformer, Fedus
+    et al. 2021, eq. 4; per sequence as DeepSeek-V3's sequence-wise balance loss, arXiv
+    2412.19437): f_i the share of the sequence's k*s assignments routed to expert i
+    (before dropping), P_i its mean router probability. 1 when perfectly balanced."""
+    n_expert = probs.shape[-1]
+    f = F.one_hot(expert.flatten(1), n_expert).float().mean(1)  # [b, E]
+    return n_expert * (f * probs.mean(1)).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (GShard, Lepikhin et al. 2020, arXiv 2006.16668; Switch
+    Transformer, Fedus et al. 2021, arXiv 2101.03961): a router (a linear map to E
+    logits) sends each token to its top-k experts; the output is the gate-weighted sum
+    of theirs.
+
+    Routing is decided per *sequence* (``route``): capacity, dropping and the load-
+    balancing loss look at one sequence only, and a sequence is never split over data
+    parallelism or micro-batches, so every layout routes and drops exactly as one device
+    does. Capacity per expert per sequence: ceil(capacity_factor * k * s / E); 0 is
+    dropless. The auxiliary loss (``aux_loss_coef`` x load balance + ``z_loss_coef`` x
+    the router z-loss, ST-MoE, Zoph et al. 2022, arXiv 2202.08906) is a mean over the
+    layer's sequences and tokens; it enters the gradients, not the reported loss, with
+    ``loss_scale`` as its weight (1 here; ``set_moe_loss_scale``: the micro-batch's).
+    ``last_counts`` / ``last_dropped``: the last forward's assignments per expert and
+    the dropped ones (detached, for the lessons).
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_expert, self.k = cfg.n_expert, cfg.moe_top_k
+        self.capacity_factor = cfg.capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.router = nn.Linear(cfg.d_model, cfg.n_expert, bias=False)
+        self.experts = Experts(cfg.n_expert, cfg.d_model, cfg.expert_d_ff)
+        self.loss_scale = 1.0
+        self.last_counts: torch.Tensor | None = None
+        self.last_dropped: torch.Tensor | None = None
+
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert for one sequence (0: dropless)."""
+        if self.capacity_factor <= 0:
+            return 0
+        return math.ceil(self.capacity_factor * self.k * seq_len / self.n_expert)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        logits = self.router(x)
+        gate, expert, keep, probs = route(logits, self.k, self.capacity(s))
+        # the kept assignments, sorted by expert (stable: token order inside each)
+        token = torch.arange(b * s, device=x.device).repeat_interleave(self.k)
+        expert, gate, keep = expert.flatten(), gate.flatten(), keep.flatten()
+        order = torch.sort(torch.where(keep, expert, self.n_expert), stable=True)[1]
+        order = order[:int(keep.sum())]
+        counts = torch.bincount(expert[order], minlength=self.n_expert)
+        y = self.experts(x.reshape(b * s, d)[token[order]], counts)
+        y = y * gate[order, None].to(y.dtype)
+        out = torch.zeros_like(x.reshape(b * s, d)).index_add(0, token[order], y)
+        self.last_counts = torch.bincount(expert, minlength=self.n_expert).detach()
+        self.last_dropped = (~keep).sum().detach()
+        if torch.is_grad_enabled():
+            aux = self.aux_loss_coef * load_balancing_loss(probs, expert.view(b, s, -1))
+            if self.z_loss_coef:
+                aux = aux + self.z_loss_coef * logits.float().logsumexp(-1).square().mean()
+            out = _AuxLossGrad.apply(out, aux, self.loss_scale)
+        return out.view(b, s, d)
+
+
+def set_moe_loss_scale(module: nn.Module, scale: float) -> None:
+    """The weight of every ``MoE`` auxiliary loss in ``module``: the factor its
+    micro-batch's loss is multiplied by before the backward (``step.loss_scale``)."""
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.loss_scale = scale
+
+
 class Block(nn.Module):
     """One pre-norm transformer layer: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
@@ -221,7 +412,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff)
+        self.mlp = MoE(cfg) if cfg.is_moe(index) else MLP(cfg.d_model, cfg.d_ff)
         self.resid_drop1 = KeyedDropout(cfg.dropout, site=1 + 2 * index)
         self.resid_drop2 = KeyedDropout(cfg.dropout, site=2 + 2 * index)
 

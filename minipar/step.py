@@ -9,7 +9,8 @@ layout starts from the same weights without any rank holding the whole model:
 1. tensor parallelism replaces submodules by sharded ones, following a printable plan
    (``parallel/tp.py``); context parallelism then replaces the attention cores by the
    ring, the position embedding and dropouts by their sequence-shard versions
-   (``parallel/cp_plan.py``);
+   (``parallel/cp_plan.py``); expert parallelism each MoE layer's experts by this
+   rank's share of them (``parallel/ep.py``);
 2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
    the rest of the reference model is dropped;
 3. recomputation replaces blocks (``parallel/recompute.py``);
@@ -37,7 +38,7 @@ import torch
 from minipar.config import TrainConfig, device_for, lr_at, optimizer_class, optimizer_kwargs
 from minipar.data import TokenSource, local_batches
 from minipar.mesh import RankMesh
-from minipar.model import GPT
+from minipar.model import GPT, set_moe_loss_scale
 from minipar.reshard import ShardReader, load_optimizer_state
 
 __all__ = ["Parts", "build", "data_parallel", "loss_scale", "clip_gradients", "train_step"]
@@ -100,6 +101,10 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
         from minipar.parallel.cp_plan import apply_context_parallel
 
         apply_context_parallel(full, rm.cp)
+    if cfg.ep > 1:  # each MoE layer keeps this rank's experts (parallel/ep.py)
+        from minipar.parallel.ep import apply_expert_parallel
+
+        apply_expert_parallel(full, rm.ep)
     stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual, cfg.head_layers)
     apply_recompute(stage, cfg.recompute)
     model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
@@ -118,6 +123,12 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
         values = HFCheckpoint(cfg.init_from).values(rm.coords.tp, cfg.tp, device)
     else:
         values = init_values(mcfg, cfg.seed, rm.coords.tp, cfg.tp, device)
+    if cfg.ep > 1:
+        from minipar.parallel.ep import expert_values
+
+        values = expert_values(values, rm.ep.rank, cfg.ep)
+    for chunk in stage:  # MoE auxiliary losses weigh as their micro-batch's loss
+        set_moe_loss_scale(chunk, loss_scale(cfg))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # parameters whose gradient is summed over another group after the dp reduction:
     # sequence parallelism's replicated norms (over tp) and a tied embedding's two
@@ -166,7 +177,9 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     dp * cp * m (``loss_scale``). The group is dp x cp (``rm.dp_cp``, just dp when
     cp = 1): the weights are replicated over both, so their gradients are summed, and
     ZeRO shards, over both (as Megatron-Core's distributed optimizer does with context
-    parallelism).
+    parallelism). With ``--ep`` the experts' weights, split over ep, are summed and
+    sharded over their own replicas instead (``rm.edp``): a second ZeroOptimizer,
+    joined to the first by ``parallel/ep.ExpertDataParallel``.
     """
     from minipar.parallel.precision import MixedPrecision
     from minipar.parallel.zero import ZeroOptimizer
@@ -197,12 +210,23 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     bucket_mb = 25.0 if not overlap and cfg.zero < 2 else max(
         (sum(p.numel() * p.element_size() for p in u.parameters()) for u in units),
         default=25 * 2**20) / 2**20
-    sync = ZeroOptimizer(model, opt_cls, stage=cfg.zero, comm=rm.dp_cp, precision=precision,
-                         average=False, shared=shared, overlap=overlap,
-                         bucket_mb=0 if cfg.ddp == "naive" else bucket_mb,
-                         materialize=materialize, offload=cfg.offload, grad_dtype=grad_dtype,
-                         overlap_param_gather=overlap and cfg.overlap_param_gather,
-                         **opt_kwargs)
+
+    def zero(params, comm):
+        return ZeroOptimizer(params, opt_cls, module=model, stage=cfg.zero, comm=comm,
+                             precision=precision, average=False, shared=shared,
+                             overlap=overlap, bucket_mb=0 if cfg.ddp == "naive" else bucket_mb,
+                             materialize=materialize, offload=cfg.offload,
+                             grad_dtype=grad_dtype,
+                             overlap_param_gather=overlap and cfg.overlap_param_gather,
+                             **opt_kwargs)
+    if cfg.ep > 1:  # expert weights reduce (and shard) over their own replicas
+        from minipar.parallel.ep import ExpertDataParallel, is_expert
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        sync = ExpertDataParallel(zero([p for n, p in named if not is_expert(n)], rm.dp_cp),
+                                  zero([p for n, p in named if is_expert(n)], rm.edp), rm.ep)
+    else:
+        sync = zero(model.parameters(), rm.dp_cp)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
     return sync, sync, precision
 

@@ -1,0 +1,223 @@
+"""Expert parallelism: each MoE layer's experts split over the ep ranks of data parallelism.
+
+With E experts and ep ranks, rank j of an ep group (``Mesh.ep_ranks``) holds experts
+[j E/ep, (j+1) E/ep) of every MoE layer; each rank still routes its own tokens (its dp
+rows). The expert MLPs (``model.Experts``) are replaced by ``ExpertParallel``, which is
+called exactly as they are, with this rank's rows sorted by expert, and:
+
+1. exchanges the row counts (all-to-all of E integers): how many rows each rank will
+   send to each of my experts;
+2. *dispatch*: all-to-all of the rows, those of experts on rank j going to rank j;
+3. regroups what arrived (by source rank, then expert) by expert, and runs its experts
+   (one grouped GEMM);
+4. *combine*: the reverse all-to-all brings each result back to its token's rank.
+
+The backward of an all-to-all is the all-to-all of the gradients with the split sizes
+swapped. Every exchange goes through ``Comm.all_to_all`` (counted). This is the
+placement of GShard (Lepikhin et al. 2020, arXiv 2006.16668), Megatron-Core and
+torchtitan: experts sharded over ep, replicated over dp/ep. So dense weights keep their
+reduction over dp x cp while an expert's gradient is summed over its own replicas, the
+*edp group* (``ExpertDataParallel``: two ZeRO optimizers, one per group; each shards its
+states over its own ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from minipar.comm import Comm
+from minipar.model import Experts, GPTConfig, MoE
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter ``name`` belongs to an MoE layer's experts (split by ep)."""
+    return ".experts." in f".{name}"
+
+
+def check_ep(cfg, model: GPTConfig) -> None:
+    """One line for each MoE setting or expert-parallel layout that cannot run."""
+    if model.n_expert < 0 or (model.n_expert and not 1 <= model.moe_top_k <= model.n_expert):
+        raise ValueError(f"--moe-top-k must be between 1 and --moe-experts "
+                         f"({model.n_expert}), got {model.moe_top_k}")
+    if model.moe_every < 1:
+        raise ValueError(f"--moe-every must be a positive integer, got {model.moe_every}")
+    for flag, value in (("capacity-factor", model.capacity_factor),
+                        ("aux-loss-coef", model.aux_loss_coef),
+                        ("z-loss-coef", model.z_loss_coef)):
+        if not value >= 0:
+            raise ValueError(f"--{flag} must be a number >= 0, got {value!r}")
+    if model.n_expert and model.n_moe_layers == 0:
+        raise ValueError(f"--moe-every {model.moe_every} leaves no MoE block in "
+                         f"{model.n_layer} layers")
+    if model.n_expert and (cfg.cp > 1 or cfg.sp):
+        raise ValueError("MoE layers with --cp or --sp are not supported: routing is decided "
+                         "per sequence, and those split a sequence over ranks")
+    if cfg.ep == 1:
+        return
+    if not model.n_expert:
+        raise ValueError(f"--ep {cfg.ep} needs a mixture-of-experts model (--moe-experts E "
+                         "or a moe-* preset)")
+    if cfg.dp % cfg.ep:
+        raise ValueError(f"--ep {cfg.ep} must divide --dp {cfg.dp} (experts are split over "
+                         "ranks of the data-parallel group)")
+    if model.n_expert % cfg.ep:
+        raise ValueError(f"--ep {cfg.ep} must divide the number of experts "
+                         f"({model.n_expert})")
+    for flag, on in (("--zero 3", cfg.zero == 3), ("--offload", cfg.offload),
+                     ("--resume", cfg.resume is not None)):
+        if on:
+            raise ValueError(f"--ep {cfg.ep} with {flag} is not supported yet")
+
+
+class _AllToAll(torch.autograd.Function):
+    """``Comm.all_to_all`` with its backward: the gradients go back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, send: list[int], recv: list[int]):
+        ctx.comm, ctx.send, ctx.recv = comm, send, recv
+        return comm.all_to_all(x, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.comm.all_to_all(grad, ctx.recv, ctx.send), None, None, None
+
+
+class ExpertParallel(Experts):
+    """This rank's E/ep experts of one MoE layer, serving every ep rank's tokens.
+
+    Called like ``Experts``: ``x`` this rank's rows sorted by (global) expert, ``counts``
+    [E] rows per expert; returns their outputs in the same order. Its parameters keep
+    the reference's names (``...experts.fc.weight``), holding experts
+    [rank E/ep, (rank+1) E/ep) along dim 0.
+    """
+
+    def __init__(self, n_expert: int, d_model: int, d_ff: int, comm: Comm) -> None:
+        super().__init__(n_expert // comm.size, d_model, d_ff)
+        self.comm, self.n_expert = comm, n_expert
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, local = self.comm.size, self.n_expert // self.comm.size
+        # [source rank, my expert]: rows each rank sends to each of my experts
+        got = self.comm.all_to_all(counts.view(ep, local), [1] * ep, [1] * ep)
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = got.sum(1).tolist()
+        rows = _AllToAll.apply(x, self.comm, send, recv)
+        # arrived by (source, expert); my experts want them by (expert, source)
+        arange = torch.arange(max(ep, local), device=x.device)
+        key = arange[:local] * ep + arange[:ep, None]  # [source, expert] -> expert-major
+        order = torch.sort(key.flatten().repeat_interleave(
+            got.flatten(), output_size=rows.shape[0]), stable=True)[1]
+        y = super().forward(rows[order], got.sum(0))
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=x.device)
+        return _AllToAll.apply(y[back], self.comm, recv, send)
+
+
+def apply_expert_parallel(model: nn.Module, comm: Comm) -> nn.Module:
+    """Replace the ``experts`` of every ``MoE`` in ``model`` (on the meta device) by
+    ``ExpertParallel`` over the ep group ``comm``. Returns ``model``."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            fc = m.experts.fc.weight
+            with torch.device(fc.device):
+                m.experts = ExpertParallel(m.n_expert, fc.shape[2], fc.shape[1], comm)
+    return model
+
+
+def expert_values(values, ep_rank: int, ep: int):
+    """``values(name, p)`` (``parallel/materialize.py``) with each expert tensor cut to
+    this ep rank's experts: the reference's value of the whole layer, sliced on dim 0."""
+    def shard(name: str, p: nn.Parameter) -> torch.Tensor:
+        if not is_expert(name):
+            return values(name, p)
+        whole = torch.empty((p.shape[0] * ep, *p.shape[1:]), device="meta")
+        return values(name, whole).chunk(ep)[ep_rank].clone()
+    return shard
+
+
+class ExpertDataParallel:
+    """The data-parallel layer when experts are split: two ``ZeroOptimizer`` s, ``dense``
+    over dp x cp and ``experts`` over the edp group, offered as one (the calls
+    ``step.data_parallel`` documents, and an optimizer's ``param_groups`` / ``step``).
+
+    Gradient norm: each rank owns its dense shard (once over dp) and its expert shard
+    (once over edp; the ep ranks hold other experts), so the squared sums over dp, tp and
+    pp count every element once. Checkpoints: expert tensors are gathered over ep.
+    """
+
+    def __init__(self, dense, experts, ep: Comm) -> None:
+        self.dense, self.experts, self.ep = dense, experts, ep
+        self.offload = None
+
+    @property
+    def parts(self) -> tuple:
+        return self.dense, self.experts
+
+    @property
+    def flats(self) -> list:
+        return [f for z in self.parts for f in z.flats]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for z in self.parts for g in z.param_groups]
+
+    @property
+    def backwards_per_step(self) -> int:
+        return self.dense.backwards_per_step
+
+    @backwards_per_step.setter
+    def backwards_per_step(self, m: int) -> None:
+        for z in self.parts:
+            z.backwards_per_step = m
+
+    def step(self) -> None:
+        for z in self.parts:
+            z.step()
+
+    def finish_gradient_sync(self) -> None:
+        for z in self.parts:
+            z.finish_gradient_sync()
+
+    def finish_param_sync(self) -> None:
+        for z in self.parts:
+            z.finish_param_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for z in self.parts:
+            z.zero_grad(set_to_none)
+
+    def grad_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for z in self.parts:
+            yield from z.grad_shards()
+
+    def scale_grads(self, factor) -> None:
+        for z in self.parts:
+            z.scale_grads(factor)
+
+    def all_reduce_grads(self, params, comm: Comm) -> None:
+        self.dense.all_reduce_grads(params, comm)  # (norms, tied embeddings: dense)
+
+    def fusable(self, linear: nn.Linear) -> bool:
+        return self.dense.fusable(linear)  # (the experts are no nn.Linear)
+
+    def accumulate_product(self, p, dy, x) -> None:
+        self.dense.accumulate_product(p, dy, x)
+
+    def memory_bytes(self, optimizer=None) -> dict[str, int]:
+        dense, experts = self.dense.memory_bytes(), self.experts.memory_bytes()
+        # (each counts the whole module's weights under "params": once)
+        return {k: v + (experts.get(k, 0) if k != "params" else 0) for k, v in dense.items()}
+
+    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
+        """(fp32 weights, optimizer states) by name, whole (collective over dp and ep)."""
+        weights, states = self.dense.full_state_by_name()
+        ew, es = self.experts.full_state_by_name()
+        for name in ew:
+            weights[name] = self.ep.all_gather(ew[name], dim=0)
+            states[name] = {k: self.ep.all_gather(v, dim=0)
+                            if isinstance(v, torch.Tensor) and v.dim() else v
+                            for k, v in es[name].items()}
+        return weights, states
