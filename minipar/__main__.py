@@ -95,6 +95,12 @@ def _add_train(sub) -> None:
     p.add_argument("--log-every", type=int, default=1, help="progress every N steps")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout probability (masks keyed by position: every layout alike)")
+    p.add_argument("--fp8", choices=("rowwise", "tensorwise"),
+                   help="the blocks' linear layers multiply in float8, scaled per row or "
+                        "per tensor (GPUs of compute capability 8.9+; parallel/fp8.py)")
+    p.add_argument("--fp8-emulate", action="store_true",
+                   help="with --fp8: float8 casts, fp32 matmuls, on any device (for tests: "
+                        "the same numbers, no speed)")
 
 
 def train_config(args) -> TrainConfig:
@@ -115,7 +121,8 @@ def train_config(args) -> TrainConfig:
         heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
         warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
         save_every=args.save_every, keep=args.keep, log_every=args.log_every,
-        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload)
+        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload,
+        fp8=args.fp8, fp8_emulate=args.fp8_emulate)
 
 
 def _cmd_train(args) -> int:
