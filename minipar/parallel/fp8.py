@@ -3,18 +3,16 @@
 Two formats (Micikevicius et al. 2022, arXiv 2209.05433): e4m3 (3 mantissa bits, max 448)
 for the forward operands, input x and weight W; e5m2 (2 mantissa bits, max 57344: the
 range gradients need) for the output gradient dy. Each operand is scaled into its
-format's range before the cast, q = fp8(t * s), and the GEMM divides its fp32 sums by
-both scales (``torch._scaled_mm``'s epilogue). s is the largest power of two with
-amax * s <= max (exact to apply, never overflows), from amax taken fresh each call over
-the whole tensor ("tensorwise") or per row ("rowwise": an outlier token spoils only its
-own row). A linear's three GEMMs all run in float8, each written A B^T with both
-operands scaled along the contraction: forward y = x W^T, input gradient dx = dy (W^T)^T,
-weight gradient dW = dy^T (x^T)^T. Weights, gradients and optimizer keep their dtypes.
-
-Tensor parallelism: an amax over a dimension the tp group splits is all-reduced (max), so
-every layout quantises exactly as one device does (TransformerEngine reduces amax over
-tp too). CPUs have no float8 GEMM: ``emulate`` makes the same casts, then multiplies the
-dequantised operands in fp32. Applied by replacing submodules (``apply_fp8``).
+format's range, q = fp8(t * s), and the GEMM divides its fp32 sums by both scales
+(``torch._scaled_mm``'s epilogue). s is the largest power of two with amax * s <= max:
+exact, never overflowing, and moving only the exponent, so the rounding is the same
+whatever s, except that values 2^17 below amax flush to zero. amax is taken fresh each
+call over the whole tensor ("tensorwise") or per row ("rowwise": small rows keep their
+range beside an outlier row). All three GEMMs run in float8, each as A B^T with both
+scaled along the contraction: y = x W^T, dx = dy (W^T)^T, dW = dy^T (x^T)^T.
+Tensor parallelism: an amax over a tp-split dimension is all-reduced (max), so every
+layout quantises as one device (TransformerEngine reduces amax over tp too). CPUs have
+no float8 GEMM: ``emulate`` makes the same casts and multiplies in fp32 (the tests).
 """
 
 from __future__ import annotations
