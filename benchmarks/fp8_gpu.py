@@ -3,8 +3,8 @@ the same job, the loss on real text, and torchao's ``Float8Linear`` as the peer.
 
 Run from the repository root with ``PYTHONPATH=.``; one JSON (``--out FILE``), rewritten
 after every row; one row failing records its error and the run goes on; rows past
-``--budget-s`` are recorded as skipped. Ranks are started by ``minipar.launch`` (one per
-GPU, NCCL, spawned); this process never touches CUDA. Sections (``--sections``), in order:
+``--budget-s`` are recorded as skipped. Ranks are started by ``minipar.launch`` or
+``engine.train`` (one per GPU, NCCL, spawned). Sections (``--sections``), in order:
 
 * ``kernel`` (one GPU, ~30 s): 8192^3 bf16 matmul against ``torch._scaled_mm``
   tensorwise and rowwise (e4m3 x e4m3, and e5m2 x e4m3: the gradient GEMMs); minipar's
@@ -19,20 +19,24 @@ GPU, NCCL, spawned); this process never touches CUDA. Sections (``--sections``),
 * ``loss`` (N GPUs, ~2 min): 300 steps of gpt2-125m on Python's own sources
   (``--data pystdlib``, bytes) at dp N ZeRO-1, bf16 against both recipes: the losses,
   and the ratio of the last 20 steps' mean loss to bf16's (target: within 1%).
-* ``speed1`` (one GPU): gpt-1.3b, 8 sequences in 2 micro-batches, bf16 and both recipes.
-* ``peer`` (one GPU): torchao's ``convert_to_float8_training`` (blocks only, as minipar)
-  on the same GPT in bf16 with fused AdamW, bf16 against both recipes, eager (torchao
-  is built for ``torch.compile``: ``--peer-compile`` compiles the model). Skipped when
-  ``import torchao`` fails: install a carried wheel first (``pip install --no-deps
-  .whl/torchao-0.18.0-*.whl``; 0.18.0 is the release built for torch 2.11).
+* ``peer`` (one GPU, ~1.2 min): torchao's ``convert_to_float8_training`` (blocks only,
+  as minipar) on the same GPT (gpt-1.3b, 8 sequences in 2 micro-batches) in bf16 with
+  fused AdamW, bf16 against both recipes, eager (torchao is built for ``torch.compile``:
+  ``--peer-compile`` compiles the model). Skipped when ``import torchao`` fails: install
+  the carried wheel first (``pip install --no-deps .whl/torchao-0.18.0-*.whl``; 0.18.0
+  is the release built for torch 2.11).
+* ``speed1`` (one GPU, ~1.2 min): minipar at the peer's size, bf16 and both recipes.
 
+The default run stops starting rows after ``--budget-s`` 420 s (about 7.5 min in all on
+4 x H100): the last section may be skipped; ``--sections peer,speed1`` runs it alone.
 ZeRO-3 gathers the weights in bf16: float8 all-gathers are not implemented (the rows'
 ``comm_wire_bytes_per_step`` show the same bytes for bf16 and float8).
 
     export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         NVSHMEM_DISABLE_NVLS=1
+    pip install --no-deps .whl/torchao-0.18.0-*.whl          # the peer (optional)
     python benchmarks/fp8_gpu.py --out $OUT/fp8.json        # ~7.5 min on 4 x H100
-    python benchmarks/fp8_gpu.py --sections speed1,peer --out $OUT/fp8_1gpu.json
+    python benchmarks/fp8_gpu.py --sections peer,speed1 --out $OUT/fp8_1gpu.json
     python benchmarks/fp8_gpu.py --device cpu --gpus 2 --out /tmp/fp8.json   # dry run
 """
 
@@ -55,7 +59,7 @@ from gpu import DATASHEET_TFLOPS, RandomTokens, _timed  # noqa: E402
 from minipar.model import get_config  # noqa: E402
 from minipar.theory.params import model_flops_per_token  # noqa: E402
 
-SECTIONS = ("kernel", "speed", "loss", "speed1", "peer")
+SECTIONS = ("kernel", "speed", "loss", "peer", "speed1")
 RECIPES = (None, "rowwise", "tensorwise")  # None: bf16
 GiB = 2**30
 
@@ -332,10 +336,10 @@ def section_peer(run: multigpu.Run, state: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="the JSON file to write")
-    p.add_argument("--sections", default="kernel,speed,loss,speed1,peer")
+    p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--gpus", type=int, default=None, help="ranks (default: every GPU)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--budget-s", type=float, default=450.0,
+    p.add_argument("--budget-s", type=float, default=420.0,
                    help="rows starting after this many seconds are recorded as skipped")
     p.add_argument("--loss-steps", type=int, default=300)
     p.add_argument("--peer-compile", action="store_true")
