@@ -110,6 +110,12 @@ def _add_train(sub) -> None:
                    help="expert slots per sequence over k*seq/E (0: dropless)")
     p.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight")
     p.add_argument("--z-loss-coef", type=float, help="router z-loss weight")
+    p.add_argument("--fp8", choices=("rowwise", "tensorwise"),
+                   help="the blocks' linear layers multiply in float8, scaled per row or "
+                        "per tensor (GPUs of compute capability 8.9+; parallel/fp8.py)")
+    p.add_argument("--fp8-emulate", action="store_true",
+                   help="with --fp8: float8 casts, fp32 matmuls, on any device (for tests: "
+                        "the same numbers, no speed)")
 
 
 def train_config(args) -> TrainConfig:
@@ -137,7 +143,9 @@ def train_config(args) -> TrainConfig:
         init_from=args.init_from, text_field=args.text_field,
         ep=args.ep, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
         moe_every=args.moe_every, capacity_factor=args.capacity_factor,
-        aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef)
+        aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
+
+        fp8=args.fp8, fp8_emulate=args.fp8_emulate)
 
 
 def _cmd_train(args) -> int:

@@ -89,6 +89,8 @@ class TrainConfig:
     capacity_factor: float | None = None  # 0: dropless
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
+    fp8: str | None = None  # rowwise or tensorwise: the blocks' GEMMs in float8
+    fp8_emulate: bool = False  # float8 casts, fp32 matmuls: CPUs (tests), no speed
 
     @property
     def world_size(self) -> int:
@@ -209,6 +211,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if not (isinstance(cfg.timeout, (int, float)) and 0 < cfg.timeout < math.inf):
         raise ValueError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
     _check_device(cfg)
+    _check_fp8(cfg, model)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
     if cfg.init_from is not None:
@@ -229,6 +232,16 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
         if cfg.sp and (model.seq_len // cfg.cp) % cfg.tp:
             raise ValueError(f"--sp with --cp {cfg.cp} needs seq_len/cp="
                              f"{model.seq_len // cfg.cp} divisible by --tp {cfg.tp}")
+
+
+def _check_fp8(cfg: TrainConfig, model: GPTConfig) -> None:
+    """The rules of float8 live in ``parallel/fp8.py``; here, the GEMM sizes a rank sees."""
+    from minipar.parallel.fp8 import check_fp8
+
+    tokens = cfg.batch_size // (cfg.dp * cfg.microbatches) * (model.seq_len // cfg.cp)
+    sizes = {"hidden": model.d_model, "hidden / tp": model.d_model // cfg.tp,
+             "ffn / tp": model.d_ff // cfg.tp, "tokens per micro-batch": tokens}
+    check_fp8(cfg.fp8, cfg.fp8_emulate, device_for(cfg), cfg.dtype, cfg.sp, sizes)
 
 
 def _check_files(cfg: TrainConfig) -> None:

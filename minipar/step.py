@@ -13,7 +13,8 @@ layout starts from the same weights without any rank holding the whole model:
    rank's share of them (``parallel/ep.py``);
 2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
    the rest of the reference model is dropped;
-3. recomputation replaces blocks (``parallel/recompute.py``);
+3. recomputation replaces blocks (``parallel/recompute.py``); with ``--fp8`` the blocks'
+   linears become float8 ones (``parallel/fp8.py``);
 4. data parallelism, in one place (``data_parallel``): ZeRO 0-2 (``parallel/zero.py``,
    replicated or sharded optimizer states and gradients, bf16 weights with fp32
    masters) or ZeRO-3 (``parallel/zero3.py``, the weights sharded too).
@@ -107,6 +108,10 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
         apply_expert_parallel(full, rm.ep)
     stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual, cfg.head_layers)
     apply_recompute(stage, cfg.recompute)
+    if cfg.fp8:  # the blocks' linears (and tp's local products) multiply in float8
+        from minipar.parallel.fp8 import apply_fp8
+
+        apply_fp8(stage, cfg.fp8, emulate=cfg.fp8_emulate)
     model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
     del full  # the layers no chunk took go with it
     device = device_for(cfg)

@@ -17,7 +17,7 @@ sequence: ``sync_sequence_parallel_grads`` sums their gradients over tp.
 
 Zero bubble (arXiv 2401.10241) splits a backward in two calls, input gradients (B) and
 weight gradients (W). Each function below asks which gradients *this* call wants
-(``_wanted``) and communicates only for those, so B + W move what one backward moves.
+(``wanted``) and communicates only for those, so B + W move what one backward moves.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from minipar.model import KeyedDropout
 SEQ = 1  # the sequence dimension of [batch, seq, hidden] activations
 
 
-def _wanted(ctx, i: int) -> bool:
+def wanted(ctx, i: int) -> bool:
     """Does *this* backward call use the gradient of input ``i``?
 
     ``ctx.needs_input_grad`` only says whether it could. The zero-bubble schedule splits
@@ -62,7 +62,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not _wanted(ctx, 0):  # B of a split backward, below a module output it keeps
+        if not wanted(ctx, 0):  # B of a split backward, below a module output it keeps
             return None, None
         return ctx.comm.all_gather(grad.contiguous(), dim=SEQ), None
 
@@ -86,13 +86,13 @@ class _GatherLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
-        if _wanted(ctx, 0):
+        if wanted(ctx, 0):
             grad_x = ctx.comm.reduce_scatter(grad.matmul(weight), dim=SEQ)
         g2 = grad.reshape(-1, grad.shape[-1])
-        if _wanted(ctx, 1):
+        if wanted(ctx, 1):
             full = ctx.comm.all_gather(x.contiguous(), dim=SEQ)  # the extra all-gather
             grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
-        if ctx.has_bias and _wanted(ctx, 2):
+        if ctx.has_bias and wanted(ctx, 2):
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None
 
@@ -117,7 +117,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         full = getattr(ctx, "gathered", None)
         if full is None:
             full = ctx.comm.all_gather(grad.contiguous(), dim=SEQ)
-        want_x, want_w = _wanted(ctx, 0), _wanted(ctx, 1)
+        want_x, want_w = wanted(ctx, 0), wanted(ctx, 1)
         ctx.gathered = full if ctx.needs_input_grad[1] and not want_w else None
         grad_x = full.matmul(weight) if want_x else None
         grad_w = None

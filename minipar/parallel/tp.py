@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,18 +116,21 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class ColumnParallelLinear(nn.Module):
     """y[..., local outputs] = x W_local^T + b_local. Input: full [b, s, h] (replicated)
-    or, with SP, the sequence shard [b, s/tp, h]. Output: this rank's output columns."""
+    or, with SP, the sequence shard [b, s/tp, h]. Output: this rank's output columns.
+    ``linear(x, w, b)``: the local product (``F.linear``; float8: ``fp8.Float8Matmul``)."""
+
+    split = "out"  # the feature dimension the tp group splits
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm,
-                 sequence_parallel: bool) -> None:
+                 sequence_parallel: bool, linear: Callable = F.linear) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.comm, self.sequence_parallel, self.linear = comm, sequence_parallel, linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return _GatherLinear.apply(x, self.weight, self.bias, self.comm)
-        return F.linear(_CopyToTP.apply(x, self.comm), self.weight, self.bias)
+        return self.linear(_CopyToTP.apply(x, self.comm), self.weight, self.bias)
 
 
 class RowParallelLinear(ColumnParallelLinear):
@@ -134,11 +138,13 @@ class RowParallelLinear(ColumnParallelLinear):
     all-reduce it (or reduce-scatter it along the sequence with SP), then add the bias
     (replicated: added once, after the sum)."""
 
+    split = "in"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             y = _LinearReduceScatter.apply(x, self.weight, self.comm)
         else:
-            y = _ReduceFromTP.apply(F.linear(x, self.weight), self.comm)
+            y = _ReduceFromTP.apply(self.linear(x, self.weight, None), self.comm)
         return y if self.bias is None else y + self.bias
 
 

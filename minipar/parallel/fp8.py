@@ -1,0 +1,184 @@
+"""Float8 training: the blocks' linear layers multiply in 8-bit floats.
+
+Two formats (Micikevicius et al. 2022, arXiv 2209.05433): e4m3 (3 mantissa bits, max 448)
+for the forward operands, input x and weight W; e5m2 (2 mantissa bits, max 57344: the
+range gradients need) for the output gradient dy. Each operand is scaled into its
+format's range, q = fp8(t * s), and the GEMM divides its fp32 sums by both scales
+(``torch._scaled_mm``'s epilogue). s is the largest power of two with amax * s <= max:
+exact, never overflowing, and moving only the exponent, so the rounding is the same
+whatever s, except that values 2^17 below amax flush to zero. amax is taken fresh each
+call over the whole tensor ("tensorwise") or per row ("rowwise": small rows keep their
+range beside an outlier row). All three GEMMs run in float8, each as A B^T with both
+scaled along the contraction: y = x W^T, dx = dy (W^T)^T, dW = dy^T (x^T)^T.
+Tensor parallelism: an amax over a tp-split dimension is all-reduced (max), so every
+layout quantises as one device (TransformerEngine reduces amax over tp too). CPUs have
+no float8 GEMM: ``emulate`` makes the same casts and multiplies in fp32 (the tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from minipar.comm import Comm
+from minipar.parallel.sp import wanted
+from minipar.parallel.tp import ColumnParallelLinear
+
+RECIPES = ("rowwise", "tensorwise")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class Scaled(NamedTuple):
+    """A float8 tensor and the scale it was multiplied by (t ~ data / scale)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor  # fp32: [] (tensorwise) or [rows, 1] (rowwise)
+
+
+def scale_for(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """The largest power of two s with amax * s <= the format's max (fp32)."""
+    room = torch.finfo(fmt).max / amax.float().clamp(min=1e-30)
+    return torch.exp2(torch.floor(torch.log2(room)))
+
+
+class Float8Matmul:
+    """y = x W^T (+ b) with every GEMM in float8. ``comm``/``split``: the tp group and the
+    feature ("in" or "out") it splits, whose amaxes are all-reduced over the group."""
+
+    def __init__(self, recipe: str = "rowwise", emulate: bool = False,
+                 comm: Comm | None = None, split: str | None = None) -> None:
+        if recipe not in RECIPES:
+            raise ValueError(f"fp8 recipe must be one of {RECIPES}, got {recipe!r}")
+        self.recipe, self.emulate, self.comm, self.split = recipe, emulate, comm, split
+
+    def quantize(self, t: torch.Tensor, dims: tuple[str, str], fmt: torch.dtype) -> Scaled:
+        """Row-major float8 copy of 2-d ``t`` (dims named: "tokens", "in", "out"),
+        scaled per row over its last dim (rowwise) or as a whole (tensorwise)."""
+        rowwise = self.recipe == "rowwise"
+        amax = torch.linalg.vector_norm(t, float("inf"), dim=1 if rowwise else None,
+                                        keepdim=rowwise, dtype=torch.float32)
+        if self.comm is not None and self.split in (dims[1:] if rowwise else dims):
+            self.comm.all_reduce(amax, op="max")  # the whole feature's amax, as one device
+        scale = scale_for(amax, fmt)
+        return Scaled((t * scale.to(t.dtype)).to(fmt).contiguous(), scale)
+
+    def mm(self, a: Scaled, b: Scaled, out_dtype: torch.dtype,
+           fast_accum: bool = False) -> torch.Tensor:
+        """a.data b.data^T / (a.scale b.scale^T): [M, K] x [N, K] -> [M, N]."""
+        if self.emulate:  # dividing by a power of two is exact: only the sums round
+            return ((a.data.float() / a.scale) @ (b.data.float() / b.scale).t()).to(out_dtype)
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale.reciprocal(),
+                                scale_b=b.scale.reciprocal().t(), out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        # [..., in] -> [tokens, in] outside the function: its output is then no view
+        y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), weight, self)
+        y = y.unflatten(0, x.shape[:-1])
+        return y if bias is None else y + bias
+
+    def __repr__(self) -> str:
+        tp = f", tp split {self.split}" if self.comm is not None else ""
+        return f"Float8Matmul({self.recipe}{', emulated' if self.emulate else ''}{tp})"
+
+
+class _Float8Linear(torch.autograd.Function):
+    """[tokens, in] x W^T forward; dy W and dy^T x backward, each GEMM's operands
+    quantised for it (e5m2 for dy, e4m3 for x and W; always the left one for dy)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, f8: Float8Matmul):
+        ctx.save_for_backward(x, weight)
+        ctx.f8 = f8
+        return f8.mm(f8.quantize(x, ("tokens", "in"), E4M3),
+                     f8.quantize(weight, ("out", "in"), E4M3), x.dtype, fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        f8, dx, dw = ctx.f8, None, None
+        if wanted(ctx, 0):  # dx = dy W = dy (W^T)^T: contraction over "out"
+            dx = f8.mm(f8.quantize(dy, ("tokens", "out"), E5M2),
+                       f8.quantize(weight.t(), ("in", "out"), E4M3), x.dtype)
+        if wanted(ctx, 1):  # dW = dy^T x = dy^T (x^T)^T: contraction over the tokens
+            dw = f8.mm(f8.quantize(dy.t(), ("out", "tokens"), E5M2),
+                       f8.quantize(x.t(), ("in", "tokens"), E4M3), weight.dtype)
+        return dx, dw, None
+
+
+class Float8Linear(nn.Module):
+    """``linear``'s very parameters (same names) multiplied in float8."""
+
+    def __init__(self, linear: nn.Linear, matmul: Float8Matmul) -> None:
+        super().__init__()
+        self.weight, self.bias, self.matmul = linear.weight, linear.bias, matmul
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self.matmul!r}")
+
+
+def apply_fp8(chunks: Iterable[nn.Module], recipe: str, emulate: bool = False) -> int:
+    """Replace in every chunk's blocks each ``nn.Linear`` by a ``Float8Linear`` and each
+    tensor-parallel linear by one whose local GEMMs run in float8 (not the embeddings,
+    not the head). Returns how many were replaced."""
+    replaced = 0
+    for chunk in chunks:
+        for parent in list(chunk.blocks.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    new = Float8Linear(child, Float8Matmul(recipe, emulate))
+                elif isinstance(child, ColumnParallelLinear):  # (and its row subclass)
+                    matmul = Float8Matmul(recipe, emulate, child.comm, child.split)
+                    new = type(child)(child.weight, child.bias, child.comm,
+                                      child.sequence_parallel, linear=matmul)
+                else:
+                    continue
+                setattr(parent, name, new)
+                replaced += 1
+    return replaced
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether ``device`` multiplies in float8: a CUDA GPU of compute capability 8.9+."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_fp8(recipe: str | None, emulate: bool, device: torch.device, dtype: str,
+              sequence_parallel: bool, sizes: dict[str, int]) -> None:
+    """Raise ValueError (one line) if ``--fp8 recipe`` cannot run here. ``sizes``: the
+    GEMM dimensions a rank sees (local features, tokens per micro-batch)."""
+    if recipe is None:
+        if emulate:
+            raise ValueError("--fp8-emulate needs --fp8 rowwise or --fp8 tensorwise")
+        return
+    if recipe not in RECIPES:
+        raise ValueError(f"--fp8 must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    if sequence_parallel:
+        raise ValueError("--fp8 with --sp is not supported: use --fp8 with tp alone")
+    if emulate:
+        return
+    if not fp8_supported(device):
+        where = "CPUs" if device.type == "cpu" else torch.cuda.get_device_name(device)
+        raise ValueError(f"--fp8 needs float8 matmuls (a GPU of compute capability 8.9 or "
+                         f"newer: Ada, Hopper); {where} have none: --fp8-emulate emulates "
+                         f"them in fp32 (for tests: same numbers, no speed)")
+    if recipe == "rowwise" and dtype != "bf16":
+        raise ValueError("--fp8 rowwise needs --dtype bf16 (torch._scaled_mm's rowwise "
+                         "kernels write bf16)")
+    for what, n in sizes.items():
+        if n % 16:
+            raise ValueError(f"--fp8 needs GEMM sizes divisible by 16 (torch._scaled_mm); "
+                             f"{what} is {n}")
+
+
+__all__ = ["RECIPES", "Scaled", "scale_for", "Float8Matmul", "Float8Linear", "apply_fp8",
+           "fp8_supported", "check_fp8"]
