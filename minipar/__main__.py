@@ -72,7 +72,10 @@ def _add_train(sub) -> None:
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
                    help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds before a hung run is stopped and each rank's place shown")
+                   help="seconds a rank may make no progress (no step, no collective "
+                   "finished) before the run counts as hung and each rank's place is shown")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="train on past a NaN/inf loss (default: stop there, exit 1)")
     # data, model sizes and long runs
     p.add_argument("--data", default="markov",
                    help="markov (generated), pystdlib (Python's own sources), a text file, "
@@ -115,7 +118,8 @@ def train_config(args) -> TrainConfig:
         heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
         warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
         save_every=args.save_every, keep=args.keep, log_every=args.log_every,
-        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload)
+        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload,
+        allow_nonfinite=args.allow_nonfinite)
 
 
 def _cmd_train(args) -> int:
@@ -123,7 +127,7 @@ def _cmd_train(args) -> int:
 
     from minipar import checks
     from minipar.checks import oversubscription
-    from minipar.engine import train, validate
+    from minipar.engine import RunStopped, train, validate
 
     cfg = train_config(args)
     validate(cfg)
@@ -145,13 +149,16 @@ def _cmd_train(args) -> int:
             shown["MFU"] = f"{mfu(r['tokens_per_s'], model_cfg, cfg.world_size, peak):.1%}"
         bar.set_postfix(shown)
 
+    stopped = None
     try:
         record = train(cfg, report=report)
+    except RunStopped as e:  # the steps done are kept: printed and written as JSON
+        record, stopped = e.record, str(e)
     finally:
         bar.close()
     if record is None:  # a torchrun rank other than 0
         return 0
-    if args.compare:  # the reference's own steps first..last, as the run resumed them
+    if args.compare and not stopped:  # the reference's steps first..last, as resumed
         from minipar.parity import check_run
 
         record.update(check_run(cfg, record))
@@ -159,8 +166,9 @@ def _cmd_train(args) -> int:
     for e in record.get("eval", []):
         print(f"validation loss after step {e['step']:>6}: {e['loss']:.4f}")
     _write_json(args.json, record)
-    if record.get("trace_error"):
-        print(f"minipar train: error: {record['trace_error']}", file=sys.stderr)
+    errors = [e for e in (stopped, record.get("trace_error")) if e]
+    if errors:
+        print(f"minipar train: error: {errors[0]}", file=sys.stderr)
         return 1
     return 0
 

@@ -78,6 +78,7 @@ class TrainConfig:
     # --- context parallelism and ZeRO-Offload (issue 20) ---
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
     offload: bool = False  # ZeRO-Offload: fp32 masters, optimizer states and step on the host
+    allow_nonfinite: bool = False  # train on past a non-finite loss (default: stop there)
 
     @property
     def world_size(self) -> int:
@@ -184,8 +185,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.lr <= 0 or not math.isfinite(cfg.lr):
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
     checks.seed(cfg.seed)
-    if not (isinstance(cfg.timeout, (int, float)) and 0 < cfg.timeout < math.inf):
-        raise ValueError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
+    from minipar.launch import check_timeout
+
+    check_timeout(cfg.timeout)
     _check_device(cfg)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
