@@ -132,6 +132,8 @@ def _cmd_train(args) -> int:
     cfg = train_config(args)
     validate(cfg)
     checks.output_file("json", args.json)
+    checks.distinct({"json": args.json, "trace": cfg.trace, "save": cfg.save},
+                    {"data": cfg.data, "resume": cfg.resume})
     note = oversubscription(cfg.world_size)
     if note:
         print(f"minipar train: note: {note}", file=sys.stderr)
@@ -242,8 +244,11 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    from minipar import checks
     from minipar.export import export
 
+    checks.output_file("json", args.json)
+    checks.distinct({"out": args.out, "json": args.json}, {"resume": args.resume})
     out = export(args.resume, args.out)
     print(f"wrote {out['path']}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB, "
           f"step {out['step']}")

@@ -287,9 +287,11 @@ def inspect(directory: str) -> dict:
         files, step, model = meta["files"], int(meta["step"]), meta["config"]["model"]
         if not files or not isinstance(files, dict) or not isinstance(model, str):
             raise ValueError("no shard files listed")
-        for info in files.values():
-            int(info["tp_rank"]), int(info["pp_rank"])
-        int(meta["tp"])
+        held = {(int(info["pp_rank"]), int(info["tp_rank"])) for info in files.values()}
+        grid = {(p, t) for p in range(int(meta.get("pp", 1))) for t in range(int(meta["tp"]))}
+        if held != grid:
+            raise ValueError(f"its shards cover (pp rank, tp rank) {sorted(held)}, not "
+                             f"all of {sorted(grid)}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{meta_path} is not a minipar checkpoint's metadata "
                               f"({type(e).__name__}: {e})") from None

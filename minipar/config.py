@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
-from minipar.data import check_batch_split
+from minipar.data import MARKOV_BRANCHING, check_batch_split
 from minipar.model import GPTConfig, get_config
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -122,6 +122,26 @@ def sized(cfg: GPTConfig, layers: int | None = None, hidden: int | None = None,
     return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
 
 
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+          "dict": (dict,), "None": (type(None),)}
+
+
+def check_types(cfg: TrainConfig) -> None:
+    """Every field of the type its annotation names (``lr="0.1"``, ``save=5``,
+    ``data=None`` from the Python API): one ``ValueError`` naming the flag, not a
+    ``TypeError`` from deep inside. A bool is not an int here, nor an int a bool."""
+    for f in fields(cfg):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if not all(k in _TYPES for k in kinds):
+            continue  # an annotation this check does not read
+        value = getattr(cfg, f.name)
+        ok = any(isinstance(value, _TYPES[k]) and not (
+            isinstance(value, bool) and k in ("int", "float")) for k in kinds)
+        if not ok:
+            raise ValueError(f"--{f.name.replace('_', '-')} must be "
+                             f"{' or '.join(kinds)}, got {value!r}")
+
+
 def _choice(flag: str, value, allowed) -> None:
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
@@ -135,6 +155,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     from minipar.parallel.pp import partition_layers
     from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 
+    check_types(cfg)
     for name in ("dp", "pp", "tp", "cp", "steps", "microbatches", "virtual", "batch_size"):
         checks.positive(name.replace("_", "-"), getattr(cfg, name))
     _choice("zero", cfg.zero, (0, 1, 2, 3))
@@ -213,6 +234,8 @@ def _check_files(cfg: TrainConfig) -> None:
 
     checks.output_file("trace", cfg.trace)
     checks.output_dir("save", cfg.save)
+    checks.distinct({"trace": cfg.trace, "save": cfg.save, "data-cache": cfg.data_cache},
+                    {"data": cfg.data, "resume": cfg.resume})
     if cfg.resume is not None:
         if not os.path.isdir(cfg.resume):
             raise ValueError(f"--resume {cfg.resume}: no such checkpoint directory")
@@ -330,6 +353,10 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
                              f"got {value!r}")
     if cfg.save_every and not cfg.save:
         raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
+    if cfg.data == "markov" and model.vocab_size <= MARKOV_BRANCHING:
+        raise ValueError(f"--vocab {model.vocab_size} is too small for the generated Markov "
+                         f"corpus (each token has {MARKOV_BRANCHING} successors): pass "
+                         f"--vocab {MARKOV_BRANCHING + 1} or more")
     if cfg.data != "markov" and cfg.tokenizer == "byte" and model.vocab_size < 256 \
             and not cfg.data.endswith(".bin"):
         raise ValueError(f"--vocab {model.vocab_size} is too small for the byte tokenizer "

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 
@@ -35,7 +37,7 @@ from minipar.config import (
 )
 from minipar.corpus import make_data, prepare_data
 from minipar.evaluate import evaluate, reference_eval
-from minipar.launch import heartbeat, launch, report_progress
+from minipar.launch import LaunchError, heartbeat, launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
 from minipar.model import GPT
@@ -197,6 +199,9 @@ def _why_stopped(cfg: TrainConfig, ranks: list[dict], last: int) -> str | None:
             "checkpoint from these weights; lower --lr, or --allow-nonfinite to go on")
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
@@ -277,13 +282,29 @@ def _join_torchrun(cfg: TrainConfig, t0: float) -> dict | None:
     """Under torchrun every process runs this; rank 0 gathers and returns the record."""
     import torch.distributed as dist
 
-    validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        world = int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment is "
+                         "not a number; unset it to train on this machine alone") from None
+    validate(cfg, world_size=world)
     prepare_data(cfg)  # every process: the first tokenises, the rest find the cache
     device = None
     if cfg.backend == "nccl":
         device = device_for(cfg)
         torch.cuda.set_device(device)
-    dist.init_process_group(cfg.backend, device_id=device)
+    env = " ".join(f"{k}={os.environ[k]}" for k in TORCHRUN_ENV if k in os.environ)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # set by hand, or left over: say so
+        print(f"minipar train: note: joining the job that {env} describe (waiting up to "
+              f"--timeout {cfg.timeout:g} s for its ranks); unset them to train here alone",
+              file=sys.stderr)
+    try:
+        dist.init_process_group(cfg.backend, device_id=device,
+                                timeout=timedelta(seconds=cfg.timeout))
+    except Exception as e:  # no peers in time, a port in use, MASTER_PORT missing
+        raise LaunchError(f"could not join the job that {env} describe "
+                          f"({type(e).__name__}: {str(e).strip().splitlines()[0][:160]}); "
+                          "unset them to train on this machine alone") from None
     try:
         mine = rank_main(cfg)
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
