@@ -224,8 +224,8 @@ def _write_durably(path: str, write) -> str:
         try:
             write(out)
         except Exception:
-            if out.error is not None:
-                raise out.error from None
+            if out.error is not None:  # with the file's name, which a write lacks
+                raise OSError(out.error.errno, out.error.strerror, path) from None
             raise
         f.flush()
         os.fsync(f.fileno())
@@ -424,8 +424,8 @@ def check_save(directory: str, resume: str | None) -> None:
     if owner is not None:
         raise _in_use(directory, owner)
     same = resume is not None and os.path.realpath(resume) == os.path.realpath(directory)
-    theirs = sorted(n for n in os.listdir(directory) if n == "latest" or (
-        n.startswith("step-") and not n.endswith((".tmp", ".old"))))  # not a killed save's
+    theirs = sorted(n for n in os.listdir(directory)  # not a killed save's step-N.tmp,
+                    if n == "latest" or _is_checkpoint(directory, n))  # nor a user's file
     if theirs and not same:
         raise CheckpointError(f"--save {directory} already holds another run's checkpoints "
                               f"({', '.join(theirs[:2])}); resume it with --resume "

@@ -62,13 +62,14 @@ def output_file(flag: str, path: str | None, new: bool = False) -> None:
 def distinct(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:
     """No output may be an input or another output (``--json`` onto the ``--data``
     file would overwrite the corpus; ``--json`` equal to ``--trace`` loses the trace);
-    paths are compared as the file system resolves them."""
+    paths are compared as the file system resolves them. ``--save`` into its own
+    ``--resume`` directory is a run continuing there, not a collision."""
     seen: dict[str, str] = {}
     for flag, path in [*inputs.items(), *outputs.items()]:
         if not path:
             continue
         real = os.path.realpath(path)
-        if real in seen:
+        if real in seen and {flag, seen[real]} != {"save", "resume"}:
             why = ("an output must not overwrite an input" if seen[real] in inputs
                    else "two outputs cannot share one path")
             raise ValueError(f"--{flag} {path} is the same path as --{seen[real]}: {why}")

@@ -334,7 +334,7 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int) -> tuple | 
 
 
 def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
-    from minipar.corpus import sidecar
+    from minipar.corpus import open_tokens, sidecar
 
     for name in ("eval_every", "save_every", "keep", "warmup"):
         value = getattr(cfg, name)
@@ -365,6 +365,7 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
         raise ValueError(f"--tokenizer bpe needs a vocabulary of 512 or more (the 256 bytes "
                          f"plus merges), got {model.vocab_size}: pass --vocab")
     if cfg.data.endswith(".bin"):
+        open_tokens(cfg.data, model.vocab_size)  # whole tokens of the dtype it holds
         known = sidecar(cfg.data).get("vocab_size")
         if known is not None and known > model.vocab_size:
             raise ValueError(f"--data {cfg.data} holds tokens up to {known - 1}: --vocab "
