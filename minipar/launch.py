@@ -25,7 +25,7 @@ their results (rank order). What makes it safe for a room of laptops:
 * **No orphans, no litter.** Each rank leads a process group; on every exit path the
   groups are terminated, then killed, so a rank's own children go with it. Each rank
   asks the kernel to kill it if the parent dies (Linux ``PR_SET_PDEATHSIG``), and a
-  SIGTERM to the parent still removes the temporary store file and rank logs.
+  SIGTERM or SIGHUP to the parent still removes the temporary store file and rank logs.
 * **Quiet ranks.** A rank's stdout and stderr (warnings, gloo's C++ logs) go to a file,
   never to the notebook; ``capture_output=True`` returns them, and error reports end
   with their last lines (read from the end of the file, however long it grew).
@@ -161,21 +161,23 @@ def _read(path: str) -> str:
 
 @contextmanager
 def _cleanup_on_sigterm():
-    """Turn a SIGTERM of this process into SystemExit while ranks run, so the cleanup of
-    ``launch`` (stop the ranks, delete the files) runs; only where SIGTERM would kill us
-    without one (the main thread, default handler): never replace someone's handler."""
+    """Turn a SIGTERM or SIGHUP (a closed terminal) of this process into SystemExit
+    while ranks run, so the cleanup of ``launch`` (stop the ranks, delete the files)
+    runs; only where the signal would kill us without one (the main thread, default
+    handler): never replace someone's handler."""
     def exit_cleanly(signum, frame):
         raise SystemExit(128 + signum)
 
-    mine = (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
-    if mine:
-        signal.signal(signal.SIGTERM, exit_cleanly)
+    main = threading.current_thread() is threading.main_thread()
+    mine = [sig for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
+            if main and sig is not None and signal.getsignal(sig) == signal.SIG_DFL]
+    for sig in mine:
+        signal.signal(sig, exit_cleanly)
     try:
         yield
     finally:
-        if mine:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in mine:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def launch(

@@ -555,3 +555,23 @@ def test_a_stray_torchrun_environment_fails_within_the_timeout(tmp_path) -> None
     assert lines[-1].startswith("minipar train: error: could not join the job that RANK=0 "
                                 f"WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}")
     assert lines[-1].endswith("unset them to train on this machine alone")
+
+
+# --- a closed terminal (SIGHUP) stops every rank and removes the launcher's files ---------------
+def test_sighup_to_the_launcher_leaves_no_rank_and_no_file(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    cli = subprocess.Popen([sys.executable, "-m", "minipar", "train", "--dp", "2", "--steps",
+                            "100000", "--quiet"], cwd=tmp_path, env=env,
+                           stderr=subprocess.PIPE, text=True)
+    me = psutil.Process(cli.pid)
+    deadline = time.monotonic() + 60
+    while len(me.children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = me.children(recursive=True)
+    assert len(ranks) >= 2 and list(tmp_path.glob("minipar-*"))
+    cli.send_signal(signal.SIGHUP)
+    cli.communicate(timeout=30)
+    assert cli.returncode == 128 + signal.SIGHUP
+    time.sleep(0.5)
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not list(tmp_path.glob("minipar-*"))
