@@ -72,7 +72,10 @@ def _add_train(sub) -> None:
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
                    help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds before a hung run is stopped and each rank's place shown")
+                   help="seconds a rank may make no progress (no step, no collective "
+                   "finished) before the run counts as hung and each rank's place is shown")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="train on past a NaN/inf loss (default: stop there, exit 1)")
     # data, model sizes and long runs
     p.add_argument("--data", default="markov",
                    help="markov (generated), pystdlib (Python's own sources), a text file, "
@@ -144,8 +147,9 @@ def train_config(args) -> TrainConfig:
         ep=args.ep, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
         moe_every=args.moe_every, capacity_factor=args.capacity_factor,
         aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
+        fp8=args.fp8, fp8_emulate=args.fp8_emulate,
 
-        fp8=args.fp8, fp8_emulate=args.fp8_emulate)
+        allow_nonfinite=args.allow_nonfinite)
 
 
 def _cmd_train(args) -> int:
@@ -153,11 +157,13 @@ def _cmd_train(args) -> int:
 
     from minipar import checks
     from minipar.checks import oversubscription
-    from minipar.engine import train, validate
+    from minipar.engine import RunStopped, train, validate
 
     cfg = train_config(args)
     validate(cfg)
     checks.output_file("json", args.json)
+    checks.distinct({"json": args.json, "trace": cfg.trace, "save": cfg.save},
+                    {"data": cfg.data, "resume": cfg.resume})
     note = oversubscription(cfg.world_size)
     if note:
         print(f"minipar train: note: {note}", file=sys.stderr)
@@ -175,13 +181,16 @@ def _cmd_train(args) -> int:
             shown["MFU"] = f"{mfu(r['tokens_per_s'], model_cfg, cfg.world_size, peak):.1%}"
         bar.set_postfix(shown)
 
+    stopped = None
     try:
         record = train(cfg, report=report)
+    except RunStopped as e:  # the steps done are kept: printed and written as JSON
+        record, stopped = e.record, str(e)
     finally:
         bar.close()
     if record is None:  # a torchrun rank other than 0
         return 0
-    if args.compare:  # the reference's own steps first..last, as the run resumed them
+    if args.compare and not stopped:  # the reference's steps first..last, as resumed
         from minipar.parity import check_run
 
         record.update(check_run(cfg, record))
@@ -189,8 +198,9 @@ def _cmd_train(args) -> int:
     for e in record.get("eval", []):
         print(f"validation loss after step {e['step']:>6}: {e['loss']:.4f}")
     _write_json(args.json, record)
-    if record.get("trace_error"):
-        print(f"minipar train: error: {record['trace_error']}", file=sys.stderr)
+    errors = [e for e in (stopped, record.get("trace_error")) if e]
+    if errors:
+        print(f"minipar train: error: {errors[0]}", file=sys.stderr)
         return 1
     return 0
 
@@ -264,9 +274,12 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    from minipar import checks
     from minipar.export import export
     from minipar.hf import export_hf
 
+    checks.output_file("json", args.json)
+    checks.distinct({"out": args.out, "json": args.json}, {"resume": args.resume})
     out = (export_hf if args.format == "hf" else export)(args.resume, args.out)
     print(f"wrote {out['path']}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB, "
           f"step {out['step']}")

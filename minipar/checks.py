@@ -15,6 +15,7 @@ import os
 import tempfile
 
 SEED_MAX = 2**32 - 1  # seeds mix into torch generators as seed * 1_000_003 + step
+GPUS_MAX = 2**18  # plan's clusters: the largest built are about 10^5 GPUs
 BUBBLE_TABLE_CELLS = 20_000  # pipeline actions simulated for the table; beyond: formulas
 
 
@@ -40,10 +41,13 @@ def _writable(directory: str) -> bool:
         return False
 
 
-def output_file(flag: str, path: str | None) -> None:
-    """``--json`` / ``--trace``: a file whose directory exists and takes new files."""
+def output_file(flag: str, path: str | None, new: bool = False) -> None:
+    """``--json`` / ``--trace``: a file whose directory exists and takes new files
+    (``new``: and that does not exist yet, e.g. ``export --out``)."""
     if path is None:
         return
+    if new and os.path.isfile(path):
+        raise ValueError(f"--{flag} {path} already exists; remove it, or choose another name")
     if path == "":
         raise ValueError(f"--{flag} needs a file name, got ''")
     if os.path.isdir(path):
@@ -53,6 +57,24 @@ def output_file(flag: str, path: str | None) -> None:
         raise ValueError(f"--{flag} {path}: directory {parent} does not exist")
     if not _writable(parent) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"--{flag} {path}: cannot write there (read-only)")
+
+
+def distinct(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:
+    """No output may be an input or another output (``--json`` onto the ``--data``
+    file would overwrite the corpus; ``--json`` equal to ``--trace`` loses the trace);
+    paths are compared as the file system resolves them. ``--save`` into its own
+    ``--resume`` directory is a run continuing there, not a collision."""
+    seen: dict[str, str] = {}
+    for flag, path in [*inputs.items(), *outputs.items()]:
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        if real in seen and {flag, seen[real]} != {"save", "resume"}:
+            why = ("an output must not overwrite an input" if seen[real] in inputs
+                   else "two outputs cannot share one path")
+            raise ValueError(f"--{flag} {path} is the same path as --{seen[real]}: {why}")
+        if flag in outputs or os.path.exists(path):
+            seen[real] = flag
 
 
 def output_dir(flag: str, path: str | None) -> None:
@@ -115,6 +137,9 @@ def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
     for flag, value in (("gpus", gpus), ("gpus-per-node", gpus_per_node), ("batch", batch),
                         ("top", top)):
         positive(flag, value)
+    if gpus is not None and gpus > GPUS_MAX:
+        raise ValueError(f"--gpus {gpus} is beyond the largest cluster plan considers "
+                         f"({GPUS_MAX:,} GPUs)")
     if gpu not in GPUS:
         raise ValueError(f"unknown --gpu {gpu!r}; choose one of {sorted(GPUS)}")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
-from minipar.data import check_batch_split
+from minipar.data import MARKOV_BRANCHING, check_batch_split
 from minipar.model import GPTConfig, get_config
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -91,6 +91,7 @@ class TrainConfig:
     z_loss_coef: float | None = None
     fp8: str | None = None  # rowwise or tensorwise: the blocks' GEMMs in float8
     fp8_emulate: bool = False  # float8 casts, fp32 matmuls: CPUs (tests), no speed
+    allow_nonfinite: bool = False  # train on past a non-finite loss (default: stop there)
 
     @property
     def world_size(self) -> int:
@@ -141,6 +142,26 @@ def sized(cfg: GPTConfig, layers: int | None = None, hidden: int | None = None,
     return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
 
 
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+          "dict": (dict,), "None": (type(None),)}
+
+
+def check_types(cfg: TrainConfig) -> None:
+    """Every field of the type its annotation names (``lr="0.1"``, ``save=5``,
+    ``data=None`` from the Python API): one ``ValueError`` naming the flag, not a
+    ``TypeError`` from deep inside. A bool is not an int here, nor an int a bool."""
+    for f in fields(cfg):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if not all(k in _TYPES for k in kinds):
+            continue  # an annotation this check does not read
+        value = getattr(cfg, f.name)
+        ok = any(isinstance(value, _TYPES[k]) and not (
+            isinstance(value, bool) and k in ("int", "float")) for k in kinds)
+        if not ok:
+            raise ValueError(f"--{f.name.replace('_', '-')} must be "
+                             f"{' or '.join(kinds)}, got {value!r}")
+
+
 def _choice(flag: str, value, allowed) -> None:
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
@@ -154,6 +175,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     from minipar.parallel.pp import partition_layers
     from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 
+    check_types(cfg)
     for name in ("dp", "pp", "tp", "cp", "ep", "steps", "microbatches", "virtual",
                  "batch_size"):
         checks.positive(name.replace("_", "-"), getattr(cfg, name))
@@ -208,8 +230,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.lr <= 0 or not math.isfinite(cfg.lr):
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
     checks.seed(cfg.seed)
-    if not (isinstance(cfg.timeout, (int, float)) and 0 < cfg.timeout < math.inf):
-        raise ValueError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
+    from minipar.launch import check_timeout
+
+    check_timeout(cfg.timeout)
     _check_device(cfg)
     _check_fp8(cfg, model)
     _check_data_and_knobs(cfg, model)
@@ -250,6 +273,8 @@ def _check_files(cfg: TrainConfig) -> None:
 
     checks.output_file("trace", cfg.trace)
     checks.output_dir("save", cfg.save)
+    checks.distinct({"trace": cfg.trace, "save": cfg.save, "data-cache": cfg.data_cache},
+                    {"data": cfg.data, "resume": cfg.resume})
     if cfg.resume is not None:
         if not os.path.isdir(cfg.resume):
             raise ValueError(f"--resume {cfg.resume}: no such checkpoint directory")
@@ -377,7 +402,7 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int,
 
 
 def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
-    from minipar.corpus import sidecar, tokenizer_vocab
+    from minipar.corpus import open_tokens, sidecar, tokenizer_vocab
 
     for name in ("eval_every", "save_every", "keep", "warmup"):
         value = getattr(cfg, name)
@@ -396,6 +421,10 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
                              f"got {value!r}")
     if cfg.save_every and not cfg.save:
         raise ValueError("--save-every needs --save DIR (where to write the checkpoints)")
+    if cfg.data == "markov" and model.vocab_size <= MARKOV_BRANCHING:
+        raise ValueError(f"--vocab {model.vocab_size} is too small for the generated Markov "
+                         f"corpus (each token has {MARKOV_BRANCHING} successors): pass "
+                         f"--vocab {MARKOV_BRANCHING + 1} or more")
     if cfg.data != "markov" and cfg.tokenizer == "byte" and model.vocab_size < 256 \
             and not cfg.data.endswith(".bin"):
         raise ValueError(f"--vocab {model.vocab_size} is too small for the byte tokenizer "
@@ -409,6 +438,7 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
             raise ValueError(f"--tokenizer {cfg.tokenizer} has {need} tokens: the model's "
                              f"vocabulary ({model.vocab_size}) is too small")
     if cfg.data.endswith(".bin"):
+        open_tokens(cfg.data, model.vocab_size)  # whole tokens of the dtype it holds
         known = sidecar(cfg.data).get("vocab_size")
         if known is not None and known > model.vocab_size:
             raise ValueError(f"--data {cfg.data} holds tokens up to {known - 1}: --vocab "

@@ -87,7 +87,8 @@ def text_files(source: str) -> list[str]:
     found = []
     for d, dirs, files in os.walk(source):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        found += [os.path.join(d, f) for f in sorted(files) if not f.startswith(".")]
+        found += [p for p in (os.path.join(d, f) for f in sorted(files) if f[0] != ".")
+                  if os.path.isfile(p)]  # regular files: a FIFO or a socket would block
     return found
 
 
@@ -120,6 +121,9 @@ def check_source(source: str, tokenizer: str, text_field: str = "text") -> None:
     if source.endswith(".bin"):
         if not os.path.isfile(source):
             raise ValueError(f"--data {source}: no such token file")
+        if os.path.getsize(source) == 0:
+            raise ValueError(f"--data {source}: the token file is empty")
+        sidecar(source)  # (one line for a sidecar that cannot be used)
         return
     if os.path.isfile(source) or os.path.isdir(source):
         if not text_files(source):
@@ -131,12 +135,13 @@ def check_source(source: str, tokenizer: str, text_field: str = "text") -> None:
                      f"built-in corpus ({', '.join(BUILTIN)})")
 
 
-def documents(source: str, text_field: str = "text") -> Iterator[str]:
+def documents(source: str, text_field: str = "text",
+              not_utf8: list[str] | None = None) -> Iterator[str]:
     """SOURCE's non-empty documents, one at a time: a text file each, a JSON line's or
-    a table row's ``text_field``."""
+    a table row's ``text_field``. Text files not in UTF-8 are added to ``not_utf8``."""
     fmt = data_format(source)
     if fmt == "text":
-        yield from (t for t in map(_read_text, text_files(source)) if t)
+        yield from (t for t in (_read_text(p, not_utf8) for p in text_files(source)) if t)
     elif fmt == "jsonl":
         for path in text_files(source):
             with open(path, encoding="utf-8") as f:
@@ -186,12 +191,18 @@ def _table_batches(source: str, fmt: str, text_field: str) -> Iterator[list]:
         yield b[text_field]
 
 
-def _read_text(path: str) -> str | None:
+def _read_text(path: str, not_utf8: list[str] | None = None) -> str | None:
+    """The file's text; None for a binary file. Bytes that are not UTF-8 become U+FFFD,
+    and the file is added to ``not_utf8`` (a warning names it)."""
     with open(path, "rb") as f:
         raw = f.read()
     if b"\0" in raw[:4096]:
         return None  # binary: not text
-    return raw.decode("utf-8", errors="replace")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        not_utf8.append(f"{path} (byte {e.start})")
+        return raw.decode("utf-8", errors="replace")
 
 
 # --- tokenizers --------------------------------------------------------------------------
@@ -252,28 +263,51 @@ def load_tokenizer(path: str | None):
     """A tokenizer saved by ``save`` (``None``: none known, ids are shown as numbers)."""
     if path is None or not os.path.exists(path):
         return None
-    with open(path) as f:
-        head = json.load(f)
-    if head.get("minipar_tokenizer") == "byte":
-        return ByteTokenizer()
-    from tokenizers import Tokenizer
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = json.load(f)
+        if head.get("minipar_tokenizer") == "byte":
+            return ByteTokenizer()
+        from tokenizers import Tokenizer
 
-    return BPETokenizer(Tokenizer.from_file(path))
+        return BPETokenizer(Tokenizer.from_file(path))
+    except Exception as e:  # json's errors, tokenizers' (a plain Exception), a non-dict
+        raise ValueError(f"{path} is not a tokenizer file ({type(e).__name__}: "
+                         f"{str(e)[:100]})") from None
 
 
 # --- the token file ----------------------------------------------------------------------
+
+TOKEN_DTYPES = ("uint16", "uint32")  # what a token file may hold
+
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
 def sidecar(bin_path: str) -> dict:
-    """``NAME.json`` beside ``NAME.bin`` (dtype, vocab_size, tokenizer), or {}."""
+    """``NAME.json`` beside ``NAME.bin`` (dtype, vocab_size, tokenizer), or {}; one
+    ``ValueError`` line naming it when it cannot be used (not JSON, a dtype that is not
+    a token id's: float32 tokens would read as garbage ids)."""
     path = os.path.splitext(bin_path)[0] + ".json"
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        meta = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--data {bin_path}: its sidecar {path} is not readable JSON "
+                         f"({type(e).__name__}: {e})") from None
+    if meta.get("dtype", "uint16") not in TOKEN_DTYPES:
+        raise ValueError(f"--data {bin_path}: its sidecar {path} says dtype "
+                         f"{meta['dtype']!r}; token files hold {' or '.join(TOKEN_DTYPES)}")
+    vocab = meta.get("vocab_size")
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)
+                              or vocab < 1):
+        raise ValueError(f"--data {bin_path}: its sidecar {path} says vocab_size "
+                         f"{vocab!r}; a positive integer is needed")
     if meta.get("tokenizer"):  # relative to the sidecar
         meta["tokenizer"] = os.path.join(os.path.dirname(path), meta["tokenizer"])
     return meta
@@ -324,10 +358,11 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
     if os.path.exists(os.path.join(out_dir, "tokens.json")):
         return bin_path  # the second run: nothing to do
     os.makedirs(out_dir, exist_ok=True)
+    not_utf8: list[str] = []
     if progress is not None:
         progress(f"tokenising {source} ({data_format(source)}, {len(files)} files) with "
                  f"{tokenizer}; cached in {out_dir}")
-    texts = lambda: documents(source, text_field)  # noqa: E731 (a fresh pass each call)
+    texts = lambda: documents(source, text_field, not_utf8)  # noqa: E731 (a fresh pass)
     tok = _tokenizer_for(tokenizer, vocab_size, texts)
     dtype = token_dtype(tok.vocab_size)
     pid = os.getpid()
@@ -353,6 +388,9 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
                         count += len(x) + len(end)
         if not n_docs:
             raise ValueError(f"--data {source}: no text found")
+    except OSError as e:  # a full disk: name the file, leave no partial one
+        os.remove(bin_path + f".{pid}.tmp")
+        raise OSError(e.errno, e.strerror or str(e), bin_path) from None
     except BaseException:
         os.remove(bin_path + f".{pid}.tmp")  # (an unreadable record: nothing left behind)
         raise
@@ -366,6 +404,11 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(out_dir, f"tokens.json.{pid}.tmp"),
                os.path.join(out_dir, "tokens.json"))
+    not_utf8 = list(dict.fromkeys(not_utf8))  # (BPE reads each file twice)
+    if not_utf8:
+        say = progress or (lambda text: print(f"minipar: {text}", file=sys.stderr))
+        say(f"warning: {len(not_utf8)} file(s) not UTF-8, their odd bytes read as U+FFFD: "
+            f"{not_utf8[0]}{', ...' if len(not_utf8) > 1 else ''}")
     return bin_path
 
 

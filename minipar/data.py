@@ -73,6 +73,9 @@ class TokenSource(Protocol):
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+MARKOV_BRANCHING = 3  # successors of each token in the generated chain
+
+
 class MarkovData:
     """Batches of (inputs, targets) from a seeded sparse Markov chain over the vocabulary.
 
@@ -91,7 +94,8 @@ class MarkovData:
     stochastic, so every token is equally frequent and the floor is exact.
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, branching: int = 3):
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0,
+                 branching: int = MARKOV_BRANCHING):
         if not 1 <= branching < vocab_size:
             raise ValueError(f"branching must be in 1..vocab_size-1, got {branching}")
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed

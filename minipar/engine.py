@@ -7,6 +7,11 @@ for every step, with evaluation, checkpoints and bounded per-step records. ``tra
 starts the ranks (or joins a torchrun job) and assembles their records;
 ``train_reference`` is the yardstick every layout is compared with: the plain
 single-device loop, no minipar machinery at all.
+
+A run never goes on silently wrong: a step whose global gradient norm (or loss) is not
+finite stops every rank at that step (unless ``allow_nonfinite``), a checkpoint that
+cannot be written stops it too, and ``train`` then raises ``RunStopped`` holding the
+record of the steps done (no checkpoint is ever written from non-finite weights).
 """
 
 
@@ -14,8 +19,10 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 
@@ -31,7 +38,7 @@ from minipar.config import (
 )
 from minipar.corpus import make_data, prepare_data
 from minipar.evaluate import evaluate, reference_eval
-from minipar.launch import launch, report_progress
+from minipar.launch import LaunchError, heartbeat, launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
 from minipar.model import GPT
@@ -39,7 +46,16 @@ from minipar.reshard import ShardReader
 from minipar.step import Parts, build, train_step
 
 __all__ = ["TrainConfig", "validate", "train", "train_reference", "rank_main", "build",
-           "train_step", "Parts"]
+           "train_step", "Parts", "RunStopped"]
+
+
+class RunStopped(RuntimeError):
+    """The run stopped early (a non-finite loss, a checkpoint not written); the message
+    is one line, ``record`` holds what the steps before it produced."""
+
+    def __init__(self, message: str, record: dict):
+        super().__init__(message)
+        self.record = record
 
 
 def _with_total(mem: dict) -> dict:
@@ -68,11 +84,15 @@ def rank_main(cfg: TrainConfig) -> dict:
     losses, norms, timeline, step_times, act_peak, evals = [], [], [], [], 0, []
     param_storages = [f.full for f in parts.data_parallel.flats]  # weights, not activations
     tokens_per_step = cfg.batch_size * parts.model.cfg.seq_len
-    last_report = (start, time.time())
+    last_report, stopped = (start, time.time()), None
     for step in range(start, end):
         t0 = time.time()
         with ActivationMeter(exclude=param_storages) as meter:
             out = train_step(cfg, rm, parts, data, step)
+        heartbeat()  # progress: the launcher's timeout counts from here
+        if not (cfg.allow_nonfinite or _finite(out, step)):  # every rank alike
+            stopped = _nonfinite(out, step, losses, parts)
+            break
         act_peak = max(act_peak, meter.peak)
         step_times.append(time.time() - t0)
         losses.append(out["loss"])
@@ -89,22 +109,25 @@ def rank_main(cfg: TrainConfig) -> dict:
             if val is not None:
                 evals.append({"step": done, "loss": val})
         if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done < end:
-            _save(cfg, rm, parts, done)
+            stopped = _save(cfg, rm, parts, done)
+            if stopped:
+                break
         if reports_loss and (done % cfg.log_every == 0 or done == end):
             rate = tokens_per_step * (done - last_report[0]) / (time.time() - last_report[1])
             last_report = (done, time.time())
             report_progress(f"{done} {out['loss']:.6f} {rate:.1f} "
                             f"{evals[-1]['loss'] if evals else float('nan'):.6f}")
     parts.data_parallel.finish_param_sync()  # (ZeRO-1/2: the last step's weight gathers)
-    if cfg.save:
-        _save(cfg, rm, parts, end)
-    last_step = [e for e in timeline if e["step"] == end - 1]
+    if cfg.save and stopped is None:
+        stopped = _save(cfg, rm, parts, end)
+    last_step = [e for e in timeline if e["step"] == start + len(losses) - 1]
     return {
         "rank": rm.rank, "coords": rm.coords._asdict(), "first_step": start,
         "build_seconds": parts.build_seconds, "host_peak_bytes": parts.host_peak_bytes,
         "losses": losses, "eval": evals,
         "grad_norms": norms, "step_seconds": step_times,
         "memory": _with_total({**out["memory"], "activations": act_peak}),
+        "stopped": stopped,
         "peak_in_flight": out["peak_in_flight"] if end > start else 0,
         "comm": rm.log.summary(),
         "comm_bytes_per_step": rm.log.total("wire_bytes") / max(1, end - start),
@@ -141,17 +164,65 @@ def _device_memory(device: torch.device, after_build: int | None) -> dict | None
             "process_used": total - free, "capacity": total}
 
 
-def _save(cfg: TrainConfig, rm: RankMesh, parts: Parts, step: int) -> None:
+def _finite(out: dict, step: int) -> bool:
+    """Whether step ``step`` stayed finite. The gradient norm is global (every rank
+    holds the same), so every rank stops at the same step; a loss that alone is not
+    finite (known only on the last stage) raises here, and the launcher stops the rest."""
+    if not math.isfinite(out["grad_norm"]):
+        return False
+    if out["loss"] is not None and not math.isfinite(out["loss"]):
+        raise FloatingPointError(f"the loss at step {step} is {out['loss']} (gradient norm "
+                                 f"{out['grad_norm']:.4g}): the run stopped")
+    return True
+
+
+def _nonfinite(out: dict, step: int, losses: list, parts: Parts) -> dict:
+    """Why the run stops at ``step``: its loss and norm, the loss scale (dynamic only),
+    the last finite loss (on the rank that reports the loss)."""
+    precision = parts.precision
+    scale = precision.scale if getattr(precision, "dynamic", False) else None
+    return {"why": "nonfinite", "step": step, "loss": out["loss"],
+            "grad_norm": out["grad_norm"], "loss_scale": scale,
+            "last_finite": [step - 1, losses[-1]] if losses else None}
+
+
+def _save(cfg: TrainConfig, rm: RankMesh, parts: Parts, step: int) -> dict | None:
     """A checkpoint (collective), then on rank 0: the run card ``sample`` reads (model
-    sizes, data, tokenizer) and pruning to the last ``--keep`` checkpoints."""
+    sizes, data, tokenizer) and pruning to the last ``--keep`` checkpoints. Returns
+    None, or (on every rank alike) why it was not written: the run then stops."""
     from minipar import checkpoint
     from minipar.sample import write_run_card
 
-    checkpoint.save(cfg.save, step, cfg, rm, parts)
-    if rm.rank == 0:
+    def then() -> None:
         write_run_card(cfg.save, cfg, parts.model.cfg)
         if cfg.keep:
             checkpoint.prune(cfg.save, cfg.keep)
+
+    try:
+        checkpoint.save(cfg.save, step, cfg, rm, parts, then=then)
+    except checkpoint.SaveError as e:
+        return {"why": "save", "step": step, "error": str(e), "own": e.own}
+    return None
+
+
+def _why_stopped(cfg: TrainConfig, ranks: list[dict], last: int) -> str | None:
+    """The one line saying why the run stopped early, or None."""
+    stops = [r["stopped"] for r in ranks if r.get("stopped")]
+    if not stops:
+        return None
+    if stops[0]["why"] == "save":
+        own = [s for s in stops if s["own"]] or stops
+        return f"--save {cfg.save}: {own[0]['error']}"
+    s = ranks[last].get("stopped") or stops[0]
+    scale = f", loss scale {s['loss_scale']:g}" if s["loss_scale"] else ""
+    before = (f"last finite loss {s['last_finite'][1]:.6g} at step {s['last_finite'][0]}"
+              if s["last_finite"] else "no finite loss before it in this run")
+    return (f"the loss is not finite at step {s['step']} (loss {s['loss']}, gradient norm "
+            f"{s['grad_norm']}{scale}; {before}): the run stopped there and wrote no "
+            "checkpoint from these weights; lower --lr, or --allow-nonfinite to go on")
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _under_torchrun() -> bool:
@@ -163,7 +234,9 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
     from minipar.trace import write_chrome_trace
 
     ranks = sorted(ranks, key=lambda r: r["rank"])
-    last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep).rank(dp=0, pp=cfg.pp - 1)
+    last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp,
+                ep=cfg.ep).rank(dp=0, pp=cfg.pp - 1)
+    stopped = _why_stopped(cfg, ranks, last)
     record = {"config": cfg.to_dict(), "losses": ranks[last]["losses"],
               "first_step": ranks[last].get("first_step", 0),
               "eval": ranks[last].get("eval", []), "seconds": seconds,
@@ -175,6 +248,8 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
             record["trace_error"] = f"--trace {cfg.trace}: not written ({e.strerror or e})"
     for r in ranks:
         r.pop("trace", None)
+    if stopped:
+        record["stopped"] = stopped
     return record
 
 
@@ -187,11 +262,25 @@ def train(cfg: TrainConfig, progress=None, report=None) -> dict:
     per rank its coordinates, memory, communication and last step's timeline;
     ``first_step`` (not 0 after ``resume``); ``trace_error`` when ``cfg.trace`` could not
     be written (the record is returned all the same: a trace must not cost the run).
+    Raises ``RunStopped`` (with the record) when the run stopped early.
+
+    ``cfg.save`` is held (``checkpoint.locked``) from its check to the last write: a
+    second run into the same directory is refused however the two interleave.
     """
     t0 = time.time()
     if _under_torchrun():
         return _join_torchrun(cfg, t0)
     validate(cfg)
+    with checkpoint.locked(cfg.save) if cfg.save else nullcontext():  # one run per --save
+        if cfg.save:  # again, now that it is ours: a run may have finished there since
+            checkpoint.check_save(cfg.save, cfg.resume)
+        record = _launch(cfg, progress, report, t0)
+    if record.get("stopped"):
+        raise RunStopped(record["stopped"], record)
+    return record
+
+
+def _launch(cfg: TrainConfig, progress, report, t0: float) -> dict:
     prepare_data(cfg)  # tokenise text once, here, before any rank starts
 
     def on_progress(rank: int, text: str) -> None:
@@ -208,9 +297,8 @@ def train(cfg: TrainConfig, progress=None, report=None) -> dict:
     # notebook cell) fails in the child ("Unable to handle autograd's threading in
     # combination with fork-based multiprocessing"): spawn there; rank_main is importable.
     method = "spawn" if torch.cuda.is_available() else None
-    with checkpoint.locked(cfg.save) if cfg.save else nullcontext():  # one run per --save
-        ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
-                       timeout=cfg.timeout, on_progress=on_progress, start_method=method)
+    ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
+                   timeout=cfg.timeout, on_progress=on_progress, start_method=method)
     return _assemble(cfg, list(ranks), time.time() - t0)
 
 
@@ -218,20 +306,39 @@ def _join_torchrun(cfg: TrainConfig, t0: float) -> dict | None:
     """Under torchrun every process runs this; rank 0 gathers and returns the record."""
     import torch.distributed as dist
 
-    validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        world = int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment is "
+                         "not a number; unset it to train on this machine alone") from None
+    validate(cfg, world_size=world)
     prepare_data(cfg)  # every process: the first tokenises, the rest find the cache
     device = None
     if cfg.backend == "nccl":
         device = device_for(cfg)
         torch.cuda.set_device(device)
-    dist.init_process_group(cfg.backend, device_id=device)
+    env = " ".join(f"{k}={os.environ[k]}" for k in TORCHRUN_ENV if k in os.environ)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # set by hand, or left over: say so
+        print(f"minipar train: note: joining the job that {env} describe (waiting up to "
+              f"--timeout {cfg.timeout:g} s for its ranks); unset them to train here alone",
+              file=sys.stderr)
+    try:
+        dist.init_process_group(cfg.backend, device_id=device,
+                                timeout=timedelta(seconds=cfg.timeout))
+    except Exception as e:  # no peers in time, a port in use, MASTER_PORT missing
+        raise LaunchError(f"could not join the job that {env} describe "
+                          f"({type(e).__name__}: {str(e).strip().splitlines()[0][:160]}); "
+                          "unset them to train on this machine alone") from None
     try:
         mine = rank_main(cfg)
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, everyone, dst=0)
     finally:
         dist.destroy_process_group()
-    return _assemble(cfg, everyone, time.time() - t0) if everyone else None
+    record = _assemble(cfg, everyone, time.time() - t0) if everyone else None
+    if record and record.get("stopped"):
+        raise RunStopped(record["stopped"], record)
+    return record
 
 
 def train_reference(cfg: TrainConfig, progress=None) -> dict:

@@ -10,6 +10,7 @@ metadata; ``GPT.from_safetensors(path)`` or ``load_safetensors(gpt, path)`` load
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -22,23 +23,31 @@ def export(directory: str, out: str) -> dict:
     Returns ``{"path", "step", "tensors", "bytes"}``."""
     from safetensors.torch import save_file
 
+    from minipar.checks import distinct, output_file
     from minipar.model import GPT
     from minipar.reshard import ShardReader
-    from minipar.sample import _run_card
+    from minipar.sample import _run_card, check_finite
 
     if not os.path.isdir(directory):
         raise ValueError(f"--resume {directory}: no such checkpoint directory")
     if not out.endswith(".safetensors"):
         raise ValueError(f"--out {out}: the file name must end in .safetensors")
+    output_file("out", out, new=True)  # train's rules: an existing directory, no overwrite
+    distinct({"out": out}, {"resume": directory})
     cfg, _ = _run_card(directory)
     reader = ShardReader(directory, cfg)  # tp = 1: each tensor whole, from its shards
     names = [n for n, _ in GPT(cfg, device="meta").named_parameters()]
     tensors = {n: reader.local(n).to(torch.float32).contiguous().clone() for n in names}
+    check_finite(directory, tensors.items())
     meta = {"minipar_config": json.dumps(cfg.to_dict()), "step": str(reader.step)}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp"
-    save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, out)  # never a half-written file under the final name
+    tmp = f"{out}.{os.getpid()}.tmp"
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, out)  # never a half-written file under the final name
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return {"path": out, "step": reader.step, "tensors": len(tensors),
             "bytes": os.path.getsize(out)}
 

@@ -17,13 +17,15 @@ their results (rank order). What makes it safe for a room of laptops:
   ``fn`` must live in an importable ``.py`` module; we check that before starting.
 * **Failures come back, fast, with the rank.** An exception on any rank stops every
   rank and raises ``RankFailed`` with that rank's traceback. A rank that dies (a signal,
-  ``os._exit``) raises ``RankDied`` with its exit code. A run past ``timeout`` raises
-  ``RankTimeout`` saying, per rank, which counted collective it is inside (op, group,
-  shape), or which it finished last. Ctrl-C or a kernel interrupt stops the children.
+  ``os._exit``) raises ``RankDied`` with its exit code. A rank that makes no progress
+  for ``timeout`` seconds (no heartbeat: no collective finished, no step done;
+  ``rank.heartbeat``) raises ``RankTimeout`` saying, per rank, which counted collective
+  it is inside (op, group, shape), or which it finished last: a slow run that keeps
+  moving is never stopped. Ctrl-C or a kernel interrupt stops the children.
 * **No orphans, no litter.** Each rank leads a process group; on every exit path the
   groups are terminated, then killed, so a rank's own children go with it. Each rank
   asks the kernel to kill it if the parent dies (Linux ``PR_SET_PDEATHSIG``), and a
-  SIGTERM to the parent still removes the temporary store file and rank logs.
+  SIGTERM or SIGHUP to the parent still removes the temporary store file and rank logs.
 * **Quiet ranks.** A rank's stdout and stderr (warnings, gloo's C++ logs) go to a file,
   never to the notebook; ``capture_output=True`` returns them, and error reports end
   with their last lines (read from the end of the file, however long it grew).
@@ -47,10 +49,25 @@ from contextlib import contextmanager
 from typing import Any
 
 from minipar.rank import child, get_status, rank_status_reporter
+from minipar.rank import heartbeat as heartbeat
 from minipar.rank import report_progress as report_progress
 
 __all__ = ["launch", "LaunchError", "RankFailed", "RankDied", "RankTimeout", "Results",
-           "default_start_method", "rank_status_reporter", "report_progress"]
+           "default_start_method", "rank_status_reporter", "report_progress", "heartbeat",
+           "check_timeout", "TIMEOUT_MAX"]
+
+# gloo and NCCL hold a timeout as a deadline in int64 nanoseconds from now (about 292
+# years); a process group is given ``timeout + 30`` s. A week is far beyond any step.
+TIMEOUT_MAX = 7 * 24 * 3600.0
+
+
+def check_timeout(timeout, flag: str = "--timeout") -> None:
+    """``timeout``: seconds without progress before a run counts as hung; one line
+    unless it is a positive number the backends accept (at most ``TIMEOUT_MAX``)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not 0 < timeout <= TIMEOUT_MAX:
+        raise ValueError(f"{flag} must be a positive number of seconds up to "
+                         f"{TIMEOUT_MAX:.0f} (a week), got {timeout!r}")
 
 class LaunchError(RuntimeError):
     """A launched run failed; ``rank`` says which rank, the message says what it did."""
@@ -144,21 +161,23 @@ def _read(path: str) -> str:
 
 @contextmanager
 def _cleanup_on_sigterm():
-    """Turn a SIGTERM of this process into SystemExit while ranks run, so the cleanup of
-    ``launch`` (stop the ranks, delete the files) runs; only where SIGTERM would kill us
-    without one (the main thread, default handler): never replace someone's handler."""
+    """Turn a SIGTERM or SIGHUP (a closed terminal) of this process into SystemExit
+    while ranks run, so the cleanup of ``launch`` (stop the ranks, delete the files)
+    runs; only where the signal would kill us without one (the main thread, default
+    handler): never replace someone's handler."""
     def exit_cleanly(signum, frame):
         raise SystemExit(128 + signum)
 
-    mine = (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
-    if mine:
-        signal.signal(signal.SIGTERM, exit_cleanly)
+    main = threading.current_thread() is threading.main_thread()
+    mine = [sig for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
+            if main and sig is not None and signal.getsignal(sig) == signal.SIG_DFL]
+    for sig in mine:
+        signal.signal(sig, exit_cleanly)
     try:
         yield
     finally:
-        if mine:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in mine:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def launch(
@@ -186,6 +205,7 @@ def launch(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    check_timeout(timeout, "timeout")
     method = start_method or default_start_method()
     if method == "spawn" or method == "forkserver":
         _check_spawnable(fn)
@@ -197,7 +217,7 @@ def launch(
     ctx = mp.get_context(method)
     kwargs = kwargs or {}
     start = time.monotonic()
-    procs, conns, slots, paths, progress = [], [], [], [], []
+    procs, conns, slots, paths, progress, beats = [], [], [], [], [], []
     with _cleanup_on_sigterm():
         store_path = _rendezvous_file()
         try:
@@ -205,20 +225,23 @@ def launch(
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 slots.append(ctx.Array("c", 400, lock=False))
                 progress.append(ctx.Array("c", 200, lock=False))
+                beats.append(ctx.Value("Q", 0, lock=False))
                 fd, path = tempfile.mkstemp(prefix=f"minipar-rank{rank}-", suffix=".log")
                 os.close(fd)
                 paths.append(path)
                 p = ctx.Process(
                     target=child, name=f"minipar-rank{rank}", daemon=True,
                     args=(rank, world_size, backend, store_path, fn, args, kwargs, send_end,
-                          slots[rank], progress[rank], path, threads, timeout, os.getpid()))
+                          slots[rank], progress[rank], beats[rank], path, threads, timeout,
+                          os.getpid()))
                 p.start()
                 procs.append(p)
                 _lead_group(p)
                 send_end.close()
                 conns.append(recv_end)
             watch = _ProgressWatch(progress, on_progress)
-            results = _collect(procs, conns, slots, paths, timeout, start, watch)
+            results = _collect(procs, conns, slots, paths, timeout, _Stall(beats, timeout),
+                               watch)
             results.outputs = ([_read(p) for p in paths] if capture_output
                                else [""] * world_size)
             results.seconds = time.monotonic() - start
@@ -261,7 +284,28 @@ class _ProgressWatch:
                 self.callback(rank, text)
 
 
-def _collect(procs, conns, slots, paths, timeout, start, watch) -> Results:
+class _Stall:
+    """Seconds since each rank's last heartbeat; a rank still waited for that has not
+    beaten for ``timeout`` seconds is stalled (the run is hung)."""
+
+    def __init__(self, beats, timeout: float) -> None:
+        self.beats, self.timeout = beats, timeout
+        now = time.monotonic()
+        self.seen = [(b.value, now) for b in beats]
+
+    def remaining(self, waiting) -> float:
+        """Seconds before the first waiting rank would be stalled (<= 0: it is)."""
+        now = time.monotonic()
+        for r, b in enumerate(self.beats):
+            if b.value != self.seen[r][0]:
+                self.seen[r] = (b.value, now)
+        return min(self.seen[r][1] + self.timeout - now for r in waiting)
+
+    def quiet(self, rank: int) -> float:
+        return time.monotonic() - self.seen[rank][1]
+
+
+def _collect(procs, conns, slots, paths, timeout, stall, watch) -> Results:
     """Wait for every rank's result; raise for the first rank that failed.
 
     When one rank fails, its peers soon fail too ("Connection closed by peer" from
@@ -273,9 +317,9 @@ def _collect(procs, conns, slots, paths, timeout, start, watch) -> Results:
     results: list = [None] * n
     waiting = set(range(n))
     while waiting:
-        remaining = start + timeout - time.monotonic()
+        remaining = stall.remaining(waiting)
         if remaining <= 0:
-            raise RankTimeout(_timeout_report(procs, slots, waiting, timeout))
+            raise RankTimeout(_timeout_report(slots, waiting, timeout, stall))
         handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
         ready = set(mp.connection.wait(handles, timeout=min(remaining, watch.poll)))
         watch()
@@ -326,11 +370,14 @@ def _death_report(rank, code, slot, path) -> str:
     return msg + (f"\n--- last output of rank {rank} ---\n{tail}" if tail else "")
 
 
-def _timeout_report(procs, slots, waiting, timeout) -> str:
-    lines = [f"timed out after {timeout:g} s; where each rank was:"]
+def _timeout_report(slots, waiting, timeout, stall) -> str:
+    stuck = [r for r in sorted(waiting) if stall.quiet(r) >= timeout]
+    lines = [f"timed out: rank {stuck[0]} made no progress (no collective finished, no "
+             f"step done) for {timeout:g} s; where each rank was:"]
     for r, slot in enumerate(slots):
         state = get_status(slot) if r in waiting else "finished"
-        lines.append(f"  rank {r}: {state}")
+        lines.append(f"  rank {r}: {state} (last progress {stall.quiet(r):.0f} s ago)"
+                     if r in waiting else f"  rank {r}: {state}")
     lines.append("A rank that skipped a collective its group entered leaves the others "
                  "waiting; compare the ops above.")
     return "\n".join(lines)

@@ -8,7 +8,10 @@ A launched rank, before it calls the user's function:
 * writes its stdout and stderr to a log file, never to the notebook;
 * keeps two short texts in shared memory the parent can read at any time: its *status*
   (where it is: inside or after which counted collective, shown when a run hangs) and
-  its *progress* (what ``report_progress`` said last, e.g. "step 3/50 loss 2.1").
+  its *progress* (what ``report_progress`` said last, e.g. "step 3/50 loss 2.1");
+* beats a *heartbeat*, a shared counter raised whenever it makes progress (a counted
+  collective finished, a training step done, a checkpoint's bytes written): the
+  launcher's timeout is the time since a rank's last beat, never the run's length.
 
 The status is written by ``minipar.comm``'s hooks on entering and finishing each op, so
 a hang names the op a rank waits in, or the last op it finished before it went off into
@@ -32,6 +35,7 @@ from datetime import timedelta
 # --- this process's status slots (set only inside a launched rank) ---------------------
 _STATUS_SLOT = None  # a shared char array the parent reads when a run times out
 _PROGRESS_SLOT = None  # a shared char array the parent passes to ``on_progress``
+_BEAT = None  # a shared counter: raised at each sign of progress (``heartbeat``)
 OUTSIDE = "running code outside minipar's counted calls"
 
 
@@ -44,6 +48,7 @@ def rank_status_reporter(after: bool = False) -> Callable | None:
 
     def report(record) -> None:
         if after:
+            heartbeat()
             set_status(slot, f"after {record.describe()}, then {OUTSIDE}")
         else:
             set_status(slot, f"inside {record.describe()}")
@@ -58,6 +63,15 @@ def report_progress(text: str) -> None:
     """
     if _PROGRESS_SLOT is not None:
         set_status(_PROGRESS_SLOT, text)
+    heartbeat()
+
+
+def heartbeat() -> None:
+    """Tell the launching process this rank made progress (a step, a collective, bytes
+    of a checkpoint written): its ``timeout`` counts from a rank's last beat. Cheap (one
+    shared integer); a no-op outside a launched rank."""
+    if _BEAT is not None:
+        _BEAT.value += 1
 
 
 def set_status(slot, text: str) -> None:
@@ -100,9 +114,9 @@ def lead_process_group() -> None:
 
 
 def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress,
-          out_path, threads, timeout, parent_pid):
+          beat, out_path, threads, timeout, parent_pid):
     """The body of rank ``rank``: set up, run ``fn``, send back its result or error."""
-    global _STATUS_SLOT, _PROGRESS_SLOT
+    global _STATUS_SLOT, _PROGRESS_SLOT, _BEAT
     _die_with_parent()
     lead_process_group()
     _set_process_name(f"minipar-rank{rank}")
@@ -123,7 +137,7 @@ def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, p
     # parent's terminal; the death report's log tail (gloo's own message) says more.
     faulthandler.disable()
     warnings.simplefilter("ignore")
-    _STATUS_SLOT, _PROGRESS_SLOT = slot, progress
+    _STATUS_SLOT, _PROGRESS_SLOT, _BEAT = slot, progress, beat
     set_status(slot, "starting")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")

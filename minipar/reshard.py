@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from minipar.checkpoint import CheckpointError, _load_shard, inspect
+from minipar.checkpoint import DIGEST, CheckpointError, _load_shard, inspect
 from minipar.mesh import RankMesh
 
 
@@ -61,8 +61,9 @@ class ShardReader:
     def _blob(self, pp_rank: int, tp_rank: int) -> dict:
         fname = self._files[(pp_rank, tp_rank)]
         if fname not in self._blobs:
-            self._blobs[fname] = _load_shard(os.path.join(self.meta["path"], fname),
-                                             mmap=True)
+            self._blobs[fname] = _load_shard(  # its digest checked first
+                os.path.join(self.meta["path"], fname), mmap=True,
+                digest=self.meta["files"][fname].get(DIGEST))
             self.opened.append(fname)
         return self._blobs[fname]
 

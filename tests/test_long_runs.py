@@ -68,12 +68,15 @@ def test_engine_keeps_the_last_steps_timeline_and_a_flat_comm_log() -> None:
 
 
 def test_prune_keeps_the_last_k_and_never_latest(tmp_path) -> None:
-    for step in (10, 20, 30, 40):
+    for step in (10, 20, 30, 40, 50):
         os.makedirs(tmp_path / f"step-{step:06d}")
-    os.makedirs(tmp_path / "step-000050.tmp")  # a save in progress is not touched
+        (tmp_path / f"step-{step:06d}" / "meta.json").write_text(f'{{"step": {step}}}')
+    os.rename(tmp_path / "step-000050", tmp_path / "step-000050.tmp")  # a save under way
+    os.makedirs(tmp_path / "step-000001.keepme")  # a user's: no checkpoint's name
+    os.makedirs(tmp_path / "step-000002")  # no meta.json: not a checkpoint
     (tmp_path / "latest").write_text("step-000020")  # e.g. a later save failed
     gone = checkpoint.prune(str(tmp_path), keep=2)
     left = sorted(os.listdir(tmp_path))
-    assert left == ["latest", "step-000020", "step-000030", "step-000040",
-                    "step-000050.tmp"]
+    assert left == ["latest", "step-000001.keepme", "step-000002", "step-000020",
+                    "step-000030", "step-000040", "step-000050.tmp"]
     assert [os.path.basename(g) for g in gone] == ["step-000010"]

@@ -351,7 +351,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                         ("params", params)):
         positive(flag, value)
     cfg = get_model(cfg) if cfg is not None else None
-    if cfg is not None and cfg.seq_len % (2 * cp):
+    if cfg is not None and cp > 1 and cfg.seq_len % (2 * cp):
         raise ValueError(f"--cp {cp} needs a sequence length divisible by 2*cp={2 * cp} "
                          f"(the zig-zag split's chunks); seq_len is {cfg.seq_len}")
     stages = list(range(pp)) if stages is None else stages
