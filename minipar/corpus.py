@@ -373,7 +373,7 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
                 for n_docs, text in enumerate(texts(), 1):
                     sep = "\n" if n_docs > 1 else ""
                     ids = np.frombuffer((sep + text).encode("utf-8"), dtype=np.uint8)
-                    ids.astype(dtype).tofile(out)
+                    out.write(ids.astype(dtype).tobytes())  # (a full disk: errno)
                     count += len(ids)
             else:
                 eot = tok.tok.token_to_id(EOT)  # without one: a newline between, as bytes
@@ -384,7 +384,7 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
                         batch = [("\n" if n_docs + j else "") + t for j, t in enumerate(batch)]
                     n_docs += len(batch)
                     for x in tok.encode_batch(batch):
-                        np.asarray(x + end, dtype=dtype).tofile(out)
+                        out.write(np.asarray(x + end, dtype=dtype).tobytes())
                         count += len(x) + len(end)
         if not n_docs:
             raise ValueError(f"--data {source}: no text found")
