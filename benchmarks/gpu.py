@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minipar.config import TrainConfig
+from minipar.config import TrainConfig, learning_rate
 from minipar.engine import build, train_step
 from minipar.mesh import Mesh
 from minipar.model import GPT, get_config
@@ -289,7 +289,8 @@ def run_plain(cfg: TrainConfig, steps: int, warmup: int, compile_: bool) -> dict
     params = list(model.parameters())
     if compile_:
         _compile_blocks(model)
-    opt = torch.optim.AdamW(masters, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    opt = torch.optim.AdamW(masters, lr=learning_rate(cfg), weight_decay=cfg.weight_decay,
+                            fused=True)
     data = RandomTokens(model.cfg.vocab_size, model.cfg.seq_len, cfg.seed)
 
     def step_fn(step: int) -> float:

@@ -56,7 +56,8 @@ def _add_train(sub) -> None:
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--model", default="tiny", help="preset name (see minipar.model.PRESETS)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's "
+                   "published one, 3e-3 for the small presets; config.RECIPES)")
     p.add_argument("--order", default="megatron", choices=("megatron", "pp-inside-dp"))
     p.add_argument("--save", help="checkpoint directory to write at the end")
     p.add_argument("--resume", help="checkpoint directory to start from")
@@ -91,7 +92,8 @@ def _add_train(sub) -> None:
     for flag, what in (("layers", "n_layer"), ("hidden", "d_model"), ("heads", "n_head"),
                        ("ffn", "d_ff"), ("vocab", "vocab_size"), ("seq-len", "seq_len")):
         p.add_argument(f"--{flag}", type=int, help=f"override the preset's {what}")
-    p.add_argument("--warmup", type=int, default=5, help="linear warm-up steps")
+    p.add_argument("--warmup", type=int, help="linear warm-up steps (default: the preset's "
+                   "recipe, at most a tenth of the run; 5 for the small presets)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global norm (0: off)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--save-every", type=int, default=0, help="also --save every N steps")

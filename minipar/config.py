@@ -45,8 +45,8 @@ class TrainConfig:
     backend: str = "gloo"
     device: str = "auto"  # cpu, cuda, or auto (cuda with nccl, else cpu)
     batch_size: int = 16
-    lr: float = 3e-3
-    warmup: int = 5
+    lr: float | None = None  # None: the preset's recipe (``RECIPES``)
+    warmup: int | None = None  # None: the preset's recipe
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     ddp: str = "overlapped"  # naive, bucketed, overlapped (ZeRO 0)
@@ -227,7 +227,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ValueError(f"--stop-at must be between 1 and --steps ({cfg.steps}), "
                          f"got {cfg.stop_at}")
-    if cfg.lr <= 0 or not math.isfinite(cfg.lr):
+    if cfg.lr is not None and (cfg.lr <= 0 or not math.isfinite(cfg.lr)):
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
     checks.seed(cfg.seed)
     from minipar.launch import check_timeout
@@ -406,6 +406,8 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
 
     for name in ("eval_every", "save_every", "keep", "warmup"):
         value = getattr(cfg, name)
+        if name == "warmup" and value is None:
+            continue  # the preset's recipe
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be 0 or a positive integer, "
                              f"got {value!r}")
@@ -488,15 +490,47 @@ def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
     ``host`` (ZeRO-Offload's CPU step): AdamW is torch's fused CPU kernel, 4-6x its
     per-tensor loop (``benchmarks/offload_host.py``), at times 1 ulp apart from it
     (within the parity tolerances); elsewhere the default unless ``cfg.fused`` asks."""
-    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    kwargs = {"lr": learning_rate(cfg), "weight_decay": cfg.weight_decay}
     if cfg.fused or (host and cfg.optimizer != "sgd"):
         kwargs["fused"] = True
     return kwargs
 
 
+# The published recipes the presets copy: peak learning rate and warm-up tokens. GPT-3
+# (Brown et al. 2020, arXiv 2005.14165, Table 2.1 and Appendix B: Adam, warm-up over the
+# first 375M tokens, cosine decay to 10%); the GPT-2 sizes take GPT-3's rate for the
+# same size (nanoGPT does the same). gpt-1t has no published run: 175B's rate. Presets
+# not listed (tiny, small, the MoE ones) keep the small models' 3e-3 and 5 steps.
+RECIPES: dict[str, tuple[float, float]] = {
+    "gpt2-125m": (6.0e-4, 375e6), "gpt2-350m": (3.0e-4, 375e6),
+    "gpt-1.3b": (2.0e-4, 375e6), "gpt-6.7b": (1.2e-4, 375e6), "gpt-13b": (1.0e-4, 375e6),
+    "gpt3-175b": (0.6e-4, 375e6), "gpt-1t": (0.6e-4, 375e6),
+}
+SMALL_MODEL_LR, SMALL_MODEL_WARMUP = 3e-3, 5
+
+
+def learning_rate(cfg: TrainConfig) -> float:
+    """``--lr``, else the preset's published peak rate (``RECIPES``)."""
+    if cfg.lr is not None:
+        return cfg.lr
+    return RECIPES.get(cfg.model, (SMALL_MODEL_LR, 0))[0]
+
+
+def warmup_steps(cfg: TrainConfig) -> int:
+    """``--warmup``, else the recipe's warm-up tokens in this run's steps, at most a tenth
+    of the run (a 20-step trial still reaches its rate; a long run warms up as published)."""
+    if cfg.warmup is not None:
+        return cfg.warmup
+    if cfg.model not in RECIPES:
+        return SMALL_MODEL_WARMUP
+    tokens_per_step = cfg.batch_size * cfg.model_config().seq_len
+    return max(1, min(math.ceil(RECIPES[cfg.model][1] / tokens_per_step), cfg.steps // 10))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``cfg.lr``, then cosine decay to a tenth of it."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    """Linear warm-up to the peak rate, then cosine decay to a tenth of it."""
+    lr, warmup = learning_rate(cfg), warmup_steps(cfg)
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
