@@ -12,6 +12,8 @@
 * ``score_schedule`` and ``score_layout``: budgeted design puzzles. Your schedule (a
   list of actions per rank) or layout (tp, pp, dp, ...) is validated and priced by the
   same functions the engine and the planner use, and compared with a target.
+* ``say(text)``: a lesson's sentences about what a cell computed, rendered from the values
+  (markdown), so the prose cannot contradict the outputs it describes.
 * ``check_...`` (and ``measure_builds``): what a lesson's runs must show, asserted in one
   call, so the pages read as lessons and ``make notebooks`` still fails when the engine
   stops doing what a page says.
@@ -20,13 +22,14 @@
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
-__all__ = ["HINTS", "LEVELS", "check_dp_run", "check_h100_trace", "check_sharded_build",
-           "check_sp_run", "check_spanning", "check_tp_run", "check_zero_memory",
-           "h100_data", "h100_headline_table", "h100_overlap_table", "hint",
-           "measure_builds", "overlap_of_picture", "predict", "score_layout",
-           "score_schedule"]
+__all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "check_dp_run", "check_h100_trace",
+           "check_sharded_build", "check_sp_run", "check_spanning", "check_tp_run",
+           "check_zero_memory", "h100_data", "h100_headline_table", "h100_overlap_table",
+           "hint", "layout_puzzle", "measure_builds", "overlap_of_picture", "predict", "say",
+           "score_layout", "score_schedule"]
 
 LEVELS = {1: "a nudge", 2: "the idea", 3: "the formula"}
 
@@ -161,6 +164,23 @@ def hint(name: str, level: int = 1, function: str | None = None) -> None:
         print(f"  {f + ': ' if f else ''}{h}")
 
 
+def say(text: str) -> None:
+    """Show ``text`` (markdown) as prose. A lesson states what a cell computed by rendering
+    the values into its sentences here (an f-string), never by typing them: the page then
+    cannot contradict the outputs above it when the engine or the theory changes."""
+    text = textwrap.dedent(text).strip()
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+    else:
+        display(Markdown(text))
+
+
 def predict(question: str, guess: float | None, measured: float, unit: str = "",
             tol: float = 0.05, fmt: str = ".4g", by: str = "the run measured") -> bool | None:
     """Print your ``guess`` beside the ``measured`` value; ``None``: not answered yet.
@@ -247,6 +267,31 @@ def score_layout(layout: dict | None, model: str, cluster: str, global_batch: in
     print("PASS" if ok else "not yet: " + ("over the memory cap" if mem > memory_cap
                                            else "too slow"))
     return {"passed": ok, "memory": mem, "step_time": step}
+
+
+# Lesson 06's design puzzle: 13B on 64 A100s under a memory cap and a step target. Its
+# premise (the balanced layout fits but is too slow, the planner's favourite is fast but
+# too big) is computed by ``layout_puzzle`` and tested, never typed into the page.
+LAYOUT_PUZZLE = dict(model="gpt-13b", cluster="a100x64", global_batch=1024,
+                     memory_cap=30e9, step_target=14.6)
+BALANCED = dict(tp=4, pp=4, dp=4)
+
+
+def layout_puzzle() -> dict:
+    """The two layouts lesson 06's puzzle starts from, priced by the planner:
+    ``balanced`` (tp = pp = dp = 4, the planner's defaults otherwise) and ``favourite``
+    (the planner's first choice without a cap), with ``text``: the premise as markdown."""
+    from minipar.theory.planner import evaluate, plan
+
+    p = LAYOUT_PUZZLE
+    balanced = evaluate(p["model"], p["cluster"], global_batch=p["global_batch"], **BALANCED)
+    favourite = plan(p["model"], p["cluster"], p["global_batch"]).best
+
+    def priced(lay) -> str:
+        return f"{lay.memory['total'] / 1e9:.1f} GB and {lay.step_time:.2f} s"
+    text = (f"The balanced `{balanced.label()}` needs {priced(balanced)}; the planner's "
+            f"favourite, `{favourite.label()}`, needs {priced(favourite)}.")
+    return {"balanced": balanced, "favourite": favourite, "text": text}
 
 
 # --- what the lessons' runs show ------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -146,7 +147,8 @@ def test_syllabus_map_cells_point_into_their_sections() -> None:
     text = tool.MAP.read_text()
     assert len(tool.references(text)) > 80
     assert tool.check(text) == []
-    assert tool.check(text.replace("02 § 3 (cells 17–24", "02 § 3 (cells 7–24")) != []
+    ref = re.search(r"02 § 3 \(cells (\d+)–", text)  # a reference, moved out of § 3
+    assert ref and tool.check(text.replace(ref.group(0), "02 § 3 (cells 7–")) != []
 
 
 # --- the checker catches typical mistakes (mutants of the solution) ----------------
