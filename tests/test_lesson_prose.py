@@ -200,3 +200,21 @@ def test_layout_puzzle_premise_holds_and_the_instructor_answer_passes(capsys) ->
     result = score_layout(_instructor_answer(), **LAYOUT_PUZZLE)
     assert result["passed"], result
     assert "PASS" in capsys.readouterr().out
+
+
+# --- every lesson ends where a learner can go on ----------------------------------------
+
+def test_every_lesson_ends_with_its_summary_and_links_on() -> None:
+    """The last markdown cell of a lesson is its summary (what was learned), with a link
+    back to the index and one to the next lesson (the file must exist), and the lesson's
+    last cell shows the calibration score of the learner's predictions."""
+    for k, path in enumerate(LESSONS):
+        cells = json.loads(path.read_text())["cells"]
+        last_md = "".join([c for c in cells if c["cell_type"] == "markdown"][-1]["source"])
+        assert "## Summary" in last_md, path.name
+        links = re.findall(r"\]\(([^)\s]+\.ipynb)\)", last_md)
+        assert "index.ipynb" in links, f"{path.name}: no link back to the index"
+        if k + 1 < len(LESSONS):
+            assert LESSONS[k + 1].name in links, f"{path.name}: no link to the next lesson"
+        assert all((path.parent / link).exists() for link in links), (path.name, links)
+        assert "show_calibration()" in "".join(cells[-1]["source"]), path.name
