@@ -24,7 +24,12 @@ in the same order. We therefore start bucket i only after buckets 0 .. i-1 have
 started, even if bucket i happened to be complete first.
 
 You write ``bucket_params``, ``BucketedDDP._on_grad``, ``BucketedDDP._launch`` and
-``BucketedDDP.finish_gradient_sync``. Communicate only through ``self.comm``.
+``BucketedDDP.finish_gradient_sync``. Communicate only through ``self.comm``. What the
+check tests: the buckets against the rule of ``bucket_params``; your gradients on 2
+ranks against the whole batch's gradient in one process (a wrong scale is named as a
+multiple of the world size); the communication log: one all-reduce per bucket, in
+bucket order, all started before ``backward()`` returned when ``overlap=True``; and,
+with the hooks fired by hand out of bucket order, all-reduces still in bucket order.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
     # YOUR CODE HERE
     raise NotImplementedError(
         'bucket_params in exercises/ddp_buckets.py is not implemented yet. Hint: '
-        "ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the idea) or 3 "
-        '(the formula), from exercises.course')
+        "ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the method) or 3 "
+        '(the answer), from exercises.course')
 
 
 class BucketedDDP:
@@ -88,8 +93,8 @@ class BucketedDDP:
         # YOUR CODE HERE
         raise NotImplementedError(
             '_on_grad in exercises/ddp_buckets.py is not implemented yet. Hint: ask '
-            "for one with hint('ddp_buckets', 1) (a nudge), 2 (the idea) or 3 (the "
-            'formula), from exercises.course')
+            "for one with hint('ddp_buckets', 1) (a nudge), 2 (the method) or 3 (the "
+            'answer), from exercises.course')
 
     def _launch(self, i: int) -> None:
         """Start the asynchronous all-reduce of bucket ``i``.
@@ -102,8 +107,8 @@ class BucketedDDP:
         # YOUR CODE HERE
         raise NotImplementedError(
             '_launch in exercises/ddp_buckets.py is not implemented yet. Hint: ask '
-            "for one with hint('ddp_buckets', 1) (a nudge), 2 (the idea) or 3 (the "
-            'formula), from exercises.course')
+            "for one with hint('ddp_buckets', 1) (a nudge), 2 (the method) or 3 (the "
+            'answer), from exercises.course')
 
     def finish_gradient_sync(self) -> None:
         """Launch the buckets not started yet (in order), wait for all, then write
@@ -111,8 +116,8 @@ class BucketedDDP:
         # YOUR CODE HERE
         raise NotImplementedError(
             'finish_gradient_sync in exercises/ddp_buckets.py is not implemented yet.'
-            " Hint: ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the idea) "
-            'or 3 (the formula), from exercises.course')
+            " Hint: ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the method)"
+            ' or 3 (the answer), from exercises.course')
 
     def remove(self) -> None:
         """Take the hooks off the module's parameters."""

@@ -5,27 +5,24 @@
 
 Everything a training step keeps on a GPU falls in two families.
 
-**Model states** (ZeRO paper, Rajbhandari et al., arXiv 1910.02054, Sec. 3.1 and 5). With
-bf16 mixed-precision Adam every parameter costs 2 bytes of weights, 2 of gradients and
-12 of optimizer state (fp32 master copy, momentum, variance); in plain fp32, 4 + 4 + 8.
-ZeRO splits them over the dp data-parallel ranks: stage 1 the optimizer state, stage 2
-the gradients too, stage 3 the weights too. A split state is ceil(n / dp) elements.
+**Model states**: weights, gradients and optimizer state, at the bytes per parameter of
+``BYTES_PER_PARAM`` (the ZeRO paper's count, Rajbhandari et al., arXiv 1910.02054,
+Sec. 3.1), some of them split over the dp data-parallel ranks depending on the ZeRO
+stage (lesson 02 says which stage splits what; a split state is ceil(n / dp) elements).
 
-**Activations** (Korthikanti et al., arXiv 2205.05198). One transformer layer keeps a
-fixed number of bytes per micro-batch for its backward (``layer_activations``, given).
-A pipeline stage holds ``L / p`` layers, and it holds them for *several* micro-batches
-at once: those whose forward has run on this stage and whose backward has not. That
-count depends on the schedule: GPipe m; 1F1B min(m, p - s) on stage s; ZB-H1 min(m, p).
-The first stage also keeps the embedding's inputs, the last stage the head's and the
-logits (``edge_bytes``, given), once per micro-batch in flight.
+**Activations** (Korthikanti et al., arXiv 2205.05198): one transformer layer keeps a
+fixed number of bytes per micro-batch for its backward (``layer_activations``, given),
+and the first and last stages keep a little more (``edge_bytes``, given). A pipeline
+stage keeps them for every micro-batch it holds at its peak, and how many that is
+depends on the schedule and on the stage (lesson 04: what your ``peak_in_flight``
+counted).
 
-So, on stage s:  memory = model states(params of stage s)
-                        + per-layer bytes x layers of s x micro-batches in flight on s
-                        + edge bytes x micro-batches in flight on s.
-
-The device that needs the most is the first stage or the last one. You write the three
-pieces and the whole; the checker compares them with
-``minipar.theory.memory.memory_breakdown`` on several layouts of several models.
+You write ``model_state_bytes``, ``in_flight``, ``stage_memory`` and
+``device_memory``. What the check tests: each function, byte for byte, against
+``minipar.theory.memory`` (``model_states``, the in-flight count, ``memory_breakdown``)
+on layouts of the four worked-example models (every ZeRO stage, GPipe, 1F1B and ZB-H1,
+with and without sp and recomputation, bf16 and fp32) and of the tiny one; a mismatch
+names the layout, the term and both numbers.
 """
 
 from __future__ import annotations
@@ -65,7 +62,7 @@ def model_state_bytes(n_params: int, dp: int, zero: int, dtype: str = "bf16") ->
     raise NotImplementedError(
         'model_state_bytes in exercises/memory_formula.py is not implemented yet.'
         " Hint: ask for one with hint('memory_formula', 1) (a nudge), 2 (the "
-        'idea) or 3 (the formula), from exercises.course')
+        'method) or 3 (the answer), from exercises.course')
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
@@ -74,8 +71,8 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
     # YOUR CODE HERE
     raise NotImplementedError(
         'in_flight in exercises/memory_formula.py is not implemented yet. Hint: '
-        "ask for one with hint('memory_formula', 1) (a nudge), 2 (the idea) or 3 "
-        '(the formula), from exercises.course')
+        "ask for one with hint('memory_formula', 1) (a nudge), 2 (the method) or "
+        '3 (the answer), from exercises.course')
 
 
 def stage_memory(cfg: GPTConfig | str, stage: int, dp: int = 1, pp: int = 1, tp: int = 1,
@@ -90,8 +87,8 @@ def stage_memory(cfg: GPTConfig | str, stage: int, dp: int = 1, pp: int = 1, tp:
     # YOUR CODE HERE
     raise NotImplementedError(
         'stage_memory in exercises/memory_formula.py is not implemented yet. '
-        "Hint: ask for one with hint('memory_formula', 1) (a nudge), 2 (the idea)"
-        ' or 3 (the formula), from exercises.course')
+        "Hint: ask for one with hint('memory_formula', 1) (a nudge), 2 (the "
+        'method) or 3 (the answer), from exercises.course')
 
 
 def device_memory(cfg: GPTConfig | str, **layout) -> dict:
@@ -100,5 +97,5 @@ def device_memory(cfg: GPTConfig | str, **layout) -> dict:
     # YOUR CODE HERE
     raise NotImplementedError(
         'device_memory in exercises/memory_formula.py is not implemented yet. '
-        "Hint: ask for one with hint('memory_formula', 1) (a nudge), 2 (the idea)"
-        ' or 3 (the formula), from exercises.course')
+        "Hint: ask for one with hint('memory_formula', 1) (a nudge), 2 (the "
+        'method) or 3 (the answer), from exercises.course')

@@ -17,8 +17,8 @@ tp=1; pp-inside-dp as dp=1, pp=0, tp=1. Same GPU, different role.
 
 You write ``coords`` (rank -> (dp, pp, tp)), ``rank`` (the inverse) and ``group``
 (the ranks that differ from a rank in one coordinate only: its process group for that
-dimension). The checker compares them with ``minipar.mesh.Mesh`` on every layout of up
-to 16 ranks, in both orders.
+dimension). What the check tests: all three against ``minipar.mesh.Mesh`` on every
+layout of up to 16 ranks, in both orders.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def coords(rank: int, dp: int, pp: int, tp: int, order: str = "megatron") -> tup
     # YOUR CODE HERE
     raise NotImplementedError(
         'coords in exercises/mesh_coords.py is not implemented yet. Hint: ask for'
-        " one with hint('mesh_coords', 1) (a nudge), 2 (the idea) or 3 (the "
-        'formula), from exercises.course')
+        " one with hint('mesh_coords', 1) (a nudge), 2 (the method) or 3 (the "
+        'answer), from exercises.course')
 
 
 def rank(c: tuple[int, int, int], dp: int, pp: int, tp: int, order: str = "megatron") -> int:
@@ -43,8 +43,8 @@ def rank(c: tuple[int, int, int], dp: int, pp: int, tp: int, order: str = "megat
     # YOUR CODE HERE
     raise NotImplementedError(
         'rank in exercises/mesh_coords.py is not implemented yet. Hint: ask for '
-        "one with hint('mesh_coords', 1) (a nudge), 2 (the idea) or 3 (the "
-        'formula), from exercises.course')
+        "one with hint('mesh_coords', 1) (a nudge), 2 (the method) or 3 (the "
+        'answer), from exercises.course')
 
 
 def group(dim: str, r: int, dp: int, pp: int, tp: int, order: str = "megatron") -> list[int]:
@@ -54,5 +54,5 @@ def group(dim: str, r: int, dp: int, pp: int, tp: int, order: str = "megatron") 
     # YOUR CODE HERE
     raise NotImplementedError(
         'group in exercises/mesh_coords.py is not implemented yet. Hint: ask for '
-        "one with hint('mesh_coords', 1) (a nudge), 2 (the idea) or 3 (the "
-        'formula), from exercises.course')
+        "one with hint('mesh_coords', 1) (a nudge), 2 (the method) or 3 (the "
+        'answer), from exercises.course')

@@ -8,23 +8,25 @@ every rank, in which order to run the forward (``F``) and backward (``B``) of ea
 the ``m`` micro-batches. ``minipar.parallel.schedules`` writes it as one list of
 ``Action(kind, mb, chunk)`` per rank; with one stage per rank, ``chunk`` is the rank.
 
-GPipe (Huang et al., arXiv 1811.06965) runs every forward, then every backward: rank 0
-keeps the activations of all m micro-batches until their backward. 1F1B
-(PipeDream-Flush, Narayanan et al., arXiv 2006.09503 and 2104.04473) starts the
-backward of a micro-batch as soon as possible:
+GPipe (Huang et al., arXiv 1811.06965) runs every forward, then every backward, so
+rank 0 keeps the activations of all m micro-batches at once. 1F1B (PipeDream-Flush,
+Narayanan et al., arXiv 2006.09503 and 2104.04473) keeps the same step time but starts
+each micro-batch's backward as early as the pipeline allows, so that a rank holds far
+fewer micro-batches. Working out when "as early as possible" is, rank by rank, is the
+exercise: lesson 04's timelines and ``hint("pipeline_1f1b", 1)`` help.
 
-1. warm-up: rank r runs ``pp - r - 1`` forwards (never more than m);
-2. steady state: alternate one forward (the next micro-batch) and one backward (the
-   oldest micro-batch still held), until every forward has run;
-3. cool-down: the backwards that are left, oldest first.
+You write the compute order (``one_f_one_b_compute``), the peak count of micro-batches
+a rank holds (``peak_in_flight``) and the idle share of the step (``bubble_fraction``,
+in closed form); ``with_communication`` (given, from ``minipar.parallel.schedules``)
+inserts the ``SEND``/``RECV`` actions so that the lists run without deadlock.
 
-The idle time is the same as GPipe's, (p-1)/(m+p-1) of the step with t_B = 2 t_F, but
-rank r never holds more than ``min(m, pp - r)`` micro-batches instead of m.
-
-You write the compute order (``one_f_one_b_compute``); ``with_communication`` (given,
-from ``minipar.parallel.schedules``) inserts the ``SEND``/``RECV`` actions so that the
-lists run without deadlock. Then ``one_f_one_b`` returns lists the real executor runs,
-and ``peak_in_flight`` counts what each rank holds at most.
+What the check tests, for pp 1..4 and m 1..7: each rank runs each F and B exactly once
+and only its own; the runnable lists pass ``schedules.validate`` (no deadlock, every F
+before its B, every message matched); the simulated step has the same idle time as
+GPipe's and as your closed form; each rank's peak is below GPipe's wherever a smaller
+one is possible, and equal to ``minipar``'s own 1F1B. Then your lists drive the real
+executor on 2 ranks, and the loss and gradients must equal one process on the whole
+batch.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def one_f_one_b_compute(pp: int, microbatches: int) -> Schedule:
     raise NotImplementedError(
         'one_f_one_b_compute in exercises/pipeline_1f1b.py is not implemented '
         "yet. Hint: ask for one with hint('pipeline_1f1b', 1) (a nudge), 2 (the "
-        'idea) or 3 (the formula), from exercises.course')
+        'method) or 3 (the answer), from exercises.course')
 
 
 def one_f_one_b(pp: int, microbatches: int) -> Schedule:
@@ -59,14 +61,15 @@ def peak_in_flight(actions: Schedule) -> list[int]:
     # YOUR CODE HERE
     raise NotImplementedError(
         'peak_in_flight in exercises/pipeline_1f1b.py is not implemented yet. '
-        "Hint: ask for one with hint('pipeline_1f1b', 1) (a nudge), 2 (the idea) "
-        'or 3 (the formula), from exercises.course')
+        "Hint: ask for one with hint('pipeline_1f1b', 1) (a nudge), 2 (the "
+        'method) or 3 (the answer), from exercises.course')
 
 
 def bubble_fraction(pp: int, microbatches: int) -> float:
-    """The idle share of a 1F1B step, with a backward twice as long as a forward."""
+    """The idle share of a 1F1B step (idle time over the step's time, any rank), with a
+    backward twice as long as a forward and no time for messages."""
     # YOUR CODE HERE
     raise NotImplementedError(
         'bubble_fraction in exercises/pipeline_1f1b.py is not implemented yet. '
-        "Hint: ask for one with hint('pipeline_1f1b', 1) (a nudge), 2 (the idea) "
-        'or 3 (the formula), from exercises.course')
+        "Hint: ask for one with hint('pipeline_1f1b', 1) (a nudge), 2 (the "
+        'method) or 3 (the answer), from exercises.course')

@@ -10,25 +10,25 @@ its link is the bottleneck and the cost grows with N.
 
 The ring (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
 workstations", 2009; popularised for deep learning by Baidu in 2017 and by Horovod,
-arXiv 1802.05799) spreads the work evenly. Put the ranks on a circle, each sending only
-to its right neighbour and receiving only from its left. Cut the tensor into N chunks.
+arXiv 1802.05799) spreads the work evenly: the ranks sit on a circle, each sends only to
+its right neighbour and receives only from its left, and the tensor is cut into N
+chunks. It runs in two phases of N-1 steps, one chunk per rank and step:
 
-1. Reduce-scatter, N-1 steps. At each step every rank passes one chunk to the right and
-   adds the chunk that arrives from the left into its own copy. The chunk a rank sends
-   is the one it has just added to, so partial sums travel around the circle, picking
-   up one more contribution per hop. After N-1 hops, rank r holds chunk (r+1) mod N
-   summed over all N ranks.
-2. All-gather, N-1 steps. The finished chunks travel around the circle once more, this
-   time overwriting instead of adding, until every rank has every finished chunk.
+1. reduce-scatter: afterwards rank r holds chunk (r+1) mod N summed over all N ranks;
+2. all-gather: afterwards every rank holds every summed chunk.
 
-Each rank sends 2 (N-1) chunks of S/N bytes: 2 (N-1)/N * S in all, a little under twice
-the tensor, however many ranks there are. That is why NCCL and gloo use rings (or trees
-with the same volume) for large messages, and it is the figure ``minipar.comm`` records
-as the wire bytes of an ``all_reduce``.
+Each rank then sends 2 (N-1) chunks of S/N bytes, 2 (N-1)/N * S in all, whatever N is:
+the figure ``minipar.comm`` records as the wire bytes of an ``all_reduce``. Which chunk
+travels at which step, so that each partial sum picks up one more contribution per hop,
+is the exercise (lesson 00 § 5 draws the ring; ``hint("ring_allreduce", 1)``).
 
 You write ``ring_reduce_scatter``, ``ring_all_gather`` and ``ring_all_reduce``. Use only
 ``comm.send``, ``comm.recv``, ``comm.isend``, ``comm.irecv`` (or the ``exchange`` helper
-below), never ``comm.all_reduce``: the checker looks at the communication log.
+below), never ``comm.all_reduce``. What the check tests, on rings of 2, 3 and 4 ranks
+(2 hides index bugs: left and right are the same rank), with tensors that divide evenly,
+that do not, and that are smaller than the ring: the chunk each phase leaves complete,
+every rank's result against the sum, and the communication log: point-to-point
+messages only, N-1 sends per phase, 2 (N-1)/N of the tensor's bytes in all.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def ring_reduce_scatter(comm: Comm, chunks: list[torch.Tensor]) -> int:
     raise NotImplementedError(
         'ring_reduce_scatter in exercises/ring_allreduce.py is not implemented '
         "yet. Hint: ask for one with hint('ring_allreduce', 1) (a nudge), 2 (the "
-        'idea) or 3 (the formula), from exercises.course')
+        'method) or 3 (the answer), from exercises.course')
 
 
 def ring_all_gather(comm: Comm, chunks: list[torch.Tensor], owned: int) -> None:
@@ -95,8 +95,8 @@ def ring_all_gather(comm: Comm, chunks: list[torch.Tensor], owned: int) -> None:
     # YOUR CODE HERE
     raise NotImplementedError(
         'ring_all_gather in exercises/ring_allreduce.py is not implemented yet. '
-        "Hint: ask for one with hint('ring_allreduce', 1) (a nudge), 2 (the idea)"
-        ' or 3 (the formula), from exercises.course')
+        "Hint: ask for one with hint('ring_allreduce', 1) (a nudge), 2 (the "
+        'method) or 3 (the answer), from exercises.course')
 
 
 def ring_all_reduce(comm: Comm, t: torch.Tensor) -> torch.Tensor:
@@ -114,5 +114,5 @@ def ring_all_reduce(comm: Comm, t: torch.Tensor) -> torch.Tensor:
     # YOUR CODE HERE
     raise NotImplementedError(
         'ring_all_reduce in exercises/ring_allreduce.py is not implemented yet. '
-        "Hint: ask for one with hint('ring_allreduce', 1) (a nudge), 2 (the idea)"
-        ' or 3 (the formula), from exercises.course')
+        "Hint: ask for one with hint('ring_allreduce', 1) (a nudge), 2 (the "
+        'method) or 3 (the answer), from exercises.course')

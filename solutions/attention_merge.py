@@ -1,30 +1,27 @@
-"""Lesson 07 exercise: merge two partial attention results by their log-sum-exps.
+"""Lesson 07 exercise: merge two partial attention results into one.
 
 Ring attention (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889) never holds a whole
 sequence's keys: a rank computes its queries against one block of keys at a time, as the
 blocks travel round the ring. Each block gives a *partial* answer, attention over that
-block's keys only. To combine two of them into attention over both key sets, each part
-must bring two things:
+block's keys only, as two tensors:
 
 * ``out_x`` (..., t, hd): softmax over the keys of X only, times their values;
-* ``lse_x`` (..., t): log sum_{k in X} exp(score(q, k)), the log of the softmax's
-  denominator over X (its "mass").
+* ``lse_x`` (..., t): log sum_{k in X} exp(score(q, k)), the log of that softmax's
+  denominator.
 
-The softmax over the union A + B has denominator e^lse_a + e^lse_b. Part A's output
-was divided by e^lse_a only; multiplied by its share of the total mass,
-e^lse_a / (e^lse_a + e^lse_b), it becomes exactly A's contribution to the whole. So
+The contract: from (out_a, lse_a) and (out_b, lse_b) alone, return exactly what attention
+over the union of A's and B's keys would give, in the same two tensors, so that the
+result can itself be merged with a third part. How the two parts' outputs combine is
+for you to derive from what a softmax's denominator is (the lesson's § 4 and
+``hint("attention_merge", 1)``); FlashAttention (Dao et al. 2022, arXiv 2205.14135)
+does the same tile by tile.
 
-    lse = log(e^lse_a + e^lse_b)
-    out = e^(lse_a - lse) * out_a + e^(lse_b - lse) * out_b
-
-This is the online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) that
-FlashAttention (Dao et al. 2022, arXiv 2205.14135) applies tile by tile. Scores can be
-large: e^lse must never be computed directly (e^89 already overflows fp32). Only
-differences of log-sum-exps may be exponentiated.
-
-You write ``merge_attention``. The check compares it with attention over both key sets
-(random, large and empty ones), then runs ``minipar.parallel.cp.RingAttention`` on 2 and
-4 ranks with your merge in place of the engine's and compares with one device.
+What the check tests: your merge against attention over both key sets for ordinary
+scores, for scores in the hundreds (anything that exponentiates a log-sum-exp itself
+overflows fp32 there), and for a part with no keys (lse = -inf); then
+``minipar.parallel.cp.RingAttention`` on 2 and 4 ranks with your merge in place of the
+engine's, forward and backward (the backward recomputes the probabilities from your
+lse, so a wrong lse shows in the gradients), against one device.
 """
 
 from __future__ import annotations
@@ -37,8 +34,9 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     """Attention over key sets A and B from the two partial results: ``(out, lse)``.
 
     ``out_a``, ``out_b``: (..., t, hd); ``lse_a``, ``lse_b``: (..., t). Returns the
-    merged output (..., t, hd) and log-sum-exp (..., t). A part with no keys has
-    lse = -inf (and contributes nothing).
+    output (..., t, hd) and log-sum-exp (..., t) of attention over both key sets, finite
+    wherever either part has keys. A part with no keys has lse = -inf and must change
+    nothing.
     """
     ### BEGIN SOLUTION
     # HINT: lse = torch.logaddexp(lse_a, lse_b) (stable: it never exponentiates a large

@@ -3,15 +3,22 @@
     from exercises.course import hint, predict, score_schedule, score_layout
 
 * ``hint(name, level)``: help for an exercise or lab, only when asked. Level 1 is a
-  nudge (where to look), 2 the idea (what the algorithm does), 3 the formula (the
-  index arithmetic, read from the reference solution's ``# HINT:`` lines, so the
+  nudge (a question that points where to look), 2 the method (how to get there, without
+  the result), 3 the answer (read from the reference solution's ``# HINT:`` lines, so the
   hints cannot drift from the code they describe).
-* ``predict(question, guess, measured)``: you write a number before a cell measures it;
-  the cell prints your guess beside the measurement. ``None`` means "not answered yet"
-  and prints the measurement alone, so a notebook runs top to bottom either way.
+* ``predict(question, guess, measured)``: your guess first, then the answer. ``None``
+  means "not answered yet": the answer stays hidden, and a box with a Reveal button takes
+  your guess (a notebook run top to bottom shows no answer); what a cell shows inside
+  ``with predict(...):`` waits for the guess too. Every answered guess is kept
+  in a small JSON file (``predictions_path()``: ``~/.minipar/predictions.json``, or
+  ``$MINIPAR_PREDICTIONS``); ``show_calibration()``, at the end of every lesson, prints
+  how far off you are on average, in the log domain (a factor of 2 too high or too low
+  counts the same).
 * ``score_schedule`` and ``score_layout``: budgeted design puzzles. Your schedule (a
   list of actions per rank) or layout (tp, pp, dp, ...) is validated and priced by the
   same functions the engine and the planner use, and compared with a target.
+* ``say(text)``: a lesson's sentences about what a cell computed, rendered from the values
+  (markdown), so the prose cannot contradict the outputs it describes.
 * ``check_...`` (and ``measure_builds``): what a lesson's runs must show, asserted in one
   call, so the pages read as lessons and ``make notebooks`` still fails when the engine
   stops doing what a page says.
@@ -19,26 +26,34 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
+import textwrap
 from pathlib import Path
 
-__all__ = ["HINTS", "LEVELS", "check_dp_run", "check_h100_trace", "check_sharded_build",
-           "check_sp_run", "check_spanning", "check_tp_run", "check_zero_memory",
-           "h100_data", "h100_headline_table", "h100_overlap_table", "hint",
-           "measure_builds", "overlap_of_picture", "predict", "score_layout",
-           "score_schedule"]
+__all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", "calibration",
+           "check_dp_run", "check_h100_trace", "check_sharded_build", "check_sp_run",
+           "check_spanning", "check_tp_run", "check_zero_memory", "h100_data",
+           "h100_headline_table", "h100_overlap_table", "hint", "layout_puzzle", "log_error",
+           "measure_builds", "overlap_of_picture", "predict", "predictions_path",
+           "record_prediction", "say", "score_layout", "score_schedule", "show_calibration"]
 
-LEVELS = {1: "a nudge", 2: "the idea", 3: "the formula"}
+PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
+LEVELS = {1: "a nudge", 2: "the method", 3: "the answer"}
 
-# Levels 1 and 2, per exercise or lab. Level 3 comes from the solution's own # HINT: lines.
+# Levels 1 and 2, per exercise or lab: a nudge (a question), then the method (how to get
+# to the answer, never the answer itself). Level 3 is the solution's own # HINT: lines.
 HINTS: dict[str, dict[int, str]] = {
     "ring_allreduce": {
         1: "Draw 3 ranks on a circle and 3 chunks per rank. After one step of the "
            "reduce-scatter, which chunk has picked up a second contribution on rank 1?",
-        2: "Every step, each rank sends the chunk it most recently added to (at step 0: its "
-           "own chunk number) to the right, and adds what arrives from the left into the "
-           "chunk one index lower. Both indices move down by one per step, mod size. The "
-           "all-gather walks the same way from the finished chunk, overwriting.",
+        2: "Work it on paper first: N = 3 ranks, 3 chunks each, and for every step write "
+           "which chunk each rank sends right and into which chunk it adds what arrives "
+           "from the left, so that a partial sum gains one contribution per hop. Read the "
+           "pattern off as a formula in the rank and the step, mod N. The all-gather is "
+           "the same walk from the finished chunk, replacing instead of adding.",
     },
     "ddp_buckets": {
         1: "Gradients become ready from the last layer to the first. Which parameters "
@@ -52,47 +67,59 @@ HINTS: dict[str, dict[int, str]] = {
         1: "Each rank keeps optimizer state for 1/N of the flat parameter vector. Which "
            "two collectives turn full gradients into a summed shard, and an updated shard "
            "back into full parameters?",
-        2: "reduce-scatter the flat gradient (each rank gets the sum of its own shard), "
-           "divide by N, step the optimizer on the shard only, then all-gather the "
-           "shards into every rank's parameters. Pad so N divides the length.",
+        2: "Follow one gradient element: where must it be summed over the ranks, and who "
+           "needs the sum? Only the rank that owns that element's optimizer state. After "
+           "the update, who needs the new value? Everyone. Pick the collective for each "
+           "of the two moves, flatten the parameters into one padded vector for both, and "
+           "mind that a collective sums where the optimizer wants a mean.",
     },
     "tp_linear": {
         1: "A column-parallel layer splits the output features, a row-parallel one the "
            "input features. Which of the two needs a sum of partial results in forward?",
-        2: "f is the identity in forward and an all-reduce in backward (before a column "
-           "layer); g is an all-reduce in forward and the identity in backward (after a "
-           "row layer). The row layer adds its bias once, after the sum.",
+        2: "For each boundary, list what every rank holds in forward (the same x, or a "
+           "partial sum of y) and in backward (its own part of dL/dx, or the same dL/dy), "
+           "and what the single device would have there. Where the ranks hold parts of a "
+           "sum, a collective must add them; where they already agree, nothing is needed. "
+           "Then slice nn.Linear's weight along the right dimension for each layer, and "
+           "decide on how many ranks the bias may be added.",
     },
     "pipeline_1f1b": {
         1: "How many forwards must the last rank run before it can start a backward? "
            "And the first rank, with p stages downstream of it?",
-        2: "Rank r runs p - r - 1 warm-up forwards, then alternates one forward and one "
-           "backward (oldest micro-batch first), then drains the backwards left. The "
-           "peak count is a running +1 per F, -1 per B.",
+        2: "Reason backwards from the last rank: a micro-batch's backward on rank r "
+           "needs its backward on rank r + 1, which needs its forward to have reached the "
+           "last rank. Count how many forwards rank r can run before its first backward "
+           "can arrive; after that, keep the count of held micro-batches constant (one in, "
+           "the oldest out); at the end only backwards are left. Check it against the "
+           "timeline of lesson 04 § 2. For the idle share, count the step's slots and the "
+           "busy ones on any rank.",
     },
     "mesh_coords": {
         1: "A rank number is a number written in a mixed radix; which digit varies "
            "fastest in Megatron order?",
-        2: "Peel digits off from the fastest axis with % and //; build a rank back with "
-           "Horner's rule from the slowest axis. A group varies one digit, keeping the "
-           "other two.",
+        2: "Write the rank as digits of a mixed-radix number, slowest digit first, in "
+           "the order the layout names: peel digits off from the fastest with % and //, "
+           "and build a rank back with Horner's rule. A group keeps every digit but one "
+           "and lets that one run through its range.",
     },
     "memory_formula": {
         1: "Split the bytes into model states (depend on ZeRO stage and dp) and "
            "activations (depend on the schedule and the stage). Which stage holds most?",
-        2: "States: each of weights, gradients, optimizer is divided by dp from the ZeRO "
-           "stage that shards it. Activations: per-layer bytes x layers of the stage x "
-           "micro-batches in flight (GPipe m, 1F1B p - s, ZB-H1 p), plus the embedding "
-           "or head on the edge stages.",
+        2: "Build it term by term and compare each with minipar.theory.memory: first the "
+           "three model states for each ZeRO stage (which of them does each stage divide "
+           "by dp?), then the micro-batches a stage holds, read off the schedules' "
+           "timelines of lesson 04 (or your peak_in_flight), then activations as the "
+           "per-layer bytes times what the stage holds, then the edges.",
     },
     "attention_merge": {
         1: "Each part is a softmax normalised over its own keys. Over both key sets, the "
            "denominator is the sum of the two parts' denominators. What is each part's "
            "denominator, given its lse?",
-        2: "The union's mass is e^lse_a + e^lse_b, so lse = log(e^lse_a + e^lse_b). Part "
-           "A's output was divided by e^lse_a only; multiply it by e^lse_a / e^lse = "
-           "e^(lse_a - lse), likewise B, and add. Never compute e^lse itself: scores "
-           "can be large.",
+        2: "Undo the normalisation: out_x times its softmax denominator is the "
+           "un-normalised sum over X. Add the two un-normalised sums and divide by the "
+           "union's denominator; then rewrite every factor so that only differences of "
+           "log-sum-exps are exponentiated (never e^lse itself: scores can be large). "
+           "torch has a function for log(e^a + e^b).",
     },
     "debug_deadlock": {
         1: "Read the hang report: which operation is every rank stuck in, and who would "
@@ -143,13 +170,13 @@ def _formula(name: str) -> list[tuple[str, str]]:
 
 
 def hint(name: str, level: int = 1, function: str | None = None) -> None:
-    """Print hint ``level`` (1 a nudge, 2 the idea, 3 the formula) for exercise ``name``.
+    """Print hint ``level`` (1 a nudge, 2 the method, 3 the answer) for exercise ``name``.
 
     Ask for the lowest level that gets you moving; level 3 is close to the answer.
     ``function`` narrows level 3 to one function of the exercise.
     """
     if level not in LEVELS:
-        raise ValueError(f"level is 1 (a nudge), 2 (the idea) or 3 (the formula), not {level}")
+        raise ValueError(f"level is 1 (a nudge), 2 (the method) or 3 (the answer), not {level}")
     if name not in HINTS:
         raise ValueError(f"no hints for {name!r}; choose one of {sorted(HINTS)}")
     print(f"{name}, hint {level} ({LEVELS[level]}):")
@@ -161,28 +188,160 @@ def hint(name: str, level: int = 1, function: str | None = None) -> None:
         print(f"  {f + ': ' if f else ''}{h}")
 
 
-def predict(question: str, guess: float | None, measured: float, unit: str = "",
-            tol: float = 0.05, fmt: str = ".4g", by: str = "the run measured") -> bool | None:
-    """Print your ``guess`` beside the ``measured`` value; ``None``: not answered yet.
+def say(text: str) -> None:
+    """Show ``text`` (markdown) as prose. A lesson states what a cell computed by rendering
+    the values into its sentences here (an f-string), never by typing them: the page then
+    cannot contradict the outputs above it when the engine or the theory changes."""
+    text = textwrap.dedent(text).strip()
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+    else:
+        display(Markdown(text))
 
-    ``by`` says where the value came from ("the run measured", "the simulation gives",
-    "the formula gives"): a number computed from theory is not called a measurement.
 
-    Returns True when the guess is within ``tol`` (relative) of the measurement, False
-    when it is not, None when there is no guess. Never raises on a wrong guess: a
-    prediction is for you, not for the grader.
-    """
-    u = f" {unit}" if unit else ""
-    got = f"{measured:{fmt}}{u}"
-    if guess is None:
-        print(f"{question}: not answered yet (set your guess above and rerun); "
-              f"{by} {got}")
+def predictions_path() -> Path:
+    """Where your predictions are kept: ``$MINIPAR_PREDICTIONS`` if set, else
+    ``~/.minipar/predictions.json`` (one small JSON file; delete it to start afresh)."""
+    env = os.environ.get(PREDICTIONS_ENV)
+    return Path(env) if env else Path.home() / ".minipar" / "predictions.json"
+
+
+def _load_predictions() -> dict:
+    try:
+        return json.loads(predictions_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def log_error(guess: float, answer: float) -> float | None:
+    """|ln(guess / answer)|: 0 for a perfect guess, ln 2 = 0.69 for a factor of 2 either
+    way. A guess of the wrong sign (or a zero) has no log error: ``None``."""
+    if guess == answer:
+        return 0.0
+    if guess * answer <= 0:
         return None
+    return abs(math.log(guess / answer))
+
+
+def record_prediction(question: str, guess: float, answer: float) -> float | None:
+    """Keep your latest guess for ``question`` (a rerun replaces it); returns its log error."""
+    err = log_error(guess, answer)
+    book = _load_predictions()
+    book[question] = {"guess": guess, "answer": answer, "log_error": err}
+    path = predictions_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(book, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: the score is lost, the lesson goes on
+        print(f"(your prediction could not be saved to {path}: {exc.strerror})")
+    return err
+
+
+def calibration() -> dict:
+    """Your running calibration over the course: how many predictions you answered, their
+    mean log error (``mean_log_error``, the typical factor off is its exponential) and
+    how many had the wrong sign."""
+    errors = [v["log_error"] for v in _load_predictions().values()]
+    scored = [e for e in errors if e is not None]
+    mean = sum(scored) / len(scored) if scored else None
+    return {"answered": len(errors), "wrong_sign": len(errors) - len(scored),
+            "mean_log_error": mean, "factor": math.exp(mean) if scored else None}
+
+
+def show_calibration() -> None:
+    """Print the calibration score (the last cell of every lesson)."""
+    c = calibration()
+    if not c["answered"]:
+        print("Your predictions: none answered yet. Each question of the course takes your "
+              "guess before it shows the answer; your score is kept in "
+              f"{predictions_path().name} (see predictions_path()).")
+        return
+    typical = (f"typically off by a factor of {c['factor']:.2f} "
+               f"(mean |ln(guess / answer)| = {c['mean_log_error']:.2f})"
+               if c["factor"] else "none of them with the right sign")
+    sign = f"; {c['wrong_sign']} with the wrong sign" if c["wrong_sign"] else ""
+    print(f"Your predictions over the course: {c['answered']} answered, {typical}{sign}.")
+
+
+def _verdict(question: str, guess: float, measured: float, unit: str, tol: float, fmt: str,
+             by: str) -> tuple[bool, str]:
+    u = f" {unit}" if unit else ""
     close = abs(guess - measured) <= tol * max(abs(measured), 1e-12)
     verdict = (f"within {tol:.0%}" if close else
                f"off by {guess / measured:.3g}x" if measured else "off")
-    print(f"{question}: you predicted {guess:{fmt}}{u}, {by} {got} ({verdict})")
-    return close
+    return close, (f"{question}: you predicted {guess:{fmt}}{u}, {by} "
+                   f"{measured:{fmt}}{u} ({verdict})")
+
+
+class Prediction:
+    """What ``predict`` returns: ``close`` (True within the tolerance, False outside it,
+    None: no guess yet) and a context manager for what would give the answer away.
+    Unanswered in a notebook, the outputs of ``with predict(...):`` (prints, figures) are
+    held back and shown under the box when the learner presses Reveal; answered, or
+    outside a notebook, they are shown at once. Errors inside still fail the cell."""
+
+    def __init__(self, close: bool | None, box=None):
+        self.close, self.box, self._capture = close, box, None
+
+    def __enter__(self) -> Prediction:
+        if self.box is not None:
+            from IPython.utils.capture import capture_output
+
+            self._capture = capture_output()
+            self.box.later = self._capture.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._capture is not None:
+            self._capture.__exit__(*exc)
+        return False
+
+    def _ipython_display_(self) -> None:  # a cell ending in predict(...) shows nothing more
+        pass
+
+
+def predict(question: str, guess: float | None, measured: float, unit: str = "",
+            tol: float = 0.05, fmt: str = ".4g", by: str = "the run measured") -> Prediction:
+    """Your guess first, then the answer. ``guess``: a number you wrote in the cell above,
+    or ``None``: then the answer stays hidden, and in a live notebook a box takes your
+    guess and a Reveal button shows the answer beside it, with whatever the cell shows
+    inside ``with predict(...):`` (a notebook run top to bottom shows no answer).
+
+    ``by`` says where the value came from ("the run measured", "the simulation gives",
+    "the formula gives"): a number computed from theory is not called a measurement.
+    Every answered guess is kept (``record_prediction``) for the course's calibration
+    score (``show_calibration``). ``.close`` of the result: True when the guess is within
+    ``tol`` (relative) of the answer, False when it is not, None when there is no guess
+    yet. Never raises on a wrong guess: a prediction is for you, not for the grader.
+    """
+    if guess is not None:
+        close, line = _verdict(question, guess, measured, unit, tol, fmt, by)
+        record_prediction(question, guess, measured)
+        print(line)
+        return Prediction(close)
+    print(f"{question}: not answered yet. Type your guess in the box and press Reveal "
+          "(or set it in the cell above and rerun).")
+    from minipar.viz.widgets import PredictBox, in_kernel
+
+    if not in_kernel():
+        return Prediction(None)
+    from IPython.display import display
+
+    def reveal(value: float) -> str:
+        record_prediction(question, value, measured)
+        return _verdict(question, value, measured, unit, tol, fmt, by)[1]
+
+    box = PredictBox(question, unit, reveal)
+    display(box.widget)
+    return Prediction(None, box)
 
 
 def score_schedule(compute, target_ratio: float, max_in_flight: int | None = None,
@@ -247,6 +406,31 @@ def score_layout(layout: dict | None, model: str, cluster: str, global_batch: in
     print("PASS" if ok else "not yet: " + ("over the memory cap" if mem > memory_cap
                                            else "too slow"))
     return {"passed": ok, "memory": mem, "step_time": step}
+
+
+# Lesson 06's design puzzle: 13B on 64 A100s under a memory cap and a step target. Its
+# premise (the balanced layout fits but is too slow, the planner's favourite is fast but
+# too big) is computed by ``layout_puzzle`` and tested, never typed into the page.
+LAYOUT_PUZZLE = dict(model="gpt-13b", cluster="a100x64", global_batch=1024,
+                     memory_cap=30e9, step_target=14.6)
+BALANCED = dict(tp=4, pp=4, dp=4)
+
+
+def layout_puzzle() -> dict:
+    """The two layouts lesson 06's puzzle starts from, priced by the planner:
+    ``balanced`` (tp = pp = dp = 4, the planner's defaults otherwise) and ``favourite``
+    (the planner's first choice without a cap), with ``text``: the premise as markdown."""
+    from minipar.theory.planner import evaluate, plan
+
+    p = LAYOUT_PUZZLE
+    balanced = evaluate(p["model"], p["cluster"], global_batch=p["global_batch"], **BALANCED)
+    favourite = plan(p["model"], p["cluster"], p["global_batch"]).best
+
+    def priced(lay) -> str:
+        return f"{lay.memory['total'] / 1e9:.1f} GB and {lay.step_time:.2f} s"
+    text = (f"The balanced `{balanced.label()}` needs {priced(balanced)}; the planner's "
+            f"favourite, `{favourite.label()}`, needs {priced(favourite)}.")
+    return {"balanced": balanced, "favourite": favourite, "text": text}
 
 
 # --- what the lessons' runs show ------------------------------------------------------

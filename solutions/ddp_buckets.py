@@ -21,7 +21,12 @@ in the same order. We therefore start bucket i only after buckets 0 .. i-1 have
 started, even if bucket i happened to be complete first.
 
 You write ``bucket_params``, ``BucketedDDP._on_grad``, ``BucketedDDP._launch`` and
-``BucketedDDP.finish_gradient_sync``. Communicate only through ``self.comm``.
+``BucketedDDP.finish_gradient_sync``. Communicate only through ``self.comm``. What the
+check tests: the buckets against the rule of ``bucket_params``; your gradients on 2
+ranks against the whole batch's gradient in one process (a wrong scale is named as a
+multiple of the world size); the communication log: one all-reduce per bucket, in
+bucket order, all started before ``backward()`` returned when ``overlap=True``; and,
+with the hooks fired by hand out of bucket order, all-reduces still in bucket order.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ tp=1; pp-inside-dp as dp=1, pp=0, tp=1. Same GPU, different role.
 
 You write ``coords`` (rank -> (dp, pp, tp)), ``rank`` (the inverse) and ``group``
 (the ranks that differ from a rank in one coordinate only: its process group for that
-dimension). The checker compares them with ``minipar.mesh.Mesh`` on every layout of up
-to 16 ranks, in both orders.
+dimension). What the check tests: all three against ``minipar.mesh.Mesh`` on every
+layout of up to 16 ranks, in both orders.
 """
 
 from __future__ import annotations

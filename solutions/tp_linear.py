@@ -3,28 +3,27 @@
 A linear layer y = x W^T + b with W of shape [out, in] can be cut across ranks in two
 ways (Shoeybi et al., "Megatron-LM", 2019, arXiv 1909.08053, section 3):
 
-* Column parallel: rank r keeps rows r of W split by *output* features (and the same
-  slice of b). Given the whole input x, it computes its own slice of the outputs, with
-  no communication at all.
-* Row parallel: rank r keeps W split by *input* features. Given its own slice of the
-  input features, it computes x_r W_r^T, a partial sum; the ranks' partial sums add up
-  to x W^T. One all-reduce completes it; the bias is added once, after the sum.
+* column parallel: rank r keeps the rows of W (and the entries of b) of its slice of the
+  *output* features; it receives the whole x and returns its slice of y;
+* row parallel: rank r keeps the columns of W of its slice of the *input* features; it
+  receives only its slice of x (what a column-parallel layer before it returns) and
+  returns the whole y, the same on every rank.
 
-Put a column-parallel layer in front of a row-parallel one, and the column layer's
-output slice is exactly the row layer's input slice: an MLP (or attention, head by
-head) needs one all-reduce in forward. Two autograd functions mark the boundaries:
+Where a tensor-parallel region begins and ends, two autograd functions make the ranks
+agree: f (``CopyToTP``) before a column-parallel layer, g (``ReduceFromTP``) after a
+row-parallel one. What each must do in forward and in backward, so that every rank's
+values *and gradients* are the single device's, is the heart of the exercise: work it
+out from what each rank holds on each side of the boundary (lesson 03 § 2,
+``hint("tp_linear", 1)``).
 
-* f ("copy to the tensor-parallel region"), before the column layer: identity forward.
-  Every rank used the same x, and each rank's backward only sees its own outputs'
-  contribution to dL/dx, so backward all-reduces the input gradient.
-* g ("reduce from the region"), after the row layer: all-reduce forward; identity
-  backward (the output gradient is already the same on every rank).
-
-f and g are conjugates: each is the other with forward and backward swapped.
-
-You write ``CopyToTP``, ``ReduceFromTP`` (their forward and backward) and the two
-layers: their slicing of a full ``nn.Linear`` and their forward. Communicate only
-through the ``comm`` you are given.
+You write ``CopyToTP`` and ``ReduceFromTP`` (forward and backward) and the two layers
+(their slicing of a full ``nn.Linear`` and their forward). Communicate only through the
+``comm`` you are given. What the check tests, on 2 and 4 ranks, against the full layers
+on one device: a column-parallel layer alone (its output slice and the input gradient),
+a row-parallel layer alone (the whole output and the input slice's gradient), and
+fc -> GELU -> proj as an MLP (output, input gradient, every weight and bias gradient),
+with the number of all-reduces in forward and in backward read from the communication
+log.
 """
 
 from __future__ import annotations
@@ -37,7 +36,8 @@ from minipar.comm import Comm
 
 
 class CopyToTP(torch.autograd.Function):
-    """f: forward returns x unchanged; backward all-reduces (sums) the gradient."""
+    """f, where the region begins: every rank holds the same ``x``, and the column-parallel
+    layers after it each see only their own outputs' part of the gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -59,7 +59,8 @@ class CopyToTP(torch.autograd.Function):
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g: forward all-reduces (sums) x over the ranks; backward returns the gradient."""
+    """g, where the region ends: each rank holds a row-parallel layer's partial result,
+    and every rank must leave with the whole value and the same gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -130,7 +131,7 @@ class RowParallelLinear(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """fc (column) -> GELU -> proj (row): one all-reduce forward, one backward."""
+    """fc (column) -> GELU -> proj (row), the MLP of a transformer block."""
 
     def __init__(self, fc: nn.Linear, proj: nn.Linear, comm: Comm):
         super().__init__()

@@ -5,21 +5,22 @@ the optimizer's states. With Adam the states are the big part (two fp32 values p
 parameter, more under mixed precision), and every rank computes the same update for
 every parameter. ZeRO stage 1 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward
 Training Trillion Parameter Models", SC 2020, arXiv 1910.02054, section 5.1) splits the
-optimizer's work: rank r owns 1/N of the parameters, keeps Adam states for those only,
-and updates only those. One step:
-
-1. reduce-scatter the gradients: rank r receives the *sum* of its shard's gradients
-   (divide by N for the mean), and nothing else;
-2. the inner optimizer updates rank r's shard of the weights;
-3. all-gather the updated shards, so every rank has the whole new model again.
-
-Reduce-scatter plus all-gather moves exactly what one all-reduce moves, 2 (N-1)/N of
-the parameter bytes per rank: ZeRO-1 saves memory at no extra communication.
+optimizer's work: rank r owns 1/N of the parameters, keeps optimizer state for those
+only, and updates only those; yet after every step every rank must hold the same whole
+model as data parallelism would, at the same communication volume, 2 (N-1)/N of the
+parameter bytes per rank. What the two collectives the check expects carry, and where
+they go around the shard's update, is the exercise (lesson 02 § 2, ``hint("zero1", 1)``).
 
 Parameters are handled as one flat vector, padded with zeros to a multiple of N, so
 every rank's shard has the same length (collectives want equal pieces).
 
 You write ``shard_range`` and ``Zero1.step``. Communicate only through ``self.comm``.
+What the check tests: ``shard_range`` against the rule above; then 2 and 3 ranks (3
+does not divide the parameter count, so padding matters) train a small MLP for three
+steps, each rank on its own batch, and every rank's weights must equal a single-process
+AdamW stepping on the mean of all ranks' gradients; the log must hold one reduce-scatter
+and one all-gather per step and nothing else, and the optimizer's states must be 1/N of
+the model's.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class Zero1:
                 offset += p.numel()
 
     def step(self) -> None:
-        """Reduce-scatter the gradients, step this rank's shard, all-gather the weights."""
+        """One optimizer step: afterwards every rank holds the same updated parameters, those
+        of one process stepping on the mean of the ranks' gradients."""
         ### BEGIN SOLUTION
         # HINT: grad = self.comm.reduce_scatter(self.flatten([p.grad for p in
         # self.params])) gives this rank's summed shard; divide it by self.comm.size,

@@ -1,8 +1,16 @@
-"""Shared pytest options: ``--full`` runs the exhaustive (slow) variants too."""
+"""Shared pytest options: ``--full`` runs the exhaustive (slow) variants too; every test
+keeps ``predict``'s record in its own temporary directory."""
 
 from __future__ import annotations
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _predictions_in_tmp(tmp_path, monkeypatch) -> None:
+    """``predict`` keeps a learner's guesses in a file; tests keep theirs in a temporary
+    directory, never in the home directory."""
+    monkeypatch.setenv("MINIPAR_PREDICTIONS", str(tmp_path / "predictions.json"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -290,3 +290,29 @@ def test_chrome_trace_lanes_and_figure_from_a_minipar_trace():
     assert names == ["forward", "backward", "send / recv (pp)", "all-gather"]
     assert sum(len(t.y) for t in fig.data) == 10 and fig.data[0].text == ("0", "0")
     assert fig.to_json() == lanes_figure(lanes).to_json()
+
+
+def test_collective_tables_and_the_ring_steps() -> None:
+    """Lesson 00's pictures: each collective's after-table from its definition, and the
+    ring all-reduce's tables step by step (reduce-scatter leaves rank r with chunk r + 1
+    complete; the all-gather leaves everyone with everything); the figures draw them."""
+    from minipar.viz.collectives import (
+        OPS,
+        collectives_figure,
+        contributor_states,
+        contributors,
+        ring_allreduce_figure,
+        ring_states,
+    )
+    n, everyone = 4, 15
+    assert contributor_states("all_reduce", n)[1] == [[everyone] * n] * n
+    after = contributor_states("reduce_scatter", n)[1]
+    assert all(after[r][c] == (everyone if c == r else 0) for r in range(n) for c in range(n))
+    assert contributors(11) == "0+1+3" and contributors(0) == ""
+    history = ring_states(n)
+    assert len(history) == 1 + 2 * (n - 1)
+    assert [history[n - 1][r][(r + 1) % n] for r in range(n)] == [everyone] * n
+    assert history[-1] == [[everyone] * n] * n
+    assert len(collectives_figure(n).data) == 2 * len(OPS)
+    fig = ring_allreduce_figure(n)
+    assert len(fig.layout.sliders[0].steps) == len(history)

@@ -92,7 +92,7 @@ def _blank(indent: str, function: str | None, name: str, path: str) -> list[str]
     """The lines that replace a solution block: a raise that says how to ask for a hint."""
     where = f"{function} in {path}" if function else path
     message = (f"{where} is not implemented yet. Hint: ask for one with "
-               f"hint({name!r}, 1) (a nudge), 2 (the idea) or 3 (the formula), "
+               f"hint({name!r}, 1) (a nudge), 2 (the method) or 3 (the answer), "
                f"from exercises.course")
     out = [f"{indent}{BLANK_MARK}\n", f"{indent}raise NotImplementedError(\n"]
     pieces = textwrap.wrap(message, 72, drop_whitespace=False)

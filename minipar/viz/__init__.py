@@ -1,5 +1,7 @@
 """Figures (pure functions returning ``plotly.graph_objects.Figure``) and thin dashboards.
 
+* ``collectives_figure`` what each collective leaves where; ``ring_allreduce_figure``:
+  the ring all-reduce step by step (a slider)
 * ``mesh_figure``      the dp x pp x tp mesh in 3-D, both rank orders
 * ``timeline_figure``  pipeline timelines, theory beside measurement, bubbles shaded
 * ``memory_figure``    memory per rank by part, theory beside measurement
@@ -13,6 +15,7 @@ Figures are deterministic: the same arguments give the same JSON (no random ids)
 saved notebooks do not change between runs.
 """
 
+from minipar.viz.collectives import collectives_figure, ring_allreduce_figure
 from minipar.viz.comm import comm_figure
 from minipar.viz.cp import balance_figure, ring_figure
 from minipar.viz.memory import memory_figure
@@ -26,7 +29,7 @@ from minipar.viz.timeline import (
 )
 from minipar.viz.tp import tp_shard_figure
 
-__all__ = ["balance_figure", "ring_figure", "comm_figure", "memory_figure", "mesh_figure",
-           "mesh_traces", "plan_figure", "bubble_curve_figure", "normalise",
-           "schedule_timeline", "timeline_figure",
+__all__ = ["balance_figure", "bubble_curve_figure", "collectives_figure", "comm_figure",
+           "memory_figure", "mesh_figure", "mesh_traces", "normalise", "plan_figure",
+           "ring_allreduce_figure", "ring_figure", "schedule_timeline", "timeline_figure",
            "tp_shard_figure"]

@@ -9,6 +9,9 @@ random id, which would make saved notebooks differ on every run.
 All the work is in the pure figure functions; a dashboard only collects arguments. Its
 ``figure()`` builds the current figure without displaying it (the tests use that), and
 ``last`` is the figure shown most recently.
+
+``PredictBox`` is the learner's side of ``predict``: a number field and a Reveal button;
+the answer is shown only once a number has been typed.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from minipar.viz.timeline import schedule_timeline, timeline_figure
 POW2 = [1, 2, 4, 8]
 
 
-def _in_kernel() -> bool:
+def in_kernel() -> bool:
+    """Whether this runs in a Jupyter kernel (a page that can show widgets)."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -70,7 +74,7 @@ class Dashboard:
             self.note.value = f"<b>{err}</b>"
             return
         self.last, self.note.value = fig, note
-        if _in_kernel():
+        if in_kernel():
             self.out.clear_output(wait=True)
             with self.out:
                 fig.show()
@@ -177,3 +181,33 @@ def plan_dashboard(model: str = "gpt3-175b", cluster: str = "a100x1024") -> Dash
                       "cluster": _pick("cluster", sorted(CLUSTERS), cluster),
                       "global_batch": _pick("batch", [64, 256, 512, 1024, 1536, 3072],
                                             1536)}, make, text)
+
+
+class PredictBox:
+    """A guess box for ``predict``: a number field, a Reveal button and an area that stays
+    empty until the learner has typed a number and pressed Reveal; then ``reveal(guess)``
+    gives the line to show (the answer beside the guess), and ``later`` (outputs captured
+    by ``IPython.utils.capture``, if any) is shown under it. Pressing again with another
+    number replaces the line (``reveal`` keeps the latest guess)."""
+
+    def __init__(self, question: str, unit: str, reveal: Callable[[float], str]):
+        self.reveal, self.later, self.shown = reveal, None, False
+        self.field = W.Text(placeholder="your guess" + (f" ({unit})" if unit else ""),
+                            description="guess", layout=W.Layout(width="260px"))
+        self.button = W.Button(description="Reveal", button_style="info")
+        self.result = W.HTML()
+        self.out = W.Output()
+        self.button.on_click(lambda _b: self.press())
+        self.widget = W.VBox([W.HBox([self.field, self.button]), self.result, self.out])
+
+    def press(self) -> None:
+        try:
+            guess = float(self.field.value.replace(",", "").strip())
+        except ValueError:
+            self.result.value = "<i>type a number first: the answer shows after your guess</i>"
+            return
+        self.result.value = f"<b>{self.reveal(guess)}</b>"
+        if self.later is not None and not self.shown:
+            self.shown = True
+            with self.out:
+                self.later.show()
