@@ -23,9 +23,13 @@ their results (rank order). What makes it safe for a room of laptops:
   it is inside (op, group, shape), or which it finished last: a slow run that keeps
   moving is never stopped. Ctrl-C or a kernel interrupt stops the children.
 * **No orphans, no litter.** Each rank leads a process group; on every exit path the
-  groups are terminated, then killed, so a rank's own children go with it. Each rank
-  asks the kernel to kill it if the parent dies (Linux ``PR_SET_PDEATHSIG``), and a
-  SIGTERM or SIGHUP to the parent still removes the temporary store file and rank logs.
+  groups are terminated, then killed, so a rank's own children go with it. The store
+  and the rank logs live in one temporary directory, removed on every exit path (a
+  SIGTERM or SIGHUP included). Even ``kill -9`` of the launcher leaves nothing: each
+  rank asks the kernel to kill it with its parent (Linux ``PR_SET_PDEATHSIG``), and a
+  *keeper*, a tiny process of its own session started first, waits on a pipe from the
+  launcher: when the pipe closes without a "done", it kills the ranks' groups and
+  removes the directory.
 * **Quiet ranks.** A rank's stdout and stderr (warnings, gloo's C++ logs) go to a file,
   never to the notebook; ``capture_output=True`` returns them, and error reports end
   with their last lines (read from the end of the file, however long it grew).
@@ -39,7 +43,9 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -132,11 +138,79 @@ def _check_spawnable(fn: Callable) -> None:
         ) from None
 
 
-def _rendezvous_file() -> str:
-    """A fresh empty file for this launch's ``FileStore`` (no port, nothing to collide)."""
-    fd, path = tempfile.mkstemp(prefix="minipar-store-")
-    os.close(fd)
-    return path
+# The keeper: makes this launch's temporary directory, prints its path, then waits. A
+# "done" line from the launcher ends it; the pipe closing without one means the launcher
+# died (kill -9): it kills the process group of every rank it was told of, and removes
+# the directory. Run as ``python -I -S`` (no site, no environment): a few milliseconds.
+_KEEPER = """
+import os, shutil, signal, sys, tempfile
+path = tempfile.mkdtemp(prefix="minipar-run-", dir=sys.argv[1])
+print(path, flush=True)
+groups = []
+for line in sys.stdin:
+    if line == "done\\n":
+        sys.exit()
+    groups.append(int(line))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+shutil.rmtree(path, ignore_errors=True)
+"""
+
+
+class _Scratch:
+    """This launch's temporary directory (the store file, the rank logs) and its keeper,
+    which removes it, and stops the ranks, should this process die without cleaning up."""
+
+    def __init__(self) -> None:
+        base = tempfile.gettempdir()
+        try:
+            self.keeper = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _KEEPER, base], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, start_new_session=True)
+            self.path = self.keeper.stdout.readline().strip()
+            self.keeper.stdout.close()
+        except OSError:  # no interpreter to start (an embedded Python): no keeper
+            self.keeper, self.path = None, ""
+        if not self.path:
+            self.path = tempfile.mkdtemp(prefix="minipar-run-", dir=base)
+
+    @property
+    def fd(self) -> int | None:
+        """The launcher's end of the keeper's pipe (a forked rank must close its copy)."""
+        return self.keeper.stdin.fileno() if self.keeper else None
+
+    def file(self, name: str) -> str:
+        path = os.path.join(self.path, name)
+        open(path, "wb").close()
+        return path
+
+    def watch(self, pid: int) -> None:
+        """Tell the keeper of a rank's process group."""
+        self._tell(f"{pid}\n")
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.keeper:
+            self._tell("done\n")
+            try:
+                self.keeper.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.keeper.wait(5)
+            except subprocess.TimeoutExpired:  # stopped, or slow: it exits on its own
+                pass
+
+    def _tell(self, line: str) -> None:
+        if self.keeper:
+            try:
+                self.keeper.stdin.write(line)
+                self.keeper.stdin.flush()
+            except OSError:  # the keeper is gone (killed by hand): the launcher still cleans
+                pass
 
 
 def _tail(path: str, lines: int = 15, limit: int = 64 * 1024) -> str:
@@ -219,24 +293,25 @@ def launch(
     start = time.monotonic()
     procs, conns, slots, paths, progress, beats = [], [], [], [], [], []
     with _cleanup_on_sigterm():
-        store_path = _rendezvous_file()
+        scratch = _Scratch()
         try:
+            store_path = scratch.file("store")
+            keeper_fd = scratch.fd if method == "fork" else None
             for rank in range(world_size):
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 slots.append(ctx.Array("c", 400, lock=False))
                 progress.append(ctx.Array("c", 200, lock=False))
                 beats.append(ctx.Value("Q", 0, lock=False))
-                fd, path = tempfile.mkstemp(prefix=f"minipar-rank{rank}-", suffix=".log")
-                os.close(fd)
-                paths.append(path)
+                paths.append(scratch.file(f"rank{rank}.log"))
                 p = ctx.Process(
                     target=child, name=f"minipar-rank{rank}", daemon=True,
                     args=(rank, world_size, backend, store_path, fn, args, kwargs, send_end,
-                          slots[rank], progress[rank], beats[rank], path, threads, timeout,
-                          os.getpid()))
+                          slots[rank], progress[rank], beats[rank], paths[rank], threads,
+                          timeout, os.getpid(), keeper_fd))
                 p.start()
                 procs.append(p)
                 _lead_group(p)
+                scratch.watch(p.pid)
                 send_end.close()
                 conns.append(recv_end)
             watch = _ProgressWatch(progress, on_progress)
@@ -250,11 +325,7 @@ def launch(
             _stop(procs)
             for c in conns:
                 c.close()
-            for path in [*paths, store_path]:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+            scratch.close()
 
 
 def _lead_group(p) -> None:

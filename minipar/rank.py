@@ -114,14 +114,18 @@ def lead_process_group() -> None:
 
 
 def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress,
-          beat, out_path, threads, timeout, parent_pid):
-    """The body of rank ``rank``: set up, run ``fn``, send back its result or error."""
+          beat, out_path, threads, timeout, parent_pid, keeper_fd=None):
+    """The body of rank ``rank``: set up, run ``fn``, send back its result or error.
+    ``keeper_fd``: a forked rank's copy of the launcher's pipe to its keeper, closed at
+    once (held open, it would hide the launcher's death from the keeper)."""
     global _STATUS_SLOT, _PROGRESS_SLOT, _BEAT
     _die_with_parent()
     lead_process_group()
     _set_process_name(f"minipar-rank{rank}")
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+    if keeper_fd is not None:
+        os.close(keeper_fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's cleanup handler
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND)

@@ -240,7 +240,7 @@ def test_non_utf8_text_is_named_in_one_warning(tmp_path, capsys) -> None:
 
 # --- the Python API: TrainConfig's fields are checked, ValueError not TypeError ----------
 API_CASES = [
-    ({"lr": "0.1"}, "--lr must be float, got '0.1'"),
+    ({"lr": "0.1"}, "--lr must be float or None, got '0.1'"),
     ({"stop_at": "1"}, "--stop-at must be int or None, got '1'"),
     ({"save": 5}, "--save must be str or None, got 5"),
     ({"data": None}, "--data must be str, got None"),
@@ -557,21 +557,41 @@ def test_a_stray_torchrun_environment_fails_within_the_timeout(tmp_path) -> None
     assert lines[-1].endswith("unset them to train on this machine alone")
 
 
-# --- a closed terminal (SIGHUP) stops every rank and removes the launcher's files ---------------
-def test_sighup_to_the_launcher_leaves_no_rank_and_no_file(tmp_path) -> None:
+# --- a closed terminal (SIGHUP) or kill -9 of the launcher: no rank, no file left ---------------
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "kill -9"])
+def test_a_killed_launcher_leaves_no_rank_and_no_file(sig, tmp_path) -> None:
+    """SIGHUP runs the launcher's own cleanup; after kill -9 the kernel kills the ranks
+    (PR_SET_PDEATHSIG) and the launcher's keeper removes its temporary directory."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     cli = subprocess.Popen([sys.executable, "-m", "minipar", "train", "--dp", "2", "--steps",
                             "100000", "--quiet"], cwd=tmp_path, env=env,
                            stderr=subprocess.PIPE, text=True)
     me = psutil.Process(cli.pid)
-    deadline = time.monotonic() + 60
-    while len(me.children()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    ranks = me.children(recursive=True)
-    assert len(ranks) >= 2 and list(tmp_path.glob("minipar-*"))
-    cli.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sum(
+            p.name().startswith("minipar-rank") for p in _alive(me.children())) < 2:
+        time.sleep(0.1)
+    started = me.children(recursive=True)  # two ranks and the keeper
+    assert len(started) == 3
+    assert sorted(f.name for f in tmp_path.glob("minipar-run-*/*")) == [
+        "rank0.log", "rank1.log", "store"]
+    cli.send_signal(sig)
     cli.communicate(timeout=30)
-    assert cli.returncode == 128 + signal.SIGHUP
-    time.sleep(0.5)
-    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert cli.returncode == (128 + sig if sig == signal.SIGHUP else -sig)
+    deadline = time.monotonic() + 5
+    while (_alive(started) or list(tmp_path.glob("minipar-*"))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(started)
     assert not list(tmp_path.glob("minipar-*"))
