@@ -158,6 +158,7 @@ def _cmd_train(args) -> int:
     from tqdm.auto import tqdm
 
     from minipar import checks
+    from minipar.checkpoint import SAVE_NAMES
     from minipar.checks import oversubscription
     from minipar.engine import RunStopped, train, validate
 
@@ -166,6 +167,7 @@ def _cmd_train(args) -> int:
     checks.output_file("json", args.json)
     checks.distinct({"json": args.json, "trace": cfg.trace, "save": cfg.save},
                     {"data": cfg.data, "resume": cfg.resume})
+    checks.not_inside({"json": args.json}, "save", cfg.save, SAVE_NAMES)
     note = oversubscription(cfg.world_size)
     if note:
         print(f"minipar train: note: {note}", file=sys.stderr)
@@ -282,6 +284,8 @@ def _cmd_export(args) -> int:
 
     checks.output_file("json", args.json)
     checks.distinct({"out": args.out, "json": args.json}, {"resume": args.resume})
+    if args.format == "hf":
+        checks.not_inside({"json": args.json}, "out", args.out)
     out = (export_hf if args.format == "hf" else export)(args.resume, args.out)
     print(f"wrote {out['path']}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB, "
           f"step {out['step']}")

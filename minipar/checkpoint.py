@@ -48,6 +48,7 @@ import torch
 
 from minipar.mesh import RankMesh
 from minipar.rank import heartbeat
+from minipar.sample import RUN_CARD, TOKENIZER
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 DIGEST = "sha256"  # of each shard's bytes, recorded in meta.json
@@ -383,6 +384,8 @@ def _load_shard(path: str, mmap: bool = False, digest: str | None = None) -> dic
 
 # --- checks before a run starts, and the lock of a --save directory ----------------------
 LOCK = ".minipar.lock"
+# what a --save directory holds of its own (no other output may take these names)
+SAVE_NAMES = ("latest", LOCK, "step-", RUN_CARD, TOKENIZER)
 SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "tie_embeddings")
 
 

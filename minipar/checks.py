@@ -52,10 +52,29 @@ def output_file(flag: str, path: str | None, new: bool = False) -> None:
         raise ValueError(f"--{flag} needs a file name, got ''")
     if os.path.isdir(path):
         raise ValueError(f"--{flag} {path} is a directory; give a file name")
+    _parent_takes_files(flag, path)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"--{flag} {path}: cannot write there (read-only)")
+
+
+def new_output_dir(flag: str, path: str) -> None:
+    """``export --format hf --out``: a directory to create (or an empty one) under one
+    that exists and takes new files; one holding files already is never written into."""
+    if path == "":
+        raise ValueError(f"--{flag} needs a directory name, got ''")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--{flag} {path} is a file; give a directory name")
+    if os.path.isdir(path) and os.listdir(path):
+        raise ValueError(f"--{flag} {path} already holds files; remove them, or choose "
+                         "another name")
+    _parent_takes_files(flag, os.path.normpath(path))
+
+
+def _parent_takes_files(flag: str, path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ValueError(f"--{flag} {path}: directory {parent} does not exist")
-    if not _writable(parent) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if not _writable(parent):
         raise ValueError(f"--{flag} {path}: cannot write there (read-only)")
 
 
@@ -75,6 +94,30 @@ def distinct(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> N
             raise ValueError(f"--{flag} {path} is the same path as --{seen[real]}: {why}")
         if flag in outputs or os.path.exists(path):
             seen[real] = flag
+
+
+def not_inside(files: dict[str, str | None], flag: str, directory: str | None,
+               names: tuple[str, ...] | None = None) -> None:
+    """No output file may land where the output directory ``--flag`` writes: anywhere
+    inside it, or (``names``) on one of its own names (``--json D/run.json`` would
+    replace the run card of ``--save D``); prefixes ending in ``-`` match ``step-*``."""
+    if not directory:
+        return
+    home = os.path.realpath(directory)
+    for other, path in files.items():
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        if os.path.dirname(real) != home and not (names is None and
+                                                 real.startswith(home + os.sep)):
+            continue
+        base = os.path.basename(real)
+        if names is None or any(base == n or (n.endswith("-") and base.startswith(n))
+                                for n in names):
+            raise ValueError(f"--{other} {path} is inside --{flag} {directory}, where "
+                             f"{'it' if names is None else 'the checkpoint'} writes "
+                             f"{'its files' if names is None else base}: choose another "
+                             "path")
 
 
 def output_dir(flag: str, path: str | None) -> None:

@@ -275,6 +275,7 @@ def _check_files(cfg: TrainConfig) -> None:
     checks.output_dir("save", cfg.save)
     checks.distinct({"trace": cfg.trace, "save": cfg.save, "data-cache": cfg.data_cache},
                     {"data": cfg.data, "resume": cfg.resume})
+    checks.not_inside({"trace": cfg.trace}, "save", cfg.save, checkpoint.SAVE_NAMES)
     if cfg.resume is not None:
         if not os.path.isdir(cfg.resume):
             raise ValueError(f"--resume {cfg.resume}: no such checkpoint directory")

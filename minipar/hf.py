@@ -299,16 +299,36 @@ def _names(cfg: GPTConfig) -> list[str]:
 def export_hf(directory: str, out: str) -> dict:
     """``python -m minipar export --format hf``: the checkpoint in ``directory`` (any
     layout) as a ``transformers`` GPT-2 directory ``out``, each weight assembled from
-    its shards alone (``reshard.ShardReader``; no optimizer state is read)."""
+    its shards alone (``reshard.ShardReader``; no optimizer state is read). ``export``'s
+    rules: ``out`` is new (or empty), never half-written (a temporary directory renamed
+    at the end), and a diverged model is refused."""
+    import shutil
+
+    from minipar.checks import distinct, new_output_dir
     from minipar.reshard import ShardReader
-    from minipar.sample import _run_card
+    from minipar.sample import _run_card, check_finite
 
     if not os.path.isdir(directory):
         raise ValueError(f"--resume {directory}: no such checkpoint directory")
-    if os.path.isfile(out):
-        raise ValueError(f"--out {out} is a file; --format hf writes a directory")
+    new_output_dir("out", out)
+    distinct({"out": out}, {"resume": directory})
     cfg, tok = _run_card(directory)
     reader = ShardReader(directory, cfg)
-    written = save_hf(((n, reader.local(n)) for n in _names(cfg)), cfg, out, tok)
-    reader.close()
-    return {**written, "step": reader.step, "tokenizer": tok is not None}
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:  # each checked as it is read
+        for name in _names(cfg):
+            t = reader.local(name)
+            check_finite(directory, [(name, t)])
+            yield name, t
+
+    out = os.path.normpath(out)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    try:
+        written = save_hf(weights(), cfg, tmp, tok)
+        os.replace(tmp, out)  # onto nothing, or onto an empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        reader.close()
+    return {**written, "path": out, "step": reader.step, "tokenizer": tok is not None}

@@ -142,7 +142,7 @@ def _check_spawnable(fn: Callable) -> None:
 # "done" line from the launcher ends it; the pipe closing without one means the launcher
 # died (kill -9): it kills the process group of every rank it was told of, and removes
 # the directory. Run as ``python -I -S`` (no site, no environment): a few milliseconds.
-_KEEPER = """
+_KEEPER = """# minipar-keeper
 import os, shutil, signal, sys, tempfile
 path = tempfile.mkdtemp(prefix="minipar-run-", dir=sys.argv[1])
 print(path, flush=True)

@@ -578,16 +578,18 @@ def test_a_killed_launcher_leaves_no_rank_and_no_file(sig, tmp_path) -> None:
                             "100000", "--quiet"], cwd=tmp_path, env=env,
                            stderr=subprocess.PIPE, text=True)
     me = psutil.Process(cli.pid)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and sum(
-            p.name().startswith("minipar-rank") for p in _alive(me.children())) < 2:
-        time.sleep(0.1)
-    started = me.children(recursive=True)  # two ranks and the keeper
-    assert len(started) == 3
-    assert sorted(f.name for f in tmp_path.glob("minipar-run-*/*")) == [
-        "rank0.log", "rank1.log", "store"]
-    cli.send_signal(sig)
-    cli.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(
+                p.name().startswith("minipar-rank") for p in _alive(me.children())) < 2:
+            time.sleep(0.1)
+        started = me.children(recursive=True)  # two ranks and the keeper
+        assert len(started) == 3
+        assert sorted(f.name for f in tmp_path.glob("minipar-run-*/*")) == [
+            "rank0.log", "rank1.log", "store"]
+    finally:
+        cli.send_signal(sig)
+        cli.communicate(timeout=30)
     assert cli.returncode == (128 + sig if sig == signal.SIGHUP else -sig)
     deadline = time.monotonic() + 5
     while (_alive(started) or list(tmp_path.glob("minipar-*"))) \
