@@ -173,8 +173,9 @@ def bubble(schedule: str, pp: int, microbatches: int, virtual: int) -> bool:
 
 
 def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
-            top: int) -> None:
-    """``plan``'s cluster flags: a known GPU, positive counts."""
+            top: int, memory_margin: float = 0.0) -> None:
+    """``plan``'s cluster flags: a known GPU, positive counts, a share of memory to leave
+    free in [0, 1)."""
     from minipar.theory.clusters import GPUS
 
     for flag, value in (("gpus", gpus), ("gpus-per-node", gpus_per_node), ("batch", batch),
@@ -185,6 +186,9 @@ def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
                          f"({GPUS_MAX:,} GPUs)")
     if gpu not in GPUS:
         raise ValueError(f"unknown --gpu {gpu!r}; choose one of {sorted(GPUS)}")
+    if not 0 <= memory_margin < 1:
+        raise ValueError(f"--memory-margin must be in [0, 1) (a share of each GPU's memory "
+                         f"left free), got {memory_margin!r}")
 
 
 def oversubscription(world_size: int) -> str | None:

@@ -142,7 +142,8 @@ def _cmd_plan(args) -> int:
     from minipar.theory.planner import plan
 
     cfg = _model_from_args(args)
-    checks.cluster(args.gpus, args.gpu, args.gpus_per_node, args.batch, args.top)
+    checks.cluster(args.gpus, args.gpu, args.gpus_per_node, args.batch, args.top,
+                   args.memory_margin)
     calib = clusters.load_calibration(args.calibrate) if args.calibrate else None
     if args.gpus or calib:  # a calibrated machine: its GPUs, one node, unless told
         gpus = args.gpus or int(calib.get("gpus", 1))

@@ -273,6 +273,7 @@ def _check_files(cfg: TrainConfig) -> None:
 
     checks.output_file("trace", cfg.trace)
     checks.output_dir("save", cfg.save)
+    checks.output_dir("data-cache", cfg.data_cache)
     checks.distinct({"trace": cfg.trace, "save": cfg.save, "data-cache": cfg.data_cache},
                     {"data": cfg.data, "resume": cfg.resume})
     checks.not_inside({"trace": cfg.trace}, "save", cfg.save, checkpoint.SAVE_NAMES)

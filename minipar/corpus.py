@@ -485,7 +485,11 @@ def tokenizer_vocab(path: str) -> int:
     """The vocabulary of a ``tokenizer.json`` file (Hugging Face ``tokenizers``)."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(path).get_vocab_size()
+    try:
+        return Tokenizer.from_file(path).get_vocab_size()
+    except Exception as e:  # tokenizers raises a plain Exception
+        raise ValueError(f"--tokenizer {path} is not a tokenizer file ({type(e).__name__}: "
+                         f"{str(e)[:100]})") from None
 
 
 # --- what the engine calls ----------------------------------------------------------------

@@ -142,8 +142,16 @@ def _config_json(directory: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"--init-from {directory}: no {CONFIG} (a transformers model "
                          "directory, as minipar export --format hf writes)")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        _gpt_config(config)  # its sizes are numbers
+        return config
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"--init-from {directory}: {path} is not a model config "
+                         f"({type(e).__name__}: {str(e)[:100]})") from None
 
 
 def _gpt_config(c: dict) -> GPTConfig:
@@ -194,16 +202,24 @@ class HFCheckpoint:
     def _weight_files(self) -> dict[str, str]:
         """Tensor name -> file, from the index of a sharded save, or the one file."""
         index = os.path.join(self.dir, INDEX)
-        if os.path.isfile(index):
-            with open(index) as f:
-                return json.load(f)["weight_map"]
         path = os.path.join(self.dir, WEIGHTS)
-        if not os.path.isfile(path):
+        if not os.path.isfile(index) and not os.path.isfile(path):
             raise ValueError(f"--init-from {self.dir}: no {WEIGHTS} (only safetensors "
                              "weights are read: they load without running code)")
         safetensors = require("safetensors", "--init-from")
-        with safetensors.safe_open(path, "pt") as f:
-            return dict.fromkeys(f.keys(), WEIGHTS)
+        try:
+            if os.path.isfile(index):
+                path = index
+                with open(index, encoding="utf-8") as f:
+                    files = json.load(f)["weight_map"]
+                if not all(isinstance(v, str) for v in files.values()):
+                    raise ValueError("a weight_map of file names is needed")
+                return files
+            with safetensors.safe_open(path, "pt") as f:
+                return dict.fromkeys(f.keys(), WEIGHTS)
+        except Exception as e:  # json's, safetensors' (SafetensorError), a non-dict
+            raise ValueError(f"--init-from {self.dir}: {path} is not readable "
+                             f"({type(e).__name__}: {str(e)[:100]})") from None
 
     def model_config(self) -> GPTConfig:
         return _gpt_config(self.config)

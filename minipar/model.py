@@ -60,9 +60,12 @@ class GPTConfig:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.expert_d_ff == 0:
             object.__setattr__(self, "expert_d_ff", self.d_ff)
+        if self.n_expert < 0:
+            raise ValueError(f"--moe-experts must be 0 (dense) or a positive integer, "
+                             f"got {self.n_expert}")
         if self.n_expert and not 1 <= self.moe_top_k <= self.n_expert:
-            raise ValueError(f"moe_top_k={self.moe_top_k} must be between 1 and "
-                             f"n_expert={self.n_expert}")
+            raise ValueError(f"--moe-top-k must be between 1 and --moe-experts "
+                             f"({self.n_expert}), got {self.moe_top_k}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_head={self.n_head}"
@@ -347,7 +350,7 @@ class MoE(nn.Module):
     Routing is decided per *sequence* (``route``): capacity, dropping and the load-
     balancing loss look at one sequence only, and a sequence is never split over data
     parallelism or micro-batches, so every layout routes and drops exactly as one device
-    does. Capacity per expert per sequence: ceil(capacity_factor * k * s / E); 0 is
+    does. Capacity per expert per sequence: ceil(capacity_factor * k * s / E), at most s; 0 is
     dropless. The auxiliary loss (``aux_loss_coef`` x load balance + ``z_loss_coef`` x
     the router z-loss, ST-MoE, Zoph et al. 2022, arXiv 2202.08906) is a mean over the
     layer's sequences and tokens; it enters the gradients, not the reported loss, with
@@ -371,7 +374,8 @@ class MoE(nn.Module):
         """Slots per expert for one sequence (0: dropless)."""
         if self.capacity_factor <= 0:
             return 0
-        return math.ceil(self.capacity_factor * self.k * seq_len / self.n_expert)
+        # an expert takes each token of a sequence at most once: seq_len slots are all
+        return min(seq_len, math.ceil(self.capacity_factor * self.k * seq_len / self.n_expert))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape

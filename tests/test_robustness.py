@@ -72,6 +72,21 @@ def _exists(d: Path) -> None:
     d.write_bytes(b"an earlier export")
 
 
+def _full(d: Path) -> None:
+    d.mkdir()
+    (d / "notes.txt").write_text("a user's file")
+
+
+def _hf_dir(config: str | None, weights: bytes | None = None):
+    def make(d: Path) -> None:
+        d.mkdir()
+        if config is not None:
+            (d / "config.json").write_text(config)
+        if weights is not None:
+            (d / "model.safetensors").write_bytes(weights)
+    return make
+
+
 SETUPS = {
     "text": _text, "textdir": _text_dir, "fifodir": _fifo_dir,
     "fifo": lambda d: os.mkfifo(d),
@@ -84,7 +99,12 @@ SETUPS = {
     "empty.bin": lambda d: d.write_bytes(b""),
     "odd.bin": lambda d: d.write_bytes(b"abc"),
     "ck": fake_checkpoint, "tphole": _tp_hole, "digest5": _digest_not_text,
-    "old.safetensors": _exists, "dir": lambda d: d.mkdir(),
+    "old.safetensors": _exists, "dir": lambda d: d.mkdir(), "full": _full,
+    "badtok.json": lambda d: d.write_text("{not json"),
+    "hfbadjson": _hf_dir("{not json"), "hflist": _hf_dir("[1, 2]"),
+    "hfsizetext": _hf_dir('{"n_embd": "wide"}'), "hfnoweights": _hf_dir("{}"),
+    "hfbadweights": _hf_dir("{}", b"not safetensors" * 10),
+    "calib.fifo": lambda d: os.mkfifo(d), "list.json": lambda d: d.write_text("[1, 2]"),
 }
 
 BIG = 2**70
@@ -121,6 +141,75 @@ CASES = [
      "/nonexistent/d/x.json", "directory /nonexistent/d does not exist"),
     ("export no checkpoint", "export --resume /nonexistent/ck --out {dir}/m.safetensors",
      "no such checkpoint directory"),
+    # --- export --format hf: the same output rules ----------------------------------------
+    ("hf export into a full directory", "export --resume {ck} --format hf --out {full}",
+     "--out {full} already holds files; remove them"),
+    ("hf export onto a file", "export --resume {ck} --format hf --out {old.safetensors}",
+     "is a file; give a directory name"),
+    ("hf export into no directory", "export --resume {ck} --format hf --out /nonexistent/d/hf",
+     "--out /nonexistent/d/hf: directory /nonexistent/d does not exist"),
+    ("hf export read-only", "export --resume {ck} --format hf --out /proc/hf",
+     "cannot write there (read-only)"),
+    ("hf export onto the checkpoint", "export --resume {ck} --format hf --out {ck}",
+     "is the same path as --resume: an output must not overwrite an input"),
+    ("hf export json inside out", "export --resume {ck} --format hf --out {dir} --json "
+     "{dir}/config.json", "is inside --out {dir}, where it writes its files"),
+    ("hf export json onto out", "export --resume {ck} --format hf --out {dir}/hf --json "
+     "{dir}/hf", "two outputs cannot share one path"),
+    ("hf export no name", "export --resume {ck} --format hf --out=", "needs a directory name"),
+    ("hf export no checkpoint", "export --resume /nonexistent/ck --format hf --out {dir}/hf",
+     "no such checkpoint directory"),
+    ("hf export tp shard missing", "export --resume {tphole} --format hf --out {dir}/hf",
+     "not all of [(0, 0), (0, 1)]"),
+    # --- outputs onto what a --save directory writes -----------------------------------------
+    ("json onto the run card", "train --save {dir} --json {dir}/run.json",
+     "--json {dir}/run.json is inside --save {dir}, where the checkpoint writes run.json"),
+    ("trace onto latest", "train --save {dir} --trace {dir}/latest", "checkpoint writes latest"),
+    ("trace onto a step", "train --save {dir} --trace {dir}/step-000005", "writes step-000005"),
+    ("json onto the lock", "train --save {dir} --json {dir}/.minipar.lock", "writes .minipar"),
+    ("json onto the tokenizer", "train --save {dir} --json {dir}/tokenizer.json",
+     "where the checkpoint writes tokenizer.json"),
+    ("json onto a resumed run card", "train --resume {ck} --save {ck} --json {ck}/run.json",
+     "--json {ck}/run.json is inside --save {ck}"),
+    ("cache onto a file", "train --data {text} --data-cache {old.safetensors}",
+     "--data-cache {old.safetensors} is a file, not a directory"),
+    ("cache read-only", "train --data {text} --data-cache /proc/c", "cannot write in /proc"),
+    # --- mixture of experts, float8 ------------------------------------------------------------
+    ("moe experts negative", "train --moe-experts -1", "--moe-experts must be 0 (dense) or a"),
+    ("moe top-k over experts", "train --moe-experts 1", "--moe-top-k must be between 1 and "
+     "--moe-experts (1), got 2"),
+    ("moe top-k zero", "train --moe-experts 4 --moe-top-k 0", "must be between 1 and"),
+    ("capacity factor inf", "train --moe-experts 4 --capacity-factor inf",
+     "--capacity-factor must be a finite number >= 0, got inf"),
+    ("capacity factor nan", "train --moe-experts 4 --capacity-factor nan", "got nan"),
+    ("aux loss inf", "train --moe-experts 4 --aux-loss-coef inf", "--aux-loss-coef must be a "
+     "finite"),
+    ("z loss inf", "train --moe-experts 4 --z-loss-coef inf", "--z-loss-coef must be a finite"),
+    ("moe every zero", "train --moe-experts 4 --moe-every 0", "--moe-every must be a positive"),
+    ("ep without experts", "train --dp 2 --ep 2", "needs a mixture-of-experts model"),
+    ("ep zero", "train --model moe-tiny --ep 0", "--ep must be a positive integer, got 0"),
+    ("fp8 emulate alone", "train --fp8-emulate", "--fp8-emulate needs --fp8 rowwise"),
+    # --- a transformers directory or a tokenizer that cannot be read --------------------------
+    ("init-from config not json", "train --init-from {hfbadjson}",
+     "{hfbadjson}/config.json is not a model config (JSONDecodeError"),
+    ("init-from config a list", "train --init-from {hflist}", "(ValueError: not a JSON obj"),
+    ("init-from size as text", "train --init-from {hfsizetext}", "invalid literal for int()"),
+    ("init-from no weights", "train --init-from {hfnoweights}", "no model.safetensors (only"),
+    ("init-from weights damaged", "train --init-from {hfbadweights}",
+     "{hfbadweights}/model.safetensors is not readable (SafetensorError"),
+    ("init-from a file", "train --init-from {text}", "no config.json (a transformers model"),
+    ("init-from missing", "train --init-from /nonexistent/hf", "no config.json"),
+    ("tokenizer file damaged", "train --data {text} --tokenizer {badtok.json}",
+     "--tokenizer {badtok.json} is not a tokenizer file"),
+    # --- plan's inputs ---------------------------------------------------------------------------
+    ("memory margin nan", "plan --memory-margin nan", "--memory-margin must be in [0, 1)"),
+    ("memory margin 1", "plan --memory-margin 1", "left free), got 1.0"),
+    ("memory margin negative", "plan --memory-margin -0.5", "got -0.5"),
+    ("calibrate missing", "plan --calibrate /nonexistent/c.json", "--calibrate /nonexistent/c"
+     ".json: no such file"),
+    ("calibrate not json", "plan --calibrate {text}", "not a readable calibration JSON"),
+    ("calibrate a list", "plan --calibrate {list.json}", "a JSON object with matmul_tflops"),
+    ("calibrate a fifo", "plan --calibrate {calib.fifo}", "no such file"),
     # --- timeouts the backends cannot take ----------------------------------------------
     ("timeout 1e10", "train --timeout 1e10", "up to 604800 (a week), got 10000000000.0"),
     ("timeout 1e308", "train --timeout 1e308", "--timeout must be a positive number"),
@@ -269,6 +358,13 @@ def test_the_python_api_raises_value_errors(fields, says) -> None:
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_huge_capacity_factor_is_every_slot_not_an_overflow() -> None:
+    from minipar.model import MoE, get_config
+
+    moe = MoE(get_config("moe-tiny").with_(capacity_factor=1e30))
+    assert moe.capacity(32) == 32  # an expert takes each token of a sequence at most once
+
+
 def test_timeouts_the_backends_take_are_accepted() -> None:
     from minipar.launch import TIMEOUT_MAX
 
@@ -309,7 +405,7 @@ def _damage(d: Path) -> Path:
     return shard
 
 
-@pytest.mark.parametrize("command", ["train", "export", "sample"])
+@pytest.mark.parametrize("command", ["train", "export", "export hf", "sample"])
 def test_a_damaged_shard_is_named_by_whoever_reads_it(command, saved, tmp_path, own_tmp,
                                                       capsys) -> None:
     d = _copy(saved, tmp_path / "ck")
@@ -317,6 +413,7 @@ def test_a_damaged_shard_is_named_by_whoever_reads_it(command, saved, tmp_path, 
     out = tmp_path / "m.safetensors"
     argv = {"train": ["train", "--steps", "4", "--quiet", "--resume", str(d)],
             "export": ["export", "--resume", str(d), "--out", str(out)],
+            "export hf": ["export", "--resume", str(d), "--format", "hf", "--out", str(out)],
             "sample": ["sample", "--resume", str(d), "--prompt", "hello"]}[command]
     code, _, err = _run_main(argv, capsys)
     says = f"{shard} is damaged: its sha256 is not the one its meta.json recorded"
@@ -327,9 +424,18 @@ def test_a_damaged_shard_is_named_by_whoever_reads_it(command, saved, tmp_path, 
     assert not list(own_tmp.glob("minipar-*"))
 
 
+def _listing(d: Path) -> list[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
 def test_an_unchanged_checkpoint_exports_and_resumes(saved, tmp_path, capsys) -> None:
     d = _copy(saved, tmp_path / "ck")
     assert main(["export", "--resume", str(d), "--out", str(tmp_path / "m.safetensors")]) == 0
+    (tmp_path / "hf").mkdir()  # an empty directory is taken, renamed onto at the end
+    assert main(["export", "--resume", str(d), "--format", "hf", "--out",
+                 str(tmp_path / "hf")]) == 0
+    assert _listing(tmp_path / "hf") == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf", "m.safetensors"]
     assert main(["train", "--steps", "3", "--quiet", "--resume", str(d), "--save",
                  str(d)]) == 0
     assert checkpoint.load(str(d))[1] == 3
@@ -349,16 +455,18 @@ def _poison(d: Path) -> None:
     (path / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("command", ["export", "sample"])
+@pytest.mark.parametrize("command", ["export", "export hf", "sample"])
 def test_non_finite_weights_are_refused_by_sample_and_export(command, saved, tmp_path,
                                                              capsys) -> None:
     d = _copy(saved, tmp_path / "ck")
     _poison(d)
-    argv = {"export": ["export", "--resume", str(d), "--out", str(tmp_path / "m.safetensors")],
+    out = str(tmp_path / "m.safetensors")
+    argv = {"export": ["export", "--resume", str(d), "--out", out],
+            "export hf": ["export", "--resume", str(d), "--format", "hf", "--out", out],
             "sample": ["sample", "--resume", str(d), "--temperature", "0"]}[command]
     code, _, err = _run_main(argv, capsys)
     _one_line(code, err, "weight blocks.0.mlp.fc.weight is not finite (the run diverged")
-    assert not (tmp_path / "m.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no output, no .tmp
 
 
 @pytest.mark.parametrize("what", ["run.json", "tokenizer.json"])

@@ -28,6 +28,8 @@ uses the matmul rate and the alpha-beta fits, and leaves the optimizer out.
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import asdict, dataclass, replace
 
 MiB = 2**20
@@ -161,16 +163,29 @@ CLUSTERS: dict[str, Cluster] = {
 CALIBRATED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf
+
+
 def load_calibration(path: str) -> dict:
     """Read a calibration file and check it has what ``calibrated`` uses: ``matmul_tflops``
     and ``collectives`` {op: {``latency_s``, ``bus_bandwidth`` (bytes/s)}}."""
-    with open(path) as f:
-        calib = json.load(f)
-    if not isinstance(calib.get("matmul_tflops"), (int, float)):
+    if not os.path.isfile(path):  # a FIFO would block the read forever
+        raise ValueError(f"--calibrate {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            calib = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--calibrate {path}: not a readable calibration JSON "
+                         f"({type(e).__name__}: {str(e)[:100]})") from None
+    if not isinstance(calib, dict) or not isinstance(calib.get("collectives", {}), dict):
+        raise ValueError(f"--calibrate {path}: a JSON object with matmul_tflops and "
+                         "collectives is needed")
+    if not _positive(calib.get("matmul_tflops")):
         raise ValueError(f"{path}: no matmul_tflops (a number, TFLOP/s) in the calibration")
     for op, row in calib.get("collectives", {}).items():
-        if not all(isinstance(row.get(k), (int, float)) and row[k] > 0
-                   for k in ("latency_s", "bus_bandwidth")):
+        if not isinstance(row, dict) or not all(_positive(row.get(k))
+                                                for k in ("latency_s", "bus_bandwidth")):
             raise ValueError(f"{path}: collective {op!r} needs positive latency_s and "
                              "bus_bandwidth")
     return calib
