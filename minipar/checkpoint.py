@@ -53,6 +53,7 @@ from minipar.sample import RUN_CARD, TOKENIZER
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 DIGEST = "sha256"  # of each shard's bytes, recorded in meta.json
 STEP_DIR = re.compile(r"step-(\d{6,})")  # a checkpoint's directory name, exactly
+SHARD = re.compile(r"rank-\d{5,}\.pt")  # a shard's file name
 
 
 class SaveError(RuntimeError):
@@ -483,10 +484,24 @@ def locked(directory: str):
     with os.fdopen(fd, "w") as f:
         f.write(str(os.getpid()))
     try:
+        _sweep_killed_saves(directory)
         yield
     finally:
         with suppress(OSError):
             os.unlink(path)
+
+
+def _sweep_killed_saves(directory: str) -> None:
+    """Remove the ``step-N.tmp`` of saves killed mid-way (no run holds the directory now:
+    its lock is ours), unless ``latest`` names it (a re-save, finished by ``_prepare``);
+    only directories holding nothing but shards and ``meta.json``: never a user's."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not (STEP_DIR.fullmatch(name.removesuffix(".tmp")) and name.endswith(".tmp")
+                and os.path.isdir(path)) or name == _latest_name(directory):
+            continue
+        if all(SHARD.fullmatch(f) or f == "meta.json" for f in os.listdir(path)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _is_checkpoint(directory: str, name: str) -> bool:

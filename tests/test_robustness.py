@@ -306,7 +306,8 @@ def test_the_tables_hold_180_cases() -> None:
     from tests.test_cli_errors import CASES as CLI_CASES
     from tests.test_errors import CASES as DOC_CASES
 
-    assert len(CASES) + len(CLI_CASES) + len(DOC_CASES) + len(API_CASES) >= 180
+    assert len(CASES) + len(CLI_CASES) + len(DOC_CASES) >= 180  # the command line's
+    assert len(API_CASES) >= 19  # and the Python API's
 
 
 def test_an_odd_sequence_length_is_fine_without_cp(capsys) -> None:
@@ -558,14 +559,21 @@ def test_a_run_that_finished_between_check_and_lock_is_not_overwritten(tmp_path,
 
 
 def test_keep_prunes_only_its_own_checkpoints(tmp_path, capsys) -> None:
+    """... and a save killed mid-way (kill -9) leaves a ``step-N.tmp`` of shards, which
+    the next run holding the directory removes; a user's ``step-N.tmp`` stays."""
     d = tmp_path / "ck"
     (d / "step-000002.keepme").mkdir(parents=True)
     (d / "step-000002.keepme" / "notes.txt").write_text("mine")
     (d / "step-000009").mkdir()  # no meta.json: not a checkpoint
+    (d / "step-000007.tmp").mkdir()  # a killed save's
+    (d / "step-000007.tmp" / "rank-00000.pt").write_bytes(b"half a shard")
+    (d / "step-000008.tmp").mkdir()  # a user's
+    (d / "step-000008.tmp" / "notes.txt").write_text("mine")
+    (d / checkpoint.LOCK).write_text("999999999")  # the killed run's lock: stale
     assert main(["train", "--steps", "3", "--quiet", "--save", str(d), "--save-every", "1",
                  "--keep", "1"]) == 0
     assert sorted(n for n in os.listdir(d) if n.startswith("step-")) == [
-        "step-000002.keepme", "step-000003", "step-000009"]
+        "step-000002.keepme", "step-000003", "step-000008.tmp", "step-000009"]
 
 
 # --- a full disk while saving ------------------------------------------------------------------
