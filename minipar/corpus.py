@@ -31,6 +31,7 @@ read). The last ``VAL_FRACTION`` of the tokens is held out for validation.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -144,19 +145,28 @@ def documents(source: str, text_field: str = "text",
         yield from (t for t in (_read_text(p, not_utf8) for p in text_files(source)) if t)
     elif fmt == "jsonl":
         for path in text_files(source):
-            with open(path, encoding="utf-8") as f:
-                for i, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            record = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise ValueError(f"--data {path}:{i}: not JSON ({e.msg})") from None
-                        text = _field(record, text_field, f"{path}:{i}")
-                        if text:
-                            yield text
+            yield from _jsonl_texts(path, text_field)
     else:
         for batch in _table_batches(source, fmt, text_field):
             yield from (t for t in batch if t)
+
+
+def _jsonl_texts(path: str, text_field: str) -> Iterator[str]:
+    """The ``text_field`` of each line of a JSON Lines file (UTF-8, as the format is)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"--data {path}:{i}: not JSON ({e.msg})") from None
+                    text = _field(record, text_field, f"{path}:{i}")
+                    if text:
+                        yield text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path}: not UTF-8 (byte {e.object[e.start]:#04x}: "
+                         f"{e.reason}); JSON Lines are UTF-8") from None
 
 
 def _field(record, text_field: str, where: str) -> str:
@@ -172,13 +182,20 @@ def _table_batches(source: str, fmt: str, text_field: str) -> Iterator[list]:
 
     if fmt == "parquet":
         pq = require("pyarrow.parquet", "Parquet --data")
+        arrow_error = require("pyarrow", "Parquet --data").ArrowException
         for path in text_files(source):
-            f = pq.ParquetFile(path)
-            if text_field not in f.schema_arrow.names:
+            try:
+                f = pq.ParquetFile(path)
+                names = f.schema_arrow.names
+                if text_field in names:
+                    for b in f.iter_batches(batch_size=256, columns=[text_field]):
+                        yield b.column(0).to_pylist()
+            except arrow_error as e:  # a damaged or truncated file
+                raise ValueError(f"--data {path}: not a readable Parquet file "
+                                 f"({type(e).__name__}: {str(e)[:100]})") from None
+            if text_field not in names:
                 raise ValueError(f"--data {path}: no column {text_field!r} (columns: "
-                                 f"{', '.join(f.schema_arrow.names)}; pass --text-field)")
-            for b in f.iter_batches(batch_size=256, columns=[text_field]):
-                yield b.column(0).to_pylist()
+                                 f"{', '.join(names)}; pass --text-field)")
         return
     datasets = require("datasets", "a datasets --data directory")
     ds = datasets.load_from_disk(source)
@@ -363,11 +380,11 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
         progress(f"tokenising {source} ({data_format(source)}, {len(files)} files) with "
                  f"{tokenizer}; cached in {out_dir}")
     texts = lambda: documents(source, text_field, not_utf8)  # noqa: E731 (a fresh pass)
-    tok = _tokenizer_for(tokenizer, vocab_size, texts)
-    dtype = token_dtype(tok.vocab_size)
     pid = os.getpid()
     count = n_docs = 0
     try:
+        tok = _tokenizer_for(tokenizer, vocab_size, texts)
+        dtype = token_dtype(tok.vocab_size)
         with open(bin_path + f".{pid}.tmp", "wb") as out:
             if tok.kind == "byte":
                 for n_docs, text in enumerate(texts(), 1):
@@ -388,11 +405,13 @@ def prepare(source: str, tokenizer: str = "byte", vocab_size: int = 256,
                         count += len(x) + len(end)
         if not n_docs:
             raise ValueError(f"--data {source}: no text found")
-    except OSError as e:  # a full disk: name the file, leave no partial one
-        os.remove(bin_path + f".{pid}.tmp")
-        raise OSError(e.errno, e.strerror or str(e), bin_path) from None
-    except BaseException:
-        os.remove(bin_path + f".{pid}.tmp")  # (an unreadable record: nothing left behind)
+    except BaseException as e:  # a full disk, an unreadable record: nothing left behind
+        with contextlib.suppress(OSError):
+            os.remove(bin_path + f".{pid}.tmp")
+        with contextlib.suppress(OSError):
+            os.rmdir(out_dir)  # when empty (another run may be preparing it too)
+        if isinstance(e, OSError) and e.filename is None:  # a write: name the file
+            raise OSError(e.errno, e.strerror or str(e), bin_path) from None
         raise
     os.replace(bin_path + f".{pid}.tmp", bin_path)
     tok.save(os.path.join(out_dir, f"tokenizer.json.{pid}.tmp"))

@@ -105,6 +105,10 @@ SETUPS = {
     "hfsizetext": _hf_dir('{"n_embd": "wide"}'), "hfnoweights": _hf_dir("{}"),
     "hfbadweights": _hf_dir("{}", b"not safetensors" * 10),
     "calib.fifo": lambda d: os.mkfifo(d), "list.json": lambda d: d.write_text("[1, 2]"),
+    "latin1.jsonl": lambda d: d.write_bytes('{"text": "café"}\n'.encode("latin-1")),
+    "broken.jsonl": lambda d: d.write_text('{"text": "fine"}\n{"text": broken}\n'),
+    "blank.jsonl": lambda d: d.write_text("\n\n"),
+    "bad.parquet": lambda d: d.write_bytes(b"PAR1 not a table PAR1"),
 }
 
 BIG = 2**70
@@ -201,6 +205,17 @@ CASES = [
     ("init-from missing", "train --init-from /nonexistent/hf", "no config.json"),
     ("tokenizer file damaged", "train --data {text} --tokenizer {badtok.json}",
      "--tokenizer {badtok.json} is not a tokenizer file"),
+    # --- data files that cannot be read (no cache entry left) -----------------------------------
+    ("jsonl not utf-8", "train --quiet --data {latin1.jsonl} --data-cache {dir}/cache",
+     "{latin1.jsonl}: not UTF-8 (byte 0xe9: invalid continuation byte)"),
+    ("jsonl line not json", "train --quiet --data {broken.jsonl} --data-cache {dir}/cache",
+     "--data {broken.jsonl}:2: not JSON"),
+    ("jsonl line not json, bpe", "train --quiet --data {broken.jsonl} --tokenizer bpe "
+     "--vocab 512 --data-cache {dir}/cache", "--data {broken.jsonl}:2: not JSON"),
+    ("jsonl no text", "train --quiet --data {blank.jsonl} --data-cache {dir}/cache",
+     "--data {blank.jsonl}: no text found"),
+    ("parquet damaged", "train --quiet --data {bad.parquet} --data-cache {dir}/cache",
+     "{bad.parquet}: not a readable Parquet file (ArrowInvalid"),
     # --- plan's inputs ---------------------------------------------------------------------------
     ("memory margin nan", "plan --memory-margin nan", "--memory-margin must be in [0, 1)"),
     ("memory margin 1", "plan --memory-margin 1", "left free), got 1.0"),
@@ -278,7 +293,11 @@ def own_tmp(tmp_path, monkeypatch) -> Path:
 
 
 def _one_line(code: int, err: str, says: str, want: int = 2) -> str:
+    """The exit code and the one error line (after at most the note that tokenising
+    started: a data file's fault shows only while it is read)."""
     lines = err.strip().splitlines()
+    if len(lines) == 2 and lines[0].startswith("minipar: tokenising "):
+        lines = lines[1:]
     assert code == want, err
     assert "Traceback" not in err
     assert len(lines) == 1, err
@@ -300,6 +319,7 @@ def test_bad_input_gives_one_line(what, args, says, tmp_path, own_tmp, capsys) -
     assert len(psutil.Process().children(recursive=True)) == children
     assert not list(own_tmp.glob("minipar-*"))
     assert not list(tmp_path.glob("**/*.tmp"))
+    assert not list(tmp_path.glob("dir/cache/*"))  # no token cache entry of a refused run
 
 
 def test_the_tables_hold_180_cases() -> None:
