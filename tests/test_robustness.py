@@ -327,7 +327,7 @@ def test_the_tables_hold_180_cases() -> None:
     from tests.test_errors import CASES as DOC_CASES
 
     assert len(CASES) + len(CLI_CASES) + len(DOC_CASES) >= 180  # the command line's
-    assert len(API_CASES) >= 19  # and the Python API's
+    assert len(API_CASES) >= 29  # and the Python API's
 
 
 def test_an_odd_sequence_length_is_fine_without_cp(capsys) -> None:
@@ -369,6 +369,16 @@ API_CASES = [
     ({"allow_nonfinite": "yes"}, "--allow-nonfinite must be bool, got 'yes'"),
     ({"timeout": 1e10}, "--timeout must be a positive number of seconds up to 604800"),
     ({"vocab": 2}, "--vocab 2 is too small for the generated Markov corpus"),
+    ({"moe_experts": "4"}, "--moe-experts must be int or None, got '4'"),
+    ({"capacity_factor": "1"}, "--capacity-factor must be float or None, got '1'"),
+    ({"aux_loss_coef": float("inf")}, "--aux-loss-coef must be a finite number >= 0"),
+    ({"ep": 2.0}, "--ep must be int, got 2.0"),
+    ({"fp8": 1}, "--fp8 must be str or None, got 1"),
+    ({"fp8_emulate": 1}, "--fp8-emulate must be bool, got 1"),
+    ({"init_from": 5}, "--init-from must be str or None, got 5"),
+    ({"text_field": None}, "--text-field must be str, got None"),
+    ({"data_cache": 3}, "--data-cache must be str or None, got 3"),
+    ({"grad_dtype": "fp16"}, "--grad-dtype must be one of fp32, bf16, got 'fp16'"),
 ]
 
 
