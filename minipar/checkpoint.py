@@ -36,11 +36,13 @@ code.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import zipfile
 from contextlib import contextmanager, suppress
 
@@ -249,10 +251,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def read_text(path: str) -> str:
+    """The text of a checkpoint's small file (``latest``, ``meta.json``, the run card);
+    ``OSError`` unless it is a regular file: a FIFO put there would block a read forever."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return f.read().decode("utf-8", errors="replace")
+
+
 def _latest_name(directory: str) -> str | None:
     try:
-        with open(os.path.join(directory, "latest"), errors="replace") as f:
-            return f.read().strip()
+        return read_text(os.path.join(directory, "latest")).strip()
     except OSError:
         return None
 
@@ -269,6 +280,9 @@ def resolve(directory: str) -> str:
             raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint "
                                   "directory next to it")
         return path
+    if os.path.lexists(pointer):
+        raise CheckpointError(f"{pointer} is not readable (a regular file naming the "
+                              "checkpoint is needed)")
     if os.path.exists(os.path.join(directory, "meta.json")):
         return directory
     raise CheckpointError(f"no checkpoint in {directory} (no 'latest' and no meta.json)")
@@ -284,8 +298,7 @@ def inspect(directory: str) -> dict:
     path = resolve(directory)
     meta_path = os.path.join(path, "meta.json")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = json.loads(read_text(meta_path))
         files, step, model = meta["files"], int(meta["step"]), meta["config"]["model"]
         if not files or not isinstance(files, dict) or not isinstance(model, str):
             raise ValueError("no shard files listed")
@@ -444,8 +457,7 @@ def _in_use(directory: str, pid: int) -> CheckpointError:
 def _lock_owner(directory: str) -> int | None:
     """The live process holding ``directory``'s lock, or None (no lock, or a stale one)."""
     try:
-        with open(os.path.join(directory, LOCK)) as f:
-            pid = int(f.read().strip() or 0)
+        pid = int(read_text(os.path.join(directory, LOCK)).strip() or 0)
     except (OSError, ValueError):
         return None
     if pid <= 0 or pid == os.getpid():
@@ -509,8 +521,8 @@ def _is_checkpoint(directory: str, name: str) -> bool:
     (a user's ``step-000002.keepme`` or a stray ``step-9`` is not)."""
     m = STEP_DIR.fullmatch(name)
     try:
-        with open(os.path.join(directory, name, "meta.json")) as f:
-            return m is not None and int(json.load(f)["step"]) == int(m.group(1))
+        meta = json.loads(read_text(os.path.join(directory, name, "meta.json")))
+        return m is not None and int(meta["step"]) == int(m.group(1))
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

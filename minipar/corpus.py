@@ -281,6 +281,8 @@ def load_tokenizer(path: str | None):
     if path is None or not os.path.exists(path):
         return None
     try:
+        if not os.path.isfile(path):  # a FIFO would block the read forever
+            raise OSError("not a regular file")
         with open(path, encoding="utf-8") as f:
             head = json.load(f)
         if head.get("minipar_tokenizer") == "byte":

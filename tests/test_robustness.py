@@ -68,6 +68,16 @@ def _digest_not_text(d: Path) -> None:
     (path / "meta.json").write_text(json.dumps(meta))
 
 
+def _fifo_in_checkpoint(name: str):
+    """A checkpoint whose ``name`` (relative to it) is a FIFO: reading it would block."""
+    def make(d: Path) -> None:
+        fake_checkpoint(d)
+        path = d / name.replace("STEP", "step-000001")
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+    return make
+
+
 def _exists(d: Path) -> None:
     d.write_bytes(b"an earlier export")
 
@@ -109,6 +119,8 @@ SETUPS = {
     "broken.jsonl": lambda d: d.write_text('{"text": "fine"}\n{"text": broken}\n'),
     "blank.jsonl": lambda d: d.write_text("\n\n"),
     "bad.parquet": lambda d: d.write_bytes(b"PAR1 not a table PAR1"),
+    "latestfifo": _fifo_in_checkpoint("latest"), "metafifo": _fifo_in_checkpoint("STEP/meta.json"),
+    "cardfifo": _fifo_in_checkpoint("run.json"),
 }
 
 BIG = 2**70
@@ -216,6 +228,17 @@ CASES = [
      "--data {blank.jsonl}: no text found"),
     ("parquet damaged", "train --quiet --data {bad.parquet} --data-cache {dir}/cache",
      "{bad.parquet}: not a readable Parquet file (ArrowInvalid"),
+    # --- a FIFO where a checkpoint keeps a small file: one line, no read that blocks ----------
+    ("resume latest a fifo", "train --resume {latestfifo}", "{latestfifo}/latest is not read"),
+    ("resume meta a fifo", "train --resume {metafifo}", "meta.json is not a minipar checkpoint"
+     "'s metadata (OSError: [Errno 22] not a regular file"),
+    ("sample run card a fifo", "sample --resume {cardfifo}", "{cardfifo}/run.json is not a "
+     "minipar run card (OSError"),
+    ("export run card a fifo", "export --resume {cardfifo} --out {dir}/m.safetensors",
+     "{cardfifo}/run.json is not a minipar run card"),
+    ("hf export run card a fifo", "export --resume {cardfifo} --format hf --out {dir}/hf",
+     "{cardfifo}/run.json is not a minipar run card"),
+    ("save into a fifo's checkpoint", "train --save {latestfifo}", "already holds another run"),
     # --- plan's inputs ---------------------------------------------------------------------------
     ("memory margin nan", "plan --memory-margin nan", "--memory-margin must be in [0, 1)"),
     ("memory margin 1", "plan --memory-margin 1", "left free), got 1.0"),
@@ -243,6 +266,8 @@ CASES = [
     ("sample seed huge", f"sample --resume {{ck}} --seed {BIG}", "--seed must be an integer"),
     ("sample seed negative", "sample --resume {ck} --seed -1", "--seed must be an integer"),
     ("sample tokens zero", "sample --resume {ck} --tokens 0", "--tokens must be a positive"),
+    ("sample tokens beyond bound", "sample --resume {ck} --tokens 100000000000",
+     "--tokens must be a positive integer up to 100,000"),
     ("sample no checkpoint", "sample --resume /nonexistent/ck", "no such checkpoint"),
     ("lr inf", "train --lr inf", "--lr must be a positive number"),
     ("weight decay nan", "train --weight-decay nan", "--weight-decay must be a number"),
