@@ -5,7 +5,8 @@ name, as one device would hold it: the fp32 weights and, per weight, the optimiz
 state (AdamW's step, exp_avg, exp_avg_sq). Physically it is stored in shards: each rank
 of data-parallel replica 0 writes the tensor-parallel shards of the parameters of its
 pipeline stage (ZeRO shards are gathered over dp first), one file per rank, plus a
-``meta.json`` saying who wrote what.
+``meta.json`` saying who wrote what (and the model as built: its sizes flags,
+vocabulary and ``--init-from`` directory's shape are not in the preset's name).
 
 **Resharding, per shard.** A resuming rank reads only what it needs
 (``reshard.ShardReader``): a name's pipeline stage follows from the saved layout, so only the
@@ -356,10 +357,14 @@ def saved_model_config(meta: dict):
     checkpoint from before that record, the preset with its overrides."""
     from minipar.model import GPTConfig, get_config
 
-    if "model" in meta:
-        return GPTConfig(**meta["model"])
-    saved = meta["config"]
-    return get_config(saved["model"]).with_(**saved.get("overrides", {}))
+    try:
+        if "model" in meta:
+            return GPTConfig(**meta["model"])
+        saved = meta["config"]
+        return get_config(saved["model"]).with_(**saved.get("overrides", {}))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{meta.get('path', '')}/meta.json names a model this minipar "
+                              f"does not know ({e})") from None
 
 
 def verify(path: str, digest: str | None) -> None:
@@ -399,11 +404,7 @@ def check_resume(directory: str, cfg) -> None:
     """Raise ``CheckpointError`` (one line) unless ``cfg`` can resume from ``directory``."""
     meta = inspect(directory)
     saved = meta["config"]
-    try:
-        theirs = saved_model_config(meta)
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{meta['path']}/meta.json names a model this minipar does "
-                              f"not know ({e})") from None
+    theirs = saved_model_config(meta)
     ours = cfg.model_config()
     if any(getattr(theirs, k) != getattr(ours, k) for k in SHAPE):
         raise CheckpointError(

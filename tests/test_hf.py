@@ -5,9 +5,11 @@
   `small` and 2.7e-6 on `gpt2-125m` with 2 tokens, where transformers takes another
   attention path; bound 1e-5) and ``generate`` gives ``sample``'s greedy tokens;
   ``AutoTokenizer`` encodes as the run's tokenizer did;
-* ``train --init-from DIR``: a tp x pp layout started from a GPT-2 directory trains as
-  the single-device reference started from the same weights (``parity.TOLERANCES``), and
-  its first loss is the loss ``transformers`` computes on that batch;
+* ``train --init-from DIR``: a tp x pp layout, ZeRO-3 and tp with sp, started from a
+  GPT-2 directory, train as the single-device reference started from the same weights
+  (``parity.TOLERANCES``; the mutation test of the check is in ``test_parity.py``), and
+  the first loss is the loss ``transformers`` computes on that batch; an untied model
+  starts its head from a tied directory's ``wte``; a sharded save (an index) reads too;
 * an architecture that differs is refused in one line, before launch.
 
 No network: ``HF_HUB_OFFLINE=1``, every directory is made here.
@@ -30,6 +32,7 @@ from minipar.corpus import ByteTokenizer  # noqa: E402
 from minipar.engine import train, train_reference  # noqa: E402
 from minipar.hf import HFCheckpoint, save_hf  # noqa: E402
 from minipar.model import GPT, get_config, materialize  # noqa: E402
+from minipar.parallel.tp import shard_tensor  # noqa: E402
 from minipar.parity import TOLERANCES, compare  # noqa: E402
 from minipar.sample import generate, load_model  # noqa: E402
 
@@ -211,8 +214,6 @@ def test_an_untied_model_starts_its_head_from_wte(gpt2_dir, tmp_path, capsys) ->
 
 def test_init_from_reads_only_this_ranks_slices(gpt2_dir) -> None:
     """A tp shard read from the file is the slice of the full weight (q|k|v per third)."""
-    from minipar.parallel.tp import shard_tensor
-
     d, model = gpt2_dir
     ck = HFCheckpoint(d)
     for name, p in model.named_parameters():
@@ -224,6 +225,19 @@ def test_init_from_reads_only_this_ranks_slices(gpt2_dir) -> None:
     a, b = ck.local("tok_emb.weight", (64, 64)), ck.local("head.weight", (64, 64))
     a.add_(1.0)  # each read is its own memory, not a view of the file's map
     assert torch.equal(b, model.tok_emb.weight.detach())
+
+
+def test_init_from_reads_a_sharded_save(gpt2_dir, tmp_path) -> None:
+    """``save_pretrained`` with a shard size writes several files and an index."""
+    d, model = gpt2_dir
+    out = tmp_path / "sharded"
+    transformers.GPT2LMHeadModel.from_pretrained(d).save_pretrained(out, max_shard_size="50KB")
+    assert (out / "model.safetensors.index.json").is_file()
+    ck = HFCheckpoint(str(out))
+    ck.check(model.cfg)
+    for name, p in model.named_parameters():
+        assert torch.equal(ck.local(name, tuple(p.shape), 1, 2),
+                           shard_tensor(name, p.detach(), 1, 2)), name
 
 
 @pytest.mark.parametrize("change,says", [
