@@ -240,7 +240,7 @@ def test_non_utf8_text_is_named_in_one_warning(tmp_path, capsys) -> None:
 
 # --- the Python API: TrainConfig's fields are checked, ValueError not TypeError ----------
 API_CASES = [
-    ({"lr": "0.1"}, "--lr must be float, got '0.1'"),
+    ({"lr": "0.1"}, "--lr must be float or None, got '0.1'"),
     ({"stop_at": "1"}, "--stop-at must be int or None, got '1'"),
     ({"save": 5}, "--save must be str or None, got 5"),
     ({"data": None}, "--data must be str, got None"),
