@@ -5,7 +5,8 @@ name, as one device would hold it: the fp32 weights and, per weight, the optimiz
 state (AdamW's step, exp_avg, exp_avg_sq). Physically it is stored in shards: each rank
 of data-parallel replica 0 writes the tensor-parallel shards of the parameters of its
 pipeline stage (ZeRO shards are gathered over dp first), one file per rank, plus a
-``meta.json`` saying who wrote what.
+``meta.json`` saying who wrote what (and the model as built: its sizes flags,
+vocabulary and ``--init-from`` directory's shape are not in the preset's name).
 
 **Resharding, per shard.** A resuming rank reads only what it needs
 (``reshard.ShardReader``): a name's pipeline stage follows from the saved layout, so only the
@@ -111,7 +112,7 @@ def save(directory: str, step: int, cfg, rm: RankMesh, parts, then=None) -> str:
                 files[f"rank-{r:05d}.pt"] = {"tp_rank": c.tp, "pp_rank": c.pp,
                                              DIGEST: digests[r].hex()}
         meta = {"step": step, "tp": rm.mesh.tp, "pp": rm.mesh.pp, "dp": rm.mesh.dp,
-                "files": files, "config": cfg.to_dict()}
+                "files": files, "config": cfg.to_dict(), "model": parts.model.cfg.to_dict()}
 
         def publish() -> None:
             _write_durably(os.path.join(tmp, "meta.json"),
@@ -357,15 +358,28 @@ def load(directory: str) -> tuple[dict, int]:
     model = {name: full(name, parts) for name, parts in shards.items()}
     optimizer = {name: {k: full(name, v) for k, v in st.items()}
                  for name, st in opt_shards.items()}
-    cfg = meta["config"]
-    from minipar.model import get_config
-
-    mcfg = get_config(cfg["model"]).with_(**cfg.get("overrides", {}))
-    if mcfg.tie_embeddings:  # one weight: pp > 1 saves two copies, pp = 1 only one
+    # a tied weight: pp > 1 saves two copies, pp = 1 only one
+    if saved_model_config(meta).tie_embeddings:
         model.setdefault("head.weight", model["tok_emb.weight"])
         if "tok_emb.weight" in optimizer:  # the last stage's copy steps like the first's
             optimizer.setdefault("head.weight", optimizer["tok_emb.weight"])
     return {"model": model, "optimizer": optimizer}, meta["step"]
+
+
+def saved_model_config(meta: dict):
+    """The ``GPTConfig`` of the run that wrote ``meta`` (its ``meta.json``): recorded
+    as built (sizes flags, the data's vocabulary, ``--init-from``'s directory), or, in a
+    checkpoint from before that record, the preset with its overrides."""
+    from minipar.model import GPTConfig, get_config
+
+    try:
+        if "model" in meta:
+            return GPTConfig(**meta["model"])
+        saved = meta["config"]
+        return get_config(saved["model"]).with_(**saved.get("overrides", {}))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{meta.get('path', '')}/meta.json names a model this minipar "
+                              f"does not know ({e})") from None
 
 
 def verify(path: str, digest: str | None) -> None:
@@ -405,15 +419,9 @@ SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "tie_e
 
 def check_resume(directory: str, cfg) -> None:
     """Raise ``CheckpointError`` (one line) unless ``cfg`` can resume from ``directory``."""
-    from minipar.model import get_config
-
     meta = inspect(directory)
     saved = meta["config"]
-    try:
-        theirs = get_config(saved["model"]).with_(**saved.get("overrides", {}))
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{meta['path']}/meta.json names a model this minipar does "
-                              f"not know ({e})") from None
+    theirs = saved_model_config(meta)
     ours = cfg.model_config()
     if any(getattr(theirs, k) != getattr(ours, k) for k in SHAPE):
         raise CheckpointError(

@@ -59,7 +59,7 @@ class TrainConfig:
     stop_at: int | None = None  # end (and save) after this step, as if interrupted
     timeout: float = 600.0
     overrides: dict = field(default_factory=dict)  # model config fields to change
-    # --- data, model sizes, long runs (issue 15) ---
+    # --- data, model sizes, long runs ---
     data: str = "markov"  # markov, pystdlib, a text file or directory, a .bin token file
     tokenizer: str = "byte"  # byte (vocab 256) or bpe (trained to the model's vocab)
     data_cache: str | None = None  # where tokenised text is kept (~/.cache/minipar)
@@ -75,7 +75,7 @@ class TrainConfig:
     keep: int = 0  # checkpoints kept in --save (the last K); 0: all
     log_every: int = 1  # progress report every N steps
     dropout: float = 0.0  # the model's dropout (masks keyed by position: any layout)
-    # --- context parallelism and ZeRO-Offload (issue 20) ---
+    # --- context parallelism and ZeRO-Offload ---
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
     offload: bool = False  # ZeRO-Offload: fp32 masters, optimizer states and step on the host
     # --- the Hugging Face ecosystem (minipar/hf.py) ---

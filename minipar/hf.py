@@ -244,11 +244,13 @@ class HFCheckpoint:
                 raise ValueError(f"{where}: {key} is {c.get(key)}; minipar's GPT has {want}")
         have = self.model_config()
         for field, what in (("n_layer", "layers"), ("n_head", "heads"), ("d_model", "hidden"),
-                            ("d_ff", "ffn"), ("vocab_size", "vocab"),
-                            ("tie_embeddings", "tied embeddings")):
+                            ("d_ff", "ffn"), ("vocab_size", "vocab")):
             if getattr(have, field) != getattr(cfg, field):
                 raise ValueError(f"{where}: the checkpoint has {what} {getattr(have, field)}, "
                                  f"the model {getattr(cfg, field)}")
+        if cfg.tie_embeddings and not have.tie_embeddings:  # (the other way: head <- wte)
+            raise ValueError(f"{where}: the checkpoint's head is untied "
+                             "(tie_word_embeddings false), the model ties it to wte")
         if cfg.seq_len > have.seq_len:
             raise ValueError(f"{where}: seq-len {cfg.seq_len} exceeds the checkpoint's "
                              f"{have.seq_len} positions")
@@ -258,6 +260,10 @@ class HFCheckpoint:
                              f"({missing[0]}, ...)")
 
     def _key(self, name: str) -> str:
+        """The file's tensor name of minipar weight ``name``. A directory whose config
+        ties the head (``tie_word_embeddings``, true when absent, as in ``transformers``)
+        stores no ``lm_head.weight``: ``head.weight`` is ``wte``, also for an untied
+        model, whose head then starts as a copy of the embedding."""
         if name == "head.weight" and self.model_config().tie_embeddings:
             name = "tok_emb.weight"
         key, _ = hf_name(name)
@@ -292,7 +298,10 @@ class HFCheckpoint:
                 r = r[::-1]
             pieces.append(sl[tuple(slice(a, b) for a, b in r)])
         t = torch.cat(pieces, dim=(1 - dim if conv else dim)) if len(pieces) > 1 else pieces[0]
-        return (t.t() if conv else t).to(torch.float32).contiguous()
+        # a copy: a slice views the file's memory map, which every read of the same
+        # tensor shares (an untied head read from wte would train the embedding too)
+        return (t.t() if conv else t).to(torch.float32).clone(
+            memory_format=torch.contiguous_format)
 
     def values(self, tp_rank: int = 0, tp: int = 1,
                device: torch.device | str | None = None) -> Callable:

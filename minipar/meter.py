@@ -60,7 +60,7 @@ class HeldBytes:
 
     Recounting every key's tensors at each change costs O(keys) per change, O(keys^2)
     per step: with the ~220 ZeRO buckets of gpt-1.3b tp2 with sequence parallelism that
-    was ~50 ms of Python per step on the H100 hosts (issue 17), on the critical path.
+    was tens of ms of Python per step on the critical path (docs/benchmarks.md).
     Keys must not share storages (each key's tensors are deduplicated on their own).
     """
 

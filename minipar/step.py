@@ -208,9 +208,9 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     precision = MixedPrecision(model, torch.bfloat16) if bf16 else None
     # Overlapped (the default): a bucket per block. ZeRO-2 then holds one full-size
     # bucket at most, and every stage makes a few large collectives, not many small ones
-    # (gpt-1.3b on 4 H200s, ZeRO-1: 123 reduce-scatters a step at 25 MB, 10 ms slower
-    # than ZeRO-2's 26; docs/benchmarks.md, eighth session). ``--ddp bucketed`` keeps
-    # PyTorch DDP's 25 MB, as lesson 01 teaches it.
+    # (25 MB buckets cost gpt-1.3b's ZeRO-1 over a hundred reduce-scatters a step;
+    # docs/benchmarks.md). ``--ddp bucketed`` keeps PyTorch DDP's 25 MB, as lesson 01
+    # teaches it.
     overlap = cfg.ddp == "overlapped"  # gradient reductions in the backward, gathers forward
     bucket_mb = 25.0 if not overlap and cfg.zero < 2 else max(
         (sum(p.numel() * p.element_size() for p in u.parameters()) for u in units),

@@ -56,6 +56,16 @@ def test_tied_embeddings_reshard_from_one_stage_to_two(tmp_path) -> None:
     assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
 
 
+def test_a_model_sized_by_flags_resumes(tmp_path) -> None:
+    """``meta.json`` records the model as built (``--layers``, the data's vocabulary,
+    ``--init-from``'s sizes), not only the preset: such a run resumes, and loads whole."""
+    full = run(layers=4)
+    run(layers=4, save=str(tmp_path), stop_at=HALF)
+    assert run(layers=4, resume=str(tmp_path)) == full[HALF:]
+    assert {k.split(".")[1] for k in checkpoint.load(str(tmp_path))[0]["model"]
+            if k.startswith("blocks.")} == {"0", "1", "2", "3"}
+
+
 def test_balanced_stages_reshard_both_ways(tmp_path) -> None:
     """A checkpoint saved with ``head_layers`` (the last stage holds fewer layers) is
     read by the saved split: resumed with the even split, and back again."""

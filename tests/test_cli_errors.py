@@ -26,7 +26,9 @@ import torch
 from minipar.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
-NOWHERE = "/nonexistent/d/out.json"
+# Under a regular file: a directory no user can have, root included, whatever ran before.
+NOWHERE_DIR = os.path.join(os.__file__, "d")
+NOWHERE = f"{NOWHERE_DIR}/out.json"
 
 
 def fake_checkpoint(d: Path, model: str = "tiny", step: int = 1) -> Path:
@@ -84,8 +86,8 @@ SETUPS = {
 # (id, arguments with {name} for a path made by SETUPS[name], what the one line says)
 CASES = [
     # --- train: outputs --------------------------------------------------------------
-    ("train json dir missing", f"train --json {NOWHERE}", "directory /nonexistent/d does not"),
-    ("train trace dir missing", f"train --trace {NOWHERE}", "--trace /nonexistent/d/out.json"),
+    ("train json dir missing", f"train --json {NOWHERE}", f"directory {NOWHERE_DIR} does not"),
+    ("train trace dir missing", f"train --trace {NOWHERE}", f"--trace {NOWHERE}"),
     ("train json is a dir", "train --json {empty}", "is a directory; give a file name"),
     ("train trace is a dir", "train --trace {empty}", "is a directory; give a file name"),
     ("train json read-only", "train --json /proc/out.json", "cannot write there (read-only)"),
@@ -137,7 +139,7 @@ CASES = [
     ("memory tp not dividing", "memory --tp 3", "is not divisible by tp=3"),
     ("memory hidden vs heads", "memory --hidden 100", "d_model=100 is not divisible by"),
     ("memory unknown model", "memory --model nope", "unknown model preset 'nope'"),
-    ("memory json dir missing", f"memory --json {NOWHERE}", "directory /nonexistent/d does"),
+    ("memory json dir missing", f"memory --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- bubble ----------------------------------------------------------------------
     ("bubble pp zero", "bubble --pp 0", "--pp must be a positive integer, got 0"),
     ("bubble microbatches zero", "bubble --microbatches 0", "--microbatches must be a"),
@@ -147,7 +149,7 @@ CASES = [
     ("bubble huge interleaved m % pp", "bubble --schedule interleaved --virtual 2 --pp 1000 "
      "--microbatches 100001", "divisible by --pp"),
     ("bubble unknown schedule", "bubble --schedule nope", "argument --schedule: invalid"),
-    ("bubble json dir missing", f"bubble --json {NOWHERE}", "directory /nonexistent/d does"),
+    ("bubble json dir missing", f"bubble --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- plan ------------------------------------------------------------------------
     ("plan unknown gpu", "plan --gpus 8 --gpu nope", "unknown --gpu 'nope'"),
     ("plan zero gpus", "plan --gpus 0", "--gpus must be a positive integer, got 0"),
@@ -156,9 +158,9 @@ CASES = [
     ("plan gpus not filling nodes", "plan --gpus 12", "12 GPUs do not fill nodes of 8"),
     ("plan unknown cluster", "plan --cluster nope", "unknown cluster 'nope'"),
     ("plan layers zero", "plan --layers 0", "--layers must be a positive integer"),
-    ("plan json dir missing", f"plan --json {NOWHERE}", "directory /nonexistent/d does"),
+    ("plan json dir missing", f"plan --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- doctor and the program itself ---------------------------------------------
-    ("doctor json dir missing", f"doctor --json {NOWHERE}", "directory /nonexistent/d does"),
+    ("doctor json dir missing", f"doctor --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     ("doctor unknown flag", "doctor --nope", "unrecognized arguments: --nope"),
     ("no subcommand", "", "the following arguments are required: command"),
     ("unknown subcommand", "fly", "argument command: invalid choice: 'fly'"),

@@ -5,9 +5,11 @@
   `small` and 2.7e-6 on `gpt2-125m` with 2 tokens, where transformers takes another
   attention path; bound 1e-5) and ``generate`` gives ``sample``'s greedy tokens;
   ``AutoTokenizer`` encodes as the run's tokenizer did;
-* ``train --init-from DIR``: a tp x pp layout started from a GPT-2 directory trains as
-  the single-device reference started from the same weights (``parity.TOLERANCES``), and
-  its first loss is the loss ``transformers`` computes on that batch;
+* ``train --init-from DIR``: a tp x pp layout, ZeRO-3 and tp with sp, started from a
+  GPT-2 directory, train as the single-device reference started from the same weights
+  (``parity.TOLERANCES``; the mutation test of the check is in ``test_parity.py``), and
+  the first loss is the loss ``transformers`` computes on that batch; an untied model
+  starts its head from a tied directory's ``wte``; a sharded save (an index) reads too;
 * an architecture that differs is refused in one line, before launch.
 
 No network: ``HF_HUB_OFFLINE=1``, every directory is made here.
@@ -28,8 +30,9 @@ from minipar.__main__ import main  # noqa: E402
 from minipar.config import TrainConfig  # noqa: E402
 from minipar.corpus import ByteTokenizer  # noqa: E402
 from minipar.engine import train, train_reference  # noqa: E402
-from minipar.hf import save_hf  # noqa: E402
+from minipar.hf import HFCheckpoint, save_hf  # noqa: E402
 from minipar.model import GPT, get_config, materialize  # noqa: E402
+from minipar.parallel.tp import shard_tensor  # noqa: E402
 from minipar.parity import TOLERANCES, compare  # noqa: E402
 from minipar.sample import generate, load_model  # noqa: E402
 
@@ -161,11 +164,56 @@ def test_init_from_trains_as_the_reference_from_the_same_weights(gpt2_dir, tmp_p
     assert abs(fresh["losses"][0] - hf_loss) > 1e-2  # (measured 0.07: not these weights)
 
 
+def parity_from(cfg: TrainConfig) -> dict:
+    """Train ``cfg`` and its single-device reference; assert parity; the reference."""
+    from minipar.parity import final_parameters
+
+    run, ref = train(cfg), train_reference(cfg)
+    ref_params = {k: v.detach() for k, v in ref["model"].state_dict().items()}
+    parity = compare(run, ref, final_parameters(cfg.save), ref_params)
+    assert parity.ok(TOLERANCES["fp32"]), parity.describe()
+    return ref
+
+
+@pytest.mark.parametrize("layout,knobs", [
+    (dict(dp=2, zero=3), SGD),
+    (dict(tp=2, sp=True), {}),
+], ids=["zero3-sgd-noclip", "tp-sp-adamw-clip"])
+def test_init_from_with_zero3_and_sp(gpt2_dir, tmp_path, layout, knobs) -> None:
+    """ZeRO-3 makes each weight's shard from the directory as its unit is built;
+    sequence parallelism reads the same tp slices: both train as the reference."""
+    d, _ = gpt2_dir
+    parity_from(TrainConfig(init_from=d, steps=3, timeout=240, save=str(tmp_path / "ck"),
+                            **layout, **knobs))
+
+
+def test_an_untied_model_starts_its_head_from_wte(gpt2_dir, tmp_path, capsys) -> None:
+    """A directory that ties (no ``lm_head.weight``, ``tie_word_embeddings`` true or
+    absent, as ``transformers`` reads it) starts an untied model's head as ``wte``;
+    untied in the directory and missing, ``lm_head.weight`` is refused in one line."""
+    d, model = gpt2_dir
+    notie = tmp_path / "notie"  # the same files, with tie_word_embeddings left out
+    notie.mkdir()
+    os.symlink(os.path.join(d, "model.safetensors"), notie / "model.safetensors")
+    with open(os.path.join(d, "config.json")) as f:
+        config = json.load(f)
+    del config["tie_word_embeddings"]
+    (notie / "config.json").write_text(json.dumps(config))
+    cfg = TrainConfig(init_from=str(notie), overrides={"tie_embeddings": False}, tp=2,
+                      steps=3, timeout=240, save=str(tmp_path / "ck"), **SGD)
+    start = materialize(GPT(cfg.model_config(), device="meta"), HFCheckpoint(notie).values())
+    assert start.head.weight is not start.tok_emb.weight  # two weights, one value
+    assert torch.equal(start.head.weight, model.tok_emb.weight)
+    ref = parity_from(cfg)
+    assert not torch.equal(ref["model"].head.weight, ref["model"].tok_emb.weight)  # trained
+    (notie / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    assert main(["train", "--init-from", str(notie), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "lacks 1 weights of a GPT-2 (lm_head.weight" in err and len(err.splitlines()) == 1
+
+
 def test_init_from_reads_only_this_ranks_slices(gpt2_dir) -> None:
     """A tp shard read from the file is the slice of the full weight (q|k|v per third)."""
-    from minipar.hf import HFCheckpoint
-    from minipar.parallel.tp import shard_tensor
-
     d, model = gpt2_dir
     ck = HFCheckpoint(d)
     for name, p in model.named_parameters():
@@ -174,6 +222,22 @@ def test_init_from_reads_only_this_ranks_slices(gpt2_dir) -> None:
             assert torch.equal(got, shard_tensor(name, p.detach(), r, 2)), name
     short = ck.local("pos_emb.weight", (16, 64))  # a shorter --seq-len: the first rows
     assert torch.equal(short, model.pos_emb.weight.detach()[:16])
+    a, b = ck.local("tok_emb.weight", (64, 64)), ck.local("head.weight", (64, 64))
+    a.add_(1.0)  # each read is its own memory, not a view of the file's map
+    assert torch.equal(b, model.tok_emb.weight.detach())
+
+
+def test_init_from_reads_a_sharded_save(gpt2_dir, tmp_path) -> None:
+    """``save_pretrained`` with a shard size writes several files and an index."""
+    d, model = gpt2_dir
+    out = tmp_path / "sharded"
+    transformers.GPT2LMHeadModel.from_pretrained(d).save_pretrained(out, max_shard_size="50KB")
+    assert (out / "model.safetensors.index.json").is_file()
+    ck = HFCheckpoint(str(out))
+    ck.check(model.cfg)
+    for name, p in model.named_parameters():
+        assert torch.equal(ck.local(name, tuple(p.shape), 1, 2),
+                           shard_tensor(name, p.detach(), 1, 2)), name
 
 
 @pytest.mark.parametrize("change,says", [

@@ -201,7 +201,7 @@ def test_calibration_replaces_the_presets_rates(tmp_path) -> None:
 
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(CALIBRATION))
-    base = cluster(4, "H100-80GB", gpus_per_node=4)
+    base = cluster(4, "H100-80GB", gpus_per_node=4, measured=False)  # the data sheet
     cal = calibrated(base, load_calibration(str(path)))
     assert cal.matmul_rate == 500e12 and cal.peak_flops == base.peak_flops
     assert cal.gpu_memory == 79 * 2**30

@@ -230,6 +230,7 @@ def _timing_rank(configs: list[tuple[str, int, int]]) -> list[list]:
 TIMED = [("gpipe", 4, 1), ("1f1b", 6, 1), ("interleaved", 4, 2), ("zb", 4, 1)]
 
 
+@pytest.mark.slow  # timing-sensitive (sleeps on 4 ranks, 40 s): make test-full, not make test
 def test_measured_bubble_matches_theory_pp4():
     """Measured from the executor's own records, with F/B/W given sleep costs 1/2(1)/1.
     Tolerance 0.08 on the bubble fraction, a ratio (no absolute times are asserted): each

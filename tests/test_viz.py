@@ -150,7 +150,7 @@ def test_plan_figure_bars_equal_the_layouts():
         time_sum = sum(tr.x[i] for tr in fig.data if tr.name in TIME_KEYS)
         assert time_sum == pytest.approx(lay.step_time)
         mem = sum(tr.x[i] for tr in fig.data if tr.legendgroup == "memory")
-        assert mem == pytest.approx(lay.memory["total"] / 1e9)
+        assert mem == pytest.approx(lay.memory["process"] / 1e9)
 
 
 def test_figures_are_deterministic():

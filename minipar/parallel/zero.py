@@ -270,7 +270,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         return (f.grad,) if self.offload else (f.grad, f.master.grad)
 
     def _observe(self, f: FlatParams) -> None:
-        """``f``'s buffers changed: recount ``f``'s alone, not every flat's (issue 17)."""
+        """``f``'s buffers changed: recount ``f``'s alone, not every flat's."""
         self.grad_bytes.observe(self._held.update(id(f), self._held_by(f)))
 
     def _grads_held(self) -> int:

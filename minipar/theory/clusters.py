@@ -31,6 +31,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 
 MiB = 2**20
 GB = 10**9
@@ -141,23 +142,32 @@ class Cluster:
                 "per GPU and direction)")
 
 
+# GPU kinds whose paces were measured (``benchmarks/multigpu.py --sections calibrate``):
+# their preset clusters price a step at those paces (the block at each micro-batch size
+# and tp share, each collective at its payload, the head, the optimizer), which the data
+# sheet's peak times one efficiency cannot (it priced gpt-1.3b at micro-batch 1 three
+# times too fast). The file ships with the package; ``--calibrate`` replaces it.
+MEASURED_PACES = {"H100-80GB": "calibration-h100.json"}  # 4 x H100 80GB, torch 2.11
+
+
 def cluster(gpus: int, gpu: str | GPU = "A100-80GB", gpus_per_node: int = 8,
-            name: str | None = None, **kw) -> Cluster:
-    """A cluster of ``gpus`` GPUs of a preset kind (see ``GPUS``)."""
+            name: str | None = None, measured: bool = True, **kw) -> Cluster:
+    """A cluster of ``gpus`` GPUs of a preset kind (see ``GPUS``), at the kind's measured
+    paces when it has them (``MEASURED_PACES``) and ``measured`` is true."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    return Cluster(name or f"{gpus}x{g.name}", gpus, g, min(gpus_per_node, gpus), **kw)
+    c = Cluster(name or f"{gpus}x{g.name}", gpus, g, min(gpus_per_node, gpus), **kw)
+    if measured and g.name in MEASURED_PACES:
+        paces = _measured_paces(MEASURED_PACES[g.name])
+        c = replace(calibrated(c, paces), name=c.name, gpu=g)  # the card's own memory
+    return c
 
 
-CLUSTERS: dict[str, Cluster] = {
-    "dgx-a100": cluster(8, "A100-80GB", name="dgx-a100"),
-    "a100x64": cluster(64, "A100-80GB", name="a100x64"),
-    "a100x1024": cluster(1024, "A100-80GB", name="a100x1024"),
-    "a100x4096": cluster(4096, "A100-80GB", name="a100x4096"),
-    "dgx-h100": cluster(8, "H100-80GB", name="dgx-h100"),
-    "h100x64": cluster(64, "H100-80GB", name="h100x64"),
-    "h100x1024": cluster(1024, "H100-80GB", name="h100x1024"),
-    "h200x8": cluster(8, "H200-141GB", name="h200x8"),
-}
+@cache
+def _measured_paces(filename: str) -> dict:
+    with open(os.path.join(os.path.dirname(__file__), filename)) as f:
+        return json.load(f)
+
+
 
 
 CALIBRATED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
@@ -262,3 +272,15 @@ def get_cluster(name_or_cluster: str | Cluster) -> Cluster:
     except KeyError:
         raise ValueError(f"unknown cluster {name_or_cluster!r}; choose one of "
                          f"{sorted(CLUSTERS)} or build one with cluster(...)") from None
+
+
+CLUSTERS: dict[str, Cluster] = {
+    "dgx-a100": cluster(8, "A100-80GB", name="dgx-a100"),
+    "a100x64": cluster(64, "A100-80GB", name="a100x64"),
+    "a100x1024": cluster(1024, "A100-80GB", name="a100x1024"),
+    "a100x4096": cluster(4096, "A100-80GB", name="a100x4096"),
+    "dgx-h100": cluster(8, "H100-80GB", name="dgx-h100"),
+    "h100x64": cluster(64, "H100-80GB", name="h100x64"),
+    "h100x1024": cluster(1024, "H100-80GB", name="h100x1024"),
+    "h200x8": cluster(8, "H200-141GB", name="h200x8"),
+}

@@ -287,8 +287,11 @@ def _minipar_grads(grads: int, n: int, parts: int, zero: int, dtype: str,
 # allocator's reserve (the CUDA context, cuBLAS workspaces, NCCL's buffers) ...
 CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
 # ... and the reserve beyond the peak of live tensors (blocks cached between sizes that
-# do not fit each other): ZeRO-3's per-layer gathers and frees fragment it the most.
-RESERVE_FACTOR = {0: 1.03, 1: 1.03, 2: 1.03, 3: 1.12}
+# do not fit each other), fitted as factor x live peak + bytes to the rows below 74 GiB
+# (near the card's capacity the allocator frees its cache and retries): ZeRO-3's
+# per-layer gathers and frees fragment it the most.
+RESERVE_FIT = {0: (1.015, 1.5 * 2**30), 1: (1.015, 1.5 * 2**30), 2: (1.015, 1.5 * 2**30),
+               3: (1.11, 1.4 * 2**30)}
 # The headroom a plan keeps on top of that (share of the card): the largest
 # under-prediction measured there (tp 2 dp 2 ZeRO-3 with sp: 7%, its reserve 17% over the
 # live tensors), so that no layout the model lets through runs out of memory.
@@ -312,7 +315,8 @@ def card_bytes(row: dict, zero: int, device: str = "cuda") -> dict[str, int]:
     and the runtime is the interpreter's and torch's (``RUNTIME_BYTES``-like)."""
     if device != "cuda":
         return {"reserved": row["total"], "process": row["total"] + 300 * 2**20}
-    reserved = int(row["total"] * RESERVE_FACTOR[zero])
+    factor, extra = RESERVE_FIT[zero]
+    reserved = int(row["total"] * factor + extra)
     return {"reserved": reserved, "process": reserved + CUDA_RUNTIME_BYTES}
 
 

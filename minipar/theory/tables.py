@@ -53,7 +53,7 @@ def render_plan(result: Plan, top: int = 10) -> str:
              f"global batch {result.global_batch}", head]
     for i, lay in enumerate(result.layouts[:top], 1):
         lines.append(f"{i:>3} {lay.label():<58} {lay.step_time:>8.3g} {lay.mfu:>5.0%} "
-                     f"{fmt_bytes(lay.memory['total']):>10}  "
+                     f"{fmt_bytes(lay.memory['process']):>10}  "
                      + " ".join(f"{lay.time[k]:>7.3g}" for k in TIME_KEYS))
     lines += ["", result.why()]
     return "\n".join(lines)

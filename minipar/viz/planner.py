@@ -16,7 +16,7 @@ from minipar.theory.planner import TIME_KEYS, Plan
 COLOURS = {"compute": "#4C78A8", "bubble": "#BAB0AC", "tp": "#F58518", "cp": "#B279A2",
            "pp": "#54A24B", "dp": "#E45756", "offload": "#9D755D", "update": "#EECA3B"}
 MEMORY = {"params": "#9ECAE9", "grads": "#72B7B2", "optimizer": "#FFBF79",
-          "activations": "#FF9D98"}
+          "activations": "#FF9D98", "card": "#BAB0AC"}
 
 
 def plan_figure(result: Plan, top: int = 12) -> go.Figure:
@@ -30,10 +30,13 @@ def plan_figure(result: Plan, top: int = 12) -> go.Figure:
         fig.add_trace(go.Bar(y=labels, x=[lay.time[k] for lay in lays], orientation="h",
                              name=k, marker={"color": COLOURS[k]}, legendgroup="time"),
                       row=1, col=1)
-    for k, colour in MEMORY.items():
-        fig.add_trace(go.Bar(y=labels, x=[lay.memory[k] / 1e9 for lay in lays],
-                             orientation="h", name=k, marker={"color": colour},
-                             legendgroup="memory"), row=1, col=2)
+    for k, colour in MEMORY.items():  # the rest of the card: what the live peak adds
+        # beyond these (the loss workspace or the optimizer's temporary), the reserve, the
+        # runtime; the bars add up to ``memory["process"]``
+        x = [(lay.memory["process"] - sum(lay.memory[j] for j in MEMORY if j != "card")
+              if k == "card" else lay.memory[k]) / 1e9 for lay in lays]
+        fig.add_trace(go.Bar(y=labels, x=x, orientation="h", name=k,
+                             marker={"color": colour}, legendgroup="memory"), row=1, col=2)
     fig.add_vline(x=result.cluster.gpu_memory / 1e9, line_dash="dash", row=1, col=2)
     fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1], row=1, col=1)
     fig.update_layout(barmode="stack", height=180 + 32 * len(lays), uirevision="plan",
