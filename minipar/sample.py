@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import fields
 
 import torch
 
@@ -52,8 +51,7 @@ def write_run_card(directory: str, cfg, model_cfg: GPTConfig) -> None:
 
 def _run_card(directory: str) -> tuple[GPTConfig, object | None]:
     """The model config and tokenizer of the run that wrote ``directory``."""
-    from minipar.checkpoint import inspect, read_text
-    from minipar.config import TrainConfig
+    from minipar.checkpoint import inspect, read_text, saved_model_config
     from minipar.corpus import load_tokenizer
 
     path = os.path.join(directory, RUN_CARD)
@@ -67,9 +65,7 @@ def _run_card(directory: str) -> tuple[GPTConfig, object | None]:
                              f"{str(e)[:100]})") from None
         tok = load_tokenizer(os.path.join(directory, tok_file)) if tok_file else None
         return model, tok
-    saved = inspect(directory)["config"]  # an older checkpoint: no run card
-    known = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in saved.items() if k in known}).model_config(), None
+    return saved_model_config(inspect(directory)), None  # an older checkpoint: no run card
 
 
 def load_model(directory: str) -> tuple[GPT, object | None]:
