@@ -169,7 +169,8 @@ class _Scratch:
         try:
             self.keeper = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _KEEPER, base], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True, start_new_session=True)
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                start_new_session=True)  # (no traceback of its own reaches a user)
             self.path = self.keeper.stdout.readline().strip()
             self.keeper.stdout.close()
         except OSError:  # no interpreter to start (an embedded Python): no keeper

@@ -1,11 +1,14 @@
 """Nothing lost, nothing silently wrong: what a hostile user, a full disk or a damaged
 file does to a run, and the one line each gets.
 
-The table (``CASES``) runs in-process, each row in seconds: a non-zero exit, one line on
-stderr, no traceback, no process started, no temporary file left (the launcher's
-``minipar-*`` files go to a directory of the test's own). Below it, what needs a real
-checkpoint or a real run: checksums, a non-finite loss, the save-directory lock with two
-processes, a full disk while saving, a slow run under ``--timeout``.
+The table (``CASES``) runs in-process, each row well under a second: a non-zero exit,
+one line on stderr, no traceback, no process started, no temporary file left (the
+launcher's ``minipar-*`` files go to a directory of the test's own), no ``.tmp`` and no
+token cache entry. With ``tests/test_cli_errors.py`` and ``tests/test_errors.py`` it
+holds at least 180 command lines. Below it, what needs a real checkpoint or a real run:
+checksums, a non-finite loss, the save-directory lock with two processes, a full disk
+while saving, a slow run under ``--timeout``, and SIGHUP or ``kill -9`` of a launcher
+running two ranks (no rank, no temporary file left).
 """
 
 from __future__ import annotations
