@@ -57,12 +57,13 @@ def _reduce_op(op: str):
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> int:
-    """Bytes one rank sends for ``op`` on ``n`` ranks with payload ``nbytes`` (ring)."""
+    """Bytes one rank sends for ``op`` on ``n`` ranks with payload ``nbytes`` (ring; an
+    all-to-all split evenly keeps 1/n of its payload)."""
     if n <= 1:
         return 0
     if op == "all_reduce":
         return 2 * (n - 1) * nbytes // n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * nbytes // n
     if op in ("broadcast", "send"):
         return nbytes
