@@ -121,6 +121,15 @@ HINTS: dict[str, dict[int, str]] = {
            "log-sum-exps are exponentiated (never e^lse itself: scores can be large). "
            "torch has a function for log(e^a + e^b).",
     },
+    "moe_dispatch": {
+        1: "Before any row can move, every rank must know how many rows it will receive "
+           "from each rank: what could the ranks exchange first, and with which sizes?",
+        2: "Exchange the counts by an all-to-all of one row per rank, then the rows with "
+           "split sizes taken from the counts (yours to send, theirs to receive). The rows "
+           "arrive grouped by source rank; give each row a sort key made of its expert "
+           "and its source, and sort stably. combine applies the inverse permutation, "
+           "then the all-to-all with the two split lists swapped.",
+    },
     "debug_deadlock": {
         1: "Read the hang report: which operation is every rank stuck in, and who would "
            "have to act first to free it?",
