@@ -107,6 +107,10 @@ def test_all_to_all_bytes_equal_the_theory() -> None:
     assert sent == cfg.dp * cfg.steps * per_rank["bytes"]
     calls = {r["comm"]["ep"]["all_to_all"]["calls"] for r in run["ranks"]}
     assert calls == {cfg.steps * per_rank["calls"]}
+    for r in run["ranks"]:  # who sent what to whom: the row sums to the payload, and
+        a2a = r["comm"]["ep"]["all_to_all"]  # what a rank sends itself never leaves it
+        assert sum(a2a["sent_to"]) == a2a["bytes"]
+        assert a2a["wire_bytes"] == a2a["bytes"] - a2a["sent_to"][r["coords"]["dp"] % cfg.ep]
 
 
 # --- mutations: the check must fail ----------------------------------------------------
