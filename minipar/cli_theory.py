@@ -65,14 +65,18 @@ def _model_from_args(args):
         return None
     from minipar.config import sized
 
-    return sized(get_config(args.model or "tiny"), args.layers, args.hidden, args.heads,
-                 args.ffn, args.vocab, args.seq_len)
+    cfg = sized(get_config(args.model or "tiny"), args.layers, args.hidden, args.heads,
+                args.ffn, args.vocab, args.seq_len)
+    moe = {"n_expert": args.moe_experts, "moe_top_k": args.moe_top_k,
+           "capacity_factor": args.capacity_factor}
+    return cfg.with_(**{k: v for k, v in moe.items() if v is not None})
 
 
 def _model_label(args) -> str:
     """What ``_model_from_args`` built, in words: the preset, and any sizes changed."""
     changed = [f"--{k.replace('_', '-')} {v}" for k in ("layers", "hidden", "heads", "vocab",
-                                                        "seq_len")
+                                                        "seq_len", "moe_experts",
+                                                        "moe_top_k", "capacity_factor")
                if (v := getattr(args, k)) is not None]
     return (args.model or "tiny") + (f" with {' '.join(changed)}" if changed else "")
 
@@ -94,14 +98,15 @@ def _cmd_memory(args) -> int:
                            args.optimizer, args.microbatch_size, args.microbatches,
                            args.schedule, args.sp, args.recompute, params=args.params,
                            virtual=args.virtual, accounting=args.accounting, cp=args.cp,
-                           offload=args.offload)
+                           offload=args.offload, ep=args.ep)
     what = _model_label(args) if cfg is not None else f"{args.params:,} parameters"
     cp = f" cp={args.cp}" if args.cp > 1 else ""
+    cp += f" ep={args.ep}" if args.ep > 1 else ""
     print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp}{cp} "
           f"zero={args.zero}{' offload' if args.offload else ''} {args.dtype} "
           f"(stage {mem['stage']}, the most loaded)")
-    for key in ("params", "grads", "optimizer", "activations", "loss_workspace", "total",
-                "host"):
+    for key in ("params", "grads", "optimizer", "activations", "loss_workspace",
+                "moe_dispatch", "total", "host"):
         if key in mem:
             print(f"  {key:<12}{_gb(mem[key])}   {mem[key]:>18,} bytes")
     _write_json(args.json, mem)
@@ -194,6 +199,10 @@ def _add_model_args(p, default: str | None) -> None:
     p.add_argument("--ffn", type=int, help="override d_ff")
     p.add_argument("--vocab", type=int, help="override vocab_size")
     p.add_argument("--seq-len", type=int, help="override seq_len")
+    p.add_argument("--moe-experts", type=int, help="experts per MoE layer (0: dense)")
+    p.add_argument("--moe-top-k", type=int, help="experts per token")
+    p.add_argument("--capacity-factor", type=float,
+                   help="expert slots per sequence over k*seq/E (0: dropless)")
     p.add_argument("--json")
 
 
@@ -202,7 +211,7 @@ def _add_theory(sub) -> None:
     _add_model_args(m, None)
     m.add_argument("--params", type=parse_count,
                    help="parameter count alone (7.5e9, 7.5B): model states only")
-    for dim in ("dp", "pp", "tp", "cp"):
+    for dim in ("dp", "pp", "tp", "cp", "ep"):
         m.add_argument(f"--{dim}", type=int, default=1)
     m.add_argument("--zero", type=int, default=0, choices=range(4))
     m.add_argument("--offload", action="store_true",

@@ -57,12 +57,13 @@ def _reduce_op(op: str):
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> int:
-    """Bytes one rank sends for ``op`` on ``n`` ranks with payload ``nbytes`` (ring)."""
+    """Bytes one rank sends for ``op`` on ``n`` ranks with payload ``nbytes`` (ring; an
+    all-to-all split evenly keeps 1/n of its payload)."""
     if n <= 1:
         return 0
     if op == "all_reduce":
         return 2 * (n - 1) * nbytes // n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * nbytes // n
     if op in ("broadcast", "send"):
         return nbytes
@@ -80,6 +81,7 @@ class CommRecord:
     start: float
     end: float = float("nan")
     peer: int | None = None  # global rank on the other side of a send / recv
+    sent_to: tuple[int, ...] | None = None  # all_to_all: bytes to each rank of the group
 
     def describe(self) -> str:
         peer = f" with rank {self.peer}" if self.peer is not None else ""
@@ -99,7 +101,9 @@ class CommLog:
     step's records into running totals (what ``summary`` and ``total`` report) and one
     line per step (``step_wire_bytes``, ``step_seconds``: 16 bytes a step), and keeps
     only the last step's records, unless ``keep=True`` (``--trace`` wants every event).
-    A 100,000-step run then holds a few MB, not millions of records.
+    A 100,000-step run then holds a few MB, not millions of records. An all-to-all's
+    record also keeps the bytes it sent to each rank of its group (``sent_to``), summed
+    in ``summary`` (a row of who sends what to whom: one number per group rank).
     """
 
     records: list[CommRecord] = field(default_factory=list)
@@ -120,11 +124,13 @@ class CommLog:
             self.on_exit = rank_status_reporter(after=True)
 
     def enter(self, op: str, dim: str, t: torch.Tensor, n: int, nbytes: int | None = None,
-              peer: int | None = None, wire: int | None = None) -> CommRecord:
+              peer: int | None = None, wire: int | None = None,
+              sent_to: tuple[int, ...] | None = None) -> CommRecord:
         nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
         wire = wire_bytes(op, nbytes, n) if wire is None else wire
         rec = CommRecord(op, dim, nbytes, wire, tuple(t.shape),
-                         str(t.dtype).replace("torch.", ""), time.time(), peer=peer)
+                         str(t.dtype).replace("torch.", ""), time.time(), peer=peer,
+                         sent_to=sent_to)
         if self.on_enter is not None:
             self.on_enter(rec)
         if self.enabled:
@@ -149,9 +155,10 @@ class CommLog:
         new = self.records[self._kept:]
         wire = seconds = 0.0
         for r in new:
-            s = self._folded.setdefault((r.dim, r.op), [0, 0, 0, 0.0])
+            s = self._folded.setdefault((r.dim, r.op), [0, 0, 0, 0.0, None])
             took = max(0.0, r.end - r.start) if r.end == r.end else 0.0
             s[0], s[1], s[2], s[3] = s[0] + 1, s[1] + r.nbytes, s[2] + r.wire_bytes, s[3] + took
+            s[4] = _add_rows(s[4], r.sent_to)
             wire, seconds = wire + r.wire_bytes, seconds + took
         self.step_wire_bytes.append(wire)
         self.step_seconds.append(seconds)
@@ -160,23 +167,27 @@ class CommLog:
         self._kept = len(self.records)
 
     def _all(self):
-        """(dim, op, calls, bytes, wire bytes, seconds): folded totals, then the rest."""
-        for (dim, op), (calls, nbytes, wire, seconds) in self._folded.items():
-            yield dim, op, calls, nbytes, wire, seconds
+        """(dim, op, calls, bytes, wire bytes, seconds, bytes sent to each group rank or
+        None): folded totals, then the rest."""
+        for (dim, op), (calls, nbytes, wire, seconds, sent_to) in self._folded.items():
+            yield dim, op, calls, nbytes, wire, seconds, sent_to
         for r in self.records[self._kept:]:
             took = max(0.0, r.end - r.start) if r.end == r.end else 0.0
-            yield r.dim, r.op, 1, r.nbytes, r.wire_bytes, took
+            yield r.dim, r.op, 1, r.nbytes, r.wire_bytes, took, r.sent_to
 
     def summary(self) -> dict[str, dict[str, dict[str, float]]]:
-        """{dim: {op: {"calls", "bytes", "wire_bytes", "seconds"}}}, over the whole run."""
+        """{dim: {op: {"calls", "bytes", "wire_bytes", "seconds"}}}, over the whole run;
+        an all-to-all also has ``sent_to``: bytes to each rank of its group."""
         out: dict = defaultdict(lambda: defaultdict(
             lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0, "seconds": 0.0}))
-        for dim, op, calls, nbytes, wire, seconds in self._all():
+        for dim, op, calls, nbytes, wire, seconds, sent_to in self._all():
             s = out[dim][op]
             s["calls"] += calls
             s["bytes"] += nbytes
             s["wire_bytes"] += wire
             s["seconds"] += seconds
+            if sent_to is not None:
+                s["sent_to"] = _add_rows(s.get("sent_to"), sent_to)
         return {d: dict(ops) for d, ops in out.items()}
 
     def total(self, key: str = "wire_bytes", dim: str | None = None,
@@ -188,6 +199,13 @@ class CommLog:
 
     def to_dicts(self) -> list[dict]:
         return [asdict(r) for r in self.records]
+
+
+def _add_rows(total: list[int] | None, row) -> list[int] | None:
+    """Element-wise sum of two per-rank byte rows (None: no row)."""
+    if row is None:
+        return total
+    return list(row) if total is None else [a + b for a, b in zip(total, row)]
 
 
 class Pending:
@@ -238,8 +256,9 @@ class Comm:
         """Copy a staged result ``h`` back into ``t`` (None if nothing was staged)."""
         return None if h is t else (lambda: t.copy_(h))
 
-    def _run(self, op, t, fn, async_op, nbytes=None, peer=None, then=None, wire=None):
-        rec = self.log.enter(op, self.dim, t, self.size, nbytes, peer, wire)
+    def _run(self, op, t, fn, async_op, nbytes=None, peer=None, then=None, wire=None,
+             sent_to=None):
+        rec = self.log.enter(op, self.dim, t, self.size, nbytes, peer, wire, sent_to)
         work = fn()
         if async_op:
             return Pending(work, rec, then, self.log.finish)
@@ -324,7 +343,8 @@ class Comm:
         """Rows of ``t`` to each rank of the group: the first ``send_rows[0]`` to rank 0,
         the next ``send_rows[1]`` to rank 1, ...; returns the rows received, rank 0's
         first (``all_to_all_single`` with split sizes; expert parallelism's dispatch and
-        combine). Counted: the payload sent, and on the wire the rows that leave."""
+        combine). Counted: the payload sent, on the wire the rows that leave, and the
+        bytes sent to each rank (``sent_to``)."""
         row = t.shape[1:].numel() * t.element_size()
         out_shape = (sum(recv_rows), *t.shape[1:])
         if self.size == 1:
@@ -334,7 +354,7 @@ class Comm:
         wire = (sum(send_rows) - send_rows[self.rank]) * row
         self._run("all_to_all", src, lambda: dist.all_to_all_single(
             out, src, list(recv_rows), list(send_rows), group=self.group), False,
-            wire=wire)
+            wire=wire, sent_to=tuple(int(n) * row for n in send_rows))
         return out.to(t.device)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -291,21 +291,22 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
     pipeline stage ``stage`` or the most loaded one: the live tensors
     (``theory.memory.memory_per_stage``: model states by ZeRO stage, activations by
     recompute and sp, the pipeline's micro-batches in flight, the loss workspace, the
-    optimizer's temporary) and what the device holds beyond them (``card_bytes``: the
+    optimizer's temporary; experts split by ep, the all-to-all's buffers) and what the
+    device holds beyond them (``card_bytes``: the
     caching allocator's reserve and the runtime). The planner prices layouts with the
     same two functions."""
     from minipar.theory.memory import card_bytes, memory_per_stage
 
     c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "cp", "zero", "microbatches", "sp",
                                       "recompute", "schedule", "virtual", "offload",
-                                      "head_layers")} | layout
+                                      "head_layers", "ep")} | layout
     rows = memory_per_stage(model, c["dp"], c["pp"], c["tp"], c["zero"], cfg.dtype,
                             "sgd" if cfg.optimizer == "sgd" else "adam",
                             max(1, cfg.batch_size // (c["dp"] * c["microbatches"])),
                             c["microbatches"], c["schedule"], c["sp"], c["recompute"],
                             virtual=c["virtual"], accounting="fused", cp=c["cp"],
                             offload=c["offload"], head_layers=c["head_layers"],
-                            grad_dtype=cfg.grad_dtype,
+                            grad_dtype=cfg.grad_dtype, ep=c["ep"],
                             stages=None if stage is None else [stage])
     device = device or device_for(cfg).type
     return max(card_bytes(r, c["zero"], device)["process"] for r in rows)
@@ -384,6 +385,8 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int,
     for tp in (t for t in range(1, world + 1) if world % t == 0):
         for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0):
             dp = world // (tp * pp)
+            if dp % cfg.ep:
+                continue
             for m in sorted({cfg.microbatches, *(2**k for k in range(12))}):
                 try:
                     check_tp(model, tp, cfg.sp)

@@ -71,6 +71,9 @@ EXERCISES: dict[str, Exercise] = {
     "attention_merge": Exercise(
         "07", "merge partial attention by log-sum-exp (ring attention)",
         ("merge_attention",)),
+    "moe_dispatch": Exercise(
+        "08", "dispatch and combine by all-to-all (expert parallelism)",
+        ("dispatch", "combine"), timeout=60.0),
 }
 
 

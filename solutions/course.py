@@ -37,8 +37,9 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "check_dp_run", "check_h100_trace", "check_sharded_build", "check_sp_run",
            "check_spanning", "check_tp_run", "check_zero_memory", "h100_data",
            "h100_headline_table", "h100_overlap_table", "hint", "layout_puzzle", "log_error",
-           "measure_builds", "overlap_of_picture", "predict", "predictions_path",
-           "record_prediction", "say", "score_layout", "score_schedule", "show_calibration"]
+           "measure_builds", "MOE_PUZZLE", "moe_puzzle", "overlap_of_picture", "predict",
+           "predictions_path", "record_prediction", "router_demo", "say", "score_layout",
+           "score_schedule", "show_calibration"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
 LEVELS = {1: "a nudge", 2: "the method", 3: "the answer"}
@@ -120,6 +121,15 @@ HINTS: dict[str, dict[int, str]] = {
            "union's denominator; then rewrite every factor so that only differences of "
            "log-sum-exps are exponentiated (never e^lse itself: scores can be large). "
            "torch has a function for log(e^a + e^b).",
+    },
+    "moe_dispatch": {
+        1: "Before any row can move, every rank must know how many rows it will receive "
+           "from each rank: what could the ranks exchange first, and with which sizes?",
+        2: "Exchange the counts by an all-to-all of one row per rank, then the rows with "
+           "split sizes taken from the counts (yours to send, theirs to receive). The rows "
+           "arrive grouped by source rank; give each row a sort key made of its expert "
+           "and its source, and sort stably. combine applies the inverse permutation, "
+           "then the all-to-all with the two split lists swapped.",
     },
     "debug_deadlock": {
         1: "Read the hang report: which operation is every rank stuck in, and who would "
@@ -399,7 +409,8 @@ def score_layout(layout: dict | None, model: str, cluster: str, global_batch: in
         print(f"not a layout the planner can build: {exc}")
         return {"passed": False, "error": str(exc)}
     mem, step = lay.memory["total"], lay.step_time
-    parts = ", ".join(f"{k} {lay.time[k]:.2f}" for k in ("compute", "bubble", "tp", "pp", "dp"))
+    keys = ("compute", "bubble", "tp") + (("ep",) if lay.ep > 1 else ()) + ("pp", "dp")
+    parts = ", ".join(f"{k} {lay.time[k]:.2f}" for k in keys)
     print(f"{lay.label()}\n  memory {mem / 1e9:.1f} GB per GPU (cap {memory_cap / 1e9:.0f}); "
           f"step {step:.2f} s (target {step_target:.2f}): {parts}; MFU {lay.mfu:.0%}")
     ok = mem <= memory_cap and step <= step_target
@@ -431,6 +442,72 @@ def layout_puzzle() -> dict:
     text = (f"The balanced `{balanced.label()}` needs {priced(balanced)}; the planner's "
             f"favourite, `{favourite.label()}`, needs {priced(favourite)}.")
     return {"balanced": balanced, "favourite": favourite, "text": text}
+
+
+# Lesson 08's puzzle: an MoE model of 13.8B parameters (moe-1.3b with 64 experts per MoE
+# layer; 1.3B active) on 64 A100s under a memory cap and a step target. Its premise (the
+# planner's favourite is over the cap; no layout that keeps every expert on every rank,
+# ep = 1, meets both) is computed by ``moe_puzzle`` and tested.
+MOE_PUZZLE = dict(model=None, cluster="a100x64", global_batch=512, memory_cap=20e9,
+                  step_target=1.0)
+
+
+def moe_puzzle() -> dict:
+    """Lesson 08's puzzle, priced by the planner: ``puzzle`` (``score_layout``'s
+    arguments, the model included), ``favourite`` (the planner's first choice without a
+    cap), ``replicated`` (the fastest layout with ep = 1 under the cap, or None) and
+    ``solvable`` (some layout meets both)."""
+    from minipar.model import get_config
+    from minipar.theory.planner import plan
+
+    p = {**MOE_PUZZLE, "model": get_config("moe-1.3b").with_(n_expert=64)}
+    layouts = plan(p["model"], p["cluster"], p["global_batch"],
+                   recomputes=("none", "selective"), schedules=("1f1b",))
+    under = [lay for lay in layouts if lay.memory["total"] <= p["memory_cap"]]
+    replicated = next((lay for lay in under if lay.ep == 1), None)
+    return {"puzzle": p, "favourite": layouts.best, "replicated": replicated,
+            "solvable": any(lay.step_time <= p["step_target"] for lay in under)}
+
+
+def router_demo(aux_coef: float, n_expert: int = 8, tokens: int = 512, steps: int = 300,
+                seed: int = 0) -> dict:
+    """A router trained on 2-D tokens (lesson 08 § 1): ``tokens`` points from ``n_expert``
+    clusters of unequal sizes; the "task" wants each token at its own cluster's expert
+    (a cross-entropy on the router's logits, standing in for how well an expert serves
+    a token), plus ``aux_coef`` times ``minipar.model.load_balancing_loss``. Returns
+    the points, each token's expert (top-1 ``route``), the load per expert, and the two
+    losses at the end."""
+    import torch
+    import torch.nn.functional as F
+
+    from minipar.model import load_balancing_loss, route
+
+    g = torch.Generator().manual_seed(seed)
+    share = torch.tensor([0.5 ** (i / 2) for i in range(n_expert)])
+    cluster = torch.multinomial(share / share.sum(), tokens, replacement=True, generator=g)
+    angle = 2 * math.pi * cluster / n_expert
+    x = torch.stack([angle.cos(), angle.sin()], 1) + 0.35 * torch.randn(tokens, 2, generator=g)
+    router = torch.nn.Linear(2, n_expert, bias=False)
+    with torch.no_grad():
+        router.weight.copy_(0.01 * torch.randn(n_expert, 2, generator=g))
+    opt = torch.optim.Adam(router.parameters(), lr=0.05)
+    for _ in range(steps):
+        logits = router(x)
+        _, expert, _, probs = route(logits[None], 1, 0)
+        task = F.cross_entropy(logits, cluster)
+        balance = load_balancing_loss(probs, expert)
+        opt.zero_grad()
+        (task + aux_coef * balance).backward()
+        opt.step()
+    with torch.no_grad():
+        logits = router(x)
+        _, expert, _, probs = route(logits[None], 1, 0)
+        task, balance = F.cross_entropy(logits, cluster), load_balancing_loss(probs, expert)
+    picked = expert[0, :, 0].tolist()
+    load = [picked.count(e) / tokens for e in range(n_expert)]
+    return {"points": x.tolist(), "experts": picked, "load": load, "n_expert": n_expert,
+            "task_loss": float(task), "balance_loss": float(balance),
+            "max_over_mean": max(load) * n_expert}
 
 
 # --- what the lessons' runs show ------------------------------------------------------

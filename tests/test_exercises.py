@@ -108,6 +108,7 @@ GIVEAWAYS = {
                   "forward all-reduces"],
     "ring_allreduce": ["(rank - s", "one index lower", "it has just added to"],
     "zero1": ["1. reduce-scatter", "reduce-scatter the gradients, step"],
+    "moe_dispatch": ["expert * ep + source", "got.sum(1)", "back[order]", "sum(1)"],
 }
 
 
@@ -409,6 +410,19 @@ MESSAGE_MUTANTS = {
         "    return (torch.exp(lse_a - lse) * out_a + torch.exp(lse_b - lse) * out_b, lse)\n",
         ["merge_attention raised RuntimeError", "out_a has shape (2, 2, 5, 4)",
          ".unsqueeze(-1)"]),
+    "dispatch_unsorted": (
+        "moe_dispatch", "    return rows[order], got.sum(0), (order, send, recv)\n",
+        "    return rows, got.sum(0), (torch.arange(len(rows)), send, recv)\n",
+        ["2 ranks: rank 0 (experts 0-3), returned row", "expected row", "of rank 1, got row",
+         "the right rows arrived in the wrong order"]),
+    "combine_no_inverse": (
+        "moe_dispatch", "    return all_to_all(y[back], comm, recv, send)\n",
+        "    return all_to_all(y[order], comm, recv, send)\n",
+        ["combine on rank", "expected that of row", "undo dispatch's sort"]),
+    "dispatch_not_differentiable": (
+        "moe_dispatch", "    rows = all_to_all(x, comm, send, recv)\n",
+        "    rows = comm.all_to_all(x, send, recv)\n",
+        ["moe-tiny on dp 2, ep 2", "gradient norm expected", "(one process), got"]),
 }
 
 

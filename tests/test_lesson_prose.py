@@ -180,11 +180,11 @@ def test_the_check_flags_figures_that_once_contradicted_their_outputs() -> None:
 
 # --- lesson 06's layout puzzle ---------------------------------------------------------
 
-def _instructor_answer() -> dict:
-    """The layout docs/instructor.md gives for lesson 06's puzzle (its ``dict(...)``)."""
+def _instructor_answer(lesson: str = "06") -> dict:
+    """The layout docs/instructor.md gives for a lesson's puzzle (its ``dict(...)``)."""
     text = (ROOT / "docs" / "instructor.md").read_text()
-    m = re.search(r"lesson 06 puzzle answer:\s*`(dict\([^`]*\))`", text)
-    assert m, "docs/instructor.md gives lesson 06's puzzle answer as `dict(...)`"
+    m = re.search(rf"lesson {lesson} puzzle answer:\s*`(dict\([^`]*\))`", text)
+    assert m, f"docs/instructor.md gives lesson {lesson}'s puzzle answer as `dict(...)`"
     call = ast.parse(m.group(1), mode="eval").body
     return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
 
@@ -198,6 +198,20 @@ def test_layout_puzzle_premise_holds_and_the_instructor_answer_passes(capsys) ->
     assert balanced.memory["total"] <= cap < favourite.memory["total"]
     assert favourite.step_time <= target < balanced.step_time
     result = score_layout(_instructor_answer(), **LAYOUT_PUZZLE)
+    assert result["passed"], result
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_moe_puzzle_premise_holds_and_the_instructor_answer_passes(capsys) -> None:
+    """Lesson 08: the planner's favourite is over the cap, every layout that keeps all
+    experts on each rank (ep = 1) within the cap is too slow, and the answer passes."""
+    from solutions.course import moe_puzzle, score_layout
+
+    p = moe_puzzle()
+    cap, target = p["puzzle"]["memory_cap"], p["puzzle"]["step_target"]
+    assert p["favourite"].memory["total"] > cap
+    assert p["replicated"] is not None and p["replicated"].step_time > target
+    result = score_layout(_instructor_answer("08"), **p["puzzle"])
     assert result["passed"], result
     assert "PASS" in capsys.readouterr().out
 

@@ -316,3 +316,34 @@ def test_collective_tables_and_the_ring_steps() -> None:
     assert len(collectives_figure(n).data) == 2 * len(OPS)
     fig = ring_allreduce_figure(n)
     assert len(fig.layout.sliders[0].steps) == len(history)
+
+
+# --- mixture of experts (lesson 08) -----------------------------------------------------
+
+def test_router_figure_shows_every_token_and_the_loads() -> None:
+    from minipar.viz.moe import router_figure
+    from solutions.course import router_demo
+
+    demo = router_demo(0.0, steps=20)
+    fig = router_figure(demo["points"], demo["experts"], demo["n_expert"])
+    points = [t for t in fig.data if t.type == "scatter"]
+    assert sum(len(t.x) for t in points) == len(demo["points"])
+    bars = [t.y[0] for t in fig.data if t.type == "bar"]
+    assert bars == pytest.approx(demo["load"], abs=1e-4) and sum(bars) == pytest.approx(1)
+
+
+def test_router_demo_trades_the_task_for_balance() -> None:
+    from solutions.course import router_demo
+
+    free, balanced = router_demo(0.0), router_demo(10.0)
+    assert free["max_over_mean"] > 1.5 * balanced["max_over_mean"]
+    assert balanced["balance_loss"] < free["balance_loss"]
+    assert balanced["task_loss"] > free["task_loss"]
+
+
+def test_traffic_figure_is_the_matrix() -> None:
+    from minipar.viz.moe import traffic_figure
+
+    sent = [[10, 2000], [3000, 40]]
+    fig = traffic_figure(sent)
+    assert [list(r) for r in fig.data[0].z] == sent

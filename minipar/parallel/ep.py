@@ -5,12 +5,12 @@ With E experts and ep ranks, rank j of an ep group (``Mesh.ep_ranks``) holds exp
 rows). The expert MLPs (``model.Experts``) are replaced by ``ExpertParallel``, which is
 called exactly as they are, with this rank's rows sorted by expert, and:
 
-1. exchanges the row counts (all-to-all of E integers): how many rows each rank will
-   send to each of my experts;
-2. *dispatch*: all-to-all of the rows, those of experts on rank j going to rank j;
-3. regroups what arrived (by source rank, then expert) by expert, and runs its experts
-   (one grouped GEMM);
-4. *combine*: the reverse all-to-all brings each result back to its token's rank.
+1. ``dispatch``: exchanges the row counts (all-to-all of E integers: how many rows each
+   rank will send to each of my experts), sends the rows (those of experts on rank j
+   to rank j), and regroups what arrived (by source rank, then expert) by expert;
+2. runs its experts on them (one grouped GEMM);
+3. ``combine``: undoes the regrouping, and the reverse all-to-all brings each result
+   back to its token's rank.
 
 The backward of an all-to-all is the all-to-all of the gradients with the split sizes
 swapped. Every exchange goes through ``Comm.all_to_all`` (counted). This is the
@@ -83,6 +83,45 @@ class _AllToAll(torch.autograd.Function):
         return ctx.comm.all_to_all(grad, ctx.recv, ctx.send), None, None, None
 
 
+def all_to_all(x: torch.Tensor, comm: Comm, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Rows of ``x`` to each rank of ``comm`` (``send[j]`` rows to rank j, in order),
+    returning the ``recv[j]`` rows from each rank j, rank 0's first
+    (``all_to_all_single`` with split sizes, counted); differentiable: the backward
+    sends the gradients back with the split sizes swapped."""
+    return _AllToAll.apply(x, comm, send, recv)
+
+
+def dispatch(x: torch.Tensor, counts: torch.Tensor, comm: Comm) -> tuple:
+    """Send this rank's rows to the ranks holding their experts.
+
+    ``x``: this rank's rows sorted by (global) expert, ``counts`` [E] rows per expert;
+    rank j of ``comm`` holds experts [j E/ep, (j+1) E/ep). Returns (``rows``: every
+    rank's rows for my experts, sorted by my expert (then by source rank),
+    ``local_counts`` [E/ep], ``plan``: what ``combine`` needs to send the results back).
+    """
+    ep, local = comm.size, counts.numel() // comm.size
+    # [source rank, my expert]: rows each rank sends to each of my experts
+    got = comm.all_to_all(counts.view(ep, local), [1] * ep, [1] * ep)
+    send = counts.view(ep, local).sum(1).tolist()
+    recv = got.sum(1).tolist()
+    rows = all_to_all(x, comm, send, recv)
+    # arrived by (source, expert); my experts want them by (expert, source)
+    arange = torch.arange(max(ep, local), device=x.device)
+    key = arange[:local] * ep + arange[:ep, None]  # [source, expert] -> expert-major
+    order = torch.sort(key.flatten().repeat_interleave(
+        got.flatten(), output_size=rows.shape[0]), stable=True)[1]
+    return rows[order], got.sum(0), (order, send, recv)
+
+
+def combine(y: torch.Tensor, plan: tuple, comm: Comm) -> torch.Tensor:
+    """The inverse of ``dispatch``: ``y`` (one result per row ``dispatch`` returned, in
+    its order) back to the rows' own ranks, in the order ``dispatch`` was given them."""
+    order, send, recv = plan
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=y.device)
+    return all_to_all(y[back], comm, recv, send)
+
+
 class ExpertParallel(Experts):
     """This rank's E/ep experts of one MoE layer, serving every ep rank's tokens.
 
@@ -97,21 +136,8 @@ class ExpertParallel(Experts):
         self.comm, self.n_expert = comm, n_expert
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep, local = self.comm.size, self.n_expert // self.comm.size
-        # [source rank, my expert]: rows each rank sends to each of my experts
-        got = self.comm.all_to_all(counts.view(ep, local), [1] * ep, [1] * ep)
-        send = counts.view(ep, local).sum(1).tolist()
-        recv = got.sum(1).tolist()
-        rows = _AllToAll.apply(x, self.comm, send, recv)
-        # arrived by (source, expert); my experts want them by (expert, source)
-        arange = torch.arange(max(ep, local), device=x.device)
-        key = arange[:local] * ep + arange[:ep, None]  # [source, expert] -> expert-major
-        order = torch.sort(key.flatten().repeat_interleave(
-            got.flatten(), output_size=rows.shape[0]), stable=True)[1]
-        y = super().forward(rows[order], got.sum(0))
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=x.device)
-        return _AllToAll.apply(y[back], self.comm, recv, send)
+        rows, local_counts, plan = dispatch(x, counts, self.comm)
+        return combine(super().forward(rows, local_counts), plan, self.comm)
 
 
 def apply_expert_parallel(model: nn.Module, comm: Comm) -> nn.Module:

@@ -117,11 +117,14 @@ class Cluster:
 
     def link(self, op: str, spans_nodes: bool) -> tuple[float, float]:
         """(bandwidth, latency) of one ``op`` in a group inside a node or across nodes:
-        the measured figures for ``op`` when calibrated, else the presets."""
+        the measured figures for ``op`` when calibrated, else the presets. An all-to-all
+        not calibrated takes the all-gather's (each rank sends (n-1)/n of its payload)."""
         if spans_nodes:
             return self.inter_bw, self.latency
         measured = {name: (bw, lat) for name, lat, bw in self.links}
         op = "send" if op == "recv" else op
+        if op == "all_to_all" and op not in measured:
+            op = "all_gather"
         return measured.get(op, (self.intra_bw, self.latency))
 
     @property

@@ -99,10 +99,12 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
                 zero: int = 0, dtype: str = "bf16", microbatch_size: int = 1,
                 microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
                 recompute: str = "none", *, virtual: int = 1, stage: int = 0,
-                cp: int = 1) -> dict[str, dict[str, dict[str, int]]]:
+                cp: int = 1, ep: int = 1) -> dict[str, dict[str, dict[str, int]]]:
     """Predicted ``CommLog.summary()`` of one rank of pipeline stage ``stage`` for one
     training step (``microbatches`` micro-batches of ``microbatch_size`` sequences).
-    ``schedule`` does not change the bytes, only when they move."""
+    ``schedule`` does not change the bytes, only when they move. With ``ep`` a rank
+    reduces E/ep experts (over dp / ep replicas: counted here with the dense part); the
+    all-to-all is ``theory.moe.all_to_all_bytes``."""
     cfg = get_model(cfg)
     check_divisible(cfg, tp)
     if sp and tp == 1:
@@ -114,7 +116,7 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
     first, last = stage == 0, stage == pp - 1
 
     # data parallel, for the parameters this rank holds
-    out = dp_volume(stage_params(cfg, pp, tp, stage, virtual), dp * cp, zero, dtype, m,
+    out = dp_volume(stage_params(cfg, pp, tp, stage, virtual, ep=ep), dp * cp, zero, dtype, m,
                     "dp_cp" if cp > 1 else "dp")
 
     # tensor parallel, per micro-batch: collectives of b*s*h activations

@@ -23,6 +23,12 @@ fp32 gradients of the log-probabilities and of the logits (``2 x 4 s b V`` bytes
 the stored log-softmax output, while every activation is still alive. With GPT-2's
 50k vocabulary that is the largest single term for models up to ~1B parameters
 (``loss_workspace``).
+
+Mixture of experts (``model.MoE``; ``theory.moe``): an MoE block keeps the rows it
+sends to its experts and their hidden activations instead of the MLP's; with expert
+parallelism (``ep``) the expert weights are E/ep per rank and ZeRO shards their states
+over their dp/ep replicas, and the all-to-all's send and receive buffers are live while
+an MoE block runs (``moe_layer_activations``).
 """
 
 from __future__ import annotations
@@ -37,7 +43,13 @@ from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-expo
 )
 from minipar.theory.context import ring_kept_bytes
 from minipar.theory.models import get_model
-from minipar.theory.params import check_divisible, stage_layers, stage_params
+from minipar.theory.params import (
+    check_divisible,
+    stage_expert_params,
+    stage_layers,
+    stage_moe_layers,
+    stage_params,
+)
 
 # Bytes per parameter: (weights, gradients, optimizer state).
 # "bf16" is mixed precision as in the ZeRO paper (Sec. 3.1): 16-bit weights and grads,
@@ -72,8 +84,14 @@ def state_bytes(dtype: str = "bf16", optimizer: str = "adam") -> tuple[int, int,
     return 4, 4, k
 
 
+def sharded(n_params: int, parts: int, experts: int = 0, ep: int = 1) -> int:
+    """Elements of one rank's ZeRO shard of ``n_params``: ceil(n / parts), where the
+    ``experts`` among them (expert parallelism) shard over their parts / ep replicas."""
+    return math.ceil((n_params - experts) / parts) + math.ceil(experts / (parts // ep))
+
+
 def model_states(n_params: int, dp: int = 1, zero: int = 0, dtype: str = "bf16",
-                 optimizer: str = "adam") -> dict[str, int]:
+                 optimizer: str = "adam", experts: int = 0, ep: int = 1) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state on one data-parallel rank that
     holds ``n_params`` parameters before ZeRO (ZeRO paper, Sec. 5, Fig. 1).
 
@@ -84,11 +102,13 @@ def model_states(n_params: int, dp: int = 1, zero: int = 0, dtype: str = "bf16",
     fp32 (4 bytes, not the paper's 2, under bf16 with stage 2 or 3).
     Example (the paper's Fig. 1): 7.5B parameters, dp = 64, bf16 Adam: 120 GB with
     stage 0, 31.4 GB with stage 1, 16.6 GB with stage 2, 1.9 GB with stage 3.
+    ``experts`` of the ``n_params`` are split by expert parallelism: their states shard
+    over their dp / ep replicas (``sharded``).
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
     pw, pg, po = state_bytes(dtype, optimizer)
-    shard = math.ceil(n_params / dp)
+    shard = sharded(n_params, dp, experts, ep)
     return {
         "params": (shard if zero >= 3 else n_params) * pw,
         "grads": (shard if zero >= 2 else n_params) * pg,
@@ -169,6 +189,43 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
     return items
 
 
+def moe_layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1,
+                          recompute: str = "none", dtype: str = "bf16",
+                          ep: int = 1, tp: int = 1) -> dict[str, float]:
+    """Bytes an MoE block stores for backward per micro-batch beyond a dense block's
+    (``layer_activations`` less its MLP's two wide tensors, which tp splits; the block
+is whole on every tp rank), and ``dispatch``: the
+    all-to-all buffers live while it runs (not stored).
+
+    A sequence's k s assignments become rows sorted by expert: the experts keep their
+    input rows (h), hidden activations before and after GELU (g each) and outputs (h,
+    for the gate); the router its fp32 probabilities (E per token); the routing two int64
+    indices per row. Rows: k s per sequence, at most E C with a capacity C
+    (``moe.capacity``). Under ep a rank's experts serve every ep rank's rows: balanced
+    routing gives k s again, and a capacity bounds them at E C a sequence (dropless has
+    no bound: all tokens may pick this rank's experts). ``dispatch``: under ep, the rows
+    sent and the rows received (2 x rows x h), beside the stored ones.
+    """
+    cfg = get_model(cfg)
+    if not cfg.n_expert or recompute == "full":
+        return {}
+    s, b, h, e = cfg.seq_len, microbatch_size, cfg.d_model, _act_bytes(dtype)
+    g, k, n = cfg.expert_d_ff, cfg.moe_top_k, cfg.n_expert
+    slots = n * math.ceil(cfg.capacity_factor * k * s / n) if cfg.capacity_factor > 0 else 0
+    per_seq = k * s if not slots else (slots if ep > 1 else min(k * s, slots))
+    rows = b * per_seq
+    dense = layer_activations(cfg, microbatch_size, tp, False, recompute, dtype, "fused")
+    return {
+        "expert input rows": rows * h * e,
+        "expert hidden (GELU input and output)": 2 * rows * g * e,
+        "expert outputs (for the gate)": rows * h * e,
+        "router probabilities (fp32)": s * b * n * 4,
+        "routing indices (int64)": 2 * rows * 8,
+        "less the MLP's": -(dense["gelu input"] + dense["mlp proj input (gelu output)"]),
+        "dispatch": 2 * rows * h * e if ep > 1 else 0,
+    }
+
+
 def edge_activations(cfg: GPTConfig | str, where: str, microbatch_size: int = 1,
                      tp: int = 1, sp: bool = False, dtype: str = "bf16",
                      accounting: str = "korthikanti") -> dict[str, float]:
@@ -240,11 +297,13 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
                       schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
                       recompute: str = "none", dtype: str = "bf16",
                       accounting: str = "korthikanti", cp: int = 1,
-                      head_layers: int = 0) -> float:
+                      head_layers: int = 0, ep: int = 1) -> float:
     """Peak activation bytes on one rank of pipeline stage ``stage``: per-layer bytes x
     layers per chunk x chunks in flight (interleaved: chunks in flight / v, as Megatron's
     estimator; uneven chunks: their mean size), plus the embedding terms on the first
-    stage and the head terms on the last, times its micro-batches in flight."""
+    stage and the head terms on the last, times its micro-batches in flight. An MoE
+    block's stored rows replace its MLP's (``moe_layer_activations``; its all-to-all
+    buffers are ``memory_per_stage``'s)."""
     cfg = get_model(cfg)
     check_divisible(cfg, tp)
     per_layer = sum(layer_activations(cfg, microbatch_size, tp, sp, recompute, dtype,
@@ -252,6 +311,10 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
     chunks = inflight(schedule, pp, microbatches, stage, virtual)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) / virtual
     total = per_layer * layers * chunks
+    moe = moe_layer_activations(cfg, microbatch_size, recompute, dtype, ep, tp)
+    moe.pop("dispatch", None)
+    total += (sum(moe.values()) * stage_moe_layers(cfg, pp, stage, virtual, head_layers)
+              / virtual * chunks)
     fused = accounting == "fused"  # minipar's ZB-H1: s + 1 W passes pending on stage s,
     if schedule == "zb":  # each keeping its output gradients; the paper's: all in flight
         pending = min(microbatches, stage + 1) if fused else chunks
@@ -268,7 +331,7 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
 
 
 # --- the whole picture -------------------------------------------------------------------
-def _minipar_grads(grads: int, n: int, parts: int, zero: int, dtype: str,
+def _minipar_grads(grads: int, n: int, shard: int, zero: int, dtype: str,
                    grad_dtype: str, microbatches: int = 1) -> int:
     """The gradient bytes minipar holds (``accounting="fused"``), where the paper's
     ``grads`` counts 2 under bf16: ZeRO 0-2 sum micro-batches in ``grad_dtype`` (fp32 by
@@ -278,7 +341,7 @@ def _minipar_grads(grads: int, n: int, parts: int, zero: int, dtype: str,
     if zero == 3 or state_bytes(dtype)[0] == 4:
         return grads
     full = n * (4 if grad_dtype == "fp32" else 2)
-    return math.ceil(n / parts) * 4 if zero == 2 and microbatches == 1 else full
+    return shard * 4 if zero == 2 and microbatches == 1 else full
 
 
 # --- what the card holds beyond the tensors ----------------------------------------------
@@ -299,13 +362,13 @@ MEMORY_MARGIN = 0.07
 
 
 def optimizer_step_bytes(n: int, parts: int, zero: int, dtype: str = "bf16",
-                         optimizer: str = "adam") -> int:
+                         optimizer: str = "adam", experts: int = 0, ep: int = 1) -> int:
     """The transient of the optimizer step itself: torch's multi-tensor AdamW works on
     whole lists at once and keeps one temporary the size of the fp32 parameters it
-    updates (the shard under ZeRO 1-3). Plain SGD makes none."""
+    updates (the shard under ZeRO 1-3; ``sharded``). Plain SGD makes none."""
     if _ALIASES.get(optimizer, optimizer) == "sgd":
         return 0
-    return (math.ceil(n / parts) if zero >= 1 else n) * 4
+    return (sharded(n, parts, experts, ep) if zero >= 1 else n) * 4
 
 
 def card_bytes(row: dict, zero: int, device: str = "cuda") -> dict[str, int]:
@@ -328,7 +391,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      virtual: int = 1, accounting: str = "korthikanti",
                      stages: list[int] | None = None, cp: int = 1,
                      offload: bool = False, head_layers: int = 0,
-                     grad_dtype: str = "fp32") -> list[dict]:
+                     grad_dtype: str = "fp32", ep: int = 1) -> list[dict]:
     """``memory_breakdown`` for each pipeline stage (or the listed ``stages``); every
     data-, tensor- and context-parallel rank of a stage holds the same (up to ZeRO
     padding).
@@ -345,16 +408,25 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     compute-dtype weights (ZeRO-3: now a 16-bit shard, which the gathers read) and the
     gradient buffers, and ``host`` counts what the host holds (``zero_offload_memory``:
     master, its gradient, states, landing buffers). ``head_layers``: ``partition_layers``.
+    Expert parallelism (``ep``, dividing dp): a rank holds E/ep experts of each MoE
+    block, whose states ZeRO shards over dp/ep (``n_experts`` of ``n_params``), and
+    ``moe_dispatch`` counts the all-to-all's buffers, live in the backward.
     """
     from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 
     if cfg is None and params is None:
         raise ValueError("give a model config (or preset name) or params=N")
     for flag, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp), ("virtual", virtual),
+                        ("ep", ep),
                         ("microbatch-size", microbatch_size), ("microbatches", microbatches),
                         ("params", params)):
         positive(flag, value)
     cfg = get_model(cfg) if cfg is not None else None
+    if ep > 1 and (cfg is None or not cfg.n_expert):
+        raise ValueError(f"--ep {ep} needs a mixture-of-experts model (--moe-experts E)")
+    if dp % ep or (cfg is not None and cfg.n_expert % ep):
+        raise ValueError(f"--ep {ep} must divide --dp {dp} and the number of experts "
+                         f"({cfg.n_expert if cfg else 0})")
     if cfg is not None and cp > 1 and cfg.seq_len % (2 * cp):
         raise ValueError(f"--cp {cp} needs a sequence length divisible by 2*cp={2 * cp} "
                          f"(the zig-zag split's chunks); seq_len is {cfg.seq_len}")
@@ -362,18 +434,22 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     out = []
     for s in stages:
         if cfg is None:  # model states only, the parameters spread evenly
-            n = math.ceil(params / (pp * tp))
+            n, ne = math.ceil(params / (pp * tp)), 0
             act = 0.0
         else:
-            n = stage_params(cfg, pp, tp, s, virtual, head_layers)
+            n = stage_params(cfg, pp, tp, s, virtual, head_layers, ep)
+            ne = stage_expert_params(cfg, pp, s, virtual, head_layers, ep)
             act = stage_activations(cfg, pp, tp, s, microbatch_size, microbatches, schedule,
                                     virtual, sp, recompute, dtype, accounting, cp,
-                                    head_layers) / cp
-        row = {"stage": s, "n_params": n, **model_states(n, dp * cp, zero, dtype, optimizer),
+                                    head_layers, ep) / cp
+        shard = sharded(n, dp * cp, ne, ep)
+        row = {"stage": s, "n_params": n,
+               **model_states(n, dp * cp, zero, dtype, optimizer, ne, ep),
                "activations": int(round(act))}
+        if ne:
+            row["n_experts"] = ne
         pw = state_bytes(dtype, optimizer)[0]
         if zero == 3 and pw < 4:  # a 16-bit shard only where offload took the master away
-            shard = math.ceil(n / (dp * cp))
             row["params"], row["grads"] = (shard * pw if offload else 0), shard * 4
         if offload:
             from minipar.theory.offload import zero_offload_memory
@@ -384,7 +460,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
             ws = loss_workspace(cfg, microbatch_size, tp, accounting, cp) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
-            row["grads"] = _minipar_grads(row["grads"], n, dp * cp, zero, dtype, grad_dtype,
+            row["grads"] = _minipar_grads(row["grads"], n, shard, zero, dtype, grad_dtype,
                                           microbatches)
             # only ZeRO-1's full buffer lives across steps; the others are
             # made in the backward as it frees activations: one micro-batch holds the
@@ -392,13 +468,15 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             # forwards (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved within 3%)
             both = (row["grads"], row["activations"])
             held = max(both) if zero != 1 and microbatches == 1 else sum(both)
-            backward = row["params"] + row["optimizer"] + held + row["loss_workspace"]
+            moe = moe_layer_activations(cfg, microbatch_size, recompute, dtype, ep, tp)
+            row["moe_dispatch"] = int(moe.get("dispatch", 0))
+            backward = (row["params"] + row["optimizer"] + held + row["loss_workspace"]
+                        + row["moe_dispatch"])
             # the step: states, the reduced gradients and the optimizer's temporary
             row["optimizer_step"] = 0 if offload else optimizer_step_bytes(
-                n, dp * cp, zero, dtype, optimizer)
+                n, dp * cp, zero, dtype, optimizer, ne, ep)
             step = (row["params"] + row["optimizer"] + row["optimizer_step"]
-                    + (row["grads"] if zero != 2 or microbatches == 1
-                       else math.ceil(n / (dp * cp)) * 4))
+                    + (row["grads"] if zero != 2 or microbatches == 1 else shard * 4))
             row["total"] = max(backward, step)
         out.append(row)
     return out
@@ -410,7 +488,8 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
                      recompute: str = "none", *, params: int | None = None,
                      virtual: int = 1, accounting: str = "korthikanti",
-                     stage: int | None = None, cp: int = 1, offload: bool = False) -> dict:
+                     stage: int | None = None, cp: int = 1, offload: bool = False,
+                     ep: int = 1) -> dict:
     """Bytes on the most loaded device (or on ``stage``): keys ``params``, ``grads``,
     ``optimizer``, ``activations``, ``total``, plus ``stage`` and ``n_params``
     (and ``host`` with ``offload``: bytes in host memory, not in ``total``)
@@ -425,7 +504,7 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     rows = memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
                             microbatches, schedule, sp, recompute, params=params,
                             virtual=virtual, accounting=accounting, cp=cp, offload=offload,
-                            stages=sorted({0, pp - 1}) if stage is None else [stage])
+                            ep=ep, stages=sorted({0, pp - 1}) if stage is None else [stage])
     return max(rows, key=lambda r: r["total"])
 
 

@@ -16,6 +16,9 @@ Parameters of one transformer layer (h = d_model, f = d_ff):
 
 which is the per-layer count of Narayanan et al. 2021 (arXiv 2104.04473, Sec. 5.1),
 ``12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))`` for the whole model with a tied head.
+A mixture-of-experts block (``cfg.is_moe``) holds a router (hE) and E expert MLPs
+(2hg + g + h each, g = ``expert_d_ff``) instead of the MLP; a token's matmuls use the
+router and k experts (``theory.moe``). Neither is split by tp; ep splits the experts.
 
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053) splits the
 column-parallel ``qkv`` and ``fc`` (weight and bias) and the row-parallel ``proj``
@@ -82,10 +85,27 @@ def layer_params(cfg: GPTConfig | str) -> int:
     return sum(p.numel for p in param_table(cfg) if p.where == "layer")
 
 
+def _moe_block(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(parameters an MoE block holds on one rank beyond a dense block's tp share, of
+    which expert weights): the router and E/ep experts, less the MLP's tp share."""
+    h, f, g = cfg.d_model, cfg.d_ff, cfg.expert_d_ff
+    experts = cfg.n_expert // ep * (2 * h * g + g + h)
+    mlp = (2 * h * f + f) // tp + h
+    return h * cfg.n_expert + experts - mlp, experts
+
+
+def stage_moe_layers(cfg: GPTConfig | str, pp: int = 1, stage: int = 0, virtual: int = 1,
+                     head_layers: int = 0) -> int:
+    """Mixture-of-experts blocks held by pipeline ``stage`` (``stage_layers``' rule)."""
+    cfg = get_model(cfg)
+    chunks = partition_layers(cfg.n_layer, pp * virtual, head_layers)
+    return sum(cfg.is_moe(i) for c in range(stage, pp * virtual, pp) for i in chunks[c])
+
+
 def param_count(cfg: GPTConfig | str) -> int:
     """Parameters of the whole model, a tied head counted once (= ``GPT.num_params()``)."""
     cfg = get_model(cfg)
-    total = cfg.n_layer * layer_params(cfg)
+    total = cfg.n_layer * layer_params(cfg) + cfg.n_moe_layers * _moe_block(cfg)[0]
     total += sum(p.numel for p in param_table(cfg) if p.where != "layer")
     if cfg.tie_embeddings:
         total -= cfg.vocab_size * cfg.d_model
@@ -119,8 +139,9 @@ def stage_layers(n_layer: int, pp: int = 1, stage: int = 0, virtual: int = 1,
 
 
 def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
-                 virtual: int = 1, head_layers: int = 0) -> int:
-    """Parameters held by one rank of pipeline stage ``stage`` after a tp-way split.
+                 virtual: int = 1, head_layers: int = 0, ep: int = 1) -> int:
+    """Parameters held by one rank of pipeline stage ``stage`` after a tp-way split (and
+    an ep-way split of the experts: ``stage_expert_params`` of them are expert weights).
 
     With ``virtual`` chunks per stage (interleaved schedule) a stage holds about the
     same number of layers, only not consecutive ones.
@@ -134,6 +155,8 @@ def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
 
     table = param_table(cfg)
     n = layers * sum(share(p) for p in table if p.where == "layer")
+    if cfg.n_expert:
+        n += stage_moe_layers(cfg, pp, stage, virtual, head_layers) * _moe_block(cfg, tp, ep)[0]
     if stage == 0:
         n += sum(share(p) for p in table if p.where == "first")
     if stage == pp - 1:
@@ -141,6 +164,16 @@ def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
         if cfg.tie_embeddings and pp == 1:
             n -= cfg.vocab_size * cfg.d_model // tp  # the head is the embedding
     return n
+
+
+def stage_expert_params(cfg: GPTConfig | str, pp: int = 1, stage: int = 0,
+                        virtual: int = 1, head_layers: int = 0, ep: int = 1) -> int:
+    """Of ``stage_params``, the expert weights (E/ep experts of each MoE block): the part
+    whose gradients reduce, and whose ZeRO shards split, over dp / ep replicas."""
+    cfg = get_model(cfg)
+    if not cfg.n_expert:
+        return 0
+    return stage_moe_layers(cfg, pp, stage, virtual, head_layers) * _moe_block(cfg, 1, ep)[1]
 
 
 def hook_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
@@ -155,6 +188,9 @@ def hook_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
     if tp > 1:
         return n
     n -= stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) * layer_matmul_params(cfg)
+    if cfg.n_expert:  # an MoE block fuses its router; its experts are no nn.Linear
+        n += stage_moe_layers(cfg, pp, stage, virtual, head_layers) * cfg.d_model * (
+            2 * cfg.d_ff - cfg.n_expert)
     if stage == pp - 1 and not (cfg.tie_embeddings and pp == 1) and zero < 3:
         n -= cfg.vocab_size * cfg.d_model
     return n
@@ -162,11 +198,16 @@ def hook_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
 
 # --- FLOPs ---------------------------------------------------------------------------
 def matmul_params(cfg: GPTConfig | str) -> int:
-    """Weights that take part in a matrix multiply: every layer's four weight matrices
-    and the head (V x h, tied or not). Embedding lookups, biases and norms cost no
-    matmul FLOPs. This is the N of "6N FLOPs per token" (Kaplan et al. 2020)."""
+    """Weights that take part in a token's matrix multiplies: every layer's four weight
+    matrices and the head (V x h, tied or not); an MoE block's router and the k experts
+    a token uses instead of its MLP (the *active* weights). Embedding lookups, biases and
+    norms cost no matmul FLOPs. This is the N of "6N FLOPs per token" (Kaplan et al.
+    2020)."""
     cfg = get_model(cfg)
-    return cfg.n_layer * layer_matmul_params(cfg) + cfg.vocab_size * cfg.d_model
+    h = cfg.d_model
+    moe = h * cfg.n_expert + cfg.moe_top_k * 2 * h * cfg.expert_d_ff - 2 * h * cfg.d_ff
+    return (cfg.n_layer * layer_matmul_params(cfg) + cfg.n_moe_layers * moe
+            + cfg.vocab_size * h)
 
 
 def layer_matmul_params(cfg: GPTConfig | str) -> int:

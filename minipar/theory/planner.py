@@ -26,10 +26,17 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                ZeRO-3 gathers during each forward and gathers + reduce-scatters during
                each backward. Overlapped, NCCL gets only ``OVERLAP_BANDWIDTH`` of its
                calibrated bandwidth (compute kernels hold the SMs and memory)
+    ep       = a mixture of experts' all-to-all (dispatch and combine, forward and
+               backward; ``theory.moe.all_to_all_bytes``), every call exposed, at the
+               calibrated all-to-all pace, else the all-gather's link
     cp       = the ring's time, exposed only when a rank's s / cp tokens are too few to
                hide a ring step (``theory.context.min_local_tokens_to_hide_ring``)
     update   = the optimizer step over this rank's (ZeRO: sharded) parameters, when measured
-    step     = compute + bubble + tp + exposed cp + pp + exposed dp + update
+    step     = compute + bubble + tp + ep + exposed cp + pp + exposed dp + update
+
+A mixture-of-experts model also enumerates ep (dividing dp and the experts; its
+compute counts the active weights, its memory E/ep experts per rank); no cp or sp
+(``parallel.ep.check_ep`` refuses them), no ZeRO-3 or offload with ep > 1.
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
 across nodes (network), read off the rank layout (``minipar.mesh.Mesh``). What it
@@ -52,11 +59,12 @@ from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.memory import MEMORY_MARGIN, card_bytes, memory_per_stage
 from minipar.theory.models import get_model
+from minipar.theory.moe import all_to_all_bytes
 from minipar.theory.offload import offload_seconds
-from minipar.theory.params import head_layers_for, model_flops_per_token
+from minipar.theory.params import head_layers_for, model_flops_per_token, stage_moe_layers
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds, sp_seconds
 
-TIME_KEYS = ("compute", "bubble", "tp", "cp", "pp", "dp", "offload", "update")
+TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
 # on 4 x H100 (benchmarks/multigpu.py, docs/benchmarks.md): gpt-13b ZeRO-3 at micro-batch
 # 1 takes 1.99 s against 1.23 s of compute, its per-layer backward transfers (4.5 ms at
@@ -86,6 +94,7 @@ class Layout:
     cp: int = 1
     offload: bool = False
     head_layers: int = 0  # the last pipeline chunk's layers fewer (``partition_layers``)
+    ep: int = 1  # expert parallel: each MoE layer's experts over ep ranks of dp
 
     @property
     def step_time(self) -> float:
@@ -98,6 +107,7 @@ class Layout:
             f" recompute={self.recompute}" if self.recompute != "none" else "") + (
             f" head-layers={self.head_layers}" if self.head_layers else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp += f" ep={self.ep}" if self.ep > 1 else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero} "
                 f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}"
                 + (" offload" if self.offload else ""))
@@ -108,6 +118,7 @@ class Layout:
         flags = ["--model", model, "--dp", str(self.dp), "--pp", str(self.pp),
                  "--tp", str(self.tp)]
         flags += ["--cp", str(self.cp)] if self.cp > 1 else []
+        flags += ["--ep", str(self.ep)] if self.ep > 1 else []
         flags += ["--zero", str(self.zero), "--microbatches", str(self.microbatches),
                   "--batch-size", str(global_batch)]
         if self.pp > 1:
@@ -130,11 +141,12 @@ class Layout:
 
 @lru_cache(maxsize=4096)
 def _group_spans_nodes(dp: int, pp: int, tp: int, dim: str, order: str,
-                       gpus_per_node: int, cp: int = 1) -> bool:
+                       gpus_per_node: int, cp: int = 1, ep: int = 1) -> bool:
     """Does rank 0's group along ``dim`` cross a node boundary? (All groups of one
     dimension have the same shape, so rank 0's answers for all.)"""
-    mesh = Mesh(dp, pp, tp, order, cp=cp)
-    ranks = mesh.dp_cp_ranks(0) if dim == "dp" and cp > 1 else mesh.group_ranks(dim, 0)
+    mesh = Mesh(dp, pp, tp, order, cp=cp, ep=ep)
+    ranks = (mesh.dp_cp_ranks(0) if dim == "dp" and cp > 1 else mesh.ep_ranks(0)
+             if dim == "ep" else mesh.group_ranks(dim, 0))
     return len({r // gpus_per_node for r in ranks}) > 1
 
 
@@ -164,13 +176,14 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
              matmul_efficiency: float = 0.7, memory_margin: float = MEMORY_MARGIN,
              accounting: str = "fused", order: str = "megatron",
              overlap: bool = True, cp: int = 1, offload: bool = False,
-             head_layers: int = 0) -> Layout:
+             head_layers: int = 0, ep: int = 1) -> Layout:
     """Memory and step-time estimate of one layout (raises ValueError if it cannot be
     built at all: sizes that do not divide). ``memory`` is the busiest stage's
     ``memory_per_stage`` row plus what the card holds beyond the tensors
     (``memory.card_bytes``: ``reserved``, ``process``); ``fits`` says whether ``process``
     stays under the GPU's memory less ``memory_margin`` of it. ``head_layers``: the last
-    chunk's layers fewer (``partition_layers``)."""
+    chunk's layers fewer (``partition_layers``); ``ep``: experts split over ep ranks of
+    dp, their all-to-all priced as the ``ep`` term."""
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     if tp * pp * dp * cp != cluster.gpus:
         raise ValueError(f"tp*pp*dp*cp = {tp * pp * dp * cp} is not the cluster's "
@@ -185,23 +198,32 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
                   microbatches=m, schedule=schedule, sp=sp, recompute=recompute)
     mem = max(memory_per_stage(cfg, optimizer=optimizer, virtual=virtual, cp=cp,
                                accounting=accounting, offload=offload, head_layers=head_layers,
-                               stages=sorted({0, pp - 1}), **common), key=lambda r: r["total"])
+                               ep=ep, stages=sorted({0, pp - 1}), **common),
+              key=lambda r: r["total"])
     mem.update(card_bytes(mem, zero, "cuda"))
     # the busiest rank for communication: a stage with both neighbours when pp > 2
-    vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, **common)
+    vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, ep=ep, **common)
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
+    if ep > 1:  # the busiest stage's MoE layers, each rank's tokens of the step
+        moe = max(stage_moe_layers(cfg, pp, s, virtual, head_layers) for s in range(pp))
+        a2a = all_to_all_bytes(cfg, global_batch // dp * cfg.seq_len, ep, dtype,
+                               recompute=recompute == "full", microbatches=m)
+        share = moe / cfg.n_moe_layers
+        vol["ep"] = {"all_to_all": {k: v * share for k, v in a2a.items()}}
 
     chunks = chunk_seconds(cfg, cluster, tp, pp, cp, microbatch_size, recompute,
                            matmul_efficiency, virtual, head_layers, zero)
     compute, step = pipeline_seconds(schedule, pp, m, virtual, tuple(chunks))
     bubble = step - compute  # the busiest rank's idle time in the simulated schedule
-    group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp}  # pp: a send-recv pair
+    group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp, "ep": ep}  # pp: a send-recv pair
 
     def spans(dim: str) -> bool:
-        n = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp}[dim]
-        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node, cp)
+        n = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp, "ep": ep}[dim]
+        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node,
+                                            cp, ep)
 
-    t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d]) for d in ("tp", "cp", "pp")}
+    t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d])
+         for d in ("tp", "ep", "cp", "pp")}
     if sp:  # the host's cost of sp's extra launches, measured per layer
         t["tp"] += sp_seconds(cfg, cluster, tp, pp, cp, microbatch_size, m, recompute)
     fp32_grads = 2.0 if dtype == "bf16" else 1.0  # the volume counts 16-bit gradients
@@ -222,11 +244,11 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
     mfu = (model_flops_per_token(cfg) * global_batch * cfg.seq_len / time["step"]
            / (cluster.gpus * cluster.peak_flops))
     traffic = {d: sum(x["wire_bytes"] for x in vol.get(d, {}).values())
-               for d in ("tp", "cp", "pp", "dp")}
+               for d in ("tp", "ep", "cp", "pp", "dp")}
     return Layout(tp, pp, dp, zero, microbatch_size, m, schedule, virtual, sp, recompute,
                   memory=mem, time=time, traffic=traffic, mfu=mfu, cp=cp, offload=offload,
                   fits=mem["process"] <= (1 - memory_margin) * cluster.gpu_memory,
-                  head_layers=head_layers)
+                  head_layers=head_layers, ep=ep)
 
 
 def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
@@ -272,6 +294,11 @@ class Plan:
     def best(self) -> Layout | None:
         return self.layouts[0] if self.layouts else None
 
+    @property
+    def time_keys(self) -> tuple[str, ...]:
+        """The step-time terms to show: ``TIME_KEYS``, ``ep`` only when a layout has it."""
+        return tuple(k for k in TIME_KEYS if k != "ep" or any(x.ep > 1 for x in self))
+
     def why(self) -> str:
         """A short text: the winner, its time budget, and why the alternatives lose."""
         return explain(self)
@@ -297,12 +324,15 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     keeps at least ``min_cp_tokens`` tokens of a sequence (seq_len / cp; below that
     the ring cannot hide behind the blocks' compute), within a node with tp.
     ``offload=True``: a layout that does not fit is tried again with ZeRO-Offload.
+    A mixture-of-experts model: every ep (a power of two dividing dp and the experts;
+    ep > 1 not with ZeRO-3 or offload), no sp or cp.
     ``settings`` go to ``evaluate`` (dtype, optimizer, matmul_efficiency,
     memory_margin, accounting, order, overlap).
     """
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     gpus = cluster.gpus
     global_batch = gpus if global_batch is None else global_batch
+    sp = sp and not cfg.n_expert  # routing is per sequence: MoE runs take no sp or cp
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
     layouts: list[Layout] = []
@@ -324,7 +354,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                    f"{getattr(cfg, bad[0])}")
             continue
         cps = [c for c in _powers_of_two(gpus // tp) if c == 1 or (
-            cfg.seq_len % (2 * c) == 0 and cfg.seq_len // c >= min_cp_tokens
+            not cfg.n_expert and cfg.seq_len % (2 * c) == 0 and cfg.seq_len // c >= min_cp_tokens
             and tp * c <= cluster.gpus_per_node)]
         for pp, cp in ((p, c) for c in cps for p in range(1, cfg.n_layer + 1)):
             if (gpus // (tp * cp)) % pp:
@@ -348,13 +378,13 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                             reject("ZeRO-3 frees the weights zb's W pass needs",
                                    f"zero=3 with zb, pp={pp}")
                             continue
-                        for rc in recomputes:  # pp: stages balanced for the head
+                        for rc, ep in ((r, e) for r in recomputes for e in _eps(cfg, dp, zero)):
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
                             price = partial(evaluate, cfg, cluster, tp, pp, dp, zero, b,
                                             global_batch, schedule, v, sp and tp > 1, rc,
-                                            cp=cp, head_layers=k, **settings)
-                            lay = price()
-                            if not lay.fits and offload:
+                                            cp=cp, head_layers=k, ep=ep, **settings)
+                            lay = price()  # (pp: stages balanced for the head)
+                            if not lay.fits and offload and ep == 1:
                                 lay = price(offload=True)
                             if lay.fits:
                                 layouts.append(lay)
@@ -367,6 +397,14 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     # the one that needs less memory.
     layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["process"]))
     return Plan(cfg, cluster, global_batch, layouts, rejected, examples, smallest)
+
+
+def _eps(cfg: GPTConfig, dp: int, zero: int) -> list[int]:
+    """The expert-parallel sizes worth trying: 1, and for an MoE model each power of two
+    dividing dp and the experts (not with ZeRO-3, which ``check_ep`` refuses)."""
+    if not cfg.n_expert or zero == 3:
+        return [1]
+    return [e for e in _powers_of_two(dp) if cfg.n_expert % e == 0]
 
 
 def _schedules(names: tuple[str, ...], cfg: GPTConfig, pp: int, m: int):
@@ -404,7 +442,7 @@ def explain(result: Plan) -> str:
         f"Best: {best.label()}",
         f"  {t['step']:.3g} s per step, estimated MFU {best.mfu:.0%}, "
         f"{_gib(best.memory['process'])} of {_gib(result.cluster.gpu_memory)} per GPU.",
-        "  step = " + " + ".join(f"{k} {t[k]:.3g}" for k in TIME_KEYS) + " s",
+        "  step = " + " + ".join(f"{k} {t[k]:.3g}" for k in result.time_keys) + " s",
     ]
     for reason, n in result.rejected.most_common():
         lines.append(f"  Rejected {n} layout{'s' if n != 1 else ''}: {reason} "
@@ -415,7 +453,7 @@ def explain(result: Plan) -> str:
         if (lay.tp, lay.pp) in seen:
             continue
         seen.add((lay.tp, lay.pp))
-        worst = max(TIME_KEYS, key=lambda k: lay.time[k] - best.time[k])
+        worst = max(result.time_keys, key=lambda k: lay.time[k] - best.time[k])
         lines.append(f"  vs {lay.label()}: {lay.step_time / best.step_time - 1:+.1%} time, "
                      f"mostly {worst} ({lay.time[worst]:.3g} s vs {best.time[worst]:.3g} s).")
         if len(seen) > 3:

@@ -6,7 +6,7 @@ string; nothing here computes anything new.
 
 from __future__ import annotations
 
-from minipar.theory.planner import TIME_KEYS, Plan
+from minipar.theory.planner import Plan
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
 
@@ -48,12 +48,12 @@ def render_comm(volume: dict) -> str:
 def render_plan(result: Plan, top: int = 10) -> str:
     """The ``top`` layouts of a plan as a table, then the explanation."""
     head = (f"{'#':>3} {'layout':<58} {'step s':>8} {'MFU':>5} {'memory':>10}  "
-            + " ".join(f"{k:>7}" for k in TIME_KEYS))
+            + " ".join(f"{k:>7}" for k in result.time_keys))
     lines = [f"{result.model.n_layer}-layer model on {result.cluster.describe()}, "
              f"global batch {result.global_batch}", head]
     for i, lay in enumerate(result.layouts[:top], 1):
         lines.append(f"{i:>3} {lay.label():<58} {lay.step_time:>8.3g} {lay.mfu:>5.0%} "
                      f"{fmt_bytes(lay.memory['process']):>10}  "
-                     + " ".join(f"{lay.time[k]:>7.3g}" for k in TIME_KEYS))
+                     + " ".join(f"{lay.time[k]:>7.3g}" for k in result.time_keys))
     lines += ["", result.why()]
     return "\n".join(lines)

@@ -9,6 +9,8 @@
 * ``plan_figure``      the planner's ranking: step-time terms and memory
 * ``tp_shard_figure``  the tensor-parallel MLP shard by shard, with f and g
 * ``ring_figure``      ring attention step by step (a slider); ``balance_figure``: work per rank
+* ``router_figure``    tokens coloured by their expert, the load per expert;
+  ``traffic_figure``: who sent what to whom by all-to-all
 * ``widgets``          ipywidgets dashboards over these (import it in a notebook)
 
 Figures are deterministic: the same arguments give the same JSON (no random ids), so
@@ -20,6 +22,7 @@ from minipar.viz.comm import comm_figure
 from minipar.viz.cp import balance_figure, ring_figure
 from minipar.viz.memory import memory_figure
 from minipar.viz.mesh import mesh_figure, mesh_traces
+from minipar.viz.moe import router_figure, traffic_figure
 from minipar.viz.planner import plan_figure
 from minipar.viz.timeline import (
     bubble_curve_figure,
@@ -31,5 +34,5 @@ from minipar.viz.tp import tp_shard_figure
 
 __all__ = ["balance_figure", "bubble_curve_figure", "collectives_figure", "comm_figure",
            "memory_figure", "mesh_figure", "mesh_traces", "normalise", "plan_figure",
-           "ring_allreduce_figure", "ring_figure", "schedule_timeline", "timeline_figure",
-           "tp_shard_figure"]
+           "ring_allreduce_figure", "ring_figure", "router_figure", "schedule_timeline",
+           "timeline_figure", "tp_shard_figure", "traffic_figure"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from minipar.theory.planner import TIME_KEYS, Plan
+from minipar.theory.planner import Plan
 
-COLOURS = {"compute": "#4C78A8", "bubble": "#BAB0AC", "tp": "#F58518", "cp": "#B279A2",
+COLOURS = {"compute": "#4C78A8", "bubble": "#BAB0AC", "tp": "#F58518", "ep": "#FF9DA6",
+           "cp": "#B279A2",
            "pp": "#54A24B", "dp": "#E45756", "offload": "#9D755D", "update": "#EECA3B"}
 MEMORY = {"params": "#9ECAE9", "grads": "#72B7B2", "optimizer": "#FFBF79",
           "activations": "#FF9D98", "card": "#BAB0AC"}
@@ -26,7 +27,7 @@ def plan_figure(result: Plan, top: int = 12) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.62, 0.38],
                         horizontal_spacing=0.02,
                         subplot_titles=["estimated step time (s)", "memory per GPU (GB)"])
-    for k in TIME_KEYS:
+    for k in result.time_keys:
         fig.add_trace(go.Bar(y=labels, x=[lay.time[k] for lay in lays], orientation="h",
                              name=k, marker={"color": COLOURS[k]}, legendgroup="time"),
                       row=1, col=1)
