@@ -175,9 +175,9 @@ def test_tensor_parallel_inside_a_node_uses_nvlink():
 @pytest.mark.parametrize("name", ["llama3-8b-on-8", "llama3-70b-on-64", "13b-on-64"])
 def test_modern_and_syllabus_examples_plan_quickly(name):
     ex = EXAMPLES[name]
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time: a loaded machine does not count
     result = plan(get_model(ex.model), ex.cluster, ex.global_batch, **ex.settings)
-    assert time.perf_counter() - t0 < 5
+    assert time.process_time() - t0 < 5
     assert result.best is not None
     table = render_plan(result, top=3)
     assert result.best.label() in table and "Best:" in table
