@@ -22,17 +22,19 @@ lab: setup
 	$(BIN)/jupyter lab --notebook-dir=. notebooks/index.ipynb
 
 # The whole suite: lint, engine tests, exercise checks, every notebook under nbval.
+# Two pytest workers (pytest-xdist), a test module to each at a time: on 2 cores the
+# spawned ranks of one test leave room for another's waits (tests/README.md has the times).
 test: setup lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 	$(MAKE) notebooks
 
 # Engine tests only (no notebooks), for a quick loop while coding.
 test-fast: setup
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile tests
 
 # The exhaustive parity matrix (every layout x ZeRO stage x schedule); slow.
 test-full: setup
-	$(BIN)/python -m pytest -q tests --full
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests --full
 
 # Every notebook top to bottom under strict nbval (flags explained in notebooks/README.md).
 # Committed notebooks carry no outputs (checked first), so each is executed into build/nbref/;
@@ -46,11 +48,9 @@ notebooks: setup
 	  sys.exit('commit notebooks stripped; these carry outputs: ' + ' '.join(bad) \
 	  if bad else 0)" notebooks/*.ipynb || exit 1; \
 	rm -rf $(NBREF) && mkdir -p $(NBREF) || exit 1; \
-	for nb in notebooks/*.ipynb; do \
-	  $(BIN)/python tools/execute_notebook.py --timeout 180 --output-dir $(NBREF) \
-	    "$$nb" || exit 1; \
-	done; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
+	ls notebooks/*.ipynb | xargs -P 2 -I NB $(BIN)/python tools/execute_notebook.py \
+	  --timeout 180 --output-dir $(NBREF) NB || exit 1; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --nbval --nbval-current-env \
 	  --nbval-cell-timeout=180 --nbval-sanitize-with notebooks/sanitize.cfg \
 	  --durations=0 --durations-min=5 $(NBREF)
 
