@@ -110,6 +110,7 @@ SETUPS = {
     "vocabstr.bin": lambda d: _bin(d, '{"dtype": "uint16", "vocab_size": "256"}'),
     "vocab0.bin": lambda d: _bin(d, '{"dtype": "uint16", "vocab_size": 0}'),
     "empty.bin": lambda d: d.write_bytes(b""),
+    "file": lambda d: d.write_bytes(b""),  # {file}/d: a directory no user can have
     "odd.bin": lambda d: d.write_bytes(b"abc"),
     "ck": fake_checkpoint, "tphole": _tp_hole, "digest5": _digest_not_text,
     "old.safetensors": _exists, "dir": lambda d: d.mkdir(), "full": _full,
@@ -149,15 +150,15 @@ CASES = [
     ("cache onto the data dir", "train --data {textdir} --data-cache {textdir}",
      "--data-cache {textdir} is the same path as --data"),
     ("export onto a file", "export --resume {ck} --out {old.safetensors}", "already exists"),
-    ("export into no directory", "export --resume {ck} --out /nonexistent/d/m.safetensors",
-     "directory /nonexistent/d does not exist"),
+    ("export into no directory", "export --resume {ck} --out {file}/d/m.safetensors",
+     "directory {file}/d does not exist"),
     ("export read-only", "export --resume {ck} --out /proc/m.safetensors", "cannot write"),
     ("export onto a directory", "export --resume {ck} --out {dir}.safetensors/",
      "must end in .safetensors"),
     ("export json onto out", "export --resume {ck} --out {dir}/m.safetensors --json "
      "{dir}/m.safetensors", "two outputs cannot share"),
     ("export json dir missing", "export --resume {ck} --out {dir}/m.safetensors --json "
-     "/nonexistent/d/x.json", "directory /nonexistent/d does not exist"),
+     "{file}/d/x.json", "directory {file}/d does not exist"),
     ("export no checkpoint", "export --resume /nonexistent/ck --out {dir}/m.safetensors",
      "no such checkpoint directory"),
     # --- export --format hf: the same output rules ----------------------------------------
@@ -165,8 +166,8 @@ CASES = [
      "--out {full} already holds files; remove them"),
     ("hf export onto a file", "export --resume {ck} --format hf --out {old.safetensors}",
      "is a file; give a directory name"),
-    ("hf export into no directory", "export --resume {ck} --format hf --out /nonexistent/d/hf",
-     "--out /nonexistent/d/hf: directory /nonexistent/d does not exist"),
+    ("hf export into no directory", "export --resume {ck} --format hf --out {file}/d/hf",
+     "--out {file}/d/hf: directory {file}/d does not exist"),
     ("hf export read-only", "export --resume {ck} --format hf --out /proc/hf",
      "cannot write there (read-only)"),
     ("hf export onto the checkpoint", "export --resume {ck} --format hf --out {ck}",
