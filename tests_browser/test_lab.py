@@ -360,10 +360,16 @@ class Page:
               for (const e of document.querySelectorAll(widgetSel))
                 if (!e.getBoundingClientRect().height)
                   out.push(`widget with no size in ${cellOf(e)}`);
-              for (const p of document.querySelectorAll('.jp-CodeCell .jp-InputPrompt'))
-                if (!/\\[\\d+\\]/.test(p.textContent) &&
-                    p.closest('.jp-CodeCell').querySelector('.cm-content').innerText.trim())
-                  out.push(`cell not run: ${p.textContent.trim()}`);
+              for (const p of document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')) {
+                // a collapsed input (the lessons' prose cells) shows no editor and no
+                // count: it ran when its output (the rendered prose) is on the page
+                const cell = p.closest('.jp-CodeCell');
+                const editor = cell.querySelector('.cm-content');
+                const ran = editor ? /\\[\\d+\\]/.test(p.textContent) || !editor.innerText.trim()
+                                   : !!cell.querySelector('.jp-OutputArea-output');
+                if (!ran)
+                  out.push(`cell not run: ${p.textContent.trim() || 'collapsed input'}`);
+              }
               return out;
             }""", [ERROR_OUTPUTS, STDERR, PLOTLY_OUT, WIDGET_OUT])
 
