@@ -27,7 +27,7 @@ their results (rank order). What makes it safe for a room of laptops:
   and the rank logs live in one temporary directory, removed on every exit path (a
   SIGTERM or SIGHUP included). Even ``kill -9`` of the launcher leaves nothing: each
   rank asks the kernel to kill it with its parent (Linux ``PR_SET_PDEATHSIG``), and a
-  *keeper*, a tiny process of its own session started first, waits on a pipe from the
+  *keeper*, a tiny process started first with ``setsid``, waits on a pipe from the
   launcher: when the pipe closes without a "done", it kills the ranks' groups and
   removes the directory.
 * **Quiet ranks.** A rank's stdout and stderr (warnings, gloo's C++ logs) go to a file,
