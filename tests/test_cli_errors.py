@@ -167,16 +167,23 @@ CASES = [
 ]
 
 
-def _argv(template: str, tmp_path: Path) -> list[str]:
+def fill_argv(template: str, tmp_path: Path, setups: dict) -> list[str]:
+    """A command line's words with each ``{name}`` of ``setups`` replaced by
+    ``tmp_path / name``, made first by ``setups[name](path)`` when missing."""
     argv = template.split()
     for i, word in enumerate(argv):
-        for name, make in SETUPS.items():
+        for name, make in setups.items():
             if "{" + name + "}" in word:
                 path = tmp_path / name
                 if not path.exists():
                     make(path)
-                argv[i] = word.replace("{" + name + "}", str(path))
+                word = word.replace("{" + name + "}", str(path))
+        argv[i] = word
     return argv
+
+
+def _argv(template: str, tmp_path: Path) -> list[str]:
+    return fill_argv(template, tmp_path, SETUPS)
 
 
 def test_the_table_covers_every_subcommand() -> None:

@@ -31,7 +31,7 @@ import torch
 from minipar import checkpoint
 from minipar.__main__ import main
 from minipar.config import TrainConfig, validate
-from tests.test_cli_errors import fake_checkpoint
+from tests.test_cli_errors import fake_checkpoint, fill_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,16 +291,7 @@ CASES = [
 
 
 def _argv(template: str, tmp_path: Path) -> list[str]:
-    argv = template.split()
-    for i, word in enumerate(argv):
-        for name, make in SETUPS.items():
-            if "{" + name + "}" in word:
-                path = tmp_path / name
-                if not path.exists():
-                    make(path)
-                word = word.replace("{" + name + "}", str(path))
-        argv[i] = word
-    return argv
+    return fill_argv(template, tmp_path, SETUPS)
 
 
 def _run_main(argv: list[str], capsys) -> tuple[int, str, str]:
