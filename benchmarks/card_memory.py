@@ -26,6 +26,7 @@ os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -103,6 +104,9 @@ def main() -> int:
     ap.add_argument("--calibration")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sections", default="planner,covering")
+    ap.add_argument("--match", default="", help="covering rows whose label has this regex")
+    ap.add_argument("--skip-recorded", action="store_true",
+                    help="skip commands that benchmarks/results/card-memory-*.json ran")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "card_memory.json")
@@ -121,6 +125,13 @@ def main() -> int:
         with open(args.calibration) as f:
             where["calibrated"] = clusters.calibrated(preset, json.load(f))
     seen: set = set()
+    if args.skip_recorded:  # (model, flags) of every recorded run that finished
+        results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        for name in sorted(os.listdir(results)):
+            if name.startswith("card-memory-") and name.endswith(".json"):
+                with open(os.path.join(results, name)) as f:
+                    seen |= {(r["model"], tuple(r["command"].split()[4:-2]))
+                             for r in json.load(f)["rows"] if r.get("status") == "ok"}
     todo: list[tuple[str, str, int, Layout, dict]] = []
     for model in args.models.split(","):
         batch = MODELS.get(model, 4 * args.gpus)
@@ -139,7 +150,8 @@ def main() -> int:
                     report["rows"].append({"model": model, "source": "covering",
                                            "status": "invalid", "error": str(e)})
                     continue
-                todo.append((model, "covering", batch, lay, spec))
+                if re.search(args.match, lay.label()):
+                    todo.append((model, "covering", batch, lay, spec))
     for model, source, batch, lay, _ in todo:
         flags = lay.train_flags(model, batch)
         key = (model, tuple(flags))

@@ -13,7 +13,7 @@ import pytest
 from minipar.theory.clusters import CLUSTERS, cluster, get_cluster
 from minipar.theory.examples import EXAMPLES, get_model
 from minipar.theory.memory import card_bytes, memory_breakdown
-from minipar.theory.planner import TIME_KEYS, evaluate, plan
+from minipar.theory.planner import TIE_SHARE, TIME_KEYS, evaluate, plan
 from minipar.theory.rates import chunk_seconds
 from minipar.theory.tables import render_plan
 
@@ -35,8 +35,19 @@ def test_every_kept_layout_is_possible(gpt3_plan):
         assert lay.memory["total"] <= 0.9 * cl.gpu_memory
         assert lay.time["step"] == pytest.approx(sum(lay.time[k] for k in TIME_KEYS))
         assert 0 < lay.mfu <= 0.7 + 1e-9  # cannot beat the assumed matmul efficiency
-    times = [lay.step_time for lay in gpt3_plan]
-    assert times == sorted(times)
+    times = [lay.step_time for lay in gpt3_plan]  # sorted, but for ties (next test)
+    assert all(later >= t / (1 + TIE_SHARE) for i, t in enumerate(times)
+               for later in times[i + 1:])
+
+
+def test_ties_within_the_error_go_to_the_layout_that_holds_less(gpt3_plan):
+    best = gpt3_plan.best
+    same_shape = [x for x in gpt3_plan if (x.tp, x.pp, x.dp, x.microbatch_size, x.schedule,
+                                           x.virtual) == (best.tp, best.pp, best.dp,
+                                                          best.microbatch_size, best.schedule,
+                                                          best.virtual)]
+    tied = [x for x in same_shape if x.step_time <= best.step_time * (1 + TIE_SHARE)]
+    assert best.memory["process"] == min(x.memory["process"] for x in tied)
 
 
 def test_memory_is_the_theory(gpt3_plan):
@@ -44,7 +55,7 @@ def test_memory_is_the_theory(gpt3_plan):
     again = memory_breakdown(gpt3_plan.model, lay.dp, lay.pp, lay.tp, lay.zero, "bf16", "adam",
                              lay.microbatch_size, lay.microbatches, lay.schedule, lay.sp,
                              lay.recompute, virtual=lay.virtual, accounting="fused")
-    again.update(card_bytes(again, lay.zero))  # what the card holds beyond the tensors
+    again.update(card_bytes(again, lay.zero, "cuda", lay.pp))  # the card beyond the tensors
     assert again == lay.memory
 
 
@@ -237,7 +248,7 @@ def test_a_measured_block_pace_and_per_size_times_replace_the_fits() -> None:
     calib["collectives"] = {op: {**row, "bytes": [2**10, 2**20, 2**30],
                                  "bus_bandwidth_per_size": flat}
                             for op, row in CALIBRATION["collectives"].items()}
-    cal = calibrated(cluster(4, "H100-80GB", gpus_per_node=4), calib)
+    cal = calibrated(cluster(4, "H100-80GB", gpus_per_node=4, measured=False), calib)
     plain = evaluate("gpt-1.3b", cal, 4, 1, 1, microbatch_size=8, global_batch=8)
     sp = evaluate("gpt-1.3b", cal, 4, 1, 1, microbatch_size=8, global_batch=8, sp=True)
     layers = layer_flops_per_token("gpt-1.3b") * 24 * 16384 / 4 / 200e12
@@ -401,20 +412,22 @@ def _h100x2():
 
     path = (pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
             / "calibration-2xH100-blocks-2026-11-26c.json")
-    return calibrated(cluster(2, "H100-80GB", gpus_per_node=2), load_calibration(str(path)))
+    # (a host of its own: the data sheet's base, not the 4 x H100 host's measured engine)
+    base = cluster(2, "H100-80GB", gpus_per_node=2, measured=False)
+    return calibrated(base, load_calibration(str(path)))
 
 
 def test_the_planner_against_gpt_13b_on_four_h100s():
     """Measured on 4 x H100 (docs/benchmarks.md, gpt-13b, batch 16 x 2048): dp 4 ZeRO-3
-    with 4 micro-batches of 1 took 1.99 s (the planner had said 1.23 s: it hid all of
-    ZeRO-3's traffic), with full recomputation and 1 micro-batch 1.59-1.61 s; pp 4 ZB-H1
-    with 16 micro-batches ran out of 80 GB (the planner had said 65.7 GiB)."""
-    h100 = _h100x4()
+    with 4 micro-batches of 1 took 1.99 s and 1.865 s in two calls (the planner had said
+    1.23 s: it hid all of ZeRO-3's traffic), with full recomputation and 1 micro-batch
+    1.59-1.66 s (1.653 in h7); pp 4 ZB-H1 with 16 micro-batches ran out of 80 GB."""
+    h100 = cluster(4, "H100-80GB", gpus_per_node=4)  # the card's shipped paces
     common = dict(global_batch=16, accounting="fused")
     m4 = evaluate("gpt-13b", h100, 1, 1, 4, 3, microbatch_size=1, **common)
     full = evaluate("gpt-13b", h100, 1, 1, 4, 3, microbatch_size=4, recompute="full", **common)
-    assert m4.step_time == pytest.approx(1.99, rel=0.10)
-    assert full.step_time == pytest.approx(1.60, rel=0.10)
+    assert m4.step_time == pytest.approx(1.93, rel=0.10)
+    assert full.step_time == pytest.approx(1.66, rel=0.10)
     zb = evaluate("gpt-13b", h100, 1, 4, 1, 0, microbatch_size=1, schedule="zb", **common)
     assert not zb.fits
 

@@ -86,6 +86,14 @@ class Cluster:
     head_rates: tuple[tuple[int, int, int, float], ...] = ()
     step_s_per_param: float = 0.0
     accumulate_s_per_param: float = 0.0
+    # the engine on this machine's host (0 and 1: not measured): the seconds its Python
+    # host takes to launch one layer's forward and backward for one micro-batch, and how
+    # many times their calibrated seconds the tp and cp collectives take between kernels
+    # that host launches (each call waits for the slowest rank's host)
+    host_s_per_layer: float = 0.0
+    host_bound_slowdown: float = 1.0
+    # ZeRO-Offload's host AdamW, parameters a second per rank (0: ``theory.offload``'s)
+    host_adam_params_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -207,7 +215,9 @@ def load_calibration(path: str) -> dict:
 def calibrated(base: Cluster, calib: dict) -> Cluster:
     """``base`` with one machine's measured rates (see ``load_calibration``): matmul rate,
     collective latencies and bandwidths inside a node, and the memory one GPU has
-    (``memory_bytes``, when measured). The peak stays the data sheet's: MFU is over it."""
+    (``memory_bytes``, when measured), and the engine's host (``engine``; else ``base``'s,
+    as a file of collective and kernel rates does not measure it). The peak stays the
+    data sheet's: MFU is over it."""
     links = tuple((op, float(row["latency_s"]), float(row["bus_bandwidth"]))
                   for op, row in sorted(calib.get("collectives", {}).items())
                   if op in CALIBRATED_OPS)
@@ -216,7 +226,7 @@ def calibrated(base: Cluster, calib: dict) -> Cluster:
                    if op in CALIBRATED_OPS and row.get("bus_bandwidth_per_size"))
     blocks, heads = (tuple((r["hidden"], r["tokens"], r["tp"], r["tflops"] * 1e12)
                            for r in calib.get(key, [])) for key in ("block_rates", "head_rates"))
-    gpu = base.gpu
+    gpu, engine = base.gpu, calib.get("engine", {})
     if calib.get("memory_bytes"):
         gpu = replace(gpu, memory=int(calib["memory_bytes"]))
     return replace(base, gpu=gpu, matmul_flops=float(calib["matmul_tflops"]) * 1e12,
@@ -224,6 +234,12 @@ def calibrated(base: Cluster, calib: dict) -> Cluster:
                    sp_extra=_sp_extra(calib.get("tp_blocks", [])), head_rates=heads,
                    step_s_per_param=_per_param(calib, "optimizer_step"),
                    accumulate_s_per_param=_per_param(calib, "grad_accumulate"),
+                   host_s_per_layer=float(engine.get("host_s_per_layer",
+                                                     base.host_s_per_layer)),
+                   host_bound_slowdown=float(engine.get("host_bound_slowdown",
+                                                        base.host_bound_slowdown)),
+                   host_adam_params_per_s=float(engine.get("host_adam_params_per_s",
+                                                           base.host_adam_params_per_s)),
                    name=base.name + " (calibrated)")
 
 

@@ -350,11 +350,15 @@ def _minipar_grads(grads: int, n: int, shard: int, zero: int, dtype: str,
 # allocator's reserve (the CUDA context, cuBLAS workspaces, NCCL's buffers) ...
 CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
 # ... and the reserve beyond the peak of live tensors (blocks cached between sizes that
-# do not fit each other), fitted as factor x live peak + bytes to the rows below 74 GiB
-# (near the card's capacity the allocator frees its cache and retries): ZeRO-3's
-# per-layer gathers and frees fragment it the most.
-RESERVE_FIT = {0: (1.015, 1.5 * 2**30), 1: (1.015, 1.5 * 2**30), 2: (1.015, 1.5 * 2**30),
-               3: (1.11, 1.4 * 2**30)}
+# do not fit each other), fitted by least squares to the rows below 74 GiB (near the
+# card's capacity the allocator frees its cache and retries) as factor x live peak +
+# bytes, plus, for ZeRO 0-2, a share of the gradient buffer: ZeRO-1 frees and remakes
+# its full-size fp32 sum's neighbours every step, and a pipeline interleaves that sum
+# with its micro-batches' activations, each leaving blocks of the buffer's sizes cached.
+# ZeRO-3's per-layer gathers and frees fragment it the most.
+RESERVE_FIT = {0: (1.04, 0.71 * 2**30), 1: (1.04, 0.71 * 2**30), 2: (1.04, 0.71 * 2**30),
+               3: (1.10, 1.75 * 2**30)}
+RESERVE_GRAD_SHARE = {"zero1": 0.44, "pipeline": 0.42}
 # The headroom a plan keeps on top of that (share of the card): the largest
 # under-prediction measured there (tp 2 dp 2 ZeRO-3 with sp: 7%, its reserve 17% over the
 # live tensors), so that no layout the model lets through runs out of memory.
@@ -371,14 +375,18 @@ def optimizer_step_bytes(n: int, parts: int, zero: int, dtype: str = "bf16",
     return (sharded(n, parts, experts, ep) if zero >= 1 else n) * 4
 
 
-def card_bytes(row: dict, zero: int, device: str = "cuda") -> dict[str, int]:
-    """From a stage's live-tensor peak (``row["total"]``) to what the card must hold:
-    ``reserved`` (the caching allocator's peak reserve) and ``process`` (``reserved``
-    plus the runtime outside the allocator). On the CPU the allocator keeps no reserve
-    and the runtime is the interpreter's and torch's (``RUNTIME_BYTES``-like)."""
+def card_bytes(row: dict, zero: int, device: str = "cuda", pp: int = 1) -> dict[str, int]:
+    """From a stage's live-tensor peak (``row["total"]``, its gradients ``row["grads"]``)
+    to what the card must hold: ``reserved`` (the caching allocator's peak reserve) and
+    ``process`` (``reserved`` plus the runtime outside the allocator). On the CPU the
+    allocator keeps no reserve and the runtime is the interpreter's and torch's."""
     if device != "cuda":
         return {"reserved": row["total"], "process": row["total"] + 300 * 2**20}
     factor, extra = RESERVE_FIT[zero]
+    if zero < 3:
+        share = ((RESERVE_GRAD_SHARE["zero1"] if zero == 1 else 0.0)
+                 + (RESERVE_GRAD_SHARE["pipeline"] if pp > 1 else 0.0))
+        extra += share * row.get("grads", 0)
     reserved = int(row["total"] * factor + extra)
     return {"reserved": reserved, "process": reserved + CUDA_RUNTIME_BYTES}
 

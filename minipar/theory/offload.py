@@ -99,11 +99,13 @@ def zero_offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_byt
 
 
 def offload_seconds(n_params: int, shards: int, zero: int, dtype: str, m: int,
-                     compute: float) -> float:
+                     compute: float, host_rate: float = 0.0) -> float:
     """ZeRO-Offload's exposed time (Ren et al. 2021, Sec. 4): the host step over this
-    rank's shard, the 16-bit weights' way back, and the gradients' way down beyond what
-    the last micro-batch's backward hides (``zero_offload_traffic``)."""
+    rank's shard (at ``host_rate`` parameters a second, when the host was measured), the
+    16-bit weights' way back, and the gradients' way down beyond what the last
+    micro-batch's backward hides (``zero_offload_traffic``)."""
     traffic = zero_offload_traffic(n_params, shards, zero, 2 if dtype == "bf16" else 4)
     shard = stepped_params(n_params, shards, zero)
     down = max(0.0, traffic["to_host"] / PCIE_BANDWIDTH - compute * 2 / 3 / m)
-    return shard / HOST_ADAM_PARAMS_PER_S + traffic["to_device"] / PCIE_BANDWIDTH + down
+    rate = host_rate or HOST_ADAM_PARAMS_PER_S
+    return shard / rate + traffic["to_device"] / PCIE_BANDWIDTH + down

@@ -25,14 +25,18 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                micro-batch's backward and all-gather the new weights after the step;
                ZeRO-3 gathers during each forward and gathers + reduce-scatters during
                each backward. Overlapped, NCCL gets only ``OVERLAP_BANDWIDTH`` of its
-               calibrated bandwidth (compute kernels hold the SMs and memory)
+               calibrated bandwidth (compute kernels hold the SMs and memory); ZeRO-3
+               leaves at least ``ZERO3_EXPOSED_SHARE`` of its seconds exposed
     ep       = a mixture of experts' all-to-all (dispatch and combine, forward and
                backward; ``theory.moe.all_to_all_bytes``), every call exposed, at the
                calibrated all-to-all pace, else the all-gather's link
     cp       = the ring's time, exposed only when a rank's s / cp tokens are too few to
                hide a ring step (``theory.context.min_local_tokens_to_hide_ring``)
     update   = the optimizer step over this rank's (ZeRO: sharded) parameters, when measured
-    step     = compute + bubble + tp + ep + exposed cp + pp + exposed dp + update
+    host     = what the host's kernel launches add where they take longer than the rest
+               (``host_seconds``; on a cluster whose host was measured with this engine,
+               which also prices tp and cp calls at ``host_bound_slowdown``)
+    step     = compute + bubble + tp + ep + exposed cp + pp + exposed dp + update + host
 
 A mixture-of-experts model also enumerates ep (dividing dp and the experts; its
 compute counts the active weights, its memory E/ep experts per rank); no cp or sp
@@ -49,7 +53,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache, partial
+from functools import cache, lru_cache, partial
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
@@ -61,15 +65,31 @@ from minipar.theory.memory import MEMORY_MARGIN, card_bytes, memory_per_stage
 from minipar.theory.models import get_model
 from minipar.theory.moe import all_to_all_bytes
 from minipar.theory.offload import offload_seconds
-from minipar.theory.params import head_layers_for, model_flops_per_token, stage_moe_layers
+from minipar.theory.params import (
+    head_layers_for,
+    model_flops_per_token,
+    stage_layers,
+    stage_moe_layers,
+)
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds, sp_seconds
 
-TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update")
+TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update", "host")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
 # on 4 x H100 (benchmarks/multigpu.py, docs/benchmarks.md): gpt-13b ZeRO-3 at micro-batch
 # 1 takes 1.99 s against 1.23 s of compute, its per-layer backward transfers (4.5 ms at
 # full bandwidth) exceeding the 5.1 ms of backward compute once halved.
 OVERLAP_BANDWIDTH = 0.5
+# What the engine's step shows beyond the isolated rates, measured on 4 x H100 with
+# torch.profiler (benchmarks/profile_train.py, docs/benchmarks.md "Where the model
+# missed"). ZeRO-3 overlaps its per-unit gathers and reductions with compute, yet about
+# half of their full-bandwidth seconds stays on the critical path (gpt-6.7b and gpt-13b
+# rows: 0.48-0.64 of it): each unit's fp32 reduce-scatter contends with the backward's
+# kernels and waits for the slowest rank.
+ZERO3_EXPOSED_SHARE = 0.55
+# Layouts of one shape whose predicted steps differ by less than this share rank by
+# memory (the spread of repeated measurements of one layout: ZeRO-1 and ZeRO-2 at one
+# micro-batch size differ by 1-8%).
+TIE_SHARE = 0.05
 
 
 @dataclass
@@ -200,7 +220,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
                                accounting=accounting, offload=offload, head_layers=head_layers,
                                ep=ep, stages=sorted({0, pp - 1}), **common),
               key=lambda r: r["total"])
-    mem.update(card_bytes(mem, zero, "cuda"))
+    mem.update(card_bytes(mem, zero, "cuda", pp))
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, ep=ep, **common)
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
@@ -223,6 +243,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
                                             cp, ep)
 
     t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d])
+         * (cluster.host_bound_slowdown if d in ("tp", "cp") else 1.0)
          for d in ("tp", "ep", "cp", "pp")}
     if sp:  # the host's cost of sp's extra launches, measured per layer
         t["tp"] += sp_seconds(cfg, cluster, tp, pp, cp, microbatch_size, m, recompute)
@@ -237,10 +258,13 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
         if cfg.seq_len // cp >= min_local_tokens_to_hide_ring(cluster.matmul_rate, bw, e):
             t["cp"] = 0.0
     n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
-    t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute) if offload else 0.0
+    t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute,
+                                   cluster.host_adam_params_per_s) if offload else 0.0
     t["update"] = 0.0 if offload else optimizer_seconds(cluster, n, shards, zero)
-    time = {"compute": compute, "bubble": bubble, **t}
-    time["step"] = sum(time[k] for k in TIME_KEYS)
+    time = {"compute": compute, "bubble": bubble, **t, "host": 0.0}
+    busy = sum(time[k] for k in TIME_KEYS)
+    time["host"] = max(0.0, host_seconds(cfg, cluster, tp, pp, sp, m, virtual) - busy)
+    time["step"] = busy + time["host"]
     mfu = (model_flops_per_token(cfg) * global_batch * cfg.seq_len / time["step"]
            / (cluster.gpus * cluster.peak_flops))
     traffic = {d: sum(x["wire_bytes"] for x in vol.get(d, {}).values())
@@ -249,6 +273,23 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
                   memory=mem, time=time, traffic=traffic, mfu=mfu, cp=cp, offload=offload,
                   fits=mem["process"] <= (1 - memory_margin) * cluster.gpu_memory,
                   head_layers=head_layers, ep=ep)
+
+
+def host_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, sp: bool, m: int,
+                 virtual: int = 1) -> float:
+    """The least a step takes when the host launches every kernel: the busiest stage's
+    layers times the micro-batches at the host's measured seconds per layer (twice that
+    with tensor parallelism's extra kernels and collectives, 2.4 times with sp's: gpt-1.3b
+    tp 4 at 8 micro-batches, docs/benchmarks.md); 0 where the host was not measured."""
+    if not cluster.host_s_per_layer:
+        return 0.0
+    per_layer = cluster.host_s_per_layer * (1.0 if tp == 1 else 2.4 if sp else 2.0)
+    return _busiest_stage_layers(cfg.n_layer, pp, virtual) * m * per_layer
+
+
+@cache
+def _busiest_stage_layers(n_layer: int, pp: int, virtual: int) -> int:
+    return max(stage_layers(n_layer, pp, s, virtual) for s in range(pp))
 
 
 def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
@@ -262,8 +303,9 @@ def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
     gather = seconds.get("all_gather", 0.0)
     slow = 1 / OVERLAP_BANDWIDTH
     if zero == 3:  # half the gathers in forwards, half (+ every reduction) in backwards
-        return (max(0.0, gather / 2 * slow - forward)
-                + max(0.0, (gather / 2 + reduce) * slow - backward))
+        hidden = (max(0.0, gather / 2 * slow - forward)
+                  + max(0.0, (gather / 2 + reduce) * slow - backward))
+        return max(hidden, ZERO3_EXPOSED_SHARE * (gather + reduce))
     # the last micro-batch's backward hides the reduction, the next step's first forward
     # ZeRO-1/2's weight gather (param_gather.py): slowed while they overlap, then whole
     return max(0.0, reduce * slow - backward / m) + max(0.0, gather - forward / m / slow)
@@ -393,10 +435,35 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                 if (smallest is None
                                         or lay.memory["process"] < smallest.memory["process"]):
                                     smallest = lay
-    # Ties (dp traffic fully hidden) go to the layout that moves fewer bytes, then to
-    # the one that needs less memory.
     layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["process"]))
-    return Plan(cfg, cluster, global_batch, layouts, rejected, examples, smallest)
+    return Plan(cfg, cluster, global_batch, _ties_by_memory(layouts), rejected, examples,
+                smallest)
+
+
+def _ties_by_memory(layouts: list[Layout]) -> list[Layout]:
+    """Layouts sorted by time, but a layout of the same shape as a faster one (the same
+    sizes, schedule and micro-batches; ZeRO stage, recomputation or sp apart) that holds
+    less memory and lies within ``TIE_SHARE`` of its time goes first: a prediction cannot
+    tell them apart, and the one with room to spare is the safer answer."""
+    by_shape: dict[tuple, list[Layout]] = {}
+    for lay in layouts:
+        by_shape.setdefault(_shape(lay), []).append(lay)
+    out, placed = [], set()
+    for lay in layouts:
+        if id(lay) in placed:
+            continue
+        tied = [lay] + [x for x in by_shape[_shape(lay)] if id(x) not in placed
+                        and x is not lay and x.memory["process"] < lay.memory["process"]
+                        and x.step_time <= lay.step_time * (1 + TIE_SHARE)]
+        tied.sort(key=lambda x: (x.memory["process"], x.step_time))
+        out += tied
+        placed.update(id(x) for x in tied)
+    return out
+
+
+def _shape(lay: Layout) -> tuple:
+    return (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.microbatch_size, lay.schedule,
+            lay.virtual, lay.head_layers, lay.offload)
 
 
 def _eps(cfg: GPTConfig, dp: int, zero: int) -> list[int]:

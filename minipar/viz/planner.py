@@ -15,7 +15,8 @@ from minipar.theory.planner import Plan
 
 COLOURS = {"compute": "#4C78A8", "bubble": "#BAB0AC", "tp": "#F58518", "ep": "#FF9DA6",
            "cp": "#B279A2",
-           "pp": "#54A24B", "dp": "#E45756", "offload": "#9D755D", "update": "#EECA3B"}
+           "pp": "#54A24B", "dp": "#E45756", "offload": "#9D755D", "update": "#EECA3B",
+           "host": "#79706E"}
 MEMORY = {"params": "#9ECAE9", "grads": "#72B7B2", "optimizer": "#FFBF79",
           "activations": "#FF9D98", "card": "#BAB0AC"}
 
