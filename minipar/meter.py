@@ -4,7 +4,10 @@ The theory (``minipar.theory.memory``) predicts these numbers; a run measures th
 so the two can be put side by side. Activations are measured as the tensors autograd
 saves for backward: a ``saved_tensors_hooks`` pair counts each saved tensor's bytes when
 it is packed and uncounts them when autograd lets it go, and the meter keeps the peak.
-A tensor saved twice (one storage) is counted once, as memory would be.
+A tensor saved twice (one storage) is counted once, as memory would be. The hooks run on
+every saved tensor, so the engine attaches the meter only when asked
+(``--measure-activations``). Bytes held inside a step by the data-parallel layer are
+counted by ``HeldPeaks``, an observer that layer reports its buffers to.
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
-from torch import nn
 
 __all__ = ["ActivationMeter", "HeldBytes", "HeldPeaks", "HostPeak", "rss_bytes",
-           "module_bytes", "optimizer_state_bytes", "saved_tensor_elements", "storage_bytes"]
+           "optimizer_state_bytes", "saved_tensor_elements", "storage_bytes"]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -87,12 +89,6 @@ class HeldPeaks:
         """``held`` (a wrapper's ``memory_bytes``, after the step) with each kind raised
         to its peak within the step."""
         return {k: max(v, self.peak.get(k, 0)) for k, v in held.items()}
-
-
-def module_bytes(modules: Iterable[nn.Module]) -> tuple[int, int]:
-    """(parameter bytes, gradient bytes) held by ``modules``."""
-    params = [p for m in modules for p in m.parameters()]
-    return storage_bytes(params), storage_bytes(p.grad for p in params)
 
 
 class _Saved:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minipar.meter import storage_bytes
-
 
 class MixedPrecision:
     """Cast ``model`` to ``dtype`` in place and keep fp32 master copies of its weights.
@@ -83,6 +81,3 @@ class MixedPrecision:
             p.grad = None
         for m in self._masters.values():
             m.grad = None
-
-    def master_bytes(self) -> int:
-        return storage_bytes(self._masters.values())
