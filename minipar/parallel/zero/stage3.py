@@ -117,7 +117,7 @@ class Zero3(nn.Module):
     def flats(self) -> list[FlatParams]:
         return self.shards.flats
 
-    # --- construction: who gathers what (zero3_units.py), one unit's values at a time --
+    # --- construction: who gathers what (units.py), one unit's values at a time --
     def _build(self, named: dict, given: set, replicate: tuple, shared: set,
                param_dtype: torch.dtype | None) -> None:
         triggers, owners, self._triggers = who_gathers(self.module, named, given)
