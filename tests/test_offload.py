@@ -71,6 +71,7 @@ def _one_rank(name: str, dtype: torch.dtype) -> dict:
     model = GPT(CFG)
     model.load_state_dict(ref_model.state_dict())
     masters = [p.detach().clone() for p in ref_model.parameters()]
+    initial = {n: m.clone() for (n, _), m in zip(ref_model.named_parameters(), masters)}
     ref_model.to(dtype)
     model.to(dtype)
     if dtype == torch.float32:
@@ -81,8 +82,7 @@ def _one_rank(name: str, dtype: torch.dtype) -> dict:
     opt = ZeroOptimizer(model, cls, stage=0, comm=Comm(), bucket_mb=0, place=host,
                         **kwargs)
     if dtype != torch.float32:  # the masters from the fp32 weights, as by hand
-        opt.load_full_state_by_name({}, {n: m for (n, _), m in
-                                         zip(model.named_parameters(), masters)})
+        opt.load_full_state_by_name({}, initial)
     opt.backwards_per_step = micro
     got = _train(model, opt, micro=micro)
     return {"equal": [all(torch.equal(w[k], g[k]) for k in w) for w, g in zip(want, got)],
