@@ -2,8 +2,8 @@
 
 Three pairs train the same GPT (same seed, same batch per rank, AdamW, fp32) on gloo:
 
-* minipar ``DataParallel`` (overlapped, 25 MiB buckets) vs ``DistributedDataParallel``
-  (also 25 MiB buckets, overlapped);
+* minipar data parallelism (``ZeroOptimizer(stage=0)``, overlapped, 25 MiB buckets) vs
+  ``DistributedDataParallel`` (also 25 MiB buckets, overlapped);
 * minipar ZeRO-1 (``ZeroOptimizer(stage=1)``) vs ``ZeroRedundancyOptimizer`` on top of
   DDP (PyTorch's ZeRO-1 needs DDP for the gradient all-reduce);
 * minipar ZeRO-3 (``Zero3``, a unit per block, fp32) vs FSDP2
@@ -33,11 +33,9 @@ from minipar import launch
 from minipar.comm import Comm
 from minipar.data import MarkovData, split_batch
 from minipar.model import GPT, GPTConfig
-from minipar.parallel.dp import DataParallel
-from minipar.parallel.zero import ZeroOptimizer
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.zero import Zero3, ZeroOptimizer
 
-PAIRS = [("ddp", "minipar DataParallel", "torch DDP"),
+PAIRS = [("ddp", "minipar ZeRO-0 (DDP)", "torch DDP"),
          ("zero1", "minipar ZeRO-1", "torch ZeroRedundancyOptimizer"),
          ("zero3", "minipar ZeRO-3", "torch FSDP2 fully_shard")]
 LR = 1e-3
@@ -51,9 +49,9 @@ def _build(kind: str, cfg: GPTConfig):
     torch.manual_seed(0)
     model = GPT(cfg)
     if kind == "minipar-ddp":
-        ddp = DataParallel(model, Comm(), mode="overlapped", bucket_mb=25)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        return _loop(ddp, opt, ddp.finish_gradient_sync)
+        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=0, comm=Comm(), lr=LR,
+                            mode="overlapped", bucket_mb=25, grad_dtype=None)
+        return _loop(model, opt)
     if kind == "torch-ddp":
         ddp = DDP(model, bucket_cap_mb=25)
         return _loop(ddp, torch.optim.AdamW(model.parameters(), lr=LR))
@@ -81,12 +79,10 @@ def _build(kind: str, cfg: GPTConfig):
     raise ValueError(kind)
 
 
-def _loop(model, opt, sync=None):
+def _loop(model, opt):
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         loss = model(x, y)
         loss.backward()
-        if sync is not None:
-            sync()
         opt.step()
         opt.zero_grad()
         return float(loss)

@@ -8,8 +8,7 @@ import torch
 
 from minipar.config import TrainConfig
 from minipar.engine import train, train_reference
-from minipar.parallel.zero import ZeroOptimizer
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.zero import Zero3, ZeroOptimizer
 from minipar.parity import compare
 
 knobs = dict(steps=10, dp=4, microbatches=4)

@@ -185,7 +185,7 @@ def optimizer_seconds(n: int, device: torch.device, pieces: int = 8,
     micro-batch's 16-bit gradient added into the fp32 bucket (``ZeroOptimizer._on_grad``).
     All memory-bound, so linear in ``n``: 64 M parameters (about 1.3 GB of states) give
     the pace of 1.3 B."""
-    from minipar.parallel.dp import global_grad_norm
+    from minipar.parallel.zero.shards import global_grad_norm
 
     cuda = device.type == "cuda"
     low = torch.bfloat16 if cuda else torch.float32

@@ -1,14 +1,14 @@
-"""The host side of one ZeRO-Offload step (``offload.HostShards``), phase by phase, on
+"""The host side of one ZeRO-Offload step (``zero.offload.OnHost``), phase by phase, on
 the CPU: where the time goes once the copies are hidden (issue 20).
 
-A real ``ZeroOptimizer(offload=True)`` (one process, stage 1, bf16 weights) over a
+A real ``ZeroOptimizer(place=OnHost())`` (one process, stage 1, bf16 weights) over a
 stack of square linear layers; the "device" is the CPU too, so each phase is the host's
 work alone:
 
 * land: each flat's reduced fp32 shard lands ``--landings`` times a step and is put in
   (then added to) the host gradient: the engine lands once a step at every stage; a
   ``Zero3`` not told its ``backwards_per_step`` lands once per micro-batch;
-* norm: the global gradient norm over the host shards (``dp.global_grad_norm``);
+* norm: the global gradient norm over the host shards (``zero.shards.global_grad_norm``);
 * clip: the clip scale applied to the host shards (``--no-clip``: a norm under the limit);
 * step: the host optimizer over the fp32 masters (AdamW; ``--fused``: torch's fused one);
 * publish: each master cast to bf16 into its upload buffer and copied into ``full``;
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.parallel.dp import global_grad_norm
-from minipar.parallel.zero import ZeroOptimizer
+from minipar.parallel.zero import OnHost, ZeroOptimizer
+from minipar.parallel.zero.shards import global_grad_norm
 
 
 def build(layers: int, width: int, fused: bool) -> tuple[ZeroOptimizer, list[torch.Tensor]]:
@@ -42,7 +42,7 @@ def build(layers: int, width: int, fused: bool) -> tuple[ZeroOptimizer, list[tor
     model.to(torch.bfloat16)
     kwargs = {"fused": True} if fused else {}
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=1, comm=Comm(), bucket_mb=0,
-                        lr=1e-4, weight_decay=0.1, offload=True, **kwargs)
+                        lr=1e-4, weight_decay=0.1, place=OnHost(), **kwargs)
     shards = [torch.randn(f.hi - f.lo) * 1e-3 for f in opt.flats]
     return opt, shards
 
@@ -50,7 +50,7 @@ def build(layers: int, width: int, fused: bool) -> tuple[ZeroOptimizer, list[tor
 def one_step(opt: ZeroOptimizer, shards: list[torch.Tensor], landings: int,
              clip: bool) -> dict[str, float]:
     """Seconds of each phase of one step."""
-    host, times = opt.offload, {}
+    host, times = opt.place, {}
 
     def timed(name, fn):
         t0 = time.perf_counter()
@@ -61,7 +61,7 @@ def one_step(opt: ZeroOptimizer, shards: list[torch.Tensor], landings: int,
     def land():
         for _ in range(landings):
             for i, (f, s) in enumerate(zip(opt.flats, shards)):
-                host.grad_to_host(i, s, f.master)
+                host.grad_in(i, s, f.master)
             host.land_all()
 
     timed("land", land)
@@ -71,7 +71,8 @@ def one_step(opt: ZeroOptimizer, shards: list[torch.Tensor], landings: int,
     limit = float(norm) / 2 if clip else float(norm) * 2
     timed("clip", lambda: opt.scale_grads((limit / (norm + 1e-6)).clamp(max=1.0)))
     timed("step", opt.inner.step)
-    timed("publish", lambda: host.publish_flats(opt.flats, opt.comm, gather=False))
+    timed("publish", lambda: host.publish([f.master for f in opt.flats],
+                                         [f.full[f.lo:f.hi] for f in opt.flats]))
     timed("zero", opt.zero_grad)
     return times
 

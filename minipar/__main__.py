@@ -50,7 +50,7 @@ def _add_train(sub) -> None:
                         "makes it (default on; parallel/wgrad_fusion.py)")
     p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
                    default=True, help="ZeRO-1/2: gather each bucket's new weights during the "
-                   "next forward, not after the step (default on; parallel/param_gather.py)")
+                   "next forward, not after the step (default on; parallel/zero/param_gather.py)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
@@ -75,6 +75,9 @@ def _add_train(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a rank may make no progress (no step, no collective "
                    "finished) before the run counts as hung and each rank's place is shown")
+    p.add_argument("--measure-activations", action="store_true",
+                   help="measure the activation memory each step (saved-tensor hooks on "
+                   "every op: a slower step)")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="train on past a NaN/inf loss (default: stop there, exit 1)")
     # data, model sizes and long runs
@@ -151,7 +154,7 @@ def train_config(args) -> TrainConfig:
         aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
         fp8=args.fp8, fp8_emulate=args.fp8_emulate,
 
-        allow_nonfinite=args.allow_nonfinite)
+        allow_nonfinite=args.allow_nonfinite, measure_activations=args.measure_activations)
 
 
 def _cmd_train(args) -> int:
@@ -258,7 +261,8 @@ def _print_run(cfg, record: dict) -> None:
           + " ".join(f"{d:>9}" for d in dims) + f"  {'build':>6} {'host+':>8}")
     for r in record["ranks"]:
         m, c = r["memory"], r["coords"]
-        kib = [f"{m[k] / 1024:>8.0f}K" for k in ("params", "grads", "optimizer", "activations")]
+        kib = [f"{m[k] / 1024:>8.0f}K" if m[k] is not None else f"{'-':>9}"
+               for k in ("params", "grads", "optimizer", "activations")]
         sent = [sum(o["wire_bytes"] for o in r["comm"].get(d, {}).values()) / steps / 1024
                 for d in dims]
         print(f"{r['rank']:>4} " + " ".join(f"{c[d]:>3}" for d in coords) + f" {' '.join(kib)}"
@@ -267,7 +271,8 @@ def _print_run(cfg, record: dict) -> None:
               f" {r.get('host_peak_bytes', 0) / 2**20:>7.1f}M")
     print("(bytes this rank held at their peak within a step; "
           "bytes sent as a ring algorithm puts them on the wire; build: seconds to\n"
-          " compose this rank's shards, host+: the host memory that added at its peak)")
+          " compose this rank's shards, host+: the host memory that added at its peak;"
+          " activ: - unless --measure-activations)")
 
 
 def _cmd_sample(args) -> int:

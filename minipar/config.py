@@ -56,6 +56,7 @@ class TrainConfig:
     save: str | None = None
     resume: str | None = None
     trace: str | None = None
+    measure_activations: bool = False  # count saved tensors each step (hooks: slower)
     stop_at: int | None = None  # end (and save) after this step, as if interrupted
     timeout: float = 600.0
     overrides: dict = field(default_factory=dict)  # model config fields to change

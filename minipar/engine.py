@@ -59,7 +59,8 @@ class RunStopped(RuntimeError):
 
 
 def _with_total(mem: dict) -> dict:
-    mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations"))
+    """``total``: the four kinds (activations: None, not counted, unless measured)."""
+    mem["total"] = sum(mem[k] or 0 for k in ("params", "grads", "optimizer", "activations"))
     return mem
 
 
@@ -81,19 +82,20 @@ def rank_main(cfg: TrainConfig) -> dict:
     data = make_data(cfg, parts.model.cfg.vocab_size, parts.model.cfg.seq_len)
     reports_loss = (rm.coords.pp == cfg.pp - 1 and rm.coords.dp == 0 and rm.coords.tp == 0
                     and rm.coords.cp == 0)
-    losses, norms, timeline, step_times, act_peak, evals = [], [], [], [], 0, []
-    param_storages = [f.full for f in parts.data_parallel.flats]  # weights, not activations
+    losses, norms, timeline, step_times, evals = [], [], [], [], []
+    # the activation meter's hooks run on every saved tensor: only when asked for
+    meter = ActivationMeter(exclude=[f.full for f in parts.data_parallel.flats]) \
+        if cfg.measure_activations else None  # (the weights are not activations)
     tokens_per_step = cfg.batch_size * parts.model.cfg.seq_len
     last_report, stopped = (start, time.time()), None
     for step in range(start, end):
         t0 = time.time()
-        with ActivationMeter(exclude=param_storages) as meter:
+        with meter if meter is not None else nullcontext():
             out = train_step(cfg, rm, parts, data, step)
         heartbeat()  # progress: the launcher's timeout counts from here
         if not (cfg.allow_nonfinite or _finite(out, step)):  # every rank alike
-            stopped = _nonfinite(out, step, losses, parts)
+            stopped = _nonfinite(out, step, losses)
             break
-        act_peak = max(act_peak, meter.peak)
         step_times.append(time.time() - t0)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
@@ -126,7 +128,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         "build_seconds": parts.build_seconds, "host_peak_bytes": parts.host_peak_bytes,
         "losses": losses, "eval": evals,
         "grad_norms": norms, "step_seconds": step_times,
-        "memory": _with_total({**out["memory"], "activations": act_peak}),
+        "memory": _with_total({**out["memory"],
+                               "activations": meter.peak if meter is not None else None}),
         "stopped": stopped,
         "peak_in_flight": out["peak_in_flight"] if end > start else 0,
         "comm": rm.log.summary(),
@@ -176,13 +179,11 @@ def _finite(out: dict, step: int) -> bool:
     return True
 
 
-def _nonfinite(out: dict, step: int, losses: list, parts: Parts) -> dict:
-    """Why the run stops at ``step``: its loss and norm, the loss scale (dynamic only),
-    the last finite loss (on the rank that reports the loss)."""
-    precision = parts.precision
-    scale = precision.scale if getattr(precision, "dynamic", False) else None
+def _nonfinite(out: dict, step: int, losses: list) -> dict:
+    """Why the run stops at ``step``: its loss and norm, the last finite loss (on the
+    rank that reports the loss)."""
     return {"why": "nonfinite", "step": step, "loss": out["loss"],
-            "grad_norm": out["grad_norm"], "loss_scale": scale,
+            "grad_norm": out["grad_norm"],
             "last_finite": [step - 1, losses[-1]] if losses else None}
 
 
@@ -214,11 +215,10 @@ def _why_stopped(cfg: TrainConfig, ranks: list[dict], last: int) -> str | None:
         own = [s for s in stops if s["own"]] or stops
         return f"--save {cfg.save}: {own[0]['error']}"
     s = ranks[last].get("stopped") or stops[0]
-    scale = f", loss scale {s['loss_scale']:g}" if s["loss_scale"] else ""
     before = (f"last finite loss {s['last_finite'][1]:.6g} at step {s['last_finite'][0]}"
               if s["last_finite"] else "no finite loss before it in this run")
     return (f"the loss is not finite at step {s['step']} (loss {s['loss']}, gradient norm "
-            f"{s['grad_norm']}{scale}; {before}): the run stopped there and wrote no "
+            f"{s['grad_norm']}; {before}): the run stopped there and wrote no "
             "checkpoint from these weights; lower --lr, or --allow-nonfinite to go on")
 
 

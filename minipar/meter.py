@@ -4,7 +4,10 @@ The theory (``minipar.theory.memory``) predicts these numbers; a run measures th
 so the two can be put side by side. Activations are measured as the tensors autograd
 saves for backward: a ``saved_tensors_hooks`` pair counts each saved tensor's bytes when
 it is packed and uncounts them when autograd lets it go, and the meter keeps the peak.
-A tensor saved twice (one storage) is counted once, as memory would be.
+A tensor saved twice (one storage) is counted once, as memory would be. The hooks run on
+every saved tensor, so the engine attaches the meter only when asked
+(``--measure-activations``). Bytes held inside a step by the data-parallel layer are
+counted by ``HeldPeaks``, an observer that layer reports its buffers to.
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
-from torch import nn
 
-__all__ = ["ActivationMeter", "HeldBytes", "HostPeak", "PeakBytes", "rss_bytes", "module_bytes",
+__all__ = ["ActivationMeter", "HeldBytes", "HeldPeaks", "HostPeak", "rss_bytes",
            "optimizer_state_bytes", "saved_tensor_elements", "storage_bytes"]
 
 
@@ -36,32 +38,15 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                          if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
-class PeakBytes:
-    """The most bytes a technique held at once during a step.
-
-    Sampling memory after the step would miss what lives only inside it (ZeRO-2's
-    full-size gradient buckets, ZeRO-3's gathered weights): the owner reports what it
-    holds each time that changes (``observe``); ``reset`` starts a new step's peak.
-    """
-
-    def __init__(self) -> None:
-        self.peak = 0
-
-    def observe(self, nbytes: int) -> None:
-        self.peak = max(self.peak, nbytes)
-
-    def reset(self, nbytes: int = 0) -> None:
-        self.peak = nbytes
-
-
 class HeldBytes:
     """Bytes held in tensors grouped by key (a bucket's gradient buffers), as a running
-    total updated one key at a time, for ``PeakBytes.observe``.
+    total updated one key at a time.
 
-    Recounting every key's tensors at each change costs O(keys) per change, O(keys^2)
-    per step: with the ~220 ZeRO buckets of gpt-1.3b tp2 with sequence parallelism that
-    was tens of ms of Python per step on the critical path (docs/benchmarks.md).
-    Keys must not share storages (each key's tensors are deduplicated on their own).
+    Recounting every key's tensors at each change would cost O(keys) per change,
+    O(keys^2) per step: with the ~220 ZeRO buckets of gpt-1.3b tp2 with sequence
+    parallelism, tens of ms of Python per step on the critical path
+    (docs/benchmarks.md). Keys must not share storages (each key's tensors are
+    deduplicated on their own).
     """
 
     def __init__(self) -> None:
@@ -75,10 +60,35 @@ class HeldBytes:
         return self.total
 
 
-def module_bytes(modules: Iterable[nn.Module]) -> tuple[int, int]:
-    """(parameter bytes, gradient bytes) held by ``modules``."""
-    params = [p for m in modules for p in m.parameters()]
-    return storage_bytes(params), storage_bytes(p.grad for p in params)
+class HeldPeaks:
+    """The most bytes a data-parallel wrapper held at once during a step, by kind.
+
+    Sampling memory after the step would miss what lives only inside it (ZeRO-2's
+    full-size gradient buckets, ZeRO-3's gathered weights). So the engine attaches this
+    observer (``sync.observe(peaks)``); the wrapper reports each change of its buffers
+    (``held(kind, key, tensors)``: ``key`` of ``kind``, "grads" or "params", now holds
+    ``tensors``) and calls ``reset`` when a step begins. With no observer attached the
+    wrapper counts nothing.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, HeldBytes] = {}
+        self.peak: dict[str, int] = {}
+
+    def held(self, kind: str, key, tensors: Iterable[torch.Tensor | None],
+             peak: bool = True) -> None:
+        total = self._held.setdefault(kind, HeldBytes()).update(key, tensors)
+        if peak:
+            self.peak[kind] = max(self.peak.get(kind, 0), total)
+
+    def reset(self) -> None:
+        """A new step: each peak starts from what is held now."""
+        self.peak = {kind: h.total for kind, h in self._held.items()}
+
+    def with_peaks(self, held: dict[str, int]) -> dict[str, int]:
+        """``held`` (a wrapper's ``memory_bytes``, after the step) with each kind raised
+        to its peak within the step."""
+        return {k: max(v, self.peak.get(k, 0)) for k, v in held.items()}
 
 
 class _Saved:

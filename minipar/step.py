@@ -15,9 +15,9 @@ layout starts from the same weights without any rank holding the whole model:
    the rest of the reference model is dropped;
 3. recomputation replaces blocks (``parallel/recompute.py``); with ``--fp8`` the blocks'
    linears become float8 ones (``parallel/fp8.py``);
-4. data parallelism, in one place (``data_parallel``): ZeRO 0-2 (``parallel/zero.py``,
-   replicated or sharded optimizer states and gradients, bf16 weights with fp32
-   masters) or ZeRO-3 (``parallel/zero3.py``, the weights sharded too).
+4. data parallelism, in one place (``data_parallel``, ``parallel/zero/``): ZeRO 0-2
+   (stage 0 is data parallelism itself; replicated or sharded optimizer states and
+   gradients, bf16 weights with fp32 masters) or ZeRO-3 (the weights sharded too).
 
 ``train_step``: this replica's rows of the step's global batch (the same tokens whatever
 the layout; only these rows are built) cut into micro-batches, and of each row this cp
@@ -32,15 +32,23 @@ so the gradient is exactly that of the global batch's mean loss on one device.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from minipar.config import TrainConfig, device_for, lr_at, optimizer_class, optimizer_kwargs
 from minipar.data import TokenSource, local_batches
 from minipar.mesh import RankMesh
+from minipar.meter import HeldPeaks
 from minipar.model import GPT, set_moe_loss_scale
+from minipar.parallel.precision import MixedPrecision
+from minipar.parallel.zero import GradientSync, OnHost, Zero3, ZeroOptimizer
+from minipar.parallel.zero.shards import global_grad_norm
 from minipar.reshard import ShardReader, load_optimizer_state
+
+if TYPE_CHECKING:  # (pp is imported where it is built: its first import is timed apart)
+    from minipar.parallel.pp import PipelineExecutor, PipelineStage
 
 __all__ = ["Parts", "build", "data_parallel", "loss_scale", "clip_gradients", "train_step"]
 
@@ -50,14 +58,16 @@ class Parts:
     """What one rank trains, once composed."""
 
     model: torch.nn.Module  # StageLayers: this rank's (sharded) layers, reference names
-    chunks: list  # this rank's pipeline chunks (PipelineStage modules, sharing them)
+    chunks: list[PipelineStage]  # this rank's pipeline chunks (sharing the layers)
     optimizer: torch.optim.Optimizer  # steps on what data_parallel exposes
-    executor: object  # the PipelineExecutor
-    data_parallel: object  # ZeroOptimizer (ZeRO 0-2) or Zero3: the gradient sync
-    precision: object | None  # MixedPrecision (bf16, ZeRO 0-2), for its loss scale
+    executor: PipelineExecutor
+    data_parallel: GradientSync  # ZeroOptimizer (ZeRO 0-2) or Zero3: the gradient sync
     names: list[str]  # reference names of this rank's trainable weights
     sp_names: list[str]  # weights whose gradient is also summed over tp (SP norms)
     tied_names: list[str]  # a tied embedding's copy, summed over the embedding group
+    offload: OnHost | None = None  # ZeRO-Offload's host side (its traffic), or None
+    # measurement beside the mechanics: the peaks of the data-parallel buffers in a step
+    peaks: HeldPeaks = field(default_factory=HeldPeaks)
     build_seconds: float = 0.0  # how long build took on this rank
     host_peak_bytes: int = 0  # the resident host memory build added at its peak
 
@@ -77,7 +87,7 @@ def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
     # imported before measuring: a module's first import costs seconds and tens of MB
     # that are not the build's (a torch optimizer's first construction imports dynamo)
     for module in ("torch._dynamo", "minipar.parallel.materialize", "minipar.parallel.pp",
-                   "minipar.parallel.recompute", "minipar.parallel.zero3"):
+                   "minipar.parallel.recompute"):
         importlib.import_module(module)
 
     t0 = time.perf_counter()
@@ -141,9 +151,12 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     sp_names = [n for n, p in named if getattr(p, "sequence_parallel", False)]
     tied = ("tok_emb.weight", "head.weight") if model.cfg.tie_embeddings and rm.embed else ()
     tied_names = [n for n, _ in named if n in tied]
-    sync, optimizer, precision = data_parallel(
+    offload = OnHost() if cfg.offload else None  # where the fp32 masters live and step
+    sync, optimizer = data_parallel(
         cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names,
-        values)
+        values, offload)
+    peaks = HeldPeaks()
+    sync.observe(peaks)
     if cfg.wgrad_fusion:  # before the executor looks at the modules
         from minipar.parallel.wgrad_fusion import fuse_weight_gradients
 
@@ -154,8 +167,8 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     # (a few % of a small model's step): only when a trace is asked for.
     executor = PipelineExecutor(stage, rm.pp, actions, device=device,
                                 synchronize=bool(cfg.trace) and device.type == "cuda")
-    parts = Parts(model, stage, optimizer, executor, sync, precision, [n for n, _ in named],
-                  sp_names, tied_names)
+    parts = Parts(model, stage, optimizer, executor, sync, [n for n, _ in named],
+                  sp_names, tied_names, offload, peaks)
     if resume is not None:
         load_optimizer_state(rm, parts, resume)
         resume.close()
@@ -163,33 +176,25 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
 
 
 def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units: list,
-                  shared: list[str], materialize=None) -> tuple:
-    """The one place that picks the data-parallel layout: (gradient sync, optimizer,
-    precision). Every ZeRO stage offers the same calls to the step below:
-    ``finish_gradient_sync``, ``grad_shards``, ``scale_grads``, ``all_reduce_grads``,
-    ``zero_grad``, ``memory_bytes``, ``full_state_by_name`` (checkpoints),
-    ``finish_param_sync``.
+                  shared: list[str], materialize=None, offload: OnHost | None = None
+                  ) -> tuple[GradientSync, torch.optim.Optimizer]:
+    """The one place that picks the data-parallel layout: (gradient sync, optimizer).
+    Every choice offers the step the same calls (``parallel/zero/protocol.GradientSync``).
 
-    ZeRO 0-2 is one ``torch.optim.Optimizer`` (``parallel/zero.py``) with bf16 weights
-    and fp32 master shards; ZeRO-3 a module whose parameters are the fp32 shards, under a
-    plain torch optimizer (``parallel/zero3.py``). ``cfg.offload`` (ZeRO-Offload): either
-    keeps its fp32 master shards on the host, where the optimizer steps them
-    (``parallel/offload.py``). ``materialize(name, p)``: the model
-    is still on the meta device, and each stage makes its buffers from these values one
-    weight at a time (ZeRO 0-2: the bucket's compute-dtype weights and fp32 master
-    shard; ZeRO-3: the unit's shard), never the whole fp32 local model. Gradients are
-    summed, not averaged: the executor already divides each micro-batch loss by
-    dp * cp * m (``loss_scale``). The group is dp x cp (``rm.dp_cp``, just dp when
-    cp = 1): the weights are replicated over both, so their gradients are summed, and
-    ZeRO shards, over both (as Megatron-Core's distributed optimizer does with context
-    parallelism). With ``--ep`` the experts' weights, split over ep, are summed and
-    sharded over their own replicas instead (``rm.edp``): a second ZeroOptimizer,
-    joined to the first by ``parallel/ep.ExpertDataParallel``.
+    ZeRO 0-2 is one ``torch.optim.Optimizer`` (``ZeroOptimizer``: it is both) with bf16
+    weights and fp32 master shards, ``cfg.ddp`` its mode; ZeRO-3 a module whose
+    parameters are the fp32 shards (``Zero3``), under a plain torch optimizer.
+    ``offload`` (ZeRO-Offload, ``OnHost``): the fp32 master shards live and step on the
+    host. ``materialize(name, p)``: the model is still on the meta device, and each
+    stage makes its buffers from these values one weight at a time, never the whole
+    fp32 local model. Gradients are summed, not averaged: the executor already divides
+    each micro-batch loss by dp * cp * m (``loss_scale``). The group is dp x cp
+    (``rm.dp_cp``, just dp when cp = 1): the weights are replicated over both, so their
+    gradients are summed, and ZeRO shards, over both (as Megatron-Core's distributed
+    optimizer does with context parallelism). With ``--ep`` the experts' weights, split
+    over ep, are summed and sharded over their own replicas instead (``rm.edp``): a
+    second ZeroOptimizer, joined to the first by ``parallel/ep.ExpertDataParallel``.
     """
-    from minipar.parallel.precision import MixedPrecision
-    from minipar.parallel.zero import ZeroOptimizer
-    from minipar.parallel.zero3 import Zero3
-
     opt_cls, opt_kwargs = optimizer_class(cfg), optimizer_kwargs(cfg, host=cfg.offload)
     bf16 = cfg.dtype == "bf16"
     # fp32 sums keep every micro-batch's low bits (Megatron's default for the same
@@ -198,13 +203,13 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     if cfg.zero == 3:
         sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
                      shared=shared, average=False, materialize=materialize,
-                     offload=cfg.offload, grad_dtype=grad_dtype)
-        sync.backwards_per_step = cfg.microbatches  # offload: shards leave at the last
+                     place=offload, grad_dtype=grad_dtype)
+        sync.backwards_per_step = cfg.microbatches  # OnHost: shards leave at the last
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
-        return sync, optimizer, None
+        return sync, optimizer
     # on a meta model its masters are placeholders: ZeroOptimizer makes its own shards
-    # from ``materialize`` and releases them; it keeps the loss scale
+    # from ``materialize`` and releases them
     precision = MixedPrecision(model, torch.bfloat16) if bf16 else None
     # Overlapped (the default): a bucket per block. ZeRO-2 then holds one full-size
     # bucket at most, and every stage makes a few large collectives, not many small ones
@@ -219,9 +224,8 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     def zero(params, comm):
         return ZeroOptimizer(params, opt_cls, module=model, stage=cfg.zero, comm=comm,
                              precision=precision, average=False, shared=shared,
-                             overlap=overlap, bucket_mb=0 if cfg.ddp == "naive" else bucket_mb,
-                             materialize=materialize, offload=cfg.offload,
-                             grad_dtype=grad_dtype,
+                             mode=cfg.ddp, bucket_mb=bucket_mb, materialize=materialize,
+                             place=offload, grad_dtype=grad_dtype,
                              overlap_param_gather=overlap and cfg.overlap_param_gather,
                              **opt_kwargs)
     if cfg.ep > 1:  # expert weights reduce (and shard) over their own replicas
@@ -233,7 +237,7 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     else:
         sync = zero(model.parameters(), rm.dp_cp)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
-    return sync, sync, precision
+    return sync, sync
 
 
 def loss_scale(cfg: TrainConfig) -> float:
@@ -247,14 +251,13 @@ def loss_scale(cfg: TrainConfig) -> float:
 def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor:
     """Scale the gradients so their global L2 norm is at most ``cfg.grad_clip``.
 
-    The one gradient norm of every layout (``dp.global_grad_norm``): each element is
+    The one gradient norm of every layout (``zero.shards.global_grad_norm``): each element is
     counted once, on the rank that owns it: its ZeRO shard over dp x cp, tensor-parallel
     shards over tp (replicated parameters on tp rank 0 only), stages over pp. Returns
     the norm before clipping, as a 0-dim tensor on the compute device: the clip factor
     ``min(1, clip / norm)`` is computed and applied there too, as
     ``torch.nn.utils.clip_grad_norm_`` does (read the norm after the update).
     """
-    from minipar.parallel.dp import global_grad_norm
     from minipar.parallel.pp import tied_copy
     from minipar.parallel.tp import tp_shard_dim
 
@@ -303,9 +306,9 @@ def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
     norm = clip_gradients(cfg, rm, parts)
     parts.optimizer.step()
     # peaks of this step; parameters and optimizer states after the update
-    held = sync.memory_bytes(parts.optimizer)
-    # ZeRO-Offload: host <-> device bytes of this step (``offload.HostShards``)
-    offload = sync.offload.last_traffic if getattr(sync, "offload", None) else None
+    held = parts.peaks.with_peaks(sync.memory_bytes(parts.optimizer))
+    # ZeRO-Offload: host <-> device bytes of this step
+    offload = parts.offload.last_traffic if parts.offload is not None else None
     sync.zero_grad()
     loss = None
     if result.loss is not None:  # last stage: the mean over the dp replicas, cp shards

@@ -115,12 +115,12 @@ def test_offload_plain_sgd_and_bf16(layout: dict) -> None:
 def test_offload_mutation_fails_the_check(monkeypatch) -> None:
     """Host gradients never zeroed: each step adds the previous ones (a classic offload
     bug: the host accumulator outlives the device's zero_grad)."""
-    from minipar.parallel.offload import HostShards
+    from minipar.parallel.zero.offload import OnHost
 
     cfg = TrainConfig(steps=3, timeout=240, offload=True, dp=2, zero=1, **SGD)
     ref = {k: v[:3] for k, v in reference(**SGD).items() if k in ("losses", "grad_norms")}
     kept: dict = {}
-    land = HostShards.land
+    land = OnHost.land
 
     def land_never_zeroed(self, i):  # the step's gradient adds to all earlier ones
         master = self._in_flight[i][1] if i in self._in_flight else None
@@ -129,7 +129,7 @@ def test_offload_mutation_fails_the_check(monkeypatch) -> None:
             kept[i] = kept.get(i, 0) + master.grad
             master.grad.copy_(kept[i])
 
-    monkeypatch.setattr(HostShards, "land", land_never_zeroed)
+    monkeypatch.setattr(OnHost, "land", land_never_zeroed)
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), broken.describe()
 

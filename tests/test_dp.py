@@ -1,4 +1,4 @@
-"""Data parallelism (naive, bucketed, overlapped) against single-process training.
+"""Data parallelism (ZeRO stage 0: naive, bucketed, overlapped) against one process.
 
 The test is parity: after a few optimizer steps every rank's parameters must equal those
 of one process that trained on the same global batch. Tolerances (fp32): plain SGD
@@ -11,7 +11,9 @@ and a run that forgets to synchronise by far more).
 
 The edge-case model has every awkward feature at once: sizes divisible by neither 2 nor
 4, a frozen layer, a tied embedding/head, and a branch some ranks skip on some steps
-(and no rank on others). The helpers here are shared with ``test_zero.py``.
+(and no rank on others): a parameter no rank used gets a zero gradient (one flat bucket
+cannot hold "None" for part of itself), and the reference does the same. The helpers
+here are shared with ``test_zero.py``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from torch import nn
 from minipar.comm import Comm, CommLog
 from minipar.data import MarkovData, split_batch
 from minipar.launch import launch
+from minipar.meter import HeldPeaks
 from minipar.model import GPT, GPTConfig
-from minipar.parallel.dp import DataParallel, Reducer, bucket_params
 from minipar.parallel.precision import MixedPrecision
+from minipar.parallel.zero import ZeroOptimizer
+from minipar.parallel.zero.buckets import Reducer, bucket_params
 
 GPT_CFG = GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=32,
                     tie_embeddings=True)
@@ -102,10 +106,9 @@ def optimizer_kwargs(opt: str) -> tuple[type, dict]:
 def reference(name: str, opt: str, dtype: str, world: int, steps: int = STEPS,
               zero_unused: bool = False, clip: float | None = None) -> dict[str, torch.Tensor]:
     """One process, the global batch as the mean of the dp shards' losses. ``zero_unused``:
-    a parameter no rank used gets a zero gradient (what ZeRO and DDP without
-    ``find_unused`` do) instead of staying None (skipped by the optimizer). ``clip``: by
-    the global gradient norm (fp32 only). One thread,
-    like the ranks, so that one rank reproduces it exactly."""
+    a parameter no rank used gets a zero gradient (what ZeRO does) instead of staying
+    None (skipped by the optimizer). ``clip``: by the global gradient norm (fp32 only).
+    One thread, like the ranks, so that one rank reproduces it exactly."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -178,18 +181,20 @@ def assert_close(got: dict, ref: dict, start: dict, opt: str, dtype: str, what: 
 
 # --- what each rank runs ------------------------------------------------------------------
 def train_ddp(spec: dict) -> dict:
-    """Train with DataParallel per ``spec``; the fp32 weights, comm and memory back."""
+    """Train with ZeroOptimizer stage 0 per ``spec``; the fp32 weights, comm and memory.
+    Gradients are summed in the weights' own dtype, as PyTorch DDP does."""
     name, world, micro = spec["model"], spec["world"], spec.get("micro", 1)
     log = CommLog()
     comm = Comm(log=log)
     model = make_model(name)
     mp = MixedPrecision(model, torch.bfloat16) if spec["dtype"] == "bf16" else None
-    ddp = DataParallel(model, comm, mode=spec["mode"], bucket_mb=spec.get("bucket_mb", 0.002),
-                       precision=mp,
-                       average=spec.get("average", True), find_unused=spec.get("find_unused",
-                                                                                False),
-                       reduce_dtype=spec.get("reduce_dtype"))
-    optimizer = make_optimizer(spec["opt"], mp.parameters() if mp else model.parameters())
+    cls, kwargs = optimizer_kwargs(spec["opt"])
+    ddp = ZeroOptimizer(model, cls, stage=0, comm=comm, precision=mp, mode=spec["mode"],
+                        bucket_mb=spec.get("bucket_mb", 0.002), grad_dtype=None,
+                        average=spec.get("average", True),
+                        reduce_dtype=spec.get("reduce_dtype"), **kwargs)
+    peaks = HeldPeaks()
+    ddp.observe(peaks)
     log.clear()  # the broadcast at wrapping is not part of a step
     memory = None
     for step in range(spec.get("steps", STEPS)):
@@ -197,21 +202,18 @@ def train_ddp(spec: dict) -> dict:
             scale = 1.0 / micro if spec.get("average", True) else 1.0 / (micro * world)
             if i < micro - 1:
                 with ddp.no_sync():
-                    (shard_loss(ddp, name, step, comm.rank, world, micro, i) * scale).backward()
+                    (shard_loss(model, name, step, comm.rank, world, micro, i) * scale
+                     ).backward()
             else:
-                (shard_loss(ddp, name, step, comm.rank, world, micro, i) * scale).backward()
+                (shard_loss(model, name, step, comm.rank, world, micro, i) * scale).backward()
         ddp.finish_gradient_sync()
         if step == 0:
-            summary, memory = log.summary(), ddp.memory_bytes(optimizer)
-        if mp:
-            mp.step(optimizer)
-            mp.zero_grad()
-        else:
-            optimizer.step()
-            optimizer.zero_grad()
-        if step == 0:
-            memory["optimizer"] = ddp.memory_bytes(optimizer)["optimizer"]  # states exist now
-    return {"params": named_fp32(model, mp), "comm": summary, "memory": memory}
+            summary = log.summary()
+        ddp.step()
+        if step == 0:  # the step's peaks; Adam's states exist now
+            memory = peaks.with_peaks(ddp.memory_bytes())
+        ddp.zero_grad()
+    return {"params": ddp.full_parameters(), "comm": summary, "memory": memory}
 
 
 def run_all(fn, specs: list[dict]) -> list[dict]:
@@ -219,8 +221,8 @@ def run_all(fn, specs: list[dict]) -> list[dict]:
     return [fn(spec) for spec in specs]
 
 
-def check(specs: list[dict], results: list[list[dict]], zero_unused) -> None:
-    keys = [(s["model"], s["opt"], s["dtype"], s["world"], zero_unused(s)) for s in specs]
+def check(specs: list[dict], results: list[list[dict]]) -> None:
+    keys = [(s["model"], s["opt"], s["dtype"], s["world"], True) for s in specs]
     refs = references(keys)
     for spec, key, res in zip(specs, keys, results[0]):
         assert_close(res["params"], refs[key], initial(spec["model"]), spec["opt"],
@@ -231,29 +233,23 @@ def check(specs: list[dict], results: list[list[dict]], zero_unused) -> None:
                        for k, v in other[i]["params"].items()), spec
 
 
-def ddp_zero_unused(spec: dict) -> bool:
-    return spec["model"] == "edge" and not spec.get("find_unused", False)
-
-
 # --- tests ------------------------------------------------------------------------------
 def test_parity_every_mode_two_ranks():
-    specs = [dict(mode=mode, model=model, opt=opt, dtype="fp32", world=2, find_unused=fu)
+    specs = [dict(mode=mode, model=model, opt=opt, dtype="fp32", world=2)
              for mode in ("naive", "bucketed", "overlapped")
-             for model, opt, fu in (("gpt", "adamw", False), ("edge", "sgd", True),
-                                    ("edge", "adamw", False))]
+             for model, opt in (("gpt", "adamw"), ("edge", "sgd"), ("edge", "adamw"))]
     specs += [dict(mode="overlapped", model="gpt", opt="adamw", dtype="bf16", world=2,
                    reduce_dtype=torch.float32),
               dict(mode="bucketed", model="edge", opt="sgd", dtype="bf16", world=2)]
-    check(specs, launch(run_all, 2, args=(train_ddp, specs), timeout=90), ddp_zero_unused)
+    check(specs, launch(run_all, 2, args=(train_ddp, specs), timeout=90))
 
 
 def test_parity_four_ranks_and_one():
     gpt = dict(mode="overlapped", model="gpt", opt="sgd", dtype="fp32")
-    edge = dict(mode="bucketed", model="edge", opt="adamw", dtype="fp32", find_unused=True)
+    edge = dict(mode="bucketed", model="edge", opt="adamw", dtype="fp32")
     for world, cases in ((4, (gpt, edge)), (1, (edge,))):
         specs = [dict(case, world=world) for case in cases]
-        check(specs, launch(run_all, world, args=(train_ddp, specs), timeout=90),
-              ddp_zero_unused)
+        check(specs, launch(run_all, world, args=(train_ddp, specs), timeout=90))
 
 
 def test_no_sync_accumulation_and_sum_reduction():
@@ -263,7 +259,7 @@ def test_no_sync_accumulation_and_sum_reduction():
                   average=average)
              for mode, average in (("overlapped", True), ("bucketed", False), ("naive", False))]
     results = launch(run_all, 2, args=(train_ddp, specs), timeout=90)
-    check(specs, results, ddp_zero_unused)
+    check(specs, results)
     for r in results:  # one all-reduce per bucket per step: no_sync sent nothing
         assert r[0]["comm"]["world"]["all_reduce"]["calls"] == r[1]["comm"]["world"][
             "all_reduce"]["calls"]
@@ -271,7 +267,9 @@ def test_no_sync_accumulation_and_sum_reduction():
 
 def test_communication_and_memory_match_theory():
     """All-reduce payload = the gradient bytes (tied weight once, frozen not at all);
-    on the wire 2(N-1)/N of it. Memory: weights, gradients and Adam's two moments."""
+    on the wire 2(N-1)/N of it. Memory: weights, gradients (the fp32 gradient the
+    masters step on; bf16 buckets become it bucket by bucket, never all at once),
+    Adam's two moments (and bf16's fp32 masters)."""
     world = 4
     specs = [dict(mode=m, model=name, opt="adamw", dtype=d, world=world)
              for m, name, d in (("naive", "gpt", "bf16"), ("overlapped", "gpt", "fp32"),
@@ -286,25 +284,26 @@ def test_communication_and_memory_match_theory():
         assert ar["bytes"] == n_train * width, spec
         assert abs(ar["wire_bytes"] - 2 * (world - 1) / world * ar["bytes"]) <= ar["calls"]
         master = 4 * n_train if spec["dtype"] == "bf16" else 0
-        assert res["memory"] == {"params": n_all * width, "grads": n_train * width,
+        assert res["memory"] == {"params": n_all * width, "grads": n_train * 4,
                                  "optimizer": 8 * n_train + master}, spec
 
 
-def _different_start(dtype: str) -> list[torch.Tensor]:
+def _different_start(dtype: str) -> tuple[dict, list[torch.Tensor]]:
     torch.manual_seed(Comm().rank)  # every rank starts from other weights
     model = Edge()
     mp = MixedPrecision(model, torch.bfloat16) if dtype == "bf16" else None
-    DataParallel(model, Comm(), precision=mp)
-    return [(mp.master(p) if mp and p.requires_grad else p).detach().clone()
-            for p in model.parameters()]
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=0, comm=Comm(), precision=mp, lr=0.1)
+    return opt.full_parameters(), [p.detach().clone() for p in model.parameters()]
 
 
 def test_parameters_broadcast_from_rank_zero_when_wrapped():
     torch.manual_seed(0)
-    rank0 = list(Edge().parameters())
+    rank0 = dict(Edge().named_parameters())
     for dtype in ("fp32", "bf16"):  # bf16: the fp32 masters are what is shared
-        for result in launch(_different_start, 2, args=(dtype,), timeout=60):
-            assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(result, rank0))
+        for masters, weights in launch(_different_start, 2, args=(dtype,), timeout=60):
+            assert all(torch.equal(masters[n], rank0[n]) for n in masters)
+            assert all(torch.equal(w, p.to(w.dtype))  # frozen too; bf16: rounded
+                       for w, p in zip(weights, rank0.values()))
 
 
 def test_buckets_are_reverse_order_and_capped():
@@ -336,10 +335,10 @@ class _Done:
 
 def _double_backward(_: None) -> str:
     model = make_model("gpt")
-    ddp = DataParallel(model, Comm(), mode="overlapped", bucket_mb=0.01)
-    shard_loss(ddp, "gpt", 0, 0, 1).backward()
+    ZeroOptimizer(model, torch.optim.SGD, stage=0, comm=Comm(), bucket_mb=0.01, lr=0.1)
+    shard_loss(model, "gpt", 0, 0, 1).backward()
     try:
-        shard_loss(ddp, "gpt", 0, 0, 1).backward()
+        shard_loss(model, "gpt", 0, 0, 1).backward()
     except RuntimeError as e:
         return str(e)
     return "no error"
@@ -349,43 +348,11 @@ def test_second_synchronised_backward_is_refused():
     assert "finish_gradient_sync" in launch(_double_backward, 1, args=(None,), timeout=60)[0]
 
 
-def test_mixed_precision_masters_and_loss_scaling():
-    launch(_mixed_precision, 1, args=(None,), timeout=60)  # (autograd only in children)
-
-
-def _mixed_precision(_: None) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    exact = model.weight.detach().clone()
-    mp = MixedPrecision(model, torch.float16)
-    assert model.weight.dtype == torch.float16 and torch.equal(mp.master(model.weight), exact)
-    assert mp.dynamic and mp.scale == 2.0**16
-    opt = torch.optim.SGD(mp.parameters(), lr=0.1)
-    model.weight.grad = torch.full_like(model.weight, float("inf"))
-    model.bias.grad = torch.zeros_like(model.bias)
-    try:  # the loss was never multiplied by S: dividing by it would be silently wrong
-        mp.step(opt)
-        raise AssertionError("unscaling gradients that were never scaled must fail")
-    except RuntimeError as e:
-        assert "scale_loss" in str(e)
-    mp.scale_loss(torch.zeros(()))  # (as if the gradients came from this loss)
-    assert not mp.step(opt) and mp.scale == 2.0**15  # overflow: skipped, scale halved
-    assert torch.equal(mp.master(model.weight), exact)
-    mp.zero_grad()
-    mp.scale_loss(model(torch.ones(1, 4, dtype=torch.float16)).float().sum()).backward()
-    assert mp.step(opt)
-    expected = exact - 0.1 * torch.ones(3, 4)  # d(sum)/dW = x = ones
-    assert torch.allclose(mp.master(model.weight), expected, atol=1e-3)
-    assert torch.equal(model.weight, mp.master(model.weight).half())
-
-
 # --- the full cross product (run with --full) -----------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_full_matrix(world):
-    specs = [dict(mode=mode, model=model, opt=opt, dtype=dtype, world=world,
-                  find_unused=model == "edge" and opt == "sgd")
+    specs = [dict(mode=mode, model=model, opt=opt, dtype=dtype, world=world)
              for mode in ("naive", "bucketed", "overlapped") for model in ("gpt", "edge")
              for opt in ("adamw", "sgd") for dtype in ("fp32", "bf16")]
-    check(specs, launch(run_all, world, args=(train_ddp, specs), timeout=300),
-          ddp_zero_unused)
+    check(specs, launch(run_all, world, args=(train_ddp, specs), timeout=300))

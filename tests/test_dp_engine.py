@@ -89,8 +89,8 @@ def test_bf16_needs_fp32_masters(zero: int, monkeypatch: pytest.MonkeyPatch) -> 
     ref = reference(**knobs)
     _, params = run_with_params(dp=2, zero=zero, dtype="bf16", **knobs)
     assert relative_update_diff(params, ref) <= BF16_PARAM_RTOL
-    import minipar.parallel.zero as zero_mod
-    import minipar.parallel.zero3 as zero3_mod
+    import minipar.parallel.zero.optimizer as zero_mod
+    import minipar.parallel.zero.stage3 as zero3_mod
 
     monkeypatch.setattr(zero_mod, "MASTER_DTYPE", torch.bfloat16)
     monkeypatch.setattr(zero3_mod, "MASTER_DTYPE", torch.bfloat16)

@@ -149,7 +149,7 @@ def test_bf16_gradient_sums_hold_half_the_buffer() -> None:
 
 
 def test_run_reports_memory_comm_and_timeline() -> None:
-    run = assert_parity(dp=2, pp=2, microbatches=2)
+    run = assert_parity(dp=2, pp=2, microbatches=2, measure_activations=True)
     assert [r["rank"] for r in run["ranks"]] == [0, 1, 2, 3]
     for r in run["ranks"]:
         assert r["memory"]["params"] > 0 and r["memory"]["optimizer"] > 0
@@ -203,7 +203,8 @@ def test_full_parity_matrix(layout: dict) -> None:
 def test_recomputation_saves_measured_activation_memory() -> None:
     """Full recomputation keeps only each block's input (Chen et al. 2016); with fused
     attention selective recomputation saves little (no s x s scores are stored anyway)."""
-    peak = {mode: assert_parity(recompute=mode)["ranks"][0]["memory"]["activations"]
+    peak = {mode: assert_parity(recompute=mode, measure_activations=True
+                                )["ranks"][0]["memory"]["activations"]
             for mode in ("none", "selective", "full")}
     assert peak["full"] < 0.25 * peak["none"]
     assert peak["full"] < peak["selective"] <= peak["none"]

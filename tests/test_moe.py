@@ -236,7 +236,7 @@ def test_memory_prediction_holds_for_an_ep_run(capacity: float) -> None:
     balanced: a rank's experts receive more than k s rows), 0.988 with capacity 1.
     The prediction that ignores ep (every rank with all the experts) must miss."""
     cfg = TrainConfig(model="moe-tiny", dp=2, ep=2, steps=1, timeout=240,
-                      capacity_factor=capacity)
+                      capacity_factor=capacity, measure_activations=True)
     got = train(cfg)["ranks"][0]["memory"]
     model = cfg.model_config()
     want, whole = (memory_per_stage(model, 2, zero=0, dtype=cfg.dtype,

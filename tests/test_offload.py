@@ -1,27 +1,26 @@
-"""ZeRO-Offload (minipar.parallel.offload) against a plain optimizer on the same model.
+"""ZeRO-Offload (``minipar.parallel.zero.offload.OnHost``) against the same optimizer
+with its masters on the device.
 
-fp32 on the device: the data path is the plain one (the same gradients, accumulated in
-the same order, the same torch optimizer on the same values), so parameters must be
-bit-identical after every step. 16-bit on the device: compared with the mixed-precision
-recipe written out by hand (fp32 masters, gradients cast up, the step, weights cast
-down), again bit-identical. Bytes moved are checked against ``minipar.theory.offload``.
-
-With ZeRO (``ZeroOptimizer(offload=True)``, ``train --offload``): the same optimizer
-without offload is the reference, bit for bit (one process); the engine's runs against
-one device are in ``test_cp_engine.py`` and here (bf16, the traffic, a mutation).
+One rank, fp32: the data path is the plain one (the same gradients, accumulated in the
+same order, the same torch optimizer on the same values), so parameters must be
+bit-identical to a plain torch optimizer after every step. 16-bit weights: compared
+with the mixed-precision recipe written out by hand (fp32 masters, gradients cast up,
+the step, weights cast down), again bit-identical. With ZeRO 0-3 (``train --offload``):
+the same ZeRO without offload is the reference, bit for bit; the engine's runs against
+one device are in ``test_cp_engine.py`` and here (bf16, the traffic, a mutation). Bytes
+moved are checked against ``minipar.theory.offload``.
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
+from minipar.comm import Comm
+from minipar.launch import launch
 from minipar.model import GPT, GPTConfig
-from minipar.parallel import offload as offmod
-from minipar.parallel.offload import OffloadOptimizer
-from minipar.parallel.zero import ZeroOptimizer
+from minipar.parallel.zero import OnHost, Zero3, ZeroOptimizer
+from minipar.parallel.zero import offload as offmod
 from minipar.theory.offload import offload_memory, offload_traffic, zero_offload_traffic
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
@@ -62,85 +61,44 @@ def _train(model, opt, hand_rolled_masters=None, micro: int = MICRO) -> list[dic
     return seen
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_fp32_offload_is_bit_identical_to_the_plain_optimizer(name):
+def _one_rank(name: str, dtype: torch.dtype) -> dict:
+    """The plain recipe (fp32: the torch optimizer; bf16: mixed precision by hand, one
+    micro-batch) and ZeRO stage 0 with its masters on the host, from the same weights."""
     cls, kwargs = OPTIMIZERS[name]
+    micro = MICRO if dtype == torch.float32 else 1  # (bf16 by hand would sum in bf16)
     torch.manual_seed(0)
     ref_model = GPT(CFG)
-    model = copy.deepcopy(ref_model)
-    want = _train(ref_model, cls(ref_model.parameters(), **kwargs))
-    opt = OffloadOptimizer(model.parameters(), cls, **kwargs)
-    got = _train(model, opt)
-    for w, g in zip(want, got):
-        for k in w:
-            assert torch.equal(w[k], g[k]), k
-    n = sum(p.numel() for p in model.parameters())
-    assert opt.last_traffic == offload_traffic(n, param_bytes=4, microbatches=MICRO)
-    assert isinstance(opt, torch.optim.Optimizer)
-    assert opt.param_groups[0]["params"][0] is opt.masters[0]  # LR schedules reach them
-
-
-def test_bf16_offload_matches_mixed_precision_by_hand():
-    torch.manual_seed(0)
-    ref_model = GPT(CFG)
-    model = copy.deepcopy(ref_model)
-    masters = [p.detach().clone() for p in ref_model.parameters()]
-    ref_model.to(torch.bfloat16)
-    # One micro-batch: by hand, micro-batch gradients would add up in bf16 on the
-    # device, where offload adds them in fp32 on the host (a rounding apart).
-    want = _train(ref_model, torch.optim.AdamW(masters, lr=1e-2), masters, micro=1)
-    opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
-                           param_dtype=torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    got = _train(model, opt, micro=1)
-    for w, g in zip(want, got):
-        for k in w:
-            assert torch.equal(w[k], g[k]), k
-    for p, m in zip(model.parameters(), opt.masters):  # the device holds the masters, cast
-        assert torch.equal(p, m.to(torch.bfloat16))
-    n = sum(p.numel() for p in model.parameters())
-    assert opt.last_traffic == {"to_host": 2 * n, "to_device": 2 * n}
-    step_counters = 4 * len(opt.masters)  # AdamW's per-tensor fp32 step count, not per param
-    assert opt.host_bytes() == offload_memory(n, param_bytes=2)["host"] + step_counters
-
-
-def test_gradients_leave_the_device_as_they_are_produced():
-    torch.manual_seed(0)
     model = GPT(CFG)
-    opt = OffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    x, y = _batches(0)[0]
-    _loss(model, x, y).backward()
-    assert all(p.grad is None for p in model.parameters())  # hooks took every gradient
-    assert opt.traffic["to_host"] == 4 * sum(p.numel() for p in model.parameters())
-    opt.step()
-    opt.zero_grad()
-    assert all(float(m.grad.abs().sum()) == 0.0 for m in opt.masters)
+    model.load_state_dict(ref_model.state_dict())
+    masters = [p.detach().clone() for p in ref_model.parameters()]
+    initial = {n: m.clone() for (n, _), m in zip(ref_model.named_parameters(), masters)}
+    ref_model.to(dtype)
+    model.to(dtype)
+    if dtype == torch.float32:
+        want = _train(ref_model, cls(ref_model.parameters(), **kwargs), micro=micro)
+    else:
+        want = _train(ref_model, cls(masters, **kwargs), masters, micro=micro)
+    host = OnHost()
+    opt = ZeroOptimizer(model, cls, stage=0, comm=Comm(), bucket_mb=0, place=host,
+                        **kwargs)
+    if dtype != torch.float32:  # the masters from the fp32 weights, as by hand
+        opt.load_full_state_by_name({}, initial)
+    opt.backwards_per_step = micro
+    got = _train(model, opt, micro=micro)
+    return {"equal": [all(torch.equal(w[k], g[k]) for k in w) for w, g in zip(want, got)],
+            "traffic": host.last_traffic, "n": sum(p.numel() for p in model.parameters()),
+            "on_host": all(f.master.device.type == "cpu" for f in opt.flats),
+            "memory": opt.memory_bytes()}
 
 
-def test_without_overlap_gradients_are_offloaded_on_request():
-    torch.manual_seed(0)
-    ref_model = GPT(CFG)
-    model = copy.deepcopy(ref_model)
-    want = _train(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1))
-    opt = OffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, overlap=False)
-    got = _train(model, opt)  # step() offloads what is still on the device
-    assert all(torch.equal(want[-1][k], got[-1][k]) for k in want[-1])
-
-
-def test_mutation_overwriting_instead_of_accumulating_fails(monkeypatch):
-    torch.manual_seed(0)
-    ref_model = GPT(CFG)
-    model = copy.deepcopy(ref_model)
-    want = _train(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1))
-
-    def land_overwrite(self, i):  # the mutation: the last micro-batch wins
-        if self._in_flight.pop(i, "none") != "none":
-            self.masters[i].grad.copy_(self._host_grads[i])
-
-    monkeypatch.setattr(offmod.OffloadOptimizer, "_land", land_overwrite)
-    got = _train(model, OffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1))
-    worst = max((want[-1][k] - got[-1][k]).abs().max().item() for k in want[-1])
-    assert worst > 1e-3
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_offload_on_one_rank_is_bit_identical_to_the_plain_recipe(name, dtype):
+    out = launch(_one_rank, 1, args=(name, dtype), timeout=120)[0]
+    assert out["equal"] == [True] * STEPS and out["on_host"]
+    p = 4 if dtype == torch.float32 else 2  # the gradient sum crosses once, in fp32
+    assert out["traffic"] == zero_offload_traffic(out["n"], dp=1, zero=0, param_bytes=p)
+    assert out["memory"]["optimizer"] == 0 and out["memory"]["host_optimizer"] > 0
 
 
 def test_theory_numbers():
@@ -156,29 +114,28 @@ def test_theory_numbers():
 # --- with ZeRO: no fp32 master on the device, 16-bit bytes back -------------------------
 def _zero_run(stage: int, dtype: torch.dtype, offload: bool) -> dict:
     """STEPS steps of ZeRO over this rank's comm (bucket per parameter): what it held."""
-    from minipar.comm import Comm
-
     torch.manual_seed(0)
     model = GPT(CFG).to(dtype)
+    host = OnHost() if offload else None
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, comm=Comm(), bucket_mb=0,
-                        lr=1e-2, weight_decay=0.1, offload=offload)
+                        lr=1e-2, weight_decay=0.1, place=host)
     opt.backwards_per_step = MICRO
     during_backward, host_grads = [], []
     for step in range(STEPS):
         for x, y in _batches(step):
             (_loss(model, x, y) / MICRO).backward()
         if offload:  # buckets reduced (and shipped) while backward ran
-            during_backward.append(opt.offload.traffic["to_host"])
+            during_backward.append(host.traffic["to_host"])
         opt.step()
         memory = opt.memory_bytes()
         host_grads.append([f.master.grad.data_ptr() for i, f in enumerate(opt.flats)
-                           if offload and f.master.grad is opt.offload._grads[i]])
+                           if offload and f.master.grad is host._grads[i]])
         opt.zero_grad()
     out = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
            "memory": memory, "shard": sum(f.hi - f.lo for f in opt.flats)}
     if offload:
-        out.update(during_backward=during_backward, traffic=opt.offload.last_traffic,
-                   host_grads=host_grads, landing=len(opt.offload._landing),
+        out.update(during_backward=during_backward, traffic=host.last_traffic,
+                   host_grads=host_grads, landing=len(host._landing),
                    flats=len(opt.flats),
                    on_host=all(f.master.device.type == "cpu" for f in opt.flats),
                    apart=all(f.master.untyped_storage().data_ptr() !=
@@ -194,8 +151,6 @@ def _zero_both(stage: int, dtype: torch.dtype) -> tuple[dict, dict]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_zero_offload_is_bit_identical_to_zero(stage, dtype):
     """dp 2: the same ZeroOptimizer with and without offload, every weight equal."""
-    from minipar.launch import launch
-
     for want, got in launch(_zero_both, 2, args=(stage, dtype), timeout=120):
         for k, w in want["weights"].items():
             assert torch.equal(w, got["weights"][k]), k
@@ -251,7 +206,7 @@ def test_engine_mutation_step_before_the_gradients_land_fails(monkeypatch):
                       **SGD)
     ref = {k: v[:3] for k, v in reference(**SGD).items() if k in ("losses", "grad_norms")}
     assert compare(train(cfg), ref).ok(FP32)
-    monkeypatch.setattr(offmod.HostShards, "land_all", lambda self: None)
+    monkeypatch.setattr(offmod.OnHost, "land_all", lambda self: None)
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), broken.describe()
 
@@ -309,11 +264,9 @@ def test_engine_zero3_offload_bytes_equal_the_theory(dtype):
 
 
 def _zero3_run(dtype: torch.dtype, offload: bool, per_step: int = 1) -> dict:
-    from minipar.comm import Comm
-    from minipar.parallel.zero3 import Zero3
-
     torch.manual_seed(0)
-    sync = Zero3(GPT(CFG), Comm(), param_dtype=dtype, offload=offload)
+    host = OnHost() if offload else None
+    sync = Zero3(GPT(CFG), Comm(), param_dtype=dtype, place=host)
     sync.backwards_per_step = per_step  # MICRO: the shards add up on the device first
     opt = torch.optim.AdamW(sync.parameters(), lr=1e-2, weight_decay=0.1)
     sync.publish_after(opt)
@@ -325,12 +278,12 @@ def _zero3_run(dtype: torch.dtype, offload: bool, per_step: int = 1) -> dict:
         opt.step()
         memory = sync.memory_bytes(opt)
         host_grads.append([f.master.grad.data_ptr() for i, f in enumerate(sync.flats)
-                           if offload and f.master.grad is sync.offload._grads[i]])
+                           if offload and f.master.grad is host._grads[i]])
         sync.zero_grad()
     weights, _ = sync.full_state_by_name(opt)
     return {"weights": weights, "memory": memory, "host_grads": host_grads,
-            "flats": len(sync.flats), "landing": len(sync.offload._landing) if offload else 0,
-            "traffic": sync.offload.last_traffic if offload else None,
+            "flats": len(sync.flats), "landing": len(host._landing) if offload else 0,
+            "traffic": host.last_traffic if offload else None,
             "shard": sum(f.hi - f.lo for f in sync.flats),
             "on_host": all(f.master.device.type == "cpu" for f in sync.flats)}
 
@@ -343,7 +296,6 @@ def test_zero3_offload_saves_the_states_less_the_16_bit_shard_it_adds():
     """Without offload ZeRO-3's gathers cast from the fp32 master shard; with it the
     master leaves and a 16-bit device shard takes its place: the weights and optimizer
     bytes ``Zero3.memory_bytes`` reports fall by what ``theory.memory`` says."""
-    from minipar.launch import launch
     from minipar.theory.memory import memory_breakdown
 
     n = GPT(CFG).num_params()
@@ -360,8 +312,6 @@ def test_zero3_offload_saves_the_states_less_the_16_bit_shard_it_adds():
 def test_zero3_offload_is_bit_identical_to_zero3(dtype, per_step):
     """The micro-batches' gradient shards summed on the host (each crosses) or, told how
     many backwards make a step, on the device (one crossing): the same values."""
-    from minipar.launch import launch
-
     for want, got in launch(_zero3_both, 2, args=(dtype, per_step), timeout=120):
         crossings = MICRO if per_step == 1 else 1
         assert got["traffic"]["to_host"] == 4 * got["shard"] * crossings

@@ -1,5 +1,5 @@
 """ZeRO-1/2's weight all-gather overlapped with the next forward
-(``minipar/parallel/param_gather.py``).
+(``minipar/parallel/zero/param_gather.py``).
 
 The engine turns it on by default, so every ZeRO-1/2 parity test in ``test_engine.py``
 and ``test_dp_engine.py`` runs it; these tests pin what a parity test cannot see: after

@@ -18,10 +18,9 @@ from minipar.config import TrainConfig
 from minipar.engine import train, train_reference
 from minipar.launch import launch
 from minipar.model import GPT, get_config
-from minipar.parallel import zero_state
 from minipar.parallel.wgrad_fusion import FusedWgradLinear, fuse_weight_gradients
-from minipar.parallel.zero import ZeroOptimizer
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.zero import Zero3, ZeroOptimizer
+from minipar.parallel.zero import shards as zero_shards
 from minipar.parity import TOLERANCES, compare
 
 FP32 = TOLERANCES["fp32"]
@@ -122,12 +121,12 @@ def test_a_wrong_product_fails_the_check(monkeypatch) -> None:
     only the fusion can carry the error; the check must see it."""
     cfg = TrainConfig(steps=3, timeout=240, dp=2, microbatches=2, **SGD)
     ref = train_reference(cfg)
-    original = zero_state.FlatParams.add_product
+    original = zero_shards.FlatParams.add_product
 
     def doubled(self, k, dy, x, dtype, first):
         return original(self, k, 2 * dy, x, dtype, first)
 
-    monkeypatch.setattr(zero_state.FlatParams, "add_product", doubled)
+    monkeypatch.setattr(zero_shards.FlatParams, "add_product", doubled)
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), f"a doubled weight gradient passed: {broken}"
     assert broken.grad_ratios[0] > 1.2  # most of the model's gradient is in those weights

@@ -5,9 +5,9 @@ wrapper, in the loop a PyTorch user writes (forward, backward, step, zero_grad),
 must match one process on the whole batch: losses, gradient norms (before the step),
 final parameters, with plain SGD (no momentum, no clipping) and with AdamW:
 
-* ``DataParallel``: an ``nn.Module`` (forward, parameters, state_dict), like DDP;
-* ``ZeroOptimizer`` (stages 1, 2): a ``torch.optim.Optimizer`` over the user's
-  parameters, two parameter groups (one added with ``add_param_group``);
+* ``ZeroOptimizer`` (stages 0, i.e. data parallelism, 1 and 2): a
+  ``torch.optim.Optimizer`` over the user's parameters, two parameter groups (one added
+  with ``add_param_group``);
 * ``Zero3``: an ``nn.Module`` whose parameters are fp32 shards (each gradient has its
   shard's shape) under a plain ``torch.optim`` optimizer, norms left replicated.
 
@@ -25,9 +25,7 @@ from torch import nn
 from minipar.comm import Comm
 from minipar.launch import launch
 from minipar.mesh import Mesh
-from minipar.parallel.dp import DataParallel
-from minipar.parallel.zero import ZeroOptimizer
-from minipar.parallel.zero3 import Zero3
+from minipar.parallel.zero import Zero3, ZeroOptimizer
 
 STEPS, BATCH, WORLD = 3, 8, 2
 
@@ -86,12 +84,7 @@ def plain_loop(kind: str, opt: str) -> dict:
     torch.manual_seed(0)
     model = TiedMLP()
     facts = {}
-    if kind == "ddp":
-        net = DataParallel(model, comm)
-        optimizer = make(opt, list(model.named_parameters()))
-        facts["state_dict"] = sorted(net.state_dict())[0]
-        facts["is_module"] = isinstance(net.to("cpu"), nn.Module)
-    elif kind.startswith("zero") and kind != "zero3":
+    if kind != "zero3":
         net = model
         inner = make(opt, list(model.named_parameters()))  # the same groups, ZeRO'd
         groups = [{"params": g["params"]} for g in inner.param_groups]
@@ -104,27 +97,22 @@ def plain_loop(kind: str, opt: str) -> dict:
     else:
         net = Zero3(model, comm, replicate=(nn.LayerNorm,))
         optimizer = make(opt, [(n, p) for n, p in zip(
-            ["w"] * (len(net.shards) - 1) + ["norm"], net.parameters())])
+            ["w"] * (len(net.masters) - 1) + ["norm"], net.parameters())])
         net.publish_after(optimizer)
     losses, norms = [], []
     for step in range(STEPS):
         loss = net(*batch(step, comm.rank, WORLD))
         loss.backward()
-        if kind == "ddp":
-            net.finish_gradient_sync()
-            norm = float(nn.utils.clip_grad_norm_(net.parameters(), float("inf")))
-        else:
-            if kind == "zero3":
-                facts["shard_grads"] = all(p.grad.shape == p.shape for p in net.parameters())
-            norm = (optimizer if kind != "zero3" else net).clip_grad_norm_(float("inf"))
+        if kind == "zero3":
+            facts["shard_grads"] = all(p.grad.shape == p.shape for p in net.parameters())
+        norm = (optimizer if kind != "zero3" else net).clip_grad_norm_(float("inf"))
         optimizer.step()
         optimizer.zero_grad()
         t = loss.detach().reshape(1)
         comm.all_reduce(t)
         losses.append(float(t) / WORLD)
         norms.append(norm)
-    params = ({n: p.detach().clone() for n, p in model.named_parameters()} if kind == "ddp"
-              else optimizer.full_parameters() if kind != "zero3"
+    params = (optimizer.full_parameters() if kind != "zero3"
               else net.full_state_by_name(optimizer)[0])
     return {"losses": losses, "norms": norms, "params": params, "facts": facts}
 
@@ -138,7 +126,7 @@ def _references(opts: list[str]) -> dict:
 
 
 def test_each_wrapper_in_a_plain_pytorch_loop_matches_one_process() -> None:
-    cases = [(k, o) for k in ("ddp", "zero1", "zero2", "zero3") for o in ("sgd", "adamw")]
+    cases = [(k, o) for k in ("zero0", "zero1", "zero2", "zero3") for o in ("sgd", "adamw")]
     results = launch(_all, WORLD, args=(cases,), timeout=180)
     refs = launch(_references, 1, args=(["sgd", "adamw"],), timeout=60)[0]
     for (kind, opt), res in zip(cases, results[0]):
@@ -197,7 +185,7 @@ def test_all_reduce_grads_of_a_weight_shared_by_different_stages(stage: int) -> 
 
 def _both_wrappers(_: None) -> str:
     model = TiedMLP()
-    DataParallel(model, Comm())
+    ZeroOptimizer(model, torch.optim.SGD, stage=0, comm=Comm(), lr=0.1)
     try:
         ZeroOptimizer(model, torch.optim.SGD, stage=1, comm=Comm(), lr=0.1)
     except ValueError as e:
@@ -205,7 +193,7 @@ def _both_wrappers(_: None) -> str:
     return "accepted"
 
 
-def test_data_parallel_and_zero_on_one_model_is_refused() -> None:
-    """Both would reduce the same gradient (it corrupted it silently before)."""
-    assert "already synchronised by DataParallel" in launch(_both_wrappers, 1,
-                                                            args=(None,), timeout=60)[0]
+def test_two_synchronisers_on_one_model_are_refused() -> None:
+    """Both would reduce the same gradient, silently twice."""
+    assert "already synchronised by ZeroOptimizer" in launch(_both_wrappers, 1,
+                                                             args=(None,), timeout=60)[0]

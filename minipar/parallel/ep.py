@@ -174,7 +174,6 @@ class ExpertDataParallel:
 
     def __init__(self, dense, experts, ep: Comm) -> None:
         self.dense, self.experts, self.ep = dense, experts, ep
-        self.offload = None
 
     @property
     def parts(self) -> tuple:
@@ -223,6 +222,10 @@ class ExpertDataParallel:
 
     def all_reduce_grads(self, params, comm: Comm) -> None:
         self.dense.all_reduce_grads(params, comm)  # (norms, tied embeddings: dense)
+
+    def observe(self, observer) -> None:
+        for z in self.parts:
+            z.observe(observer)
 
     def fusable(self, linear: nn.Linear) -> bool:
         return self.dense.fusable(linear)  # (the experts are no nn.Linear)

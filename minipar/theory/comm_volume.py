@@ -77,7 +77,7 @@ def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
     paper, Sec. 7.2: the same 2 Psi per rank for stages 1 and 2, 3 Psi for stage 3).
     ``microbatches``: ZeRO-3 reduce-scatters (and gathers) every micro-batch; minipar's
     ZeRO-2 keeps each bucket whole until the last micro-batch's backward, then reduces
-    it once (``parallel/zero.py``)."""
+    it once (``parallel/zero/optimizer.py``)."""
     out: dict = defaultdict(lambda: defaultdict(lambda: {"calls": 0, "bytes": 0,
                                                          "wire_bytes": 0}))
     pw, pg, _ = state_bytes(dtype)

@@ -408,7 +408,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     of every sequence, so its activations divide by cp (ring attention stores no s x s
     scores; with ``accounting="korthikanti"`` that term is divided by cp too, as the
     kernel does not keep it at all); the weights are replicated over cp, so ZeRO shards
-    over dp * cp. ZeRO-3 in 16 bits as ``parallel.zero3`` holds it: its gathers cast
+    over dp * cp. ZeRO-3 in 16 bits as ``parallel.zero.stage3`` holds it: its gathers cast
     from the fp32 master shard, so no 16-bit shard (``params`` 0), and the gradient
     shard is fp32 (4 bytes): the paper's 2 + 2 bytes, as 0 + 4. ZeRO-Offload
     (``offload``, Ren et al. 2021; ``theory.offload``): the fp32 master shard and the

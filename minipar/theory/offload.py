@@ -1,6 +1,6 @@
 """ZeRO-Offload in numbers: host-device traffic per step and where the model states live.
 
-For ``minipar.parallel.offload`` (Ren et al. 2021, "ZeRO-Offload", arXiv 2101.06840,
+For ``minipar.parallel.zero.offload`` (Ren et al. 2021, "ZeRO-Offload", arXiv 2101.06840,
 Sec. 4): the device keeps the 16-bit parameters (and each gradient only until it is
 copied out); the host keeps the fp32 master weights, the fp32 gradient accumulator and
 the optimizer states, and runs the step. Per step, for N parameters on this rank:
@@ -46,7 +46,7 @@ def offload_traffic(n_params: int, param_bytes: int = 2, grad_bytes: int | None 
 def zero_offload_traffic(n_params: int, dp: int = 1, zero: int = 0,
                          param_bytes: int = 2) -> dict[str, int]:
     """Host-device bytes of one rank per step as ``train --offload`` composes offload with
-    ZeRO (``parallel/zero.py``, ``HostShards``): the gradient is reduced on the device
+    ZeRO (``parallel/zero/``, ``OnHost``): the gradient is reduced on the device
     in fp32 (all-reduce at stage 0, reduce-scatter at 1-2), accumulated there over the
     micro-batches, and this rank's fp32 shard goes to the host once per step, as its
     bucket's reduction completes; the updated master shard is cast on the host and
@@ -86,7 +86,7 @@ def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: i
 def zero_offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
                         dp: int = 1, zero: int = 0) -> dict[str, int]:
     """Model-state bytes per rank as ``train --offload`` composes offload with ZeRO 0-3
-    (``offload.HostShards``). Device: the weights in the compute dtype only (no fp32
+    (``zero.offload.OnHost``). Device: the weights in the compute dtype only (no fp32
     master; ZeRO-3: this rank's 16-bit shard; gradient buffers: ``theory.memory``).
     Host, per element of this rank's shard (n / dp at stages 1-3, n at 0): fp32 master
     (4) and its gradient (4), the optimizer states, the pinned landing buffers of the

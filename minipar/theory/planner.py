@@ -307,7 +307,7 @@ def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
                   + max(0.0, (gather / 2 + reduce) * slow - backward))
         return max(hidden, ZERO3_EXPOSED_SHARE * (gather + reduce))
     # the last micro-batch's backward hides the reduction, the next step's first forward
-    # ZeRO-1/2's weight gather (param_gather.py): slowed while they overlap, then whole
+    # ZeRO-1/2's weight gather (zero/param_gather.py): slowed while they overlap, then whole
     return max(0.0, reduce * slow - backward / m) + max(0.0, gather - forward / m / slow)
 
 

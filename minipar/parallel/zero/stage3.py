@@ -1,6 +1,7 @@
 """ZeRO stage 3: shard the weights too, gather each unit just in time, free it after
-(Rajbhandari et al. 2019, arXiv 1910.02054, section 5.3; PyTorch FSDP, Zhao et al. 2023,
-arXiv 2304.11277).
+(Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC20, arXiv 1910.02054, section 5.3; PyTorch FSDP, Zhao et al. 2023, arXiv
+2304.11277).
 
 Stage 3 keeps on each of the N ranks 1/N of the weights too (16 Psi / N bytes of model
 state). A *unit* (a block: by default every module of an ``nn.ModuleList``) is gathered
@@ -25,15 +26,16 @@ What lives where (FSDP's choices):
 The module's trainable weights become plain tensors viewing their unit's flat buffer
 (no storage while the unit is free): its own code runs as written. Wrap it on its
 device. Every rank runs the same units in the same order, through ``__call__``. The
-zero-bubble schedule's deferred W pass is refused (``config.validate``). ``offload``
-(ZeRO-Offload, ``parallel/offload.py``): masters on the host, gathered from a 16-bit shard.
+zero-bubble schedule's deferred W pass is refused (``config.validate``). ``place``
+(``offload.py``): the fp32 masters on the device, or on the host (ZeRO-Offload; the
+gathers then read a 16-bit device copy of the shard, refreshed after each step).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 
 import torch
@@ -41,22 +43,16 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from minipar.comm import Comm
-from minipar.meter import PeakBytes, optimizer_state_bytes, storage_bytes
-from minipar.parallel.dp import broadcast_module
-from minipar.parallel.offload import HostShards, OnHost
-from minipar.parallel.zero3_units import Unit, default_units, group_weights, who_gathers
-from minipar.parallel.zero_state import (
-    FlatParams,
-    ShardedState,
-    all_reduce_grads,
-    clip_owned,
-    held_grad_bytes,
-)
+from minipar.meter import storage_bytes
+from minipar.parallel.zero.buckets import broadcast_module
+from minipar.parallel.zero.offload import OnDevice, OnHost
+from minipar.parallel.zero.shards import FlatParams, Shards
+from minipar.parallel.zero.units import Unit, default_units, group_weights, who_gathers
 
 MASTER_DTYPE = torch.float32
 
 
-class Zero3(OnHost, ShardedState, nn.Module):
+class Zero3(nn.Module):
     """Shard ``module``'s trainable weights over ``comm`` (the dp group), ZeRO-3 style.
 
     ``units``: the modules gathered as one (default ``default_units``); a weight outside
@@ -68,7 +64,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
     ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
     device (``parallel/materialize.py``): each weight is made when its unit is built and
     only this rank's shard kept (the local model never exists whole); nothing is
-    broadcast, every rank computes the same values.
+    broadcast, every rank computes the same values. ``place``: see above.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, *,
@@ -78,10 +74,12 @@ class Zero3(OnHost, ShardedState, nn.Module):
                  reduce_dtype: torch.dtype | None = None,
                  replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
-                 max_inflight: int = 1, materialize=None, offload: bool = False):
+                 max_inflight: int = 1, materialize=None,
+                 place: OnDevice | OnHost | None = None):
         super().__init__()
-        self.offload = HostShards() if offload else None  # fp32 masters on the host
-        self.module, self.comm = module, comm or Comm()
+        self.shards = Shards(comm or Comm(), place or OnDevice())
+        self.comm, self.place = self.shards.comm, self.shards.place
+        self.module = module
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
         self.prefetch, self.average, self.max_inflight = prefetch, average, max_inflight
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
@@ -96,27 +94,30 @@ class Zero3(OnHost, ShardedState, nn.Module):
         self.units: list[Unit] = []
         self._build(named, set(units) if units is not None else set(default_units(module)),
                     replicate, set(shared), param_dtype)
-        self.shards = nn.ParameterList([f.master for u in self.units for f in u.flats])
-        self.flats = [f for u in self.units for f in u.flats]
+        self.masters = nn.ParameterList([f.master for u in self.units for f in u.flats])
+        self.shards.flats = [f for u in self.units for f in u.flats]
         self._unit_of = {id(t): u for u in self.units for t in u.leaves}
         self._where = {id(t): (f, k) for f in self.flats for k, t in enumerate(f.params)}
         self._units_of = {id(m): [u for u in self.units if any(x is m for x in u.modules)]
                           for m in self._triggers}
         self._inflight: deque = deque()
         self._index = {id(f): i for i, f in enumerate(self.flats)}
-        self._sync, self._end_queued = True, False
-        self.backwards_per_step, self._backwards = 1, 0  # (offload: sends at the last)
-        self.param_bytes, self.grad_bytes = PeakBytes(), PeakBytes()
-        self._grad_hooks = [t.register_post_accumulate_grad_hook(self._on_grad)
-                            for u in self.units for t in u.leaves]
-        for u in self.units:
-            self._grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(
-                u.leaves, partial(self._unit_grads_computed, u), mode="all"))
+        self._end_queued = False
+        self.backwards_per_step, self._backwards = 1, 0  # (OnHost: sends at the last)
+        hooks = self.shards.hooks
+        hooks += [t.register_post_accumulate_grad_hook(self._on_grad)
+                  for u in self.units for t in u.leaves]
+        hooks += [torch.autograd.graph.register_multi_grad_hook(
+            u.leaves, partial(self._unit_grads_computed, u), mode="all") for u in self.units]
         for m in self._triggers:
-            self._grad_hooks += [m.register_forward_pre_hook(self._pre_forward),
-                            m.register_forward_hook(self._post_forward)]
+            hooks += [m.register_forward_pre_hook(self._pre_forward),
+                      m.register_forward_hook(self._post_forward)]
 
-    # --- construction: who gathers what (zero3_units.py), one unit's values at a time --
+    @property
+    def flats(self) -> list[FlatParams]:
+        return self.shards.flats
+
+    # --- construction: who gathers what (units.py), one unit's values at a time --
     def _build(self, named: dict, given: set, replicate: tuple, shared: set,
                param_dtype: torch.dtype | None) -> None:
         triggers, owners, self._triggers = who_gathers(self.module, named, given)
@@ -143,9 +144,10 @@ class Zero3(OnHost, ShardedState, nn.Module):
                     f.params.append(leaf)
                     if p.device.type != "meta":
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free it
-                if self.offload is not None:  # gathered from a compute-dtype device shard
-                    f.shard = f.full if replicated else f.master.detach().to(dtype)
-                    f.master = self.offload.to_host(f.master)
+                # what the gathers read this rank's slot from (a replicated unit: its
+                # buffer, always whole), then where the master lives
+                f.shard = f.full if replicated else self.place.working_copy(f.master, dtype)
+                f.master = self.place.keep(f.master)
                 if not replicated:
                     f.full.untyped_storage().resize_(0)  # gathered when used
                 flats.append(f)
@@ -163,15 +165,15 @@ class Zero3(OnHost, ShardedState, nn.Module):
             u.pending = []
             for f in u.flats:
                 f.full.untyped_storage().resize_(f.padded * f.full.element_size())
-                # this rank's slot of the gathered buffer is its master shard in the
-                # compute dtype: cast it there and gather in place (no 16-bit shard kept;
-                # with offload the master is on the host: the device's 16-bit shard)
+                # this rank's slot of the gathered buffer is its shard in the compute
+                # dtype: cast it there and gather in place (OnDevice: no 16-bit shard
+                # kept; OnHost: the master is on the host, this reads its device copy)
                 own = f.full[f.lo:f.hi]
                 with torch.no_grad():
-                    own.copy_(f.master if self.offload is None else f.shard)
+                    own.copy_(f.shard)
                 u.pending.append(self.comm.all_gather_into(f.full, own, async_op=True))
             u.state = "gathering"
-            self.param_bytes.observe(self._params_held())
+            self.shards.held("params", 0, self._params_held)
         if u.state == "gathering" and not async_op:
             for pending in u.pending:
                 pending.wait()
@@ -184,12 +186,11 @@ class Zero3(OnHost, ShardedState, nn.Module):
                 f.full.untyped_storage().resize_(0)
             u.state = "free"
 
-    def _params_held(self) -> int:
-        """Gathered buffers, plus the master shards when they are the compute weights."""
-        if self.offload is not None:  # the device shards (the masters are on the host)
-            return storage_bytes([f.full for f in self.flats] + [f.shard for f in self.flats])
-        return storage_bytes([f.full for f in self.flats] + [
-            f.master for f in self.flats if f.full.dtype == f.master.dtype])
+    def _params_held(self) -> list[torch.Tensor]:
+        """Gathered buffers, and the shards the gathers read when they are in the compute
+        dtype (an fp32 master of 16-bit weights counts as optimizer state)."""
+        return [f.full for f in self.flats] + [f.shard for f in self.flats
+                                               if f.shard.dtype == f.full.dtype]
 
     def _neighbour(self, module: nn.Module, step: int) -> list[Unit]:
         """Units of the next (step=1) or previous (-1) module in registration order."""
@@ -271,7 +272,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
         f, k = self._where[id(t)]
         # (no count of arrivals per weight here: always added, to zeros the first time)
         if add(f, k):
-            self.grad_bytes.observe(self._grads_held())
+            self.shards.held("grads", 0, self._grads_held)
         self._arrived(t)
 
     def _arrived(self, t: torch.Tensor) -> None:
@@ -281,7 +282,7 @@ class Zero3(OnHost, ShardedState, nn.Module):
         if u.in_backward and not u.waiting:  # the unit's backward is done
             u.in_backward = False
             self._free(u)
-            if self._sync:
+            if self.shards.sync:
                 self._reduce(u)
 
     def _unit_grads_computed(self, u: Unit, grads: list[torch.Tensor | None]) -> None:
@@ -309,25 +310,21 @@ class Zero3(OnHost, ShardedState, nn.Module):
             while len(self._inflight) >= self.max_inflight:  # make room first: the
                 self._complete_oldest()  # buffers in flight are all the memory it costs
             self._inflight.append((f, wire, out, pending))
-            self.grad_bytes.observe(self._grads_held())
+            self.shards.held("grads", 0, self._grads_held)
 
     def _complete_oldest(self) -> None:
         f, _, out, pending = self._inflight.popleft()
         pending.wait()
-        if self.offload is not None:  # to the host at the step's last backward: the
-            # earlier ones' shards add up on the device (no host pass, one crossing)
-            more = self._backwards + 1 < self.backwards_per_step
-            self.offload.grad_to_host(self._index[id(f)], out, f.master, more=more)
-            return self.grad_bytes.observe(self._grads_held())
-        g = out.to(f.master.dtype)
-        f.master.grad = g if f.master.grad is None else f.master.grad.add_(g)
-        self.grad_bytes.observe(self._grads_held())
+        # OnHost: to the host at the step's last backward (the earlier ones' shards add
+        # up on the device: no host pass, one crossing)
+        more = self._backwards + 1 < self.backwards_per_step
+        self.place.grad_in(self._index[id(f)], out, f.master, more=more)
+        self.shards.held("grads", 0, self._grads_held)
 
-    def _grads_held(self) -> int:  # (offload: the device's only, not the host shards)
-        wire = [t for _, w, o, _ in self._inflight for t in (w, o)]
-        wire += self.offload.on_device() if self.offload else []
-        return storage_bytes([f.grad for f in self.flats] + wire) if self.offload else \
-            held_grad_bytes(self.flats, wire)
+    def _grads_held(self) -> list[torch.Tensor]:
+        """The gradient tensors on the device: unit buffers, shards, those in flight."""
+        return [t for f in self.flats for t in [f.grad, *self.place.device_grads(f.master)]]\
+            + [t for _, w, o, _ in self._inflight for t in (w, o)] + self.place.on_device()
 
     def finish_gradient_sync(self) -> None:
         """Reduce every unit with gradients not reduced yet (in unit order) and wait."""
@@ -338,61 +335,88 @@ class Zero3(OnHost, ShardedState, nn.Module):
                 self._reduce(u)
         while self._inflight:
             self._complete_oldest()
-        if self.offload is not None:
-            self.offload.land_all()
+        self.place.land_all()
         self._backwards = 0
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Keep the full-size unit gradients; the next synchronised backward reduces."""
+        return self.shards.no_sync()
 
     # --- after the optimizer step --------------------------------------------------------
     @torch.no_grad()
     def publish(self) -> None:
-        """The updated fp32 masters -> the replicated units' weights (a sharded unit
-        casts its master when it is next gathered). Offload: into the device shards."""
-        if self.offload is not None:
-            return self.offload.publish([f.master for f in self.flats],
-                                        [f.shard for f in self.flats])
-        for u in self.units:
-            if u.replicated:
-                for f in u.flats:
-                    f.full.copy_(f.master)
+        """The updated fp32 masters -> what the gathers read (``f.shard``): a replicated
+        unit's weights; a sharded unit's master itself (OnDevice: nothing to do, cast
+        when next gathered) or its 16-bit device copy (OnHost)."""
+        self.place.publish([f.master for f in self.flats], [f.shard for f in self.flats])
 
     def publish_after(self, optimizer: torch.optim.Optimizer):
-        """Call ``publish`` after every ``optimizer.step()`` (a torch step hook)."""
-        if self.offload is not None:  # (an optimizer stepping right after backward)
-            optimizer.register_step_pre_hook(lambda *_: self.offload.land_all())
+        """Call ``publish`` after every ``optimizer.step()`` (torch step hooks; before
+        it, every gradient lands, for an optimizer stepping right after backward)."""
+        optimizer.register_step_pre_hook(lambda *_: self.place.land_all())
         return optimizer.register_step_post_hook(lambda *_: self.publish())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for f in self.flats:
             f.master.grad, f.grad = None, None
         self._backwards = 0
-        self.grad_bytes.reset(0)
-        self.param_bytes.reset(self._params_held())
+        if self.shards.observers:  # a new step's peaks start from what is held now
+            self.shards.held("grads", 0, self._grads_held, peak=False)
+            self.shards.held("params", 0, self._params_held, peak=False)
+            for observer in self.shards.observers:
+                observer.reset()
 
     # --- clipping, other groups, accounting, checkpoints -----------------------------------
+    def grad_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, gradient elements) this rank owns (``Shards.grad_shards``)."""
+        return self.shards.grad_shards()
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        self.shards.scale_grads(factor)
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the dp-wide gradient norm (data parallelism only); returns the norm."""
         self.finish_gradient_sync()
-        if self.offload is not None:
-            return self.offload.clip(self, max_norm)
-        return clip_owned(self.flats, self.comm, max_norm)
+        return self.shards.clip(max_norm)
 
     def all_reduce_grads(self, names: Iterable[str], comm: Comm) -> None:
         """Sum the gradient shards of ``names`` over another group (see ``shared``)."""
-        if self.offload is not None:
-            return self.offload.all_reduce_grads(self.flats, set(names), comm)
-        all_reduce_grads(self.flats, set(names), comm)
+        self.shards.all_reduce_grads(set(names), comm)
+
+    def finish_param_sync(self) -> None:
+        """Every unit is gathered before it runs: nothing is left in flight."""
+
+    def observe(self, observer) -> None:
+        """Report every change of the weight and gradient buffers to ``observer``."""
+        self.shards.observers.append(observer)
 
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Peak bytes of this step: weights (shards and gathered units), gradients (unit
-        buffers and fp32 shards); optimizer: fp32 master shards and ``optimizer``'s state."""
-        held = {"params": max(self.param_bytes.peak, self._params_held()),
-                "grads": max(self.grad_bytes.peak, self._grads_held())}
-        if self.offload is not None:
-            return {**held, "optimizer": 0,
-                    "host_optimizer": self.offload.host_bytes(self.flats, optimizer)}
-        return {**held, "optimizer": storage_bytes(f.master for f in self.flats
-                                                   if f.full.dtype != f.master.dtype)
-                + (optimizer_state_bytes(optimizer) if optimizer is not None else 0)}
+        """Bytes held now: weights (shards and gathered units), gradients (unit buffers
+        and fp32 shards); optimizer: fp32 master shards that are not the weights, and
+        ``optimizer``'s state (``place``'s split between device and host)."""
+        separate = [f.master for f in self.flats if f.full.dtype != f.master.dtype]
+        return {"params": storage_bytes(self._params_held()),
+                "grads": storage_bytes(self._grads_held()),
+                **self.place.optimizer_bytes(separate, optimizer)}
 
-    def _stepper(self, optimizer):
-        return optimizer or torch.optim.SGD(self.shards, lr=0.0)  # (no state)
+    def remove(self) -> None:
+        """Remove the hooks (the module keeps its weights as they are)."""
+        self.shards.remove()
+
+    def full_state_by_name(self, optimizer: torch.optim.Optimizer | None = None
+                           ) -> tuple[dict, dict]:
+        """(fp32 weights, optimizer states) by reference name, whole (collective)."""
+        return self.shards.full_state(self._stepper(optimizer))
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.full_state_by_name()[0]
+
+    def load_full_state_by_name(self, states: dict, weights: dict | None = None,
+                                optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Take this rank's shard of whole states (and fp32 weights) by name."""
+        self.shards.load_full_state(self._stepper(optimizer), states, weights)
+        self.publish()
+
+    def _stepper(self, optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
+        """The optimizer whose state is keyed by the masters (none: an empty one)."""
+        return optimizer or torch.optim.SGD(self.masters, lr=0.0)

@@ -1,7 +1,8 @@
 """ZeRO-1/2's weight all-gather, hidden behind the next forward pass.
 
 After the optimizer step each rank holds the new fp32 values of its own shard only; an
-all-gather hands every rank the full new 16-bit weights (``ZeroOptimizer.publish``).
+all-gather hands every rank the full new 16-bit weights (``ZeroOptimizer.publish``
+casts the shard into its own slot of the bucket's buffer, which is gathered in place).
 Waited for at once, it sits between the step and the next forward with nothing to hide
 it: for gpt-1.3b on 4 GPUs, 2.6 GB, several milliseconds of every step. Yet a bucket's
 weights are first read only when the first module holding one of them runs. So the
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import nn
 
 from minipar.comm import Comm, Pending
@@ -39,21 +39,20 @@ class ParamGathers:
 
     def __init__(self, module: nn.Module | None) -> None:
         self.module = module
-        self._pending: dict[int, tuple[Pending, torch.Tensor]] = {}  # flat index -> work
+        self._pending: dict[int, Pending] = {}  # flat index -> its gather
         self._hooks: list | None = None  # placed at the first start
         self._claimed: set[int] = set()  # flats some module's hook waits for
 
     def start(self, flats: list, comm: Comm, overlap: bool) -> None:
-        """Cast each flat's fp32 master shard to the weights' dtype and gather it into
-        the flat's full buffer, in forward order (the flats are in reverse parameter
+        """Gather each flat's new shard, already in its own slot [lo, hi) of the flat's
+        full buffer, in place, in forward order (the flats are in reverse parameter
         order, the backward's); ``overlap=False``: wait here for all of them."""
         self.wait_all()  # one gather of a bucket in flight at a time
         if overlap and self._hooks is None:
             self._place_hooks(flats)
         for i in reversed(range(len(flats))):
             f = flats[i]
-            new = f.master.detach().to(f.full.dtype)  # kept until waited: the wire reads it
-            self._pending[i] = (comm.all_gather_into(f.full, new, async_op=True), new)
+            self._pending[i] = comm.all_gather_into(f.full, f.full[f.lo:f.hi], async_op=True)
         for i in list(self._pending):
             if not overlap or i not in self._claimed:
                 self.wait(i)
@@ -61,7 +60,7 @@ class ParamGathers:
     def wait(self, i: int) -> None:
         work = self._pending.pop(i, None)
         if work is not None:
-            work[0].wait()  # on CUDA: the compute stream waits for the gather, not the host
+            work.wait()  # on CUDA: the compute stream waits for the gather, not the host
 
     def wait_all(self) -> None:
         for i in list(self._pending):

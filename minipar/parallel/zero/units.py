@@ -1,6 +1,6 @@
 """ZeRO-3's units: which weights are gathered together, and by which module's call.
 
-``zero3.Zero3`` gathers a unit's weights just before one of its modules runs and frees
+``stage3.Zero3`` gathers a unit's weights just before one of its modules runs and frees
 them after. This file decides the units, on the module tree alone (no values, no
 communication): a weight is gathered by the innermost given unit around the module that
 registers it or, outside every unit, by that module itself; a weight registered by
@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from minipar.comm import Pending
-from minipar.parallel.zero_state import FlatParams
+from minipar.parallel.zero.shards import FlatParams
 
 
 class Unit:

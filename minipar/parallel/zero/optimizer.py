@@ -1,41 +1,30 @@
 """ZeRO stages 0-2: data parallelism without redundant optimizer states and gradients
-(Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", arXiv 1910.02054). Stage 3, which shards the weights too, is ``zero3.py``.
+(Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC20, arXiv 1910.02054). Stage 3, which shards the weights too: ``stage3.py``.
 
 Plain data parallelism keeps on *every* rank the whole model state: with mixed-precision
 Adam 2 bytes of weights, 2 of gradients and 12 of optimizer state (fp32 master, two
 moments) per parameter, 16 Psi bytes for Psi parameters. ZeRO gives each of the N ranks
 one N-th of that state and communicates instead:
 
+* stage 0 is data parallelism itself (the engine's ``--ddp``, PyTorch DDP's design):
+  every bucket's gradient is all-reduced, every rank steps the whole model;
 * stage 1 (P_os): each rank keeps the optimizer state (and fp32 master) of its shard
   only. Gradients are *reduce-scattered* (rank r receives the summed gradient of shard r),
   each rank updates its shard, and an *all-gather* returns the new weights to everyone.
-  A reduce-scatter plus an all-gather moves exactly what one all-reduce moves: 2(N-1)/N.
-* stage 2 (P_os+g): the full-size gradient buffer of a bucket is reduce-scattered as
-  soon as the last micro-batch's backward has filled it, and freed: between the end of
-  backward and the step a rank holds the gradient of its shard only.
-* stage 0 is plain data parallelism in the same machinery (all-reduce, no shards), so
-  one optimizer covers the replicated and the sharded layouts.
+  A reduce-scatter plus an all-gather moves exactly what one all-reduce moves: 2(N-1)/N;
+* stage 2 (P_os+g): a bucket's full-size gradient buffer is reduce-scattered as soon as
+  the last micro-batch's backward has filled it, and freed.
 
-``ZeroOptimizer`` is a ``torch.optim.Optimizer``: its ``param_groups`` hold *your*
-parameters (set ``lr`` there), it has ``state``, ``defaults``, ``add_param_group``,
-``zero_grad``, ``step``, ``state_dict``. Inside, the parameters of a bucket are laid end
-to end in one flat buffer padded to a multiple of N (they become views of it); rank r
-owns the contiguous shard [r*S, (r+1)*S), whose fp32 *master* the inner optimizer
-(any torch optimizer class) updates.
-
-Gradients. A hook takes each parameter's gradient as backward produces it and adds it to
-the bucket's buffer, in fp32 by default (``grad_dtype``): summing many bf16 micro-batch
-gradients in bf16 loses their low bits (Megatron accumulates and reduces in fp32 for the
-same reason). A linear layer's weight gradient can skip the hook: ``accumulate_product``
-adds it in the GEMM that makes it (``wgrad_fusion.py``). The bucket is reduced once every
-gradient in it has arrived ``backwards_per_step`` times (an engine running m micro-batches
-sets m), i.e. during the last micro-batch's backward. ``reduce_dtype=torch.bfloat16``
-halves the bytes on the wire at a measured cost in drift (docs/architecture.md). As in
-``DataParallel``: ``no_sync()``, ``finish_gradient_sync()``.
-
-``offload=True`` (ZeRO-Offload, ``parallel/offload.py``): fp32 masters, their gradients,
-states and step on the host; the 16-bit shard comes back before the all-gather.
+``ZeroOptimizer`` is a ``torch.optim.Optimizer`` (its ``param_groups`` hold *your*
+parameters). The parameters of a bucket become views of one flat buffer
+(``shards.FlatParams``); a hook adds each gradient to the bucket's sum, in fp32 by
+default (``grad_dtype``: summing many bf16 micro-batch gradients in bf16 loses their low
+bits; Megatron accumulates in fp32 for the same reason), and the bucket is reduced
+(``mode``, ``buckets.py``) once every gradient in it has arrived ``backwards_per_step``
+times. A linear layer's weight gradient can skip the hook: ``accumulate_product`` adds it
+in the GEMM that makes it (``wgrad_fusion.py``). ``place``: where the fp32 masters live
+and step, ``offload.OnDevice()`` or ``offload.OnHost()`` (ZeRO-Offload).
 
 Use::
 
@@ -48,21 +37,29 @@ Use::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 
 from minipar.comm import Comm, Pending
-from minipar.meter import HeldBytes, PeakBytes, optimizer_state_bytes, storage_bytes
-from minipar.parallel.dp import MB, Reducer, bucket_params, claim_gradients, trainable_params
-from minipar.parallel.offload import HostShards, OnHost
-from minipar.parallel.param_gather import ParamGathers
-from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public here too)
+from minipar.meter import storage_bytes
+from minipar.parallel.precision import MixedPrecision
+from minipar.parallel.zero.buckets import (
+    MB,
+    MODES,
+    Reducer,
+    bucket_params,
+    claim_gradients,
+    release_gradients,
+    trainable_params,
+)
+from minipar.parallel.zero.offload import OnDevice, OnHost
+from minipar.parallel.zero.param_gather import ParamGathers
+from minipar.parallel.zero.shards import (
     FlatParams,
-    ShardedState,
-    all_reduce_grads,
-    clip_owned,
-    consolidate,
+    Shards,
+    load_sharded_state,
     realize,
     sharded_state,
 )
@@ -70,44 +67,50 @@ from minipar.parallel.zero_state import (  # noqa: F401 (consolidate: public her
 MASTER_DTYPE = torch.float32  # the dtype the optimizer updates (mixed precision's masters)
 
 
-class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 0-2 around ``optimizer_class(**defaults)``, over ``comm`` (the dp group).
 
     ``params``: a module, parameters, or torch-style group dicts (pass ``module=`` for
-    names and the broadcast of its buffers). ``precision``: the model's ``MixedPrecision``
-    (its fp32 masters seed ours, its loss scale is undone). ``average``: divide the
+    names and the broadcast of its buffers). ``precision``: the model's
+    ``MixedPrecision`` (its fp32 masters seed ours). ``mode``: ``naive`` (a bucket per
+    parameter, reduced after backward), ``bucketed`` (``bucket_mb`` buckets, reduced
+    after backward) or ``overlapped`` (reduced during backward). ``average``: divide the
     gradient sum by the dp size. ``shared``: parameters (or names) that
     ``all_reduce_grads`` will sum over another group; each gets a flat buffer of its own
-    so its shard is the same slice on every rank of that group. ``overlap``: reduce
-    buckets during backward (else at ``finish_gradient_sync``); ``bucket_mb=0``: a
-    bucket per parameter. ``max_inflight``: stage 2's buckets in flight at once.
-    ``overlap_param_gather``: ``step`` returns with stage 1/2's weight gathers in flight,
-    each finished by the next forward (``param_gather.py``; needs ``module``).
-    ``materialize``: ``values(name, p) -> tensor`` for a ``module`` on the meta device
-    (``parallel/materialize.py``): each bucket is filled one weight at a time, never the
-    whole fp32 local model; every rank computes the same values, nothing is broadcast
-    (as ``Zero3``'s ``materialize``). ``offload``: see above.
+    so its shard is the same slice on every rank of that group. ``max_inflight``: stage
+    2's buckets in flight at once. ``overlap_param_gather``: ``step`` returns with stage
+    1/2's weight gathers in flight, each finished by the next forward
+    (``param_gather.py``; needs ``module``). ``materialize``: ``values(name, p) ->
+    tensor`` for a ``module`` on the meta device (``parallel/materialize.py``): each
+    bucket is filled one weight at a time, never the whole fp32 local model; every rank
+    computes the same values, nothing is broadcast. ``place``: see above.
     """
 
     def __init__(self, params: nn.Module | Iterable, optimizer_class: type =
                  torch.optim.AdamW, *, stage: int = 1, comm: Comm | None = None,
-                 module: nn.Module | None = None, precision=None,
-                 grad_dtype: torch.dtype | None = torch.float32,
+                 module: nn.Module | None = None, precision: MixedPrecision | None = None,
+                 mode: str = "overlapped", grad_dtype: torch.dtype | None = torch.float32,
                  reduce_dtype: torch.dtype | None = None, average: bool = True,
-                 bucket_mb: float = 25.0, overlap: bool = True, max_inflight: int = 2,
-                 broadcast: bool = True, shared: Iterable = (), materialize=None,
-                 offload: bool = False, overlap_param_gather: bool = False, **defaults):
+                 bucket_mb: float = 25.0, max_inflight: int = 2, broadcast: bool = True,
+                 shared: Iterable = (), materialize=None,
+                 place: OnDevice | OnHost | None = None,
+                 overlap_param_gather: bool = False, **defaults):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer covers stages 0-2, got {stage!r}; stage 3 "
-                             "shards the weights too: minipar.parallel.zero3.Zero3")
+                             "shards the weights too: minipar.parallel.zero.Zero3")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(params, nn.Module):
             module, params = module or params, params.parameters()
         if materialize is not None and module is None:
             raise ValueError("materialize= needs module= (the weights' names)")
-        self.stage, self.comm, self.module = stage, comm or Comm(), module
-        self.precision, self.average, self.overlap = precision, average, overlap
+        self.stage, self.module, self.precision = stage, module, precision
+        self.shards = Shards(comm or Comm(), place or OnDevice())
+        self.comm, self.place = self.shards.comm, self.shards.place
+        self.average, self.overlap = average, mode == "overlapped"
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype
-        self.optimizer_class, self.bucket_bytes = optimizer_class, bucket_mb * MB
+        self.optimizer_class = optimizer_class
+        self.bucket_bytes = 0 if mode == "naive" else bucket_mb * MB
         self.broadcast = broadcast
         self.max_inflight = max_inflight if stage == 2 else None
         self.overlap_param_gather, self._gathers = overlap_param_gather, ParamGathers(module)
@@ -116,17 +119,13 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         self._pos = {id(p): i for i, p in enumerate(named.values())}
         self._shared = {id(named[s]) if isinstance(s, str) else id(s) for s in shared}
         self._values = materialize
-        self.offload = HostShards() if offload else None  # masters on the host
-        self.flats: list[FlatParams] = []
         self.inner: torch.optim.Optimizer | None = None
         self._inner_group: dict[int, int] = {}
-        self._grad_hooks: list = []
+        self._params: list[nn.Parameter] = []
         self._arrivals: dict[int, int] = {}
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._sync, self._synced = True, True
+        self._synced = True
         self.backwards_per_step = 1  # backwards whose gradients one step sums
-        self.grad_bytes, self._held = PeakBytes(), HeldBytes()  # peak; held now
-        self.skipped_steps = 0
         for n, p in named.items():  # frozen weights on the meta device: made here
             if materialize is not None and p.is_meta and not p.requires_grad:
                 realize(p, materialize(n, p).to(p.dtype))
@@ -138,12 +137,17 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.state = self.inner.state  # per master shard: exp_avg, exp_avg_sq, ...
 
+    @property
+    def flats(self) -> list[FlatParams]:
+        return self.shards.flats
+
     # --- construction: torch calls this for each group -----------------------------
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         g = len(self.param_groups) - 1
         params = trainable_params(self.param_groups[g]["params"])
         claim_gradients(params, "ZeroOptimizer")
+        self._params += params
         for p in params:
             self._names.setdefault(id(p), f"group{g}.param{len(self._names)}")
             self._pos.setdefault(id(p), len(self._pos))
@@ -156,13 +160,14 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
             else:
                 self.inner.add_param_group(group)
             self._inner_group[g] = len(self.inner.param_groups) - 1
-        self.flats = sorted(self.flats + new, key=lambda f: -max(self._pos[id(p)]
-                                                                 for p in f.params))
+        self.shards.flats = sorted(self.flats + new, key=lambda f: -max(self._pos[id(p)]
+                                                                        for p in f.params))
         self._where = {id(p): (i, k) for i, f in enumerate(self.flats)
                        for k, p in enumerate(f.params)}
         self._reducer = Reducer([len(f.params) for f in self.flats], self._start,
                                 self._complete, self.max_inflight)
-        self._grad_hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.shards.hooks += [p.register_post_accumulate_grad_hook(self._on_grad)
+                              for p in params]
 
     def _initial_values(self, params: list[nn.Parameter]
                         ) -> Callable[[nn.Parameter], torch.Tensor]:
@@ -196,8 +201,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
             f = FlatParams(b, [self._names[id(p)] for p in b], group,
                            lambda k, b=b: source(b[k]), rank, parts, b[0].dtype, MASTER_DTYPE)
             f.bind()  # the parameters become views of the flat buffer
-            if self.offload is not None:  # the master shard lives on the host only
-                f.master = self.offload.to_host(f.master)
+            f.master = self.place.keep(f.master)
             flats.append(f)
         if self.precision is not None:
             self.precision.release()  # ours are the masters now
@@ -222,10 +226,10 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         self._reducer.check_open(i)
         # first: no arrival of p since zero_grad or finish_gradient_sync zeroed its slot
         if add(f, k, self.grad_dtype or p.dtype, id(p) not in self._arrivals):
-            self._observe(f)
+            self._held(f)
         self._synced = False
         arrived = self._arrivals[id(p)] = self._arrivals.get(id(p), 0) + 1
-        if self._sync and self.overlap and arrived >= self.backwards_per_step:
+        if self.shards.sync and self.overlap and arrived >= self.backwards_per_step:
             self._reducer.mark_ready(i, id(p))  # this step's last gradient of p
 
     def _start(self, i: int) -> Pending:
@@ -233,7 +237,7 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         if f.grad is None:  # nothing arrived here: this rank contributes zeros
             f.grad = torch.zeros(f.padded, dtype=self.grad_dtype or f.full.dtype,
                                  device=f.full.device)
-            self._held.update(id(f), self._held_by(f))  # observed once reduced, as before
+            self._held(f, peak=False)  # (its peak is the one once reduced)
         wire = f.grad
         if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:
             wire = wire.to(self.reduce_dtype)
@@ -250,79 +254,55 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
     def _complete(self, i: int) -> None:
         f = self.flats[i]
         _, out = self._inflight.pop(i)
-        factor = self.precision.unscale_factor() if self.precision is not None else 1.0
-        if self.offload is not None:  # the shard leaves now; lands (scaled) before it is read
-            self.offload.grad_to_host(i, out, f.master, factor)
-        elif f.master.grad is None and self.stage == 0 and out.dtype == f.master.dtype:
-            f.master.grad = out  # stage 0: the reduced buffer itself
-        else:
-            g = out.to(f.master.dtype)
-            f.master.grad = g if f.master.grad is None else f.master.grad.add_(g)
+        self.place.grad_in(i, out, f.master)  # the shard's sum (or on its way to the host)
         if self.stage == 1:
             f.grad.zero_()  # stage 1 keeps the full-size gradient buffer
         else:
             f.grad = None
-        if factor != 1.0 and self.offload is None:
-            f.master.grad.mul_(factor)
-        self._observe(f)
+        self._held(f)
 
-    def _held_by(self, f: FlatParams) -> tuple:  # (offload: the device's, not the host's)
-        return (f.grad,) if self.offload else (f.grad, f.master.grad)
-
-    def _observe(self, f: FlatParams) -> None:
-        """``f``'s buffers changed: recount ``f``'s alone, not every flat's."""
-        self.grad_bytes.observe(self._held.update(id(f), self._held_by(f)))
-
-    def _grads_held(self) -> int:
-        return storage_bytes(t for f in self.flats for t in self._held_by(f))
+    def _held(self, f: FlatParams, peak: bool = True) -> None:
+        """Report ``f``'s gradient buffers on the device to the observers (measurement)."""
+        self.shards.held("grads", id(f), lambda: [f.grad, *self.place.device_grads(f.master)],
+                         peak)
 
     def finish_gradient_sync(self) -> None:
         """Reduce every bucket not reduced yet, wait, and add the result to the shard."""
         self._reducer.flush()
-        if self.offload is not None:
-            self.offload.land_all()
+        self.place.land_all()
         self._arrivals.clear()
         self._synced = True
 
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backwards inside only accumulate; the next synchronised one reduces the sum."""
+        return self.shards.no_sync()
+
     # --- the step ------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None) -> bool:
-        """Update this rank's shard, share the new weights; False if skipped (overflow)."""
+    def step(self, closure=None) -> None:
+        """Update this rank's shard and share the new weights."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step takes no closure")
         if not self._synced:
             self.finish_gradient_sync()
-        if self.precision is not None and self.precision.scaling:
-            bad = torch.zeros((), device=self.flats[0].full.device)
-            for f in self.flats:
-                if f.master.grad is not None and not torch.isfinite(f.master.grad).all():
-                    bad.fill_(1.0)
-            self.comm.all_reduce(bad, op="max")
-            self.precision.update_scale(bool(bad))
-            if bool(bad):
-                self.skipped_steps += 1
-                self.zero_grad()
-                return False
         for g, group in enumerate(self.param_groups):  # lr and co. as the caller set them
             if g in self._inner_group:
                 self.inner.param_groups[self._inner_group[g]].update(
                     {k: v for k, v in group.items() if k != "params"})
         self.inner.step()
         self.publish(self.overlap_param_gather)
-        return True
 
     @torch.no_grad()
     def publish(self, overlap: bool = False) -> None:
-        """New fp32 shards -> the model's weights: copy (stage 0) or all-gather (1, 2);
+        """New fp32 shards -> the model's weights: each cast into its own slot of the
+        bucket's buffer (``place``), then, sharded (stages 1, 2), all-gathered in place;
         ``overlap``: each gather finishes when the next forward first needs its bucket
         (``param_gather.py``; ``step`` passes ``overlap_param_gather``)."""
-        if self.offload is not None:  # cast on the host, 16-bit bytes back, then gathered
-            return self.offload.publish_flats(self.flats, self.comm, gather=self.stage > 0)
+        self.finish_param_sync()
+        self.place.publish([f.master for f in self.flats],
+                           [f.full[f.lo:f.hi] for f in self.flats])
         if self.stage > 0:
-            return self._gathers.start(self.flats, self.comm, overlap)
-        for f in self.flats:
-            if f.master.untyped_storage().data_ptr() != f.full.untyped_storage().data_ptr():
-                f.full.copy_(f.master.detach())  # (fp32: the master *is* the weights)
+            self._gathers.start(self.flats, self.comm, overlap)
 
     def finish_param_sync(self) -> None:
         """Wait for the weights' gathers still in flight (``overlap_param_gather``)."""
@@ -335,22 +315,28 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
                 f.grad = f.grad.zero_() if self.stage == 1 else None
         for p in [p for group in self.param_groups for p in group["params"]]:
             p.grad = None
-        if self.inner is not None:  # (a wrapped OffloadOptimizer zeroes its host grads)
+        if self.inner is not None:
             self.inner.zero_grad(set_to_none=True)
         self._arrivals.clear()
-        self._held = HeldBytes()  # recounted once a step: _observe keeps it current
-        for f in self.flats:
-            self._held.update(id(f), self._held_by(f))
-        self.grad_bytes.reset(self._held.total)
+        if self.shards.observers:  # a new step's peak starts from what is held now
+            for f in self.flats:
+                self._held(f, peak=False)
+            for observer in self.shards.observers:
+                observer.reset()
 
     # --- clipping, other groups, accounting -----------------------------------------
+    def grad_shards(self):
+        """(name, gradient elements) this rank owns (``Shards.grad_shards``)."""
+        return self.shards.grad_shards()
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        self.shards.scale_grads(factor)
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the dp-wide gradient norm (data parallelism only); returns the norm."""
         if not self._synced:
             self.finish_gradient_sync()
-        if self.offload is not None:  # host shards: the norm is summed on the device
-            return self.offload.clip(self, max_norm)
-        return clip_owned(self.flats, self.comm, max_norm)
+        return self.shards.clip(max_norm)
 
     def all_reduce_grads(self, params: Iterable, comm: Comm) -> None:
         """Sum the synchronised gradients of ``params`` (or names) over another group
@@ -358,41 +344,48 @@ class ZeroOptimizer(OnHost, ShardedState, torch.optim.Optimizer):
         last pipeline stages). Exact on the shards when the parameter was named in
         ``shared`` at construction (its own flat buffer)."""
         names = {p if isinstance(p, str) else self._names.get(id(p)) for p in params}
-        if self.offload is not None:  # host shards: the sum runs on the device (NCCL)
-            return self.offload.all_reduce_grads(self.flats, names, comm)
-        all_reduce_grads(self.flats, names, comm)
+        self.shards.all_reduce_grads(names, comm)
+
+    def observe(self, observer) -> None:
+        """Report every change of the gradient buffers to ``observer`` (measurement)."""
+        self.shards.observers.append(observer)
 
     def memory_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes this rank holds: weights, gradients (the peak of this step: full-size
-        buffers and fp32 shard), optimizer (fp32 master shards and the inner state)."""
-        weights = list(self.module.parameters()) if self.module else \
-            [p for g in self.param_groups for p in g["params"]]
+        """Bytes this rank holds now: weights, gradients (full-size buffers and the fp32
+        shard), optimizer (fp32 master shards and the inner state; ``place``'s split)."""
+        weights = list(self.module.parameters()) if self.module else self._params
         full = {f.full.untyped_storage().data_ptr() for f in self.flats}
-        out = {"params": storage_bytes(weights),
-               "grads": max(self.grad_bytes.peak, self._grads_held())}
-        if self.offload is not None:  # ZeRO-Offload: masters, grads, states on the host
-            return out | {"optimizer": 0,
-                          "host_optimizer": self.offload.host_bytes(self.flats, self.inner)}
-        host = getattr(self.inner, "host_bytes", None)  # a wrapped OffloadOptimizer
-        out["optimizer"] = (0 if host else optimizer_state_bytes(self.inner)) + storage_bytes(
-            f.master for f in self.flats if f.master.untyped_storage().data_ptr() not in full)
-        return out | ({"host_optimizer": host()} if host else {})
+        separate = [f.master for f in self.flats
+                    if f.master.untyped_storage().data_ptr() not in full]
+        grads = [t for f in self.flats for t in [f.grad, *self.place.device_grads(f.master)]]
+        return {"params": storage_bytes(weights), "grads": storage_bytes(grads),
+                **self.place.optimizer_bytes(separate, self.inner)}
 
-    # --- checkpoints (layout-free by name; see zero_state.py) -------------------------
-    def _stepper(self, optimizer=None) -> torch.optim.Optimizer:
-        return self.inner  # (the state by name is always this optimizer's own)
+    def remove(self) -> None:
+        """Remove the gradient hooks (the model keeps its weights as they are)."""
+        self.shards.remove()
+        release_gradients(self._params)
+
+    # --- checkpoints: by name (any layout), or this rank's shard (the same layout) -----
+    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
+        """(fp32 weights, optimizer states) by reference name, whole (collective)."""
+        return self.shards.full_state(self.inner)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.full_state_by_name()[0]
+
+    def load_full_state_by_name(self, states: dict, weights: dict | None = None,
+                                optimizer=None) -> None:
+        """Take this rank's shard of whole states (and fp32 weights) by name."""
+        self.shards.load_full_state(self.inner, states, weights)
+        self.publish()
 
     def state_dict(self) -> dict:
-        """This rank's shard, with the layout to reassemble it (``consolidate``)."""
-        return sharded_state(self.flats, self.inner, self.comm, self.stage,
-                             self.precision.scale if self.precision else None)
+        """This rank's shard, with the layout it was saved at."""
+        return sharded_state(self.flats, self.inner, self.comm, self.stage)
 
     def load_state_dict(self, sd: dict) -> None:
-        """Load a shard saved with the same layout. Any other layout: ``consolidate``,
-        then ``load_full_state_by_name(full["state"], full["params"])``."""
-        from minipar.parallel.zero_state import load_sharded_state
-
+        """Load a shard saved with the same layout; any other layout goes by name:
+        ``full_state_by_name`` there, ``load_full_state_by_name`` here."""
         load_sharded_state(self.flats, self.inner, self.comm, sd)
-        if self.precision is not None and sd.get("loss_scale"):
-            self.precision.scale = sd["loss_scale"]
         self.publish()

@@ -1,24 +1,28 @@
-"""The flat, sharded layout ZeRO keeps its state in, and its state saved by name.
+"""The flat, sharded layout ZeRO keeps its state in: one helper both wrappers hold.
 
-Shared by ``zero.py`` (stages 0-2) and ``zero3.py`` (stage 3). The parameters of one
-bucket or unit are laid end to end in one buffer, padded with zeros to a multiple of the
-N ranks that share it; rank r owns the contiguous shard [r*S, (r+1)*S) and keeps its
-*master* (the fp32 values the optimizer updates). A checkpoint must not depend on that
-layout (the dp size, the buckets, the stage): ``full_state`` gathers each parameter's
-weights and optimizer states back *by name*, and ``load_full_state`` takes a rank's
-slice of them, so a run saved at one layout resumes at any other.
+ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC20, arXiv 1910.02054) lays the parameters of one bucket (stages
+0-2) or unit (stage 3) end to end in one buffer, padded with zeros to a multiple of the N
+ranks that share it; rank r owns the contiguous shard [r*S, (r+1)*S) and keeps its
+*master* (the fp32 values the optimizer updates). ``FlatParams`` is one such buffer;
+``Shards`` is the helper ``ZeroOptimizer`` and ``Zero3`` both hold (composition): their
+flats, the group, where the masters live (``offload.OnDevice`` or ``OnHost``), and what
+is done to every flat alike: the gradient elements a rank owns, the one norm over them,
+clipping, a sum over another group, and the training state by name. A checkpoint must
+not depend on the layout (dp size, buckets, stage): ``full_state`` gathers each
+parameter's weights and optimizer states back *by name*, ``load_full_state`` takes a
+rank's slice of them, so a run saved at one layout resumes at any other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.meter import storage_bytes
-from minipar.parallel.dp import NoSync, global_grad_norm
 
 
 class FlatParams:
@@ -165,103 +169,121 @@ def realize(p: nn.Parameter, value: torch.Tensor) -> None:
     p.data = value
 
 
-def owned_grads(flats: list[FlatParams], owns_unsharded: bool
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, gradient elements) this rank owns: its shard of each flat's fp32 gradient;
-    of an unsharded flat (replicated on every rank) only if ``owns_unsharded``. Over the
-    ranks sharing the flats every element is owned once."""
-    for f in flats:
-        if f.master.grad is not None and (owns_unsharded or f.lo != 0 or f.hi != f.padded):
-            for k, a, b in f.owned():
-                yield f.names[k], f.master.grad[a:b]
+def global_grad_norm(pieces: Iterable[torch.Tensor], groups: Iterable[Comm] = (),
+                     device: torch.device | None = None) -> torch.Tensor:
+    """The L2 norm of a gradient spread over ranks: the one norm every layout uses.
+
+    ``pieces``: the gradient elements this rank *owns*, each element of the model owned
+    by exactly one rank of the ``groups`` (a ZeRO shard over dp; a replicated tensor-
+    parallel weight on tp rank 0 only; a pipeline stage's own layers). The squared sum is
+    added up over each group. Computed on ``device`` (default: the pieces'), fused (as
+    ``torch.nn.utils.clip_grad_norm_``): the host does not wait for the GPU here.
+    """
+    pieces = [t.detach().float() for t in pieces]
+    total = torch.zeros((), dtype=torch.float32,
+                        device=device or (pieces[0].device if pieces else None))
+    if pieces:
+        total += torch.nn.utils.get_total_norm(pieces, 2.0).to(total.device).square()
+    for group in groups:
+        if group.size > 1:
+            group.all_reduce(total)
+    return total.sqrt()
 
 
-def clip_owned(flats: list[FlatParams], comm: Comm, max_norm: float) -> float:
-    """Clip by the norm over ``comm`` (data parallelism alone); returns the norm."""
-    norm = global_grad_norm((g for _, g in owned_grads(flats, comm.rank == 0)), [comm])
-    scale_grads(flats, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return float(norm)
+class Shards:
+    """What ``ZeroOptimizer`` and ``Zero3`` share: their ``flats`` over ``comm``, with the
+    masters where ``place`` keeps them, and the calls that treat every flat alike.
 
+    ``observers``: measurement attached from outside (``meter.HeldPeaks``): the wrappers
+    report each change of their buffers through ``held``; with none, nothing is counted.
+    """
 
-def held_grad_bytes(flats: list[FlatParams], extra: list = ()) -> int:
-    """Gradient bytes alive now: full-size buffers, fp32 shards, ``extra`` (in flight)."""
-    return storage_bytes([f.grad for f in flats] + [f.master.grad for f in flats] + list(extra))
+    def __init__(self, comm: Comm, place) -> None:
+        self.comm, self.place = comm, place
+        self.flats: list[FlatParams] = []
+        self.sync = True  # False inside no_sync(): backwards only accumulate
+        self.observers: list = []
+        self.hooks: list = []  # autograd and module hooks, removed by ``remove``
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """PyTorch DDP's name: backwards inside only accumulate gradients locally."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
 
-def gatherer(comm: Comm) -> Callable[[FlatParams, torch.Tensor], torch.Tensor]:
-    """(flat, shard) -> the whole padded flat: all-gathered over ``comm`` if sharded."""
-    def gather(f: FlatParams, shard: torch.Tensor) -> torch.Tensor:
-        unsharded = f.lo == 0 and f.hi == f.padded
-        return shard if unsharded else comm.all_gather(shard.contiguous())
-    return gather
-
-
-def scale_grads(flats: list[FlatParams], factor: float | torch.Tensor) -> None:
-    grads = [f.master.grad for f in flats if f.master.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor)
-
-
-def all_reduce_grads(flats: list[FlatParams], names: set[str], comm: Comm) -> None:
-    """Sum the gradient shards of the parameters ``names`` over another group ``comm``.
-    Exact when each such parameter has a flat of its own (its shard is then the same
-    slice on every rank of ``comm``, whatever else those ranks hold)."""
-    parts = [(f.master.grad, a, b) for f in flats if f.master.grad is not None
-             for k, a, b in f.owned() if f.names[k] in names]
-    if comm.size > 1 and parts:
-        flat = torch.cat([g[a:b] for g, a, b in parts])
-        comm.all_reduce(flat)
-        o = 0
-        for g, a, b in parts:
-            g[a:b].copy_(flat[o:o + b - a])
-            o += b - a
-
-
-class ShardedState(NoSync):
-    """What ``ZeroOptimizer`` and ``Zero3`` share over their ``flats`` and ``comm``: the
-    gradient elements a rank owns, and the training state by name (checkpoints)."""
-
-    flats: list[FlatParams]
-    comm: Comm
-    _grad_hooks: list
-
-    def _stepper(self, optimizer):  # the optimizer whose state is keyed by the masters
-        raise NotImplementedError
-
-    def publish(self) -> None:
-        raise NotImplementedError
-
-    def finish_param_sync(self) -> None:
-        """Wait for weights still on the wire after a step (ZeRO-1/2 with
-        ``overlap_param_gather``); ZeRO-3 gathers every unit before it runs: nothing."""
+    def held(self, kind: str, key, tensors: Callable[[], Iterable], peak: bool = True
+             ) -> None:
+        """Tell the observers that ``key`` now holds ``tensors()`` of ``kind``."""
+        for observer in self.observers:
+            observer.held(kind, key, tensors(), peak)
 
     def remove(self) -> None:
-        """Remove the gradient hooks (the model keeps its weights as they are)."""
-        for h in self._grad_hooks:
+        for h in self.hooks:
             h.remove()
-        self._grad_hooks.clear()
+        self.hooks.clear()
 
+    # --- gradients: owned pieces, norm, clip, a sum over another group -----------------
     def grad_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, gradient elements) this rank owns after the sync: its shard of each
-        flat (an unsharded one: owned by rank 0). Over the dp group every element is
-        owned once: the pieces the one norm (``global_grad_norm``) is taken on."""
-        return owned_grads(self.flats, owns_unsharded=self.comm.rank == 0)
+        flat (an unsharded flat, replicated on every rank: owned by rank 0). Over the
+        group every element is owned once: what ``global_grad_norm`` is taken on."""
+        for f in self.flats:
+            if f.master.grad is not None and (self.comm.rank == 0 or f.lo != 0
+                                              or f.hi != f.padded):
+                for k, a, b in f.owned():
+                    yield f.names[k], f.master.grad[a:b]
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
-        scale_grads(self.flats, factor)
+        self.place.scale([f.master.grad for f in self.flats if f.master.grad is not None],
+                         factor)
 
-    def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
+    def clip(self, max_norm: float) -> float:
+        """Clip by the norm over ``comm`` (data parallelism alone); returns the norm."""
+        norm = global_grad_norm((g for _, g in self.grad_shards()), [self.comm],
+                                device=self.flats[0].full.device)
+        self.scale_grads((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return float(norm)
+
+    def all_reduce_grads(self, names: set[str], comm: Comm) -> None:
+        """Sum the gradient shards of the parameters ``names`` over another group, on the
+        device (where the collective runs). Exact when each such parameter has a flat of
+        its own (its shard is then the same slice on every rank of ``comm``)."""
+        parts = [(f.master.grad, a, b) for f in self.flats if f.master.grad is not None
+                 for k, a, b in f.owned() if f.names[k] in names]
+        if comm.size > 1 and parts:
+            flat = torch.cat([g[a:b] for g, a, b in parts]).to(self.flats[0].full.device)
+            comm.all_reduce(flat)
+            o = 0
+            for g, a, b in parts:
+                g[a:b].copy_(flat[o:o + b - a])
+                o += b - a
+
+    # --- the training state by name (layout-free) and by shard ---------------------------
+    def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """(fp32 weights, optimizer states) by reference name, whole (collective)."""
-        return full_state(self.flats, self._stepper(optimizer), gatherer(self.comm))
+        def gather(f: FlatParams, shard: torch.Tensor) -> torch.Tensor:
+            if f.lo == 0 and f.hi == f.padded:  # unsharded
+                return shard
+            return self.comm.all_gather(shard.to(f.full.device).contiguous())
+        return full_state(self.flats, optimizer, gather)
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return self.full_state_by_name()[0]
-
-    def load_full_state_by_name(self, states: dict, weights: dict | None = None,
-                                optimizer=None) -> None:
-        """Take this rank's shard of whole states (and fp32 weights) by name."""
-        load_full_state(self.flats, self._stepper(optimizer), states, weights)
-        self.publish()
+    def load_full_state(self, optimizer: torch.optim.Optimizer, states: dict,
+                        weights: dict | None = None) -> None:
+        """Take this rank's shard of whole states (and fp32 weights, if given) by name."""
+        with torch.no_grad():
+            for f in self.flats:
+                if weights is not None:
+                    f.master.copy_(f.slice([weights[n] for n in f.names]))
+                first = states.get(f.names[0])
+                if first:
+                    optimizer.state[f.master] = {
+                        k: f.slice([states[n][k] for n in f.names]).to(f.master.device)
+                        if _elementwise(v) else (v.clone() if isinstance(v, torch.Tensor)
+                                                 else v)
+                        for k, v in first.items()}
 
 
 def _elementwise(v) -> bool:
@@ -278,17 +300,16 @@ def _cloned(x):
 
 
 def full_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
-               gather: Callable[[FlatParams, torch.Tensor], torch.Tensor],
-               names: dict[int, str] | None = None) -> tuple[dict, dict]:
+               gather: Callable[[FlatParams, torch.Tensor], torch.Tensor]
+               ) -> tuple[dict, dict]:
     """(fp32 weights, optimizer states) of every parameter by name, whole, on the CPU.
     ``gather(f, shard)``: the whole padded flat (an all-gather over the ranks sharing it)."""
     weights, states = {}, {}
     for f in flats:
         master = gather(f, f.master.detach())
         state = {k: gather(f, v.to(f.master.device)) if _elementwise(v) else v
-                 for k, v in optimizer.state.get(_key(optimizer, f.master), {}).items()}
-        for k, (p, shape, o, n) in enumerate(zip(f.params, f.shapes, f.offsets, f.numels)):
-            name = names[id(p)] if names else f.names[k]
+                 for k, v in optimizer.state.get(f.master, {}).items()}
+        for name, shape, o, n in zip(f.names, f.shapes, f.offsets, f.numels):
             weights[name] = master[o:o + n].view(shape).cpu().clone()
             states[name] = {k: (v[o:o + n].view(shape) if _elementwise(v) else v)
                             .cpu().clone() if isinstance(v, torch.Tensor) else v
@@ -296,33 +317,8 @@ def full_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
     return weights, states
 
 
-def load_full_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
-                    states: dict, weights: dict | None = None) -> None:
-    """Take this rank's shard of whole states (and fp32 weights, if given) by name."""
-    with torch.no_grad():
-        for f in flats:
-            key = _key(optimizer, f.master)
-            if weights is not None:
-                f.master.copy_(f.slice([weights[n] for n in f.names]))
-                if key is not f.master:  # offloaded: the host master too
-                    key.copy_(f.master)
-            first = states.get(f.names[0])
-            if first:
-                optimizer.state[key] = {
-                    k: f.slice([states[n][k] for n in f.names]).to(key.device)
-                    if _elementwise(v) else (v.clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in first.items()}
-
-
-def _key(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> torch.Tensor:
-    """The tensor ``optimizer`` keys ``master``'s state by: itself, or its host copy
-    (``OffloadOptimizer.host_master``, ZeRO-Offload)."""
-    host = getattr(optimizer, "host_master", None)
-    return master if host is None else host(master)
-
-
 def sharded_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer, comm: Comm,
-                  stage: int, loss_scale: float | None) -> dict:
+                  stage: int) -> dict:
     """One rank's shard of the optimizer, with the layout to reassemble it."""
     index = {id(p): i for i, p in enumerate(
         p for g in optimizer.param_groups for p in g["params"])}
@@ -331,55 +327,22 @@ def sharded_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer, com
         "dp_size": comm.size, "dp_rank": comm.rank,
         "flats": [{"names": f.names, "shapes": f.shapes, "numel": f.numel,
                    "padded": f.padded, "lo": f.lo, "hi": f.hi,
-                   "index": index[id(_key(optimizer, f.master))]} for f in flats],
+                   "index": index[id(f.master)]} for f in flats],
         "masters": [f.master.detach().clone() for f in flats],
         "optimizer": _cloned(optimizer.state_dict()),  # a snapshot, not aliases
-        "loss_scale": loss_scale,
     }
 
 
 def load_sharded_state(flats: list[FlatParams], optimizer: torch.optim.Optimizer,
                        comm: Comm, sd: dict) -> None:
-    """Load a shard saved with the same layout (else: ``consolidate`` and
-    ``load_full_state``)."""
-    mine = sharded_state(flats, optimizer, comm, sd["stage"], None)
+    """Load a shard saved with the same layout (another layout: ``Shards.full_state``
+    at the save, ``Shards.load_full_state`` at the load)."""
+    mine = sharded_state(flats, optimizer, comm, sd["stage"])
     if (sd["dp_size"], sd["dp_rank"], sd["flats"]) != \
             (mine["dp_size"], mine["dp_rank"], mine["flats"]):
-        raise ValueError("checkpoint layout differs from this optimizer's; reshard with "
-                         "consolidate() and load_full_state_by_name()")
+        raise ValueError("checkpoint layout differs from this optimizer's; save with "
+                         "full_state_by_name() and load with load_full_state_by_name()")
     with torch.no_grad():
         for f, m in zip(flats, sd["masters"]):
             f.master.copy_(m)
     optimizer.load_state_dict(_cloned(sd["optimizer"]))  # torch would alias it
-
-
-def consolidate(shards: list[dict]) -> dict:
-    """Reassemble the dp ranks' ``state_dict()``s into one layout-free state by name:
-    ``{"params": {name: fp32}, "state": {name: {key: tensor}}, "param_groups": [...]}``."""
-    shards = sorted(shards, key=lambda s: s["dp_rank"])
-    params, state, groups = {}, {}, {}
-    for i, flat in enumerate(shards[0]["flats"]):
-        whole = {"master": torch.zeros(flat["padded"])}
-        for s in shards:
-            lo, hi = s["flats"][i]["lo"], s["flats"][i]["hi"]
-            whole["master"][lo:hi] = s["masters"][i]
-            for k, v in s["optimizer"]["state"].get(flat["index"], {}).items():
-                if _elementwise(v):
-                    whole.setdefault(k, torch.zeros(flat["padded"], dtype=v.dtype))[lo:hi] = v
-                else:
-                    whole.setdefault(k, v)
-        o = 0
-        for name, shape in zip(flat["names"], flat["shapes"]):
-            n = torch.Size(shape).numel()
-            views = {k: v[o:o + n].view(shape).clone() if _elementwise(v) else v
-                     for k, v in whole.items()}
-            params[name] = views.pop("master")
-            state[name] = views
-            o += n
-        for g in shards[0]["optimizer"]["param_groups"]:
-            if flat["index"] in g["params"]:
-                entry = groups.setdefault(id(g), {**{k: v for k, v in g.items()
-                                                     if k != "params"}, "names": []})
-                entry["names"] += flat["names"]
-    return {"params": params, "state": state, "param_groups": list(groups.values()),
-            "loss_scale": shards[0].get("loss_scale")}
