@@ -11,6 +11,7 @@ Output paths are checked *before* a run because a run can take an hour: a typo i
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 
@@ -201,3 +202,12 @@ def oversubscription(world_size: int) -> str | None:
     return (f"{world_size} ranks on {cores} cores: the cores are oversubscribed, so expect "
             f"each step to take about {share:.0f}x as long as one rank per core would "
             "(raise --timeout if the run needs longer than its default 600 s)")
+
+
+def require(module: str, purpose: str):
+    """Import an optional dependency, or one clear line saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"{purpose} needs the optional package {module}: "
+                         "pip install 'minipar[hf]'") from None
