@@ -59,7 +59,7 @@ STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 DIGEST = "sha256"  # of each shard's bytes, recorded in meta.json
 STEP_DIR = re.compile(r"step-(\d{6,})")  # a checkpoint's directory name, exactly
 SHARD = re.compile(r"rank-\d{5,}\.pt")  # a shard's file name
-RUN_CARD = "run.json"  # beside the shards: what ``sample`` needs (``sample.write_run_card``)
+RUN_CARD = "run.json"  # beside the shards: what ``sample`` needs (``write_run_card``)
 TOKENIZER = "tokenizer.json"  # the run's tokenizer, copied beside the shards
 
 

@@ -165,7 +165,7 @@ def read_config(directory: str) -> GPTConfig:
 def default_tokenizer(init_from: str | None) -> str:
     """``--tokenizer`` when not given: ``init_from``'s ``tokenizer.json`` if it has one
     (the ids its weights were trained on), else ``byte``."""
-    path = os.path.join(init_from, "tokenizer.json") if init_from else ""
+    path = os.path.join(init_from, "tokenizer.json") if isinstance(init_from, str) else ""
     return path if path and os.path.isfile(path) else "byte"
 
 
