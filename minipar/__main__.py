@@ -306,7 +306,7 @@ def _cmd_bubble(args) -> int:
 def _cmd_plan(args) -> int:
     cfg = _model_from_args(args)
     checks.cluster(args.gpus, args.gpu, args.gpus_per_node, args.batch, args.top,
-                   args.memory_margin)
+                   args.memory_margin, clusters.GPUS)
     calib = clusters.load_calibration(args.calibrate) if args.calibrate else None
     if args.gpus or calib:  # a calibrated machine: its GPUs, one node, unless told
         gpus = args.gpus or int(calib.get("gpus", 1))
