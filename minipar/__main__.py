@@ -2,176 +2,85 @@
 
 Every subcommand prints a readable table and, with ``--json PATH``, writes the same
 facts as JSON. Invalid input is rejected with one line before any process starts.
+``train``'s flags are built from ``config.TrainConfig``'s fields (``_add_train``); the
+theory and machine subcommands (``memory``, ``bubble``, ``plan``, ``doctor``) start no
+process at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import Field, fields
 
-from minipar.cli_theory import (
-    _add_theory,
-    _cmd_bubble,
-    _cmd_doctor,
-    _cmd_memory,
-    _cmd_plan,
-    _write_json,
-    parse_count,
-)
-from minipar.config import SCHEDULE_NAMES, TrainConfig
+import torch
+from tqdm.auto import tqdm
+
+from minipar import checkpoint, checks
+from minipar.config import SCHEDULE_NAMES, TrainConfig, sized, validate
+from minipar.doctor import fits_report, run_doctor
+from minipar.engine import RunStopped, train
+from minipar.export import export, export_hf
+from minipar.launch import LaunchError
+from minipar.model import get_config
+from minipar.parity import check_run
+from minipar.sample import sample
+from minipar.theory import bubble, clusters
+from minipar.theory.memory import MEMORY_MARGIN, memory_breakdown
+from minipar.theory.params import mfu
+from minipar.theory.planner import plan
 
 __all__ = ["build_parser", "main", "parse_count", "train_config"]
 
 
+def _write_json(path: str | None, payload: dict) -> None:
+    """``--json PATH``: the facts a command printed, as JSON (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1, default=str)
+
+
+# --- train ------------------------------------------------------------------------------
+
+def _train_fields() -> list[Field]:
+    """The ``TrainConfig`` fields that are ``train`` flags (those declared with a help)."""
+    return [f for f in fields(TrainConfig) if "help" in f.metadata]
+
+
 def _add_train(sub) -> None:
+    """One flag per ``TrainConfig`` option (``--batch-size`` is ``batch_size``: its type,
+    default, help and choices), then the command line's own: where the record goes, the
+    progress bar, the comparison with one process."""
     p = sub.add_parser("train", help="train the GPT on 1 or dp*pp*tp*cp ranks")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per layer")
-    p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel ranks per sequence (ring attention, zig-zag)")
-    p.add_argument("--zero", type=int, default=0, choices=range(4), help="ZeRO stage")
-    p.add_argument("--offload", action="store_true",
-                   help="ZeRO-Offload: fp32 masters, optimizer states and step on the host")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
-    p.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved)")
-    p.add_argument("--head-layers", type=int, default=0,
-                   help="the last pipeline chunk holds K layers fewer: its head and loss "
-                        "cost about K layers (gpt-1.3b: 2; `theory.params.head_layers_for`)")
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--grad-dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="where bf16 gradients are summed and reduced: fp32 (exact, default) "
-                        "or bf16 (half the bytes and traffic, as torch's peers do)")
-    p.add_argument("--wgrad-fusion", action=argparse.BooleanOptionalAction, default=True,
-                   help="add each linear weight gradient to its fp32 sum in the GEMM that "
-                        "makes it (default on; parallel/wgrad_fusion.py)")
-    p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
-                   default=True, help="ZeRO-1/2: gather each bucket's new weights during the "
-                   "next forward, not after the step (default on; parallel/zero/param_gather.py)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    p.add_argument("--model", default="tiny", help="preset name (see minipar.model.PRESETS)")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's "
-                   "published one, 3e-3 for the small presets; config.RECIPES)")
-    p.add_argument("--order", default="megatron", choices=("megatron", "pp-inside-dp"))
-    p.add_argument("--save", help="checkpoint directory to write at the end")
-    p.add_argument("--resume", help="checkpoint directory to start from")
-    p.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
-    p.add_argument("--stop-at", type=int, help="stop (and --save) after this step")
+    for f in _train_fields():
+        kind = str(f.type).split(" | ")[0]  # "int | None": an int, or not given
+        if kind == "bool":  # a switch; one on by default also has its --no- form
+            how = {"action": argparse.BooleanOptionalAction if f.default else "store_true"}
+        else:
+            how = {"type": {"int": int, "float": float, "str": str}[kind],
+                   "choices": f.metadata["choices"]}
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                       help=f.metadata["help"], **how)
     p.add_argument("--json", help="write the run's record as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-process reference and print both")
-    p.add_argument("--ddp", default="overlapped", choices=("naive", "bucketed", "overlapped"))
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--fused", action="store_true", help="fused AdamW kernel (GPU speed)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
-                   help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds a rank may make no progress (no step, no collective "
-                   "finished) before the run counts as hung and each rank's place is shown")
-    p.add_argument("--measure-activations", action="store_true",
-                   help="measure the activation memory each step (saved-tensor hooks on "
-                   "every op: a slower step)")
-    p.add_argument("--allow-nonfinite", action="store_true",
-                   help="train on past a NaN/inf loss (default: stop there, exit 1)")
-    # data, model sizes and long runs
-    p.add_argument("--data", default="markov",
-                   help="markov (generated), pystdlib (Python's own sources), a text file, "
-                   "a directory of text files, or a .bin token file")
-    p.add_argument("--tokenizer", help="for text: byte (vocab 256, the default), bpe "
-                   "(trained to the model's vocab) or a tokenizer.json file (--init-from: "
-                   "the directory's, when it has one)")
-    p.add_argument("--data-cache", help="where tokenised text is kept (~/.cache/minipar)")
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="validation loss every N steps and at the end (0: never)")
-    p.add_argument("--eval-batches", type=int, default=4,
-                   help="held-out global batches per evaluation")
-    for flag, what in (("layers", "n_layer"), ("hidden", "d_model"), ("heads", "n_head"),
-                       ("ffn", "d_ff"), ("vocab", "vocab_size"), ("seq-len", "seq_len")):
-        p.add_argument(f"--{flag}", type=int, help=f"override the preset's {what}")
-    p.add_argument("--warmup", type=int, help="linear warm-up steps (default: the preset's "
-                   "recipe, at most a tenth of the run; 5 for the small presets)")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="global norm (0: off)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--save-every", type=int, default=0, help="also --save every N steps")
-    p.add_argument("--keep", type=int, default=0, help="keep the last K checkpoints (0: all)")
-    p.add_argument("--log-every", type=int, default=1, help="progress every N steps")
-    p.add_argument("--dropout", type=float, default=0.0,
-                   help="dropout probability (masks keyed by position: every layout alike)")
-    p.add_argument("--init-from", help="start from a GPT-2 transformers directory (its sizes "
-                   "and weights; its tokenizer.json tokenises text data)")
-    p.add_argument("--text-field", default="text",
-                   help="the text column of JSON Lines, Parquet or datasets --data")
-    # mixture of experts (model.MoE) and expert parallelism (parallel/ep.py)
-    p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel ranks (inside dp): each MoE layer's experts split")
-    p.add_argument("--moe-experts", type=int, help="experts per MoE layer (0: dense)")
-    p.add_argument("--moe-top-k", type=int, help="experts per token (1 or 2)")
-    p.add_argument("--moe-every", type=int, help="every N-th block is MoE (2: every other)")
-    p.add_argument("--capacity-factor", type=float,
-                   help="expert slots per sequence over k*seq/E (0: dropless)")
-    p.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight")
-    p.add_argument("--z-loss-coef", type=float, help="router z-loss weight")
-    p.add_argument("--fp8", choices=("rowwise", "tensorwise"),
-                   help="the blocks' linear layers multiply in float8, scaled per row or "
-                        "per tensor (GPUs of compute capability 8.9+; parallel/fp8.py)")
-    p.add_argument("--fp8-emulate", action="store_true",
-                   help="with --fp8: float8 casts, fp32 matmuls, on any device (for tests: "
-                        "the same numbers, no speed)")
 
 
-def train_config(args) -> TrainConfig:
+def train_config(args: argparse.Namespace) -> TrainConfig:
     """The ``TrainConfig`` a parsed ``train`` command line asks for (flag -> field)."""
-    from minipar.hf import default_tokenizer
-
-    return TrainConfig(
-        model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
-        schedule=args.schedule, virtual=args.virtual, head_layers=args.head_layers,
-        microbatches=args.microbatches, sp=args.sp, recompute=args.recompute,
-        dtype=args.dtype, grad_dtype=args.grad_dtype, wgrad_fusion=args.wgrad_fusion,
-        overlap_param_gather=args.overlap_param_gather,
-        steps=args.steps, seed=args.seed,
-        backend=args.backend, batch_size=args.batch_size, lr=args.lr,
-        order=args.order, save=args.save, resume=args.resume, trace=args.trace,
-        ddp=args.ddp, device=args.device, stop_at=args.stop_at, fused=args.fused,
-        optimizer=args.optimizer, data=args.data,
-        tokenizer=args.tokenizer or default_tokenizer(args.init_from),
-        data_cache=args.data_cache, eval_every=args.eval_every,
-        eval_batches=args.eval_batches, layers=args.layers, hidden=args.hidden,
-        heads=args.heads, ffn=args.ffn, vocab=args.vocab, seq_len=args.seq_len,
-        warmup=args.warmup, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
-        save_every=args.save_every, keep=args.keep, log_every=args.log_every,
-        timeout=args.timeout, dropout=args.dropout, cp=args.cp, offload=args.offload,
-        init_from=args.init_from, text_field=args.text_field,
-        ep=args.ep, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
-        moe_every=args.moe_every, capacity_factor=args.capacity_factor,
-        aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
-        fp8=args.fp8, fp8_emulate=args.fp8_emulate,
-
-        allow_nonfinite=args.allow_nonfinite, measure_activations=args.measure_activations)
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in _train_fields()})
 
 
 def _cmd_train(args) -> int:
-    from tqdm.auto import tqdm
-
-    from minipar import checks
-    from minipar.checkpoint import SAVE_NAMES
-    from minipar.checks import oversubscription
-    from minipar.engine import RunStopped, train, validate
-
     cfg = train_config(args)
     validate(cfg)
     checks.output_file("json", args.json)
     checks.distinct({"json": args.json, "trace": cfg.trace, "save": cfg.save},
                     {"data": cfg.data, "resume": cfg.resume})
-    checks.not_inside({"json": args.json}, "save", cfg.save, SAVE_NAMES)
-    note = oversubscription(cfg.world_size)
+    checks.not_inside({"json": args.json}, "save", cfg.save, checkpoint.SAVE_NAMES)
+    note = checks.oversubscription(cfg.world_size)
     if note:
         print(f"minipar train: note: {note}", file=sys.stderr)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
@@ -183,8 +92,6 @@ def _cmd_train(args) -> int:
         if r["val_loss"] == r["val_loss"]:  # not NaN: an evaluation has run
             shown["val"] = f"{r['val_loss']:.4f}"
         if peak:
-            from minipar.theory.params import mfu
-
             shown["MFU"] = f"{mfu(r['tokens_per_s'], model_cfg, cfg.world_size, peak):.1%}"
         bar.set_postfix(shown)
 
@@ -198,8 +105,6 @@ def _cmd_train(args) -> int:
     if record is None:  # a torchrun rank other than 0
         return 0
     if args.compare and not stopped:  # the reference's steps first..last, as resumed
-        from minipar.parity import check_run
-
         record.update(check_run(cfg, record))
     _print_run(cfg, record)  # printed first: a failing output below loses nothing
     for e in record.get("eval", []):
@@ -215,14 +120,10 @@ def _cmd_train(args) -> int:
 def _peak_flops(cfg) -> float | None:
     """Dense bf16 FLOP/s of this GPU, for MFU (None on CPU, unknown cards, or several
     ranks per GPU under gloo)."""
-    import torch
-
-    from minipar.theory.clusters import GPUS
-
     if cfg.backend != "nccl" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(0)
-    for key, gpu in GPUS.items():
+    for key, gpu in clusters.GPUS.items():
         if key.split("-")[0] in name:
             return gpu.peak_flops
     return None
@@ -275,18 +176,14 @@ def _print_run(cfg, record: dict) -> None:
           " activ: - unless --measure-activations)")
 
 
-def _cmd_sample(args) -> int:
-    from minipar.sample import sample
+# --- sample and export ------------------------------------------------------------------
 
+def _cmd_sample(args) -> int:
     print(sample(args.resume, args.prompt, args.tokens, args.temperature, args.seed))
     return 0
 
 
 def _cmd_export(args) -> int:
-    from minipar import checks
-    from minipar.export import export
-    from minipar.hf import export_hf
-
     checks.output_file("json", args.json)
     checks.distinct({"out": args.out, "json": args.json}, {"resume": args.resume})
     if args.format == "hf":
@@ -297,6 +194,223 @@ def _cmd_export(args) -> int:
     _write_json(args.json, out)
     return 0
 
+
+# --- the theory and machine subcommands --------------------------------------------------
+
+def _cmd_doctor(args) -> int:
+    checks.output_file("json", args.json)
+    results = run_doctor()
+    payload: dict = {"checks": results}
+    if args.model:
+        fit = fits_report(args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                          dtype=args.dtype)
+        payload["model"] = fit
+        results = results + fit["checks"]
+    for r in results:
+        print(f"{'OK  ' if r['ok'] else 'FIX '} {r['check']:<11} {r['message']}")
+    payload["ok"] = all(r["ok"] for r in results)
+    _write_json(args.json, payload)
+    return 0 if payload["ok"] else 1
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: ``7500000000``, ``7.5e9``, ``7.5B``, ``350M``, ``1.2T``."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    t = str(text).strip().replace("_", "").replace(",", "")
+    try:
+        value = float(t[:-1]) * scale[t[-1].upper()] if t and t[-1].upper() in scale \
+            else float(t)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count (e.g. 7.5e9, 7.5B, 350M)")
+    return int(round(value))
+
+
+def _model_from_args(args):
+    """A preset, optionally with custom sizes (``--layers --hidden --heads ...``)."""
+    checks.output_file("json", args.json)
+    checks.model_sizes(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                       vocab=args.vocab, seq_len=args.seq_len)
+    if args.model is None and getattr(args, "params", None) is not None:
+        return None
+    cfg = sized(get_config(args.model or "tiny"), args.layers, args.hidden, args.heads,
+                args.ffn, args.vocab, args.seq_len)
+    moe = {"n_expert": args.moe_experts, "moe_top_k": args.moe_top_k,
+           "capacity_factor": args.capacity_factor}
+    return cfg.with_(**{k: v for k, v in moe.items() if v is not None})
+
+
+def _model_label(args) -> str:
+    """What ``_model_from_args`` built, in words: the preset, and any sizes changed."""
+    changed = [f"--{k.replace('_', '-')} {v}" for k in ("layers", "hidden", "heads", "vocab",
+                                                        "seq_len", "moe_experts",
+                                                        "moe_top_k", "capacity_factor")
+               if (v := getattr(args, k)) is not None]
+    return (args.model or "tiny") + (f" with {' '.join(changed)}" if changed else "")
+
+
+def _gb(x: float) -> str:
+    return f"{x / 2**30:9.2f} GiB"
+
+
+def _cmd_memory(args) -> int:
+    cfg = _model_from_args(args)
+    checks.positive("params", args.params)
+    checks.positive("microbatch-size", args.microbatch_size)
+    checks.positive("microbatches", args.microbatches)
+    checks.layout(cfg, args.dp, args.pp, args.tp, args.virtual, args.sp)
+    mem = memory_breakdown(cfg, args.dp, args.pp, args.tp, args.zero, args.dtype,
+                           args.optimizer, args.microbatch_size, args.microbatches,
+                           args.schedule, args.sp, args.recompute, params=args.params,
+                           virtual=args.virtual, accounting=args.accounting, cp=args.cp,
+                           offload=args.offload, ep=args.ep)
+    what = _model_label(args) if cfg is not None else f"{args.params:,} parameters"
+    cp = f" cp={args.cp}" if args.cp > 1 else ""
+    cp += f" ep={args.ep}" if args.ep > 1 else ""
+    print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp}{cp} "
+          f"zero={args.zero}{' offload' if args.offload else ''} {args.dtype} "
+          f"(stage {mem['stage']}, the most loaded)")
+    for key in ("params", "grads", "optimizer", "activations", "loss_workspace",
+                "moe_dispatch", "total", "host"):
+        if key in mem:
+            print(f"  {key:<12}{_gb(mem[key])}   {mem[key]:>18,} bytes")
+    _write_json(args.json, mem)
+    return 0
+
+
+def _cmd_bubble(args) -> int:
+    checks.output_file("json", args.json)
+    shape = (args.schedule, args.pp, args.microbatches, args.virtual)
+    if checks.bubble(*shape):
+        rep = bubble.bubble_report(*shape)
+        print(rep["table"] if args.pp <= 32 and len(rep["table"]) <= 20_000 else
+              "(table omitted: too wide to read; --json holds the timeline)")
+    else:  # simulating 10^10 actions would take hours and all the memory: closed forms
+        ratio = bubble.bubble_ratio_formula(*shape)
+        rep = {"schedule": args.schedule, "pp": args.pp, "microbatches": args.microbatches,
+               "virtual": args.virtual, "bubble_fraction": ratio / (1 + ratio),
+               "bubble_ratio": ratio, "bubble_fraction_formula": ratio / (1 + ratio),
+               "bubble_ratio_formula": ratio, "simulated": False}
+        print(f"(no table: {args.pp * args.microbatches * args.virtual:,} pipeline actions "
+              f"exceed {checks.BUBBLE_TABLE_CELLS:,}; the figures are the closed forms)")
+    print(f"bubble fraction (idle share of the step): {rep['bubble_fraction']:.4f}"
+          f"   formula {rep['bubble_fraction_formula']:.4f}")
+    print(f"bubble ratio (idle over ideal time):      {rep['bubble_ratio']:.4f}"
+          f"   formula {rep['bubble_ratio_formula']:.4f}")
+    if "peak_in_flight" in rep:
+        print(f"peak micro-batches in flight per rank: {rep['peak_in_flight']}")
+    _write_json(args.json, rep)
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    cfg = _model_from_args(args)
+    checks.cluster(args.gpus, args.gpu, args.gpus_per_node, args.batch, args.top,
+                   args.memory_margin, clusters.GPUS)
+    calib = clusters.load_calibration(args.calibrate) if args.calibrate else None
+    if args.gpus or calib:  # a calibrated machine: its GPUs, one node, unless told
+        gpus = args.gpus or int(calib.get("gpus", 1))
+        kind = args.gpu if args.gpus or not calib else clusters.gpu_for_device(
+            str(calib.get("device", "")))
+        where = clusters.cluster(gpus, kind, args.gpus_per_node if args.gpus else gpus)
+    else:
+        where = clusters.get_cluster(args.cluster)
+    if calib:
+        where = clusters.calibrated(where, calib)
+        rates = ", ".join(f"{op} {bw / 1e9:.0f} GB/s + {lat * 1e6:.0f} us"
+                          for op, lat, bw in where.links)
+        print(f"calibrated ({args.calibrate}): matmul {where.matmul_rate / 1e12:.0f} TFLOP/s"
+              f"; {rates}")
+    result = plan(cfg, where, args.batch, offload=args.offload,
+                  memory_margin=args.memory_margin)
+    batch = result.global_batch
+    model_flags = _model_flags(args)
+    print(f"{'#':>3}  {'layout':<60} {'step s':>9} {'MFU':>6} {'GiB/GPU':>8}")
+    for i, lay in enumerate(result.layouts[: args.top]):
+        print(f"{i + 1:>3}  {lay.label():<60} {lay.step_time:>9.3g} {lay.mfu:>6.1%} "
+              f"{lay.memory['process'] / 2**30:>8.1f}")
+        print(f"     {lay.command(args.model, batch)}{model_flags}")
+    print(f"(GiB/GPU: what the card holds, the allocator's reserve and the runtime included; "
+          f"a layout fits within {1 - args.memory_margin:.0%} of the card's "
+          f"{where.gpu_memory / 2**30:.1f} GiB: --memory-margin {args.memory_margin})")
+    print()
+    print(result.why())
+    _write_json(args.json, {"best": result.best.to_dict() if result.best else None,
+                            "layouts": [{**x.to_dict(), "command": x.command(args.model, batch)
+                                         + model_flags} for x in result.layouts[: args.top]],
+                            "rejected": dict(result.rejected), "why": result.why()})
+    return 0
+
+
+def _model_flags(args) -> str:
+    """The model size flags given to ``plan``, for the ``train`` commands it prints."""
+    sizes = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len")
+    return "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in sizes
+                   if getattr(args, k, None) is not None)
+
+
+def _add_model_args(p, default: str | None) -> None:
+    p.add_argument("--model", default=default, help="preset name (minipar.model.PRESETS)")
+    p.add_argument("--layers", type=int, help="override n_layer")
+    p.add_argument("--hidden", type=int, help="override d_model")
+    p.add_argument("--heads", type=int, help="override n_head")
+    p.add_argument("--ffn", type=int, help="override d_ff")
+    p.add_argument("--vocab", type=int, help="override vocab_size")
+    p.add_argument("--seq-len", type=int, help="override seq_len")
+    p.add_argument("--moe-experts", type=int, help="experts per MoE layer (0: dense)")
+    p.add_argument("--moe-top-k", type=int, help="experts per token")
+    p.add_argument("--capacity-factor", type=float,
+                   help="expert slots per sequence over k*seq/E (0: dropless)")
+    p.add_argument("--json")
+
+
+def _add_theory(sub) -> None:
+    m = sub.add_parser("memory", help="per-device memory breakdown (theory)")
+    _add_model_args(m, None)
+    m.add_argument("--params", type=parse_count,
+                   help="parameter count alone (7.5e9, 7.5B): model states only")
+    for dim in ("dp", "pp", "tp", "cp", "ep"):
+        m.add_argument(f"--{dim}", type=int, default=1)
+    m.add_argument("--zero", type=int, default=0, choices=range(4))
+    m.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: optimizer states on the host (reported as host)")
+    m.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
+    m.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    m.add_argument("--microbatch-size", type=int, default=1)
+    m.add_argument("--microbatches", type=int, default=1)
+    m.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
+    m.add_argument("--virtual", type=int, default=1)
+    m.add_argument("--sp", action="store_true")
+    m.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    m.add_argument("--accounting", default="korthikanti", choices=("korthikanti", "fused"),
+                   help="activations: the paper's (attention scores stored) or a fused-"
+                   "attention run's (what minipar's GPT keeps, plus the loss's workspace)")
+    b = sub.add_parser("bubble", help="pipeline schedule table and bubble figures")
+    b.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
+    b.add_argument("--pp", type=int, default=4)
+    b.add_argument("--microbatches", type=int, default=8)
+    b.add_argument("--virtual", type=int, default=1)
+    b.add_argument("--json")
+    p = sub.add_parser("plan", help="rank layouts of a model on a cluster")
+    _add_model_args(p, "gpt-1.3b")
+    p.add_argument("--cluster", default="dgx-a100", help="cluster preset")
+    p.add_argument("--gpus", type=int, help="custom cluster: number of GPUs")
+    p.add_argument("--gpu", default="A100-80GB", help="custom cluster: GPU kind")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--batch", type=int, help="global batch (sequences); default = GPUs")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--offload", action="store_true",
+                   help="try ZeRO-Offload where a layout does not fit without it")
+    p.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN,
+                   help="share of each GPU's memory a layout leaves free (default "
+                   f"{MEMORY_MARGIN}: the largest under-prediction measured on 4 x H100)")
+    p.add_argument("--calibrate", metavar="FILE", help="measured rates of a machine "
+                   "(benchmarks/multigpu.py --sections calibrate) instead of the preset's")
+
+
+# --- the parser and the dispatch ----------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minipar", description=__doc__.splitlines()[0])
@@ -334,8 +448,6 @@ COMMANDS = {"train": _cmd_train, "memory": _cmd_memory, "bubble": _cmd_bubble,
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; every failure ends as one line on stderr and an exit status
     (2: bad input, 1: the run failed, 130: interrupted), never as a traceback."""
-    from minipar.launch import LaunchError
-
     args = build_parser().parse_args(argv)
     say = f"minipar {args.command}: error:"
     try:

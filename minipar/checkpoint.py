@@ -28,7 +28,7 @@ says whether any rank failed) and leaves no ``step-N.tmp`` behind.
 **Checked before use.** ``check_resume`` reads ``meta.json`` and each shard's zip
 directory before a rank starts (a wrong model, a damaged file: one line naming it).
 ``meta.json`` records each shard's SHA-256, hashed as it is written; whoever reads a
-shard (a resuming rank, ``export``, ``sample``) checks it first (``_load_shard``), so a
+shard (a resuming rank, ``export``, ``sample``) checks it first (``load_shard``), so a
 file changed on disk is named, never trained on. ``check_save`` refuses a directory
 holding another run's checkpoints, and ``locked`` holds a ``--save`` directory for one
 run at a time. Loading uses ``torch.load(weights_only=True)``: a checkpoint cannot run
@@ -48,15 +48,19 @@ import zipfile
 from contextlib import contextmanager, suppress
 
 import torch
+import torch.distributed as dist
 
 from minipar.mesh import RankMesh
+from minipar.model import GPTConfig, get_config
+from minipar.parallel.tp import unshard
 from minipar.rank import heartbeat
-from minipar.sample import RUN_CARD, TOKENIZER
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 DIGEST = "sha256"  # of each shard's bytes, recorded in meta.json
 STEP_DIR = re.compile(r"step-(\d{6,})")  # a checkpoint's directory name, exactly
 SHARD = re.compile(r"rank-\d{5,}\.pt")  # a shard's file name
+RUN_CARD = "run.json"  # beside the shards: what ``sample`` needs (``write_run_card``)
+TOKENIZER = "tokenizer.json"  # the run's tokenizer, copied beside the shards
 
 
 class SaveError(RuntimeError):
@@ -83,12 +87,10 @@ def save(directory: str, step: int, cfg, rm: RankMesh, parts, then=None) -> str:
     ``SaveError`` on every rank if any rank could not do its part (nothing is written
     from weights that are not finite), after removing the partial ``step-N.tmp``.
     """
-    from minipar.config import device_for
-
     weights, states = local_state(rm, parts)  # collective under ZeRO (gathers over dp)
     final = os.path.join(directory, f"step-{step:06d}")
     tmp = final + ".tmp"
-    device = device_for(cfg)
+    device = _agree_device(rm)
     bad = next((n for n, t in weights.items() if not bool(torch.isfinite(t).all())), None)
     error = (f"step {step} not saved: weight {bad} of rank {rm.rank} is not finite (the "
              "run diverged)") if bad else None
@@ -148,6 +150,14 @@ def _attempt(work) -> str | None:
 
 def _why(e: OSError) -> str:
     return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+
+
+def _agree_device(rm: RankMesh) -> torch.device:
+    """Where ``_agree``'s tensor lives: NCCL moves CUDA tensors only (this rank's GPU,
+    set when it started), gloo host ones."""
+    if dist.get_backend(rm.world.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _agree(rm: RankMesh, device, error: str | None, step: int, tmp: str,
@@ -335,14 +345,12 @@ def load(directory: str) -> tuple[dict, int]:
     Returns ({"model": state_dict for GPT.load_state_dict, "optimizer": {name: {key:
     full tensor}}}, step).
     """
-    from minipar.parallel.tp import unshard
-
     meta = inspect(directory)
     path = meta["path"]
     shards: dict[str, dict[int, torch.Tensor]] = {}
     opt_shards: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for fname, info in meta["files"].items():
-        blob = _load_shard(os.path.join(path, fname), digest=info.get(DIGEST))
+        blob = load_shard(os.path.join(path, fname), digest=info.get(DIGEST))
         for name, t in blob["weights"].items():
             shards.setdefault(name, {})[info["tp_rank"]] = t
         for name, st in blob["states"].items():
@@ -370,8 +378,6 @@ def saved_model_config(meta: dict):
     """The ``GPTConfig`` of the run that wrote ``meta`` (its ``meta.json``): recorded
     as built (sizes flags, the data's vocabulary, ``--init-from``'s directory), or, in a
     checkpoint from before that record, the preset with its overrides."""
-    from minipar.model import GPTConfig, get_config
-
     try:
         if "model" in meta:
             return GPTConfig(**meta["model"])
@@ -398,7 +404,9 @@ def verify(path: str, digest: str | None) -> None:
                               "meta.json recorded at save (the file changed on disk)")
 
 
-def _load_shard(path: str, mmap: bool = False, digest: str | None = None) -> dict:
+def load_shard(path: str, mmap: bool = False, digest: str | None = None) -> dict:
+    """A rank's shard file (``{"weights", "states"}`` by name), its digest checked first;
+    ``mmap``: a tensor is read when sliced."""
     verify(path, digest)
     try:
         blob = torch.load(path, weights_only=True, mmap=mmap)

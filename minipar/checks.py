@@ -11,8 +11,10 @@ Output paths are checked *before* a run because a run can take an hour: a typo i
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
+from collections.abc import Collection
 
 SEED_MAX = 2**32 - 1  # seeds mix into torch generators as seed * 1_000_003 + step
 GPUS_MAX = 2**18  # plan's clusters: the largest built are about 10^5 GPUs
@@ -173,19 +175,17 @@ def bubble(schedule: str, pp: int, microbatches: int, virtual: int) -> bool:
 
 
 def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
-            top: int, memory_margin: float = 0.0) -> None:
-    """``plan``'s cluster flags: a known GPU, positive counts, a share of memory to leave
-    free in [0, 1)."""
-    from minipar.theory.clusters import GPUS
-
+            top: int, memory_margin: float, known_gpus: Collection[str]) -> None:
+    """``plan``'s cluster flags: a GPU of ``known_gpus`` (``theory.clusters.GPUS``),
+    positive counts, a share of memory to leave free in [0, 1)."""
     for flag, value in (("gpus", gpus), ("gpus-per-node", gpus_per_node), ("batch", batch),
                         ("top", top)):
         positive(flag, value)
     if gpus is not None and gpus > GPUS_MAX:
         raise ValueError(f"--gpus {gpus} is beyond the largest cluster plan considers "
                          f"({GPUS_MAX:,} GPUs)")
-    if gpu not in GPUS:
-        raise ValueError(f"unknown --gpu {gpu!r}; choose one of {sorted(GPUS)}")
+    if gpu not in known_gpus:
+        raise ValueError(f"unknown --gpu {gpu!r}; choose one of {sorted(known_gpus)}")
     if not 0 <= memory_margin < 1:
         raise ValueError(f"--memory-margin must be in [0, 1) (a share of each GPU's memory "
                          f"left free), got {memory_margin!r}")
@@ -201,3 +201,12 @@ def oversubscription(world_size: int) -> str | None:
     return (f"{world_size} ranks on {cores} cores: the cores are oversubscribed, so expect "
             f"each step to take about {share:.0f}x as long as one rank per core would "
             "(raise --timeout if the run needs longer than its default 600 s)")
+
+
+def require(module: str, purpose: str):
+    """Import an optional dependency, or one clear line saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"{purpose} needs the optional package {module}: "
+                         "pip install 'minipar[hf]'") from None

@@ -19,8 +19,9 @@ The torch-version differences live here and nowhere else: torch 2.13 deprecates
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of ``*_single``,
 which torch 2.11 (on the GPU machines) does not have.
 
-Before each call the log tells the launcher which op this rank entered, so a hang is
-reported as "rank 3 waits in all_reduce on tp, shape (64, 64)" instead of silence.
+Before each call the log tells the launcher which op this rank entered (through the
+hooks a launched rank installs, ``RANK_HOOKS``), so a hang is reported as "rank 3
+waits in all_reduce on tp, shape (64, 64)" instead of silence.
 
 Several ranks on one GPU (``--backend gloo --device cuda``; NCCL refuses two ranks on
 one device): gloo moves host memory, and handles CUDA tensors only in all_reduce and
@@ -39,6 +40,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+
+# The hooks a new ``CommLog`` starts with. A rank that ``minipar.launch`` started sets
+# them to its status reporters (``rank.child``), so a hang names the op each rank waits
+# in; anywhere else (a notebook, torchrun) there are none.
+RANK_HOOKS: dict[str, Callable | None] = {"on_enter": None, "on_exit": None}
 
 # --- the one place that knows torch versions -----------------------------------------
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -116,12 +122,10 @@ class CommLog:
     _kept: int = 0  # records[:_kept] are already folded (kept for a trace)
 
     def __post_init__(self) -> None:
-        from minipar.launch import rank_status_reporter  # the launcher's hooks, if any
-
         if self.on_enter is None:
-            self.on_enter = rank_status_reporter()
+            self.on_enter = RANK_HOOKS["on_enter"]
         if self.on_exit is None:
-            self.on_exit = rank_status_reporter(after=True)
+            self.on_exit = RANK_HOOKS["on_exit"]
 
     def enter(self, op: str, dim: str, t: torch.Tensor, n: int, nbytes: int | None = None,
               peer: int | None = None, wire: int | None = None,

@@ -1,7 +1,9 @@
 """What a training run is asked to do, and every check made before a process starts.
 
-``TrainConfig`` mirrors the command line (``python -m minipar train``) one flag to one
-field. ``validate`` turns every invalid combination into one clear ``ValueError`` line,
+``TrainConfig`` declares each option once: a field with its default, its help text and,
+where it has them, its choices. ``python -m minipar train`` builds its flags from these
+fields (``--batch-size`` is ``batch_size``), so a new flag is one field plus its check.
+``validate`` turns every invalid combination into one clear ``ValueError`` line,
 *before* any rank is spawned: a typo must never cost a room of laptops a hung kernel.
 ``docs/errors.md`` lists each message; ``tests/test_errors.py`` tries each.
 """
@@ -10,10 +12,25 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
+import torch
+
+from minipar import checkpoint, checks, doctor
+from minipar.corpus import check_source, data_vocab, open_tokens, sidecar, tokenizer_vocab
 from minipar.data import MARKOV_BRANCHING, check_batch_split
+from minipar.hf import check_init_from, default_tokenizer, read_config
+from minipar.launch import check_timeout
+from minipar.mesh import ORDERS
 from minipar.model import GPTConfig, get_config
+from minipar.parallel.ep import check_ep
+from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
+from minipar.parallel.fp8 import check_fp8
+from minipar.parallel.pp import partition_layers
+from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
+from minipar.theory import clusters
+from minipar.theory.memory import card_bytes, memory_per_stage
+from minipar.theory.planner import plan
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")
@@ -21,78 +38,120 @@ DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
 
 
+def option(default, help: str, choices: tuple | None = None):
+    """A ``TrainConfig`` field that is also a ``train`` flag: ``--`` and its name with
+    dashes, of its annotation's type (a bool is a switch), ``help`` and ``choices`` for
+    the command line; ``validate`` checks the choices for the Python API too."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class TrainConfig:
-    """Everything a run needs; the command line's flags map one to one onto it."""
+    """Everything a run needs; each field with a ``help`` is a ``train`` flag."""
 
-    model: str = "tiny"
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    zero: int = 0
-    schedule: str = "1f1b"
-    virtual: int = 1
-    head_layers: int = 0  # the last pipeline chunk holds this many layers fewer (its head)
-    microbatches: int = 1
-    sp: bool = False
-    recompute: str = "none"
-    dtype: str = "fp32"
-    grad_dtype: str = "fp32"  # gradient sums under bf16: fp32 exact, or bf16 as torch's peers
-    wgrad_fusion: bool = True  # a linear's weight gradient summed in the GEMM making it
-    overlap_param_gather: bool = True  # ZeRO-1/2's weight gathers finish in the next forward
-    steps: int = 20
-    seed: int = 0
-    backend: str = "gloo"
-    device: str = "auto"  # cpu, cuda, or auto (cuda with nccl, else cpu)
-    batch_size: int = 16
-    lr: float | None = None  # None: the preset's recipe (``RECIPES``)
-    warmup: int | None = None  # None: the preset's recipe
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ddp: str = "overlapped"  # naive, bucketed, overlapped (ZeRO 0)
-    fused: bool = False  # torch's fused AdamW kernel (one launch for all parameters; GPUs)
-    optimizer: str = "adamw"  # adamw, or sgd (plain, no momentum: a scale error cannot hide)
-    order: str = "megatron"
-    save: str | None = None
-    resume: str | None = None
-    trace: str | None = None
-    measure_activations: bool = False  # count saved tensors each step (hooks: slower)
-    stop_at: int | None = None  # end (and save) after this step, as if interrupted
-    timeout: float = 600.0
-    overrides: dict = field(default_factory=dict)  # model config fields to change
+    model: str = option("tiny", "preset name (see minipar.model.PRESETS)")
+    dp: int = option(1, "data-parallel replicas")
+    pp: int = option(1, "pipeline stages")
+    tp: int = option(1, "tensor-parallel ranks per layer")
+    zero: int = option(0, "ZeRO stage", choices=(0, 1, 2, 3))
+    schedule: str = option("1f1b", "pipeline schedule", choices=SCHEDULE_NAMES)
+    virtual: int = option(1, "chunks per rank (interleaved)")
+    head_layers: int = option(0, "the last pipeline chunk holds K layers fewer: its head "
+                              "and loss cost about K layers (gpt-1.3b: 2; "
+                              "`theory.params.head_layers_for`)")
+    microbatches: int = option(1, "micro-batches per step")
+    sp: bool = option(False, "sequence parallelism (needs --tp > 1)")
+    recompute: str = option("none", "activations recomputed in the backward pass",
+                            choices=RECOMPUTE)
+    dtype: str = option("fp32", "the blocks' compute dtype", choices=DTYPES)
+    grad_dtype: str = option("fp32", "where bf16 gradients are summed and reduced: fp32 "
+                             "(exact, default) or bf16 (half the bytes and traffic, as "
+                             "torch's peers do)", choices=DTYPES)
+    wgrad_fusion: bool = option(True, "add each linear weight gradient to its fp32 sum in "
+                                "the GEMM that makes it (default on; "
+                                "parallel/wgrad_fusion.py)")
+    overlap_param_gather: bool = option(True, "ZeRO-1/2: gather each bucket's new weights "
+                                        "during the next forward, not after the step "
+                                        "(default on; parallel/param_gather.py)")
+    steps: int = option(20, "training steps")
+    seed: int = option(0, "seed of the initial weights and the data")
+    backend: str = option("gloo", "torch.distributed backend", choices=("gloo", "nccl"))
+    device: str = option("auto", "cpu, cuda, or auto (cuda with nccl, else cpu)",
+                         choices=("auto", "cpu", "cuda"))
+    batch_size: int = option(16, "global batch (sequences)")
+    lr: float | None = option(None, "peak learning rate (default: the preset's published "
+                              "one, 3e-3 for the small presets; config.RECIPES)")
+    warmup: int | None = option(None, "linear warm-up steps (default: the preset's recipe, "
+                                "at most a tenth of the run; 5 for the small presets)")
+    weight_decay: float = option(0.0, "the optimizer's weight decay")
+    grad_clip: float = option(1.0, "global norm (0: off)")
+    ddp: str = option("overlapped", "ZeRO 0's gradient sync",
+                      choices=("naive", "bucketed", "overlapped"))
+    fused: bool = option(False, "fused AdamW kernel (GPU speed)")
+    optimizer: str = option("adamw", "sgd: plain SGD, no momentum (parity checks see a "
+                            "gradient's scale)", choices=OPTIMIZERS)
+    order: str = option("megatron", "how ranks map to mesh coordinates (minipar.mesh)",
+                        choices=tuple(ORDERS))
+    save: str | None = option(None, "checkpoint directory to write at the end")
+    resume: str | None = option(None, "checkpoint directory to start from")
+    trace: str | None = option(None, "write a Chrome trace (open in Perfetto)")
+    measure_activations: bool = option(False, "measure the activation memory each step "
+                                       "(saved-tensor hooks on every op: a slower step)")
+    stop_at: int | None = option(None, "stop (and --save) after this step")
+    timeout: float = option(600.0, "seconds a rank may make no progress (no step, no "
+                            "collective finished) before the run counts as hung and each "
+                            "rank's place is shown")
+    overrides: dict = field(default_factory=dict)  # model config fields (Python API only)
     # --- data, model sizes, long runs ---
-    data: str = "markov"  # markov, pystdlib, a text file or directory, a .bin token file
-    tokenizer: str = "byte"  # byte (vocab 256) or bpe (trained to the model's vocab)
-    data_cache: str | None = None  # where tokenised text is kept (~/.cache/minipar)
-    eval_every: int = 0  # validation loss every N steps (and at the end); 0: never
-    eval_batches: int = 4  # held-out global batches per evaluation
-    layers: int | None = None  # model sizes over the preset's (None: the preset's)
-    hidden: int | None = None
-    heads: int | None = None
-    ffn: int | None = None
-    vocab: int | None = None
-    seq_len: int | None = None
-    save_every: int = 0  # also save every N steps (needs --save); 0: at the end only
-    keep: int = 0  # checkpoints kept in --save (the last K); 0: all
-    log_every: int = 1  # progress report every N steps
-    dropout: float = 0.0  # the model's dropout (masks keyed by position: any layout)
+    data: str = option("markov", "markov (generated), pystdlib (Python's own sources), a "
+                       "text file, a directory of text files, or a .bin token file")
+    tokenizer: str | None = option(None, "for text: byte (vocab 256, the default), bpe "
+                                   "(trained to the model's vocab) or a tokenizer.json file "
+                                   "(--init-from: the directory's, when it has one)")
+    data_cache: str | None = option(None, "where tokenised text is kept (~/.cache/minipar)")
+    eval_every: int = option(0, "validation loss every N steps and at the end (0: never)")
+    eval_batches: int = option(4, "held-out global batches per evaluation")
+    layers: int | None = option(None, "override the preset's n_layer")
+    hidden: int | None = option(None, "override the preset's d_model")
+    heads: int | None = option(None, "override the preset's n_head")
+    ffn: int | None = option(None, "override the preset's d_ff")
+    vocab: int | None = option(None, "override the preset's vocab_size")
+    seq_len: int | None = option(None, "override the preset's seq_len")
+    save_every: int = option(0, "also --save every N steps")
+    keep: int = option(0, "keep the last K checkpoints (0: all)")
+    log_every: int = option(1, "progress every N steps")
+    dropout: float = option(0.0, "dropout probability (masks keyed by position: every "
+                            "layout alike)")
     # --- context parallelism and ZeRO-Offload ---
-    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
-    offload: bool = False  # ZeRO-Offload: fp32 masters, optimizer states and step on the host
+    cp: int = option(1, "context-parallel ranks per sequence (ring attention, zig-zag)")
+    offload: bool = option(False, "ZeRO-Offload: fp32 masters, optimizer states and step "
+                           "on the host")
     # --- the Hugging Face ecosystem (minipar/hf.py) ---
-    init_from: str | None = None  # a GPT-2 transformers directory: its sizes and weights
-    text_field: str = "text"  # the text column of JSON Lines, Parquet or datasets data
+    init_from: str | None = option(None, "start from a GPT-2 transformers directory (its "
+                                   "sizes and weights; its tokenizer.json tokenises text "
+                                   "data)")
+    text_field: str = option("text", "the text column of JSON Lines, Parquet or datasets "
+                             "--data")
     # --- mixture of experts and expert parallelism (parallel/ep.py) ---
-    ep: int = 1  # expert parallel: each MoE layer's experts split over ep ranks of dp
-    moe_experts: int | None = None  # MoE settings over the preset's (None: the preset's)
-    moe_top_k: int | None = None
-    moe_every: int | None = None
-    capacity_factor: float | None = None  # 0: dropless
-    aux_loss_coef: float | None = None
-    z_loss_coef: float | None = None
-    fp8: str | None = None  # rowwise or tensorwise: the blocks' GEMMs in float8
-    fp8_emulate: bool = False  # float8 casts, fp32 matmuls: CPUs (tests), no speed
-    allow_nonfinite: bool = False  # train on past a non-finite loss (default: stop there)
+    ep: int = option(1, "expert-parallel ranks (inside dp): each MoE layer's experts split")
+    moe_experts: int | None = option(None, "experts per MoE layer (0: dense)")
+    moe_top_k: int | None = option(None, "experts per token (1 or 2)")
+    moe_every: int | None = option(None, "every N-th block is MoE (2: every other)")
+    capacity_factor: float | None = option(None, "expert slots per sequence over k*seq/E "
+                                           "(0: dropless)")
+    aux_loss_coef: float | None = option(None, "load-balancing loss weight")
+    z_loss_coef: float | None = option(None, "router z-loss weight")
+    fp8: str | None = option(None, "the blocks' linear layers multiply in float8, scaled "
+                             "per row or per tensor (GPUs of compute capability 8.9+; "
+                             "parallel/fp8.py)", choices=FP8_RECIPES)
+    fp8_emulate: bool = option(False, "with --fp8: float8 casts, fp32 matmuls, on any "
+                               "device (for tests: the same numbers, no speed)")
+    allow_nonfinite: bool = option(False, "train on past a NaN/inf loss (default: stop "
+                                   "there, exit 1)")
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:  # --init-from's tokenizer.json, when it has one
+            self.tokenizer = default_tokenizer(self.init_from)
 
     @property
     def world_size(self) -> int:
@@ -106,9 +165,6 @@ class TrainConfig:
     def model_config(self) -> GPTConfig:
         """The preset (``init_from``: the directory's sizes), with ``overrides``, the size
         flags, and the data's vocabulary."""
-        from minipar.corpus import data_vocab
-        from minipar.hf import read_config
-
         base = read_config(self.init_from) if self.init_from else get_config(self.model)
         cfg = sized(base.with_(**self.overrides), self.layers,
                     self.hidden, self.heads, self.ffn, self.vocab, self.seq_len)
@@ -172,31 +228,19 @@ def _choice(flag: str, value, allowed) -> None:
 def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Raise ``ValueError`` (one line) for anything that cannot run. ``world_size``: the
     size of a job started by torchrun, which the layout must fill exactly."""
-    from minipar import checks
-    from minipar.parallel.pp import partition_layers
-    from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
-
     check_types(cfg)
     for name in ("dp", "pp", "tp", "cp", "ep", "steps", "microbatches", "virtual",
                  "batch_size"):
         checks.positive(name.replace("_", "-"), getattr(cfg, name))
-    _choice("zero", cfg.zero, (0, 1, 2, 3))
-    _choice("schedule", cfg.schedule, SCHEDULE_NAMES)
-    _choice("dtype", cfg.dtype, DTYPES)
-    _choice("grad-dtype", cfg.grad_dtype, DTYPES)
+    for f in fields(cfg):  # the choices a field declares (None: not given, when allowed)
+        allowed, value = f.metadata.get("choices"), getattr(cfg, f.name)
+        if allowed and not (value is None and f.default is None):
+            _choice(f.name.replace("_", "-"), value, allowed)
     if cfg.grad_dtype == "bf16" and cfg.dtype != "bf16":
         raise ValueError("--grad-dtype bf16 needs --dtype bf16 (fp32 weights get fp32 gradients)")
-    _choice("recompute", cfg.recompute, RECOMPUTE)
-    _choice("backend", cfg.backend, ("gloo", "nccl"))
-    _choice("device", cfg.device, ("auto", "cpu", "cuda"))
-    _choice("order", cfg.order, ("megatron", "pp-inside-dp"))
-    _choice("ddp", cfg.ddp, ("naive", "bucketed", "overlapped"))
-    _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     if world_size is not None and world_size != cfg.world_size:
         raise ValueError(f"layout {cfg.layout_name()} = {cfg.world_size} "
                          f"ranks does not match the job's world size {world_size}")
-    from minipar.corpus import check_source
-
     check_source(cfg.data, cfg.tokenizer, cfg.text_field)  # before model_config reads it
     model = cfg.model_config()
     check_tp(model, cfg.tp, cfg.sp)
@@ -222,8 +266,6 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
     check_batch_split(cfg.batch_size, cfg.dp, cfg.microbatches)
     _check_cp_and_offload(cfg, model)
-    from minipar.parallel.ep import check_ep
-
     check_ep(cfg, model)
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ValueError(f"--stop-at must be between 1 and --steps ({cfg.steps}), "
@@ -231,16 +273,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.lr is not None and (cfg.lr <= 0 or not math.isfinite(cfg.lr)):
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
     checks.seed(cfg.seed)
-    from minipar.launch import check_timeout
-
     check_timeout(cfg.timeout)
     _check_device(cfg)
     _check_fp8(cfg, model)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
     if cfg.init_from is not None:
-        from minipar.hf import check_init_from
-
         check_init_from(cfg, model)
     check_fits(cfg, model)
 
@@ -260,8 +298,6 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
 
 def _check_fp8(cfg: TrainConfig, model: GPTConfig) -> None:
     """The rules of float8 live in ``parallel/fp8.py``; here, the GEMM sizes a rank sees."""
-    from minipar.parallel.fp8 import check_fp8
-
     tokens = cfg.batch_size // (cfg.dp * cfg.microbatches) * (model.seq_len // cfg.cp)
     sizes = {"hidden": model.d_model, "hidden / tp": model.d_model // cfg.tp,
              "ffn / tp": model.d_ff // cfg.tp, "tokens per micro-batch": tokens}
@@ -270,8 +306,6 @@ def _check_fp8(cfg: TrainConfig, model: GPTConfig) -> None:
 
 def _check_files(cfg: TrainConfig) -> None:
     """Outputs that can be written, a checkpoint that can be resumed: before any rank."""
-    from minipar import checkpoint, checks
-
     checks.output_file("trace", cfg.trace)
     checks.output_dir("save", cfg.save)
     checks.output_dir("data-cache", cfg.data_cache)
@@ -296,8 +330,6 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
     device holds beyond them (``card_bytes``: the
     caching allocator's reserve and the runtime). The planner prices layouts with the
     same two functions."""
-    from minipar.theory.memory import card_bytes, memory_per_stage
-
     c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "cp", "zero", "microbatches", "sp",
                                       "recompute", "schedule", "virtual", "offload",
                                       "head_layers", "ep")} | layout
@@ -316,16 +348,12 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
 def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:
     """(what, bytes, ranks sharing it): one GPU's memory under CUDA (ranks spread over
     the GPUs), else the host's physical memory, which every local rank shares."""
-    import torch
-
-    from minipar.doctor import host_memory
-
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
     if device_for(cfg).type == "cuda":
         gpus = torch.cuda.device_count()
         size = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
         return "memory per GPU", size, -(-local // gpus)
-    return "host memory", host_memory()[0], local
+    return "host memory", doctor.host_memory()[0], local
 
 
 def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
@@ -356,13 +384,6 @@ def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
 def _planned_layout(cfg: TrainConfig, model: GPTConfig, capacity: int) -> tuple | None:
     """The planner's first choice for this model, batch and number of GPUs, on a card of
     ``capacity`` bytes: its flags and its predicted bytes per rank, or None."""
-    from dataclasses import replace
-
-    import torch
-
-    from minipar.theory import clusters
-    from minipar.theory.planner import plan
-
     kind = clusters.gpu_for_device(torch.cuda.get_device_name(0)
                                    if torch.cuda.is_available() else "")
     gpu = replace(clusters.GPUS[kind], memory=capacity)
@@ -379,9 +400,6 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int,
     """The first layout of the same world size that fits ``budget`` bytes per rank, in
     the order: least ZeRO, least model parallelism (tp * pp), fewest micro-batches; or
     None. Flags for it, and its bytes per rank."""
-    from minipar import checks
-    from minipar.parallel.tp import check_tp
-
     world, found = cfg.world_size, []
     for tp in (t for t in range(1, world + 1) if world % t == 0):
         for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0):
@@ -408,8 +426,6 @@ def _fitting_layout(cfg: TrainConfig, model: GPTConfig, budget: int,
 
 
 def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
-    from minipar.corpus import open_tokens, sidecar, tokenizer_vocab
-
     for name in ("eval_every", "save_every", "keep", "warmup"):
         value = getattr(cfg, name)
         if name == "warmup" and value is None:
@@ -454,8 +470,6 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
 
 
 def _check_device(cfg: TrainConfig) -> None:
-    import torch
-
     if cfg.backend == "nccl" or cfg.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--backend nccl and --device cuda need a CUDA GPU; this machine "
@@ -471,8 +485,6 @@ def _check_device(cfg: TrainConfig) -> None:
 
 def device_for(cfg: TrainConfig):
     """The torch device this rank computes on."""
-    import torch
-
     if cfg.device == "cuda" or (cfg.device == "auto" and cfg.backend == "nccl"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local % torch.cuda.device_count())
@@ -485,8 +497,6 @@ def optimizer_class(cfg: TrainConfig) -> type:
     Plain SGD (no momentum) is in the parity set because it has no normalisation: a
     gradient 2x too large moves the weights 2x too far, where AdamW would divide it away.
     """
-    import torch
-
     return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
 
 

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minipar.data import SPLITS, counter_hash
+from minipar.checks import require
+from minipar.data import SPLITS, MarkovData, counter_hash
 
 BUILTIN = ("markov", "pystdlib")
 TOKENIZERS = ("byte", "bpe")
@@ -178,8 +179,6 @@ def _field(record, text_field: str, where: str) -> str:
 def _table_batches(source: str, fmt: str, text_field: str) -> Iterator[list]:
     """Column ``text_field`` of Parquet files or a ``datasets`` directory, a record
     batch at a time (memory-mapped Arrow: only the batch read is in memory)."""
-    from minipar.hf import require
-
     if fmt == "parquet":
         pq = require("pyarrow.parquet", "Parquet --data")
         arrow_error = require("pyarrow", "Parquet --data").ArrowException
@@ -252,6 +251,7 @@ class BPETokenizer:
 
     @classmethod
     def train(cls, texts: Iterator[str], vocab_size: int) -> BPETokenizer:
+        # optional: byte and Markov data run without it
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         tok = Tokenizer(models.BPE())
@@ -287,7 +287,7 @@ def load_tokenizer(path: str | None):
             head = json.load(f)
         if head.get("minipar_tokenizer") == "byte":
             return ByteTokenizer()
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # optional: byte and Markov data run without it
 
         return BPETokenizer(Tokenizer.from_file(path))
     except Exception as e:  # json's errors, tokenizers' (a plain Exception), a non-dict
@@ -352,7 +352,7 @@ def _tokenizer_for(tokenizer: str, vocab_size: int, texts):
         return ByteTokenizer()
     if tokenizer == "bpe":
         return BPETokenizer.train(texts(), vocab_size)
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # optional: byte and Markov data run without it
 
     return BPETokenizer(Tokenizer.from_file(tokenizer))
 
@@ -504,7 +504,7 @@ def data_vocab(source: str, tokenizer: str, vocab_size: int | None) -> int | Non
 
 def tokenizer_vocab(path: str) -> int:
     """The vocabulary of a ``tokenizer.json`` file (Hugging Face ``tokenizers``)."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # optional: byte and Markov data run without it
 
     try:
         return Tokenizer.from_file(path).get_vocab_size()
@@ -535,8 +535,6 @@ def prepare_data(cfg) -> str | None:
 
 def make_data(cfg, vocab_size: int, seq_len: int):
     """The run's data source on this rank (``minipar.data.TokenSource``)."""
-    from minipar.data import MarkovData
-
     if cfg.data == "markov":
         return MarkovData(vocab_size, seq_len, seed=cfg.seed)
     path = prepare(cfg.data, cfg.tokenizer, vocab_size, cfg.data_cache,  # the cache

@@ -11,11 +11,15 @@ import platform
 import sys
 from collections.abc import Callable
 
+import torch
+import torch.distributed as dist
+
+from minipar.launch import launch
+from minipar.model import get_config
+from minipar.theory.memory import memory_breakdown
+
 
 def _all_reduce_ones() -> float:
-    import torch
-    import torch.distributed as dist
-
     t = torch.ones(1)
     dist.all_reduce(t)
     return float(t)
@@ -28,16 +32,12 @@ def _check_python() -> tuple[bool, str]:
 
 
 def _check_torch() -> tuple[bool, str]:
-    import torch
-
     cuda = f", CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)" \
         if torch.cuda.is_available() else ", CPU only (fine for the course)"
     return True, f"torch {torch.__version__}{cuda}"
 
 
 def _check_gloo() -> tuple[bool, str]:
-    from minipar.launch import launch
-
     try:
         sums = launch(_all_reduce_ones, 2, timeout=60)
     except Exception as e:  # report, never crash the doctor
@@ -62,9 +62,9 @@ def _check_module(name: str, minimum: str) -> Callable[[], tuple[bool, str]]:
 
 
 def _check_lab_widgets() -> tuple[bool, str]:
-    try:
+    try:  # optional: what is checked is whether they are installed
         import jupyterlab
-        import jupyterlab_widgets  # noqa: F401  (the widget manager JupyterLab loads)
+        import jupyterlab_widgets  # noqa: F401  (optional too: the widget manager)
     except ImportError:
         return False, "JupyterLab or its widget extension is missing: run `make lab`"
     return True, f"JupyterLab {jupyterlab.__version__} with the ipywidgets extension"
@@ -122,11 +122,6 @@ def fits_report(model: str, dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0
     so the host needs it times the number of ranks. Not counted: the CUDA context,
     allocator slack, temporary buffers: a fit with under 20% to spare is called tight.
     """
-    import torch
-
-    from minipar.model import get_config
-    from minipar.theory.memory import memory_breakdown
-
     cfg = get_config(model)
     mem = memory_breakdown(cfg, dp, pp, tp, zero, dtype, "adamw", microbatch_size,
                            accounting="fused")

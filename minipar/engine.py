@@ -25,8 +25,9 @@ from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-from minipar import checkpoint
+from minipar import checkpoint, trace
 from minipar.config import (
     TrainConfig,
     device_for,
@@ -38,11 +39,13 @@ from minipar.config import (
 )
 from minipar.corpus import make_data, prepare_data
 from minipar.evaluate import evaluate, reference_eval
+from minipar.hf import HFCheckpoint
 from minipar.launch import LaunchError, heartbeat, launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
-from minipar.model import GPT
+from minipar.model import GPT, materialize, set_dropout_key
 from minipar.reshard import ShardReader
+from minipar.sample import write_run_card
 from minipar.step import Parts, build, train_step
 
 __all__ = ["TrainConfig", "validate", "train", "train_reference", "rank_main", "build",
@@ -191,9 +194,6 @@ def _save(cfg: TrainConfig, rm: RankMesh, parts: Parts, step: int) -> dict | Non
     """A checkpoint (collective), then on rank 0: the run card ``sample`` reads (model
     sizes, data, tokenizer) and pruning to the last ``--keep`` checkpoints. Returns
     None, or (on every rank alike) why it was not written: the run then stops."""
-    from minipar import checkpoint
-    from minipar.sample import write_run_card
-
     def then() -> None:
         write_run_card(cfg.save, cfg, parts.model.cfg)
         if cfg.keep:
@@ -231,8 +231,6 @@ def _under_torchrun() -> bool:
 
 
 def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
-    from minipar.trace import write_chrome_trace
-
     ranks = sorted(ranks, key=lambda r: r["rank"])
     last = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp,
                 ep=cfg.ep).rank(dp=0, pp=cfg.pp - 1)
@@ -243,7 +241,7 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
               "world_size": cfg.world_size, "ranks": ranks}
     if cfg.trace:
         try:  # a trace that cannot be written must not lose the run's record
-            write_chrome_trace(cfg.trace, [{**r, **r["trace"]} for r in ranks])
+            trace.write_chrome_trace(cfg.trace, [{**r, **r["trace"]} for r in ranks])
         except OSError as e:
             record["trace_error"] = f"--trace {cfg.trace}: not written ({e.strerror or e})"
     for r in ranks:
@@ -304,8 +302,6 @@ def _launch(cfg: TrainConfig, progress, report, t0: float) -> dict:
 
 def _join_torchrun(cfg: TrainConfig, t0: float) -> dict | None:
     """Under torchrun every process runs this; rank 0 gathers and returns the record."""
-    import torch.distributed as dist
-
     try:
         world = int(os.environ["WORLD_SIZE"])
     except ValueError:
@@ -348,13 +344,8 @@ def train_reference(cfg: TrainConfig, progress=None) -> dict:
     equal micro-batch means), ``clip_grad_norm_``, AdamW, the same learning-rate
     schedule. Every layout's losses are compared with these.
     """
-    from minipar.model import set_dropout_key
-
     torch.manual_seed(cfg.seed)  # (the weights: from the seed by name, init_parameter)
     if cfg.init_from:  # or a transformers GPT-2 directory's
-        from minipar.hf import HFCheckpoint
-        from minipar.model import materialize
-
         model = materialize(GPT(cfg.model_config(), device="meta"),
                             HFCheckpoint(cfg.init_from).values())
     else:

@@ -18,6 +18,7 @@ import torch
 
 from minipar.comm import Comm
 from minipar.data import TokenSource, local_batches
+from minipar.parallel.cp_plan import shard_batch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -56,8 +57,6 @@ def evaluate(cfg, rm, chunks: list, data: TokenSource, device: torch.device) -> 
     Collective over the whole mesh. Returns the loss on the last pipeline stage (every
     dp and tp rank there), ``None`` elsewhere.
     """
-    from minipar.parallel.cp_plan import shard_batch
-
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()

@@ -18,7 +18,6 @@ makes). ``HFCheckpoint`` reads such a directory back one tensor *slice* at a tim
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -26,7 +25,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from minipar.model import GPTConfig
+from minipar.checks import require
+from minipar.corpus import EOT
+from minipar.model import GPT, GPTConfig
+from minipar.parallel.materialize import full_shape
+from minipar.parallel.tp import _is_qkv, tp_shard_dim
 
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # one function, three names
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -35,15 +38,6 @@ _BLOCK = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": 
           "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
 _TOP = {"tok_emb.weight": "wte.weight", "pos_emb.weight": "wpe.weight",
         "ln_f.weight": "ln_f.weight", "ln_f.bias": "ln_f.bias"}
-
-
-def require(module: str, purpose: str):
-    """Import an optional dependency, or one clear line saying how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ValueError(f"{purpose} needs the optional package {module}: "
-                         "pip install 'minipar[hf]'") from None
 
 
 def hf_name(name: str) -> tuple[str, bool]:
@@ -76,7 +70,7 @@ def save_hf(tensors: Iterator[tuple[str, torch.Tensor]], cfg: GPTConfig, out: st
     """Write a directory ``GPT2LMHeadModel.from_pretrained(out)`` loads: ``tensors``
     (minipar names, full fp32 values, each once), its ``config.json`` and, for a
     ``corpus`` tokenizer, the files ``AutoTokenizer.from_pretrained(out)`` reads."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional: only hf directories need it
 
     state = {}
     for name, t in tensors:
@@ -107,9 +101,8 @@ def _save_tokenizer(tok, cfg: GPTConfig, out: str) -> int | None:
     """``tokenizer.json`` (Hugging Face ``tokenizers``) and ``tokenizer_config.json``.
     The byte tokenizer becomes byte-level BPE without merges: ids are UTF-8 bytes.
     Returns the end-of-text id (BPE's document separator), if any."""
+    # optional: byte and Markov data run without it
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from minipar.corpus import EOT
 
     if tok.kind == "byte":
         alphabet = _bytes_to_unicode()
@@ -172,7 +165,7 @@ def read_config(directory: str) -> GPTConfig:
 def default_tokenizer(init_from: str | None) -> str:
     """``--tokenizer`` when not given: ``init_from``'s ``tokenizer.json`` if it has one
     (the ids its weights were trained on), else ``byte``."""
-    path = os.path.join(init_from, "tokenizer.json") if init_from else ""
+    path = os.path.join(init_from, "tokenizer.json") if isinstance(init_from, str) else ""
     return path if path and os.path.isfile(path) else "byte"
 
 
@@ -254,7 +247,7 @@ class HFCheckpoint:
         if cfg.seq_len > have.seq_len:
             raise ValueError(f"{where}: seq-len {cfg.seq_len} exceeds the checkpoint's "
                              f"{have.seq_len} positions")
-        missing = [hf_name(n)[0] for n in _names(cfg) if self._key(n) not in self._files]
+        missing = [hf_name(n)[0] for n in parameter_names(cfg) if self._key(n) not in self._files]
         if missing:
             raise ValueError(f"{where}: lacks {len(missing)} weights of a GPT-2 "
                              f"({missing[0]}, ...)")
@@ -280,8 +273,6 @@ class HFCheckpoint:
               ) -> torch.Tensor:
         """Rank ``tp_rank`` of ``tp``'s shard of minipar weight ``name``, whose full
         shape is ``shape``: only those rows (q|k|v: of each third) are read."""
-        from minipar.parallel.tp import _is_qkv, tp_shard_dim
-
         key = self._key(name)
         conv = hf_name(name)[1]
         sl = self._slice(key)
@@ -306,8 +297,6 @@ class HFCheckpoint:
     def values(self, tp_rank: int = 0, tp: int = 1,
                device: torch.device | str | None = None) -> Callable:
         """``values(name, p)`` for ``model.materialize`` and ``Zero3`` (fp32 slices)."""
-        from minipar.parallel.materialize import full_shape
-
         return lambda name, p: self.local(name, full_shape(name, p.shape, tp), tp_rank,
                                           tp).to(device)
 
@@ -315,45 +304,6 @@ class HFCheckpoint:
         self._open.clear()
 
 
-def _names(cfg: GPTConfig) -> list[str]:
-    from minipar.model import GPT
-
+def parameter_names(cfg: GPTConfig) -> list[str]:
+    """The reference names of a ``GPT`` of ``cfg``'s weights (a tied head's once)."""
     return [n for n, _ in GPT(cfg, device="meta").named_parameters()]
-
-
-def export_hf(directory: str, out: str) -> dict:
-    """``python -m minipar export --format hf``: the checkpoint in ``directory`` (any
-    layout) as a ``transformers`` GPT-2 directory ``out``, each weight assembled from
-    its shards alone (``reshard.ShardReader``; no optimizer state is read). ``export``'s
-    rules: ``out`` is new (or empty), never half-written (a temporary directory renamed
-    at the end), and a diverged model is refused."""
-    import shutil
-
-    from minipar.checks import distinct, new_output_dir
-    from minipar.reshard import ShardReader
-    from minipar.sample import _run_card, check_finite
-
-    if not os.path.isdir(directory):
-        raise ValueError(f"--resume {directory}: no such checkpoint directory")
-    new_output_dir("out", out)
-    distinct({"out": out}, {"resume": directory})
-    cfg, tok = _run_card(directory)
-    reader = ShardReader(directory, cfg)
-
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:  # each checked as it is read
-        for name in _names(cfg):
-            t = reader.local(name)
-            check_finite(directory, [(name, t)])
-            yield name, t
-
-    out = os.path.normpath(out)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    try:
-        written = save_hf(weights(), cfg, tmp, tok)
-        os.replace(tmp, out)  # onto nothing, or onto an empty directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        reader.close()
-    return {**written, "path": out, "step": reader.step, "tokenizer": tok is not None}

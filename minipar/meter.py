@@ -12,6 +12,10 @@ counted by ``HeldPeaks``, an observer that layer reports its buffers to.
 
 from __future__ import annotations
 
+import os
+import resource
+import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -172,8 +176,6 @@ def saved_tensor_elements(fn: Callable[[], object], params: Iterable[torch.Tenso
 
 def rss_bytes() -> int:
     """This process's resident memory now (Linux: /proc/self/statm; else the peak)."""
-    import os
-
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -182,9 +184,6 @@ def rss_bytes() -> int:
 
 
 def _maxrss() -> int:
-    import resource
-    import sys
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB else
 
@@ -202,8 +201,6 @@ class HostPeak:
         self.interval, self.peak = interval, 0
 
     def __enter__(self) -> HostPeak:
-        import threading
-
         self._start, self._max_before = rss_bytes(), _maxrss()
         self._seen, self._stop = self._start, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)

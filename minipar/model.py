@@ -562,14 +562,6 @@ class GPT(nn.Module):
         materialize(self, lambda name, p: init_parameter(name, p.shape, self.cfg, seed,
                                                          device))
 
-    @classmethod
-    def from_safetensors(cls, path: str, cfg: GPTConfig | str | None = None,
-                         device: torch.device | str | None = None) -> GPT:
-        """The model a ``python -m minipar export`` file holds (``minipar.export``)."""
-        from minipar.export import load_gpt
-
-        return load_gpt(path, cfg, device)
-
     # The parts of the forward pass, for learners who run them one at a time.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         return embed_tokens(self.tok_emb, self.pos_emb, self.drop, idx)

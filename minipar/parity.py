@@ -18,6 +18,9 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from minipar import checkpoint
+from minipar.engine import train_reference
+
 
 @dataclass
 class Parity:
@@ -142,8 +145,6 @@ def audit(ratios: list[float], layout: dict[str, int], tol: float = 0.02) -> str
 
 def final_parameters(checkpoint_dir: str) -> dict:
     """The full (gathered) parameters a run saved, by reference name, in fp32."""
-    from minipar import checkpoint
-
     state, _ = checkpoint.load(checkpoint_dir)
     return {k: v.float() for k, v in state["model"].items()}
 
@@ -156,8 +157,6 @@ def check_run(cfg, record: dict) -> dict:
     when the gradients are a simple factor off, else ``None``). Final parameters are
     compared when the run saved a checkpoint (``cfg.save``) at its last step.
     """
-    from minipar.engine import train_reference
-
     ref = train_reference(cfg)
     first = record.get("first_step", 0)  # a resumed run: the reference's same steps
     for key in ("losses", "grad_norms"):

@@ -13,9 +13,10 @@ A launched rank, before it calls the user's function:
   collective finished, a training step done, a checkpoint's bytes written): the
   launcher's timeout is the time since a rank's last beat, never the run's length.
 
-The status is written by ``minipar.comm``'s hooks on entering and finishing each op, so
-a hang names the op a rank waits in, or the last op it finished before it went off into
-code of its own (a raw ``torch.distributed`` call, a loop that never ends).
+The status is written by the hooks this module installs in ``minipar.comm`` on entering
+and finishing each op, so a hang names the op a rank waits in, or the last op it
+finished before it went off into code of its own (a raw ``torch.distributed`` call,
+a loop that never ends).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from minipar import comm
 
 # --- this process's status slots (set only inside a launched rank) ---------------------
 _STATUS_SLOT = None  # a shared char array the parent reads when a run times out
@@ -143,12 +149,11 @@ def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, p
     warnings.simplefilter("ignore")
     _STATUS_SLOT, _PROGRESS_SLOT, _BEAT = slot, progress, beat
     set_status(slot, "starting")
+    comm.RANK_HOOKS.update(on_enter=rank_status_reporter(),
+                           on_exit=rank_status_reporter(after=True))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
     try:
-        import torch
-        import torch.distributed as dist
-
         torch.set_num_threads(threads)
         set_status(slot, "joining the process group")
         device = None
@@ -177,8 +182,6 @@ def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, p
     conn.send_bytes(payload)
     conn.close()
     try:
-        import torch.distributed as dist
-
         if ok and dist.is_initialized():
             # Leave together: a rank that closes its sockets while a slower peer is still
             # in init_process_group makes that peer fail ("connectFullMesh failed ...

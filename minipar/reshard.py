@@ -18,8 +18,12 @@ from collections.abc import Mapping
 
 import torch
 
-from minipar.checkpoint import DIGEST, CheckpointError, _load_shard, inspect
+from minipar.checkpoint import DIGEST, CheckpointError, inspect, load_shard
 from minipar.mesh import RankMesh
+from minipar.parallel.materialize import overlapping, reshard
+from minipar.parallel.pp import partition_layers
+from minipar.parallel.schedules import rank_of
+from minipar.parallel.tp import tp_shard_dim
 
 
 class ShardReader:
@@ -35,9 +39,6 @@ class ShardReader:
     """
 
     def __init__(self, directory: str, cfg, tp_rank: int = 0, tp: int = 1) -> None:
-        from minipar.parallel.pp import partition_layers
-        from minipar.parallel.schedules import rank_of
-
         self.meta = inspect(directory)
         self.cfg, self.tp_rank, self.tp, self.step = cfg, tp_rank, tp, self.meta["step"]
         self.saved_tp, self.saved_pp = int(self.meta["tp"]), int(self.meta.get("pp", 1))
@@ -61,16 +62,13 @@ class ShardReader:
     def _blob(self, pp_rank: int, tp_rank: int) -> dict:
         fname = self._files[(pp_rank, tp_rank)]
         if fname not in self._blobs:
-            self._blobs[fname] = _load_shard(  # its digest checked first
+            self._blobs[fname] = load_shard(  # its digest checked first
                 os.path.join(self.meta["path"], fname), mmap=True,
                 digest=self.meta["files"][fname].get(DIGEST))
             self.opened.append(fname)
         return self._blobs[fname]
 
     def _pieces(self, name: str, key: str | None) -> dict[int, torch.Tensor] | None:
-        from minipar.parallel.materialize import overlapping
-        from minipar.parallel.tp import tp_shard_dim
-
         stage = self._stage(name)
         wanted = overlapping(self.saved_tp, self.tp_rank, self.tp) \
             if tp_shard_dim(name) is not None else [0]
@@ -90,8 +88,6 @@ class ShardReader:
         return [name, twins[name]] if self.cfg.tie_embeddings and name in twins else [name]
 
     def local(self, name: str, key: str | None = None) -> torch.Tensor:
-        from minipar.parallel.materialize import reshard
-
         for n in self._names(name):
             pieces = self._pieces(n, key)
             if pieces is not None:

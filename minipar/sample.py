@@ -20,17 +20,17 @@ import shutil
 
 import torch
 
-from minipar.model import GPT, GPTConfig
+from minipar.checkpoint import RUN_CARD, TOKENIZER, inspect, read_text, saved_model_config
+from minipar.checks import seed as check_seed
+from minipar.corpus import load_tokenizer, prepare, tokenizer_path
+from minipar.model import GPT, GPTConfig, materialize
+from minipar.reshard import ShardReader
 
-RUN_CARD = "run.json"
-TOKENIZER = "tokenizer.json"
 TOKENS_MAX = 100_000  # one token at a time on a CPU: minutes, not days
 
 
 def write_run_card(directory: str, cfg, model_cfg: GPTConfig) -> None:
     """Record the model's sizes, the data and its tokenizer in ``directory``."""
-    from minipar.corpus import prepare, tokenizer_path
-
     tok_file = None
     if cfg.data != "markov":
         source = prepare(cfg.data, cfg.tokenizer, model_cfg.vocab_size, cfg.data_cache,
@@ -49,11 +49,8 @@ def write_run_card(directory: str, cfg, model_cfg: GPTConfig) -> None:
     os.replace(os.path.join(directory, RUN_CARD + ".tmp"), os.path.join(directory, RUN_CARD))
 
 
-def _run_card(directory: str) -> tuple[GPTConfig, object | None]:
+def run_card(directory: str) -> tuple[GPTConfig, object | None]:
     """The model config and tokenizer of the run that wrote ``directory``."""
-    from minipar.checkpoint import inspect, read_text, saved_model_config
-    from minipar.corpus import load_tokenizer
-
     path = os.path.join(directory, RUN_CARD)
     if os.path.exists(path):
         try:
@@ -70,12 +67,9 @@ def _run_card(directory: str) -> tuple[GPTConfig, object | None]:
 
 def load_model(directory: str) -> tuple[GPT, object | None]:
     """The full single-device model from a checkpoint of any layout, and its tokenizer."""
-    from minipar.model import materialize
-    from minipar.reshard import ShardReader
-
     if not os.path.isdir(directory):
         raise ValueError(f"--resume {directory}: no such checkpoint directory")
-    model_cfg, tok = _run_card(directory)
+    model_cfg, tok = run_card(directory)
     model = GPT(model_cfg, device="meta")  # then each weight straight from its shards
     materialize(model, ShardReader(directory, model_cfg).values())
     check_finite(directory, model.named_parameters())
@@ -120,8 +114,6 @@ def sample(directory: str, prompt: str, tokens: int = 200, temperature: float = 
                          f"is printed when all are drawn), got {tokens}")
     if not 0 <= temperature < float("inf"):  # (NaN too)
         raise ValueError(f"--temperature must be a number >= 0, got {temperature}")
-    from minipar.checks import seed as check_seed
-
     check_seed(seed)
     model, tok = load_model(directory)
     if tok is None:  # token ids in, token ids out (the Markov corpus, a bare .bin)

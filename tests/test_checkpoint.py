@@ -224,12 +224,12 @@ def test_resume_from_zero3_with_tied_pipeline_stages(tmp_path) -> None:
 
 
 def test_export_round_trip_into_one_device(saved, tmp_path) -> None:
-    """pp2 tp2 checkpoint -> export -> GPT.from_safetensors: the single-device model's
+    """pp2 tp2 checkpoint -> export -> export.load_gpt: the single-device model's
     validation loss equals the one the run measured through its layout."""
     from minipar.__main__ import main
     from minipar.corpus import make_data
     from minipar.evaluate import reference_eval
-    from minipar.model import GPT
+    from minipar.export import load_gpt
 
     d = str(tmp_path / "run")
     cfg = TrainConfig(dp=2, pp=2, tp=2, microbatches=2, steps=2, eval_every=2,
@@ -237,7 +237,7 @@ def test_export_round_trip_into_one_device(saved, tmp_path) -> None:
     record = train(cfg)
     out = str(tmp_path / "model.safetensors")
     assert main(["export", "--resume", d, "--out", out]) == 0
-    model = GPT.from_safetensors(out)
+    model = load_gpt(out)
     data = make_data(cfg, model.cfg.vocab_size, model.cfg.seq_len)
     loss = reference_eval(model, data, cfg.batch_size, cfg.eval_batches)
     assert abs(loss - record["eval"][-1]["loss"]) < 1e-5

@@ -34,6 +34,25 @@ def test_train_flags_reach_the_config() -> None:
     assert TrainConfig(data="markov").model_config().vocab_size == 64
 
 
+def test_every_option_is_one_field_and_one_flag() -> None:
+    """``train``'s flags are built from ``TrainConfig``: no flags, the dataclass's
+    defaults; each field declared with a help, one flag that sets it (a switch, one of
+    its choices, or a value of its type)."""
+    from dataclasses import fields
+
+    assert train_config(build_parser().parse_args(["train"])) == TrainConfig()
+    flags = [f for f in fields(TrainConfig) if "help" in f.metadata]
+    assert len(flags) == len(fields(TrainConfig)) - 1  # all but overrides (Python only)
+    for f in flags:
+        kind = str(f.type).split(" | ")[0]
+        value = (not f.default if kind == "bool" else (f.metadata["choices"] or ("3",))[-1]
+                 if kind != "float" else 0.5)
+        flag = "--" + ("no-" if value is False else "") + f.name.replace("_", "-")
+        argv = ["train", flag] + ([] if kind == "bool" else [str(value)])
+        got = getattr(train_config(build_parser().parse_args(argv)), f.name)
+        assert got == {"int": int, "float": float}.get(kind, type(value))(value), f.name
+
+
 @pytest.mark.parametrize("text,value", [("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000),
                                         ("350M", 350_000_000), ("1.2T", 1_200_000_000_000),
                                         ("125000000", 125_000_000)])

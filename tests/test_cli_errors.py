@@ -244,7 +244,7 @@ def test_a_killed_saves_leftovers_do_not_block_the_next_run(tmp_path) -> None:
 
 
 def test_an_output_failing_late_is_one_line_after_the_table(tmp_path, capsys, monkeypatch):
-    import minipar.cli_theory as cli  # where memory, bubble, plan and doctor live
+    import minipar.__main__ as cli
 
     def disk_full(path, payload):
         raise OSError(28, "No space left on device", path)

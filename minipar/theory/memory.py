@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import math
 
+from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
+from minipar.mesh import Mesh  # layout only; no process groups
 from minipar.model import GPTConfig
 from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-exported
     ACCOUNTINGS,
@@ -43,6 +45,7 @@ from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-expo
 )
 from minipar.theory.context import ring_kept_bytes
 from minipar.theory.models import get_model
+from minipar.theory.offload import zero_offload_memory
 from minipar.theory.params import (
     check_divisible,
     stage_expert_params,
@@ -420,8 +423,6 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     block, whose states ZeRO shards over dp/ep (``n_experts`` of ``n_params``), and
     ``moe_dispatch`` counts the all-to-all's buffers, live in the backward.
     """
-    from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
-
     if cfg is None and params is None:
         raise ValueError("give a model config (or preset name) or params=N")
     for flag, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp), ("virtual", virtual),
@@ -460,7 +461,6 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
         if zero == 3 and pw < 4:  # a 16-bit shard only where offload took the master away
             row["params"], row["grads"] = (shard * pw if offload else 0), shard * 4
         if offload:
-            from minipar.theory.offload import zero_offload_memory
             states = state_bytes("fp32", optimizer)[2]  # the moments, fp32, on the host
             row["host"] = zero_offload_memory(n, pw, states, dp * cp, zero)["host"]
             row["optimizer"] = 0  # master shard, states and step on the host
@@ -522,8 +522,6 @@ def memory_per_rank(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1
     """``memory_per_stage`` laid out over the ranks of a ``Mesh(dp, pp, tp, order)``:
     one row per global rank, with its ``rank`` and mesh coordinates added (the shape
     the memory figure takes, beside what each rank of a run measures)."""
-    from minipar.mesh import Mesh  # layout only; no process groups
-
     mesh = Mesh(dp, pp, tp, order, cp=cp)
     stages = memory_per_stage(cfg, dp, pp, tp, cp=cp, **kw)
     rows = []

@@ -19,6 +19,9 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from minipar.parallel.schedules import make_schedule
+from minipar.theory.bubble import UNIT_COST, bubble_fraction_formula, simulate
+
 COLOURS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B", "idle": "#D9D9D9"}
 NAMES = {"F": "forward", "B": "backward", "W": "weight gradient", "idle": "idle (bubble)"}
 _ALIASES = {"forward": "F", "backward": "B", "weight": "W"}
@@ -131,9 +134,6 @@ def schedule_timeline(schedule: str, pp: int, microbatches: int,
     forward of a whole stage takes 1, its backward 2 (split: B 1 + W 1). A chunk of an
     interleaved schedule is 1/v of a stage, so its actions take 1/v of those times:
     interleaving shortens the step instead of seeming to stretch it."""
-    from minipar.parallel.schedules import make_schedule
-    from minipar.theory.bubble import UNIT_COST, simulate
-
     v = virtual if schedule == "interleaved" else 1
     cost = {k: c / v for k, c in UNIT_COST.items()}
     return simulate(make_schedule(schedule, pp, microbatches, v), cost)
@@ -144,8 +144,6 @@ def bubble_curve_figure(pp: int = 4, max_microbatches: int = 32,
                         virtual: int = 2) -> go.Figure:
     """Bubble fraction (idle share of the step) against the number of micro-batches,
     from the closed forms, one line per schedule."""
-    from minipar.theory.bubble import bubble_fraction_formula
-
     fig = go.Figure()
     ms = list(range(1, max_microbatches + 1))
     for s in schedules:

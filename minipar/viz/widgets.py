@@ -22,6 +22,8 @@ from functools import lru_cache
 import ipywidgets as W
 import plotly.graph_objects as go
 
+from minipar.parallel.schedules import make_schedule
+from minipar.theory.bubble import bubble_stats, peak_in_flight
 from minipar.theory.clusters import CLUSTERS
 from minipar.theory.memory import memory_per_rank
 from minipar.theory.models import MODELS, get_model
@@ -36,7 +38,7 @@ POW2 = [1, 2, 4, 8]
 
 def in_kernel() -> bool:
     """Whether this runs in a Jupyter kernel (a page that can show widgets)."""
-    try:
+    try:  # optional: only a notebook has it
         from IPython import get_ipython
     except ImportError:
         return False
@@ -80,7 +82,7 @@ class Dashboard:
                 fig.show()
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
+        from IPython.display import display  # optional: only a notebook calls this
 
         display(self.widget)
 
@@ -104,9 +106,6 @@ def mesh_dashboard() -> Dashboard:
 
 def pipeline_text(schedule: str, pp: int, microbatches: int, virtual: int) -> str:
     """The numbers behind the pipeline dashboard's picture, as one line of HTML."""
-    from minipar.parallel.schedules import make_schedule
-    from minipar.theory.bubble import bubble_stats, peak_in_flight
-
     v = virtual if schedule == "interleaved" else 1
     st = bubble_stats(schedule_timeline(schedule, pp, microbatches, v))
     held = peak_in_flight(make_schedule(schedule, pp, microbatches, v))
