@@ -71,7 +71,7 @@ def test_the_plan_is_printable_and_replaces_submodules_only():
     """Applied as torchtitan's parallelize_module: pattern -> style, printed for a learner;
     the model stays a GPT (no class swap), every parameter keeps its reference name."""
     text = describe_plan(tensor_parallel_plan(sequence_parallel=True))
-    assert "blocks.*.mlp.fc" in text and "ColwiseParallel(sequence_parallel=True)" in text
+    assert "blocks.*.mlp.fc" in text and "ColwiseParallel(input_layouts=Shard(dim=1)" in text
     assert "loss_fn" in text and "VocabParallelLoss" in text
     names = launch(_plan_rank, 2, timeout=60)
     assert names[0] == names[1] == [n for n, _ in GPT(CFG).named_parameters()]

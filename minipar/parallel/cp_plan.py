@@ -36,8 +36,12 @@ from torch import nn
 from minipar.comm import Comm
 from minipar.model import KeyedDropout
 from minipar.parallel.cp import RingAttention, check_cp, positions, shard_sequence
-from minipar.parallel.sp import SequenceParallelDropout, SequenceShardedEmbedding
-from minipar.parallel.tp import parallelize_module
+from minipar.parallel.tp import (
+    ParallelStyle,
+    SequenceParallelDropout,
+    SequenceShardedEmbedding,
+    parallelize_module,
+)
 
 
 class ShardPositions(nn.Module):
@@ -102,43 +106,43 @@ def _sp_slice(pos: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class RingAttentionCore:
+class RingAttentionCore(ParallelStyle):
     """``attn.core`` -> ``RingAttention`` over the cp group."""
 
     layout: str = "zigzag"
 
-    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
         return RingAttention(comm, self.layout)
 
 
 @dataclass(frozen=True)
-class ShardedPositions:
+class ShardedPositions(ParallelStyle):
     """``pos_emb`` (plain or sequence-parallel) -> ``ShardPositions``."""
 
     seq_len: int
     layout: str = "zigzag"
 
-    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
         pos = positions(self.seq_len, comm.rank, comm.size, self.layout)
         sp = module.comm if isinstance(module, SequenceShardedEmbedding) else None
         return ShardPositions(module.weight, pos, sp)
 
 
 @dataclass(frozen=True)
-class ShardedDropout:
+class ShardedDropout(ParallelStyle):
     """A ``KeyedDropout`` (plain or sequence-parallel) -> ``ShardDropout``."""
 
     seq_len: int
     layout: str = "zigzag"
 
-    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
         pos = positions(self.seq_len, comm.rank, comm.size, self.layout)
         if isinstance(module, SequenceParallelDropout):
             pos = _sp_slice(pos, module)
         return ShardDropout(module.p, module.site, pos)
 
 
-def context_parallel_plan(seq_len: int, layout: str = "zigzag") -> dict[str, object]:
+def context_parallel_plan(seq_len: int, layout: str = "zigzag") -> dict[str, ParallelStyle]:
     """The cp plan of a ``GPT``, as module-name pattern -> style (``describe_plan``)."""
     return {"pos_emb": ShardedPositions(seq_len, layout),
             "drop": ShardedDropout(seq_len, layout),

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from minipar.model import GPTConfig, init_parameter
-from minipar.parallel.tp import _is_qkv, shard_tensor, tp_shard_dim
+from minipar.parallel.tp import shard_tensor, tp_split
 
 Values = Callable[[str, nn.Parameter], torch.Tensor]
 
@@ -40,7 +40,7 @@ Values = Callable[[str, nn.Parameter], torch.Tensor]
 def full_shape(name: str, local: tuple[int, ...] | torch.Size, tp: int) -> tuple[int, ...]:
     """The single-device shape of parameter ``name`` whose tp shard has shape ``local``."""
     shape = list(local)
-    dim = tp_shard_dim(name)
+    dim = tp_split(name).dim
     if dim is not None and tp > 1:
         shape[dim] *= tp  # (q|k|v: each third is split, so the rows add up the same way)
     return tuple(shape)
@@ -52,7 +52,7 @@ def init_values(cfg: GPTConfig, seed: int, tp_rank: int = 0, tp: int = 1,
     reference's initial value of ``name``, generated on ``device`` (fast on a GPU)."""
     def values(name: str, p: nn.Parameter) -> torch.Tensor:
         full = init_parameter(name, full_shape(name, p.shape, tp), cfg, seed, device)
-        if tp == 1 or tp_shard_dim(name) is None:
+        if tp == 1 or tp_split(name).dim is None:
             return full
         return shard_tensor(name, full, tp_rank, tp).clone()  # the rest is freed here
     return values
@@ -63,16 +63,16 @@ def reshard(name: str, pieces: dict[int, torch.Tensor], saved_tp: int, tp_rank: 
     """Rank ``tp_rank`` of ``tp``'s shard of ``name`` from the overlapping shards of a
     layout with ``saved_tp`` ranks (``pieces``: saved rank -> its shard; only those
     ``overlapping`` returns need be there). No full tensor is assembled."""
-    dim = tp_shard_dim(name)
+    split = tp_split(name)
+    dim, qkv = split.dim, split.parts > 1
     first = next(iter(pieces.values()))
     if dim is None or first.dim() == 0:
         return pieces[min(pieces)]  # replicated (or a scalar state): any copy
     if saved_tp == tp:
         return pieces[tp_rank]
-    qkv = _is_qkv(name)
 
-    def blocks(t: torch.Tensor) -> torch.Tensor:  # q|k|v: split inside each third
-        return t.reshape(3, t.shape[0] // 3, *t.shape[1:]) if qkv else t
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # q|k|v: split inside each part
+        return t.reshape(split.parts, t.shape[0] // split.parts, *t.shape[1:]) if qkv else t
     axis = 1 if qkv else dim
     n_saved = blocks(first).shape[axis]  # rows per saved shard (block rows for qkv)
     total = n_saved * saved_tp
