@@ -19,7 +19,7 @@ Each ``Action(kind, mb, chunk)`` names the micro-batch and the (global) chunk:
 * ``SEND_B`` / ``RECV_B``  the gradient leaving ``chunk`` (to the chunk before) /
   arriving for ``chunk``'s output (from the chunk after).
 
-The same lists drive the executor (``minipar.parallel.executor``), the theoretical
+The same lists drive the executor (``minipar.parallel.pp``), the theoretical
 timeline, the bubble figures (``minipar.theory.bubble``) and the lessons' pictures.
 
 **Communication model.** Every send and receive is treated as *blocking until its partner
