@@ -1,27 +1,17 @@
 """Sharded initialisation: build on the meta device, then make only this rank's shard.
 
-A naive engine builds the whole single-device model on every rank and then keeps its
-slice: host memory O(whole model) per rank (a 13B model: 52 GB of fp32 per rank before
-anything is sharded). Production engines (torchtitan, FSDP2, Megatron's
-``use_cpu_initialization=False``) instead build the model on PyTorch's ``meta`` device:
-modules and parameters with shapes and dtypes but no storage. Every technique that
-rearranges the model (tensor parallelism's plan, the pipeline split, recomputation)
-works on shapes alone, so it runs on the meta model unchanged. Only then are the
-parameters this rank kept given values, one at a time (``model.materialize``):
-
-    value = init_parameter(name, full shape, cfg, seed, device)   # the reference's value
-    shard = tp.shard_tensor(name, value, tp_rank, tp).clone()     # this rank's slice
-    del value                                                      # host: shard + 1 tensor
-
-Exact parity survives because the reference initialisation is a function of the
-parameter's *name* (``minipar.model.init_parameter``: a counter-based generator keyed by
-(seed, name)), not of how many random numbers were drawn before it: a rank that skips
-every parameter it does not hold still draws exactly the single device's values for the
-ones it does. With ZeRO-3 even the local model is never whole: ``Zero3`` calls the same
-``values`` function unit by unit and keeps only its dp shard of each.
-
-Resuming from a checkpoint is the same with another ``values``: the checkpoint reader's
-slice of each saved tensor (``reshard.ShardReader.values``).
+Building the whole single-device model on every rank and then keeping a slice costs
+host memory O(whole model) per rank (a 13B model: 52 GB of fp32 per rank). Like
+torchtitan, FSDP2 and Megatron, minipar builds the model on PyTorch's ``meta`` device
+(shapes, no storage); the tensor-parallel plan, the pipeline split and recomputation
+work on shapes alone. Only then does each parameter a rank kept get its value, one at
+a time (``model.materialize(values)``): the reference's value of the full tensor
+(``init_parameter``), this rank's slice of it as the plan splits it (``tp_split``), the
+rest freed. Parity survives because the reference initialisation is a function of the
+parameter's *name* (a counter-based generator keyed by (seed, name)), not of how many
+numbers were drawn before it. ZeRO-3 calls the same ``values`` unit by unit and keeps
+only its dp shard. Resuming is the same with the checkpoint's ``values``, which cut
+each rank's slice from the overlapping saved shards (``reshard``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Mixed precision: compute in bf16 (or fp16), keep fp32 master weights for the update.
 
-Why: 16-bit weights, activations and gradients halve memory and use the fast matrix
-units, but an update ``w - lr * g`` is often smaller than the spacing of 16-bit numbers
-near ``w`` (bf16 has 8 bits of mantissa), so 16-bit weights stop learning. Micikevicius
-et al. 2018 ("Mixed Precision Training", arXiv 1710.03740) keep an fp32 *master* copy
-of every weight: forward and backward run on the 16-bit copy, the optimizer updates the
-fp32 master (with fp32 optimizer states), and the result is copied back into the model.
-Per parameter that is 2 (weights) + 2 (gradients) + 4 (master) + 8 (Adam's two moments)
-bytes: the "2 + 2 + 12" the ZeRO paper counts (Rajbhandari et al. 2019, section 3.1).
-
-fp16 has a narrow range, so small gradients underflow to zero: *loss scaling* multiplies
-the loss by S before backward (all gradients grow by S) and divides the gradients by S
-in fp32. The division must match a multiplication that happened: ``unscale_factor``
-refuses to divide by S when ``scale_loss`` was not called since the last step (a caller
-who scaled nothing would otherwise train with gradients 65536x too small, silently).
-With dynamic scaling S halves when a gradient overflows (that step is skipped)
-and doubles after ``growth_interval`` good steps. bf16 has fp32's range: no scaling.
-
-Use (replicated optimizer, with or without ``DataParallel``)::
-
-    mp = MixedPrecision(model, torch.bfloat16)         # model now holds bf16 weights
-    opt = torch.optim.AdamW(mp.parameters(), lr=1e-3)  # the optimizer sees fp32 masters
-    mp.scale_loss(model(x, y)).backward()
-    ddp.finish_gradient_sync()                         # if data parallel
-    mp.step(opt)                                       # grads -> masters, step, copy back
-    mp.zero_grad()
-
-With ZeRO, pass it on: ``ZeroOptimizer(model, AdamW, stage=2, precision=mp)``. ZeRO takes
-the fp32 values from here, keeps only its shard of them, and ``release()``s the full
-copies; the loss scale still lives here.
+16-bit weights, activations and gradients halve memory and use the fast matrix units,
+but an update ``w - lr * g`` is often smaller than the spacing of 16-bit numbers near
+``w`` (bf16 has 8 bits of mantissa), so 16-bit weights stop learning. Micikevicius et
+al. 2018 ("Mixed Precision Training", arXiv 1710.03740) keep an fp32 *master* copy of
+every weight: forward and backward run on the 16-bit copy, the optimizer updates the
+fp32 master, and the result is copied back. Per parameter that is 2 (weights) + 2
+(gradients) + 4 (master) + 8 (Adam's two moments) bytes: the "2 + 2 + 12" the ZeRO
+paper counts (Rajbhandari et al. 2019, section 3.1). fp16 also needs *loss scaling*
+(its narrow range underflows small gradients); bf16 has fp32's range and needs none.
+The engine runs bf16; fp16 with its loss scale is here for the lessons and tests.
+With ZeRO, pass it on: ``ZeroOptimizer(model, AdamW, stage=2, precision=mp)`` takes the
+fp32 values from here, keeps only its shard, and ``release()``s the full copies.
 """
 
 from __future__ import annotations
@@ -44,6 +27,22 @@ class MixedPrecision:
 
     ``loss_scale``: None (no scaling, the default for bf16), a number (static), or
     "dynamic" (the default for fp16). Frozen parameters are cast but get no master.
+
+    Loss scaling multiplies the loss by S before backward (all gradients grow by S) and
+    divides the gradients by S in fp32. The division must match a multiplication that
+    happened: ``unscale_factor`` refuses to divide by S when ``scale_loss`` was not
+    called since the last step (a caller who scaled nothing would otherwise train with
+    gradients 65536x too small, silently). With dynamic scaling S halves when a gradient
+    overflows (that step is skipped) and doubles after ``growth_interval`` good steps.
+
+    Use (replicated optimizer, with or without ``DataParallel``)::
+
+        mp = MixedPrecision(model, torch.bfloat16)         # model now holds bf16 weights
+        opt = torch.optim.AdamW(mp.parameters(), lr=1e-3)  # the optimizer: fp32 masters
+        mp.scale_loss(model(x, y)).backward()
+        ddp.finish_gradient_sync()                         # if data parallel
+        mp.step(opt)                                       # grads -> masters, step, back
+        mp.zero_grad()
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, *,
