@@ -9,7 +9,7 @@ fp32 master, and the result is copied back. Per parameter that is 2 (weights) + 
 (gradients) + 4 (master) + 8 (Adam's two moments) bytes: the "2 + 2 + 12" the ZeRO
 paper counts (Rajbhandari et al. 2019, section 3.1). fp16 also needs *loss scaling*
 (its narrow range underflows small gradients); bf16 has fp32's range and needs none.
-The engine runs bf16; fp16 with its loss scale is here for the lessons and tests.
+The engine computes in bf16 (no loss scale); fp16 is for direct use of the class.
 With ZeRO, pass it on: ``ZeroOptimizer(model, AdamW, stage=2, precision=mp)`` takes the
 fp32 values from here, keeps only its shard, and ``release()``s the full copies.
 """
