@@ -582,10 +582,10 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sequence_parallel: bool = Fals
     check_tp(model.cfg, comm.size, sequence_parallel)
     plan = tensor_parallel_plan(sequence_parallel)
     split = param_splits(model, plan)
-    whole = [p for name, p in model.named_parameters() if name not in split]
-    parallelize_module(model, comm, plan)
-    for p in whole if sequence_parallel else ():
-        p.sequence_parallel = True
+    parallelize_module(model, comm, plan)  # names unchanged
+    for name, p in model.named_parameters():
+        if sequence_parallel and name not in split:
+            p.sequence_parallel = True
     return model
 
 
