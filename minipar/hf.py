@@ -29,7 +29,7 @@ from minipar.checks import require
 from minipar.corpus import EOT
 from minipar.model import GPT, GPTConfig
 from minipar.parallel.materialize import full_shape
-from minipar.parallel.tp import _is_qkv, tp_shard_dim
+from minipar.parallel.tp import tp_split
 
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # one function, three names
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -276,10 +276,11 @@ class HFCheckpoint:
         key = self._key(name)
         conv = hf_name(name)[1]
         sl = self._slice(key)
-        dim = tp_shard_dim(name) if tp > 1 else None
+        split = tp_split(name)
+        dim = split.dim if tp > 1 else None
         ranges = [(0, n) for n in shape]  # minipar's dims; positions: the first seq_len
         pieces = []
-        thirds = 3 if dim is not None and _is_qkv(name) else 1
+        thirds = split.parts if dim is not None else 1
         for j in range(thirds if dim is not None else 1):
             r = list(ranges)
             if dim is not None:

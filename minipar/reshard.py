@@ -23,7 +23,7 @@ from minipar.mesh import RankMesh
 from minipar.parallel.materialize import overlapping, reshard
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.schedules import rank_of
-from minipar.parallel.tp import tp_shard_dim
+from minipar.parallel.tp import tp_split
 
 
 class ShardReader:
@@ -71,7 +71,7 @@ class ShardReader:
     def _pieces(self, name: str, key: str | None) -> dict[int, torch.Tensor] | None:
         stage = self._stage(name)
         wanted = overlapping(self.saved_tp, self.tp_rank, self.tp) \
-            if tp_shard_dim(name) is not None else [0]
+            if tp_split(name).dim is not None else [0]  # as the tp plan splits it
         pieces = {}
         for s in wanted:
             blob = self._blob(stage, s)

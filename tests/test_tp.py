@@ -23,10 +23,14 @@ from minipar.launch import launch
 from minipar.meter import saved_tensor_elements
 from minipar.model import GPT, PRESETS, GPTConfig
 from minipar.parallel.tp import (
+    ColwiseParallel,
+    RowwiseParallel,
+    Split,
     apply_tensor_parallel,
     check_tp,
     describe_plan,
     gather_tensor,
+    param_splits,
     shard_tensor,
     sync_sequence_parallel_grads,
     tensor_parallel_plan,
@@ -71,7 +75,7 @@ def test_the_plan_is_printable_and_replaces_submodules_only():
     """Applied as torchtitan's parallelize_module: pattern -> style, printed for a learner;
     the model stays a GPT (no class swap), every parameter keeps its reference name."""
     text = describe_plan(tensor_parallel_plan(sequence_parallel=True))
-    assert "blocks.*.mlp.fc" in text and "ColwiseParallel(sequence_parallel=True)" in text
+    assert "blocks.*.mlp.fc" in text and "ColwiseParallel(input_layouts=Shard(dim=1)" in text
     assert "loss_fn" in text and "VocabParallelLoss" in text
     names = launch(_plan_rank, 2, timeout=60)
     assert names[0] == names[1] == [n for n, _ in GPT(CFG).named_parameters()]
@@ -90,6 +94,37 @@ def test_shard_dims_by_name():
     assert tp_shard_dim("blocks.0.attn.proj.bias") is None  # added after the reduction
     assert tp_shard_dim("ln_f.weight") is None and tp_shard_dim("pos_emb.weight") is None
     assert tp_shard_dim("xhead.weight") is None  # whole path components only
+
+
+def test_the_plan_states_every_split():
+    """The plan is the one statement of how a parameter is split: Megatron's split of
+    every weight of a GPT, read off the styles (the fused q|k|v in three parts)."""
+    splits = param_splits(GPT(CFG, device="meta"), tensor_parallel_plan())
+    want = {"tok_emb.weight": Split(0), "head.weight": Split(0)}
+    for i in range(CFG.n_layer):
+        b = f"blocks.{i}."
+        want |= {b + "attn.qkv.weight": Split(0, 3), b + "attn.qkv.bias": Split(0, 3),
+                 b + "attn.proj.weight": Split(1), b + "mlp.fc.weight": Split(0),
+                 b + "mlp.fc.bias": Split(0), b + "mlp.proj.weight": Split(1)}
+    assert splits == want
+
+
+def test_styles_mean_what_torchs_mean():
+    """torch's names, defaults and layouts; what minipar cannot do is refused in one line
+    rather than done differently (no DTensor outputs, no all-gathered column output)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    assert (col.input_layouts, col.output_layouts) == (Replicate(), Shard(-1))
+    assert (row.input_layouts, row.output_layouts) == (Shard(-1), Replicate())
+    with pytest.raises(ValueError, match="use_local_output"):
+        ColwiseParallel(use_local_output=False)
+    with pytest.raises(ValueError, match="output_layouts"):
+        ColwiseParallel(output_layouts=Replicate())
+    with pytest.raises(ValueError, match="input_layouts"):  # torchtitan writes Replicate()
+        RowwiseParallel().param_splits(torch.nn.Embedding(8, 4))
+    assert RowwiseParallel(input_layouts=Replicate()).param_splits(
+        torch.nn.Embedding(8, 4)) == {"weight": Split(0)}
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

@@ -1,39 +1,19 @@
 """Context parallelism: the sequence split across ranks, attention computed as a ring.
 
-Every other technique in minipar splits the model or the batch; context parallelism
-splits the *sequence*. Each of the C ranks of a cp group keeps 1/C of every sequence's
-tokens for every layer, so activation memory per rank falls by C. Everything but
-attention is token-wise (layer norm, MLP, projections) and runs on the local tokens
-unchanged. Attention needs every earlier key, and those live on other ranks.
+Each of the C ranks of a cp group keeps 1/C of every sequence's tokens for every layer,
+so activation memory per rank falls by C. Everything but attention is token-wise and
+runs on the local tokens unchanged; attention needs every earlier key. Ring attention
+(Liu, Zaharia & Abbeel 2023, arXiv 2310.01889) fetches them without ever holding the
+whole sequence: in C steps every key/value block visits every rank, each transfer
+hidden behind the compute of the block before it (double buffering). Partial results
+over disjoint key sets merge exactly by their log-sum-exps (``merge_attention``: the
+online softmax of arXiv 1805.02867, as FlashAttention, arXiv 2205.14135, applies it).
 
-Ring attention (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889) fetches them without
-ever holding the whole sequence: the ranks form a ring, and in C steps every key/value
-block visits every rank. While a rank computes its queries against the block it holds,
-it already sends that block to its successor and receives the next one from its
-predecessor (non-blocking ``isend`` / ``irecv`` into a second buffer: double buffering),
-so the transfer hides behind the compute when the block is big enough.
-
-Partial results over disjoint key sets merge exactly by their log-sum-exps: the online
-softmax of Milakov & Gimelshein 2018 (arXiv 1805.02867), the rule FlashAttention (Dao
-et al. 2022, arXiv 2205.14135) applies tile by tile. The backward is a ring too, as in
-FlashAttention it recomputes the probabilities from the saved (q, k, v, out, lse), and
-the key/value gradients travel with their blocks back to the rank that owns them.
-
-Causal balance. Cut a sequence into C contiguous pieces and rank C-1 attends to all of
-the sequence while rank 0 attends to its own piece only: the last rank does about 2C-1
-times the first one's work, and every ring step waits for it. The zig-zag split (used
-to train Llama 3 at long context: Dubey et al. 2024, arXiv 2407.21783, Sec. 3.3.2) cuts
-the sequence into 2C chunks and gives rank r the chunks r and 2C-1-r: an early chunk
-with little to attend to and a late one with much, the same total on every rank.
-
-Both layouts are described the same way: rank r holds two chunks of the 2C-chunk cut
-(zig-zag: r and 2C-1-r; contiguous: 2r and 2r+1). For a pair (query chunk i, key chunk
-j) causality is decided per chunk, never per token: j < i is a full block, j == i a
-causal-diagonal block, j > i is skipped: ``block_plan`` per ring step. ``ring_plan``
-fuses a step's blocks into one kernel call (as torch's own ring does), and the tests
-count the calls. A block is matmul, softmax, matmul in fp32 here (the reference, the CPU
-path); on a GPU in 16 bits PyTorch's fused flash kernel (Dao et al. 2022) computes the
-same (out, lse) without writing the scores (``block_kernel``, ``cp_kernels``).
+The sequence is cut into 2C chunks; rank r holds two (``chunk_ids``: the zig-zag split
+balances causal work), ``block_plan`` says which (query, key) chunk pairs each ring step
+computes and ``ring_plan`` fuses them into kernel calls: matmul, softmax, matmul in fp32
+(the reference, the CPU path), or PyTorch's fused flash kernel on a GPU in 16 bits
+(``block_kernel``, ``cp_kernels``). The plan that puts it into a GPT: ``cp_plan.py``.
 """
 
 from __future__ import annotations
@@ -54,7 +34,17 @@ KERNELS = ("auto", "math", "flash")
 
 # --- the split: which tokens a cp rank holds ---------------------------------------------
 def chunk_ids(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, int]:
-    """The two chunks (of the sequence cut into 2 * cp) that ``rank`` holds, in order."""
+    """The two chunks (of the sequence cut into 2 * cp) that ``rank`` holds, in order.
+
+    Causal balance: cut a sequence into C contiguous pieces and rank C-1 attends to all
+    of it while rank 0 attends to its own piece only: the last rank does about 2C-1
+    times the first one's work, and every ring step waits for it. The zig-zag split
+    (used to train Llama 3 at long context: Dubey et al. 2024, arXiv 2407.21783,
+    Sec. 3.3.2) gives rank r the chunks r and 2C-1-r: an early chunk with little to
+    attend to and a late one with much, the same total on every rank. ``contiguous``:
+    2r and 2r+1. For a pair (query chunk i, key chunk j) causality is decided per chunk,
+    never per token: j < i is a full block, j == i a causal-diagonal one, j > i skipped.
+    """
     if layout == "zigzag":
         return rank, 2 * cp - 1 - rank
     if layout == "contiguous":
@@ -280,7 +270,15 @@ def _wait(pending: list[Pending]) -> None:
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Causal attention over a sequence sharded across ``comm`` (see the module docstring).
+    """Causal attention over a sequence sharded across ``comm``, as a ring.
+
+    The ranks form a ring; while a rank computes its queries against the key/value
+    block it holds, it already sends that block to its successor and receives the next
+    one from its predecessor (non-blocking ``isend`` / ``irecv`` into a second buffer),
+    so the transfer hides behind the compute when the block is big enough. The backward
+    is a ring too: as in FlashAttention it recomputes the probabilities from the saved
+    (q, k, v, out, lse), and the key/value gradients travel with their blocks back to
+    the rank that owns them.
 
     q, k, v: this rank's (batch, heads, t_local, hd) in the layout's local order; returns
     the same shape. k and v travel together as one (2, ...) message per step.
@@ -320,9 +318,12 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        """The forward's ring run backwards from the kept block: blocks arrive from the
-        *next* rank, their dk|dv accumulators one step behind, so each accumulator gets
-        home while its owner computes its own block (``theory.context.ring_bytes``)."""
+        """The forward's ring run backwards: last step first, on the kept block, then
+        each earlier step's block arrives from the *next* rank (kv goes to the previous
+        one), its dk|dv accumulator with it one step behind. A block's accumulator thus
+        ends at its owner in the last step, the rank's own block, and that transfer hides
+        behind the own block's compute: no exposed send at the end (C - 2 k|v messages
+        and C - 1 accumulators, ``theory.context.ring_bytes``)."""
         q, k, v, out, lse, held = ctx.saved_tensors
         comm, scale, kern = ctx.comm, ctx.scale, ctx.kern
         plan, c = ring_plan(comm.rank, comm.size, ctx.layout), q.shape[2] // 2

@@ -2,27 +2,15 @@
 
 ``parallel/cp.py`` holds the technique (the zig-zag split, the ring, the merge rule);
 this file puts it into a model the way tensor parallelism is put in: a plan of
-module-name patterns and styles, applied by ``parallelize_module`` (``parallel/tp.py``),
-reference names kept (Liu et al. 2023, arXiv 2310.01889; Megatron-Core's context
-parallelism, which splits the sequence in 2C chunks for the causal balance).
-
-A cp rank holds ``seq_len / cp`` tokens of every row (its two zig-zag chunks) for every
-layer. What changes in the model:
-
-* ``blocks.*.attn.core`` becomes ``RingAttention``: the only layer that needs the other
-  tokens (keys and values travel around the cp ring).
-* ``pos_emb`` looks up the rank's *global* positions (``ShardPositions``), not 0..t-1.
-* each dropout (``drop``, ``blocks.*.resid_drop*``) draws the single device's mask for
-  those global positions (``ShardDropout``): the mask is a hash of the position, so a
-  shard of two separate chunks is masked chunk by chunk.
-
-Everything else is token-wise and runs unchanged on the local tokens. Composes with
-tensor parallelism (heads by tp, sequence by cp) and with sequence parallelism (the
-cp-local sequence is further cut by tp: the styles see the SP module they replace and
-look up that slice). The loss of a shard is the mean over its tokens; all shards have
-the same number of tokens, so 1/cp of the sum of the cp shards' means is the row
-mean: the engine scales each micro-batch loss by 1/(dp * cp * m) and the data-parallel
-layer sums the gradients over the dp x cp group (the weights are replicated over cp).
+module-name patterns and styles, applied by ``tp.parallelize_module``, reference names
+kept (Liu et al. 2023, arXiv 2310.01889; Megatron-Core's context parallelism, which
+splits the sequence in 2C chunks for the causal balance). A cp rank holds ``seq_len /
+cp`` tokens of every row (its two zig-zag chunks) for every layer. Composes with tensor
+parallelism (heads by tp, sequence by cp) and with sequence parallelism (the cp-local
+sequence is further cut by tp: the styles see the SP module they replace and look up
+that slice). A shard's loss is the mean over its tokens; all shards have as many, so
+the engine scales each micro-batch loss by 1/(dp * cp * m) and the data-parallel layer
+sums the gradients over the dp x cp group (the weights are replicated over cp).
 """
 
 from __future__ import annotations
@@ -36,8 +24,12 @@ from torch import nn
 from minipar.comm import Comm
 from minipar.model import KeyedDropout
 from minipar.parallel.cp import RingAttention, check_cp, positions, shard_sequence
-from minipar.parallel.sp import SequenceParallelDropout, SequenceShardedEmbedding
-from minipar.parallel.tp import parallelize_module
+from minipar.parallel.tp import (
+    ParallelStyle,
+    SequenceParallelDropout,
+    SequenceShardedEmbedding,
+    parallelize_module,
+)
 
 
 class ShardPositions(nn.Module):
@@ -102,44 +94,54 @@ def _sp_slice(pos: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class RingAttentionCore:
+class RingAttentionCore(ParallelStyle):
     """``attn.core`` -> ``RingAttention`` over the cp group."""
 
     layout: str = "zigzag"
 
-    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
         return RingAttention(comm, self.layout)
 
 
 @dataclass(frozen=True)
-class ShardedPositions:
+class ShardedPositions(ParallelStyle):
     """``pos_emb`` (plain or sequence-parallel) -> ``ShardPositions``."""
 
     seq_len: int
     layout: str = "zigzag"
 
-    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
         pos = positions(self.seq_len, comm.rank, comm.size, self.layout)
         sp = module.comm if isinstance(module, SequenceShardedEmbedding) else None
         return ShardPositions(module.weight, pos, sp)
 
 
 @dataclass(frozen=True)
-class ShardedDropout:
+class ShardedDropout(ParallelStyle):
     """A ``KeyedDropout`` (plain or sequence-parallel) -> ``ShardDropout``."""
 
     seq_len: int
     layout: str = "zigzag"
 
-    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
         pos = positions(self.seq_len, comm.rank, comm.size, self.layout)
         if isinstance(module, SequenceParallelDropout):
             pos = _sp_slice(pos, module)
         return ShardDropout(module.p, module.site, pos)
 
 
-def context_parallel_plan(seq_len: int, layout: str = "zigzag") -> dict[str, object]:
-    """The cp plan of a ``GPT``, as module-name pattern -> style (``describe_plan``)."""
+def context_parallel_plan(seq_len: int, layout: str = "zigzag") -> dict[str, ParallelStyle]:
+    """The cp plan of a ``GPT``, as module-name pattern -> style (``describe_plan``).
+
+    * ``blocks.*.attn.core`` becomes ``RingAttention``: the only layer that needs the
+      other tokens (keys and values travel around the cp ring).
+    * ``pos_emb`` looks up the rank's *global* positions (``ShardPositions``).
+    * each dropout (``drop``, ``blocks.*.resid_drop*``) draws the single device's mask
+      for those global positions (``ShardDropout``): the mask is a hash of the position,
+      so a shard of two separate chunks is masked chunk by chunk.
+
+    Everything else is token-wise and runs unchanged on the local tokens.
+    """
     return {"pos_emb": ShardedPositions(seq_len, layout),
             "drop": ShardedDropout(seq_len, layout),
             "blocks.*.resid_drop*": ShardedDropout(seq_len, layout),

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.parallel.sp import wanted
-from minipar.parallel.tp import ColumnParallelLinear
+from minipar.parallel.tp import ColumnParallelLinear, wanted
 
 RECIPES = ("rowwise", "tensorwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

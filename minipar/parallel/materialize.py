@@ -1,27 +1,17 @@
 """Sharded initialisation: build on the meta device, then make only this rank's shard.
 
-A naive engine builds the whole single-device model on every rank and then keeps its
-slice: host memory O(whole model) per rank (a 13B model: 52 GB of fp32 per rank before
-anything is sharded). Production engines (torchtitan, FSDP2, Megatron's
-``use_cpu_initialization=False``) instead build the model on PyTorch's ``meta`` device:
-modules and parameters with shapes and dtypes but no storage. Every technique that
-rearranges the model (tensor parallelism's plan, the pipeline split, recomputation)
-works on shapes alone, so it runs on the meta model unchanged. Only then are the
-parameters this rank kept given values, one at a time (``model.materialize``):
-
-    value = init_parameter(name, full shape, cfg, seed, device)   # the reference's value
-    shard = tp.shard_tensor(name, value, tp_rank, tp).clone()     # this rank's slice
-    del value                                                      # host: shard + 1 tensor
-
-Exact parity survives because the reference initialisation is a function of the
-parameter's *name* (``minipar.model.init_parameter``: a counter-based generator keyed by
-(seed, name)), not of how many random numbers were drawn before it: a rank that skips
-every parameter it does not hold still draws exactly the single device's values for the
-ones it does. With ZeRO-3 even the local model is never whole: ``Zero3`` calls the same
-``values`` function unit by unit and keeps only its dp shard of each.
-
-Resuming from a checkpoint is the same with another ``values``: the checkpoint reader's
-slice of each saved tensor (``reshard.ShardReader.values``).
+Building the whole single-device model on every rank and then keeping a slice costs
+host memory O(whole model) per rank (a 13B model: 52 GB of fp32 per rank). Like
+torchtitan, FSDP2 and Megatron, minipar builds the model on PyTorch's ``meta`` device
+(shapes, no storage); the tensor-parallel plan, the pipeline split and recomputation
+work on shapes alone. Only then does each parameter a rank kept get its value, one at
+a time (``model.materialize(values)``): the reference's value of the full tensor
+(``init_parameter``), this rank's slice of it as the plan splits it (``tp_split``), the
+rest freed. Parity survives because the reference initialisation is a function of the
+parameter's *name* (a counter-based generator keyed by (seed, name)), not of how many
+numbers were drawn before it. ZeRO-3 calls the same ``values`` unit by unit and keeps
+only its dp shard. Resuming is the same with the checkpoint's ``values``, which cut
+each rank's slice from the overlapping saved shards (``reshard``).
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ import torch
 from torch import nn
 
 from minipar.model import GPTConfig, init_parameter
-from minipar.parallel.tp import _is_qkv, shard_tensor, tp_shard_dim
+from minipar.parallel.tp import shard_tensor, tp_split
 
 Values = Callable[[str, nn.Parameter], torch.Tensor]
 
@@ -40,7 +30,7 @@ Values = Callable[[str, nn.Parameter], torch.Tensor]
 def full_shape(name: str, local: tuple[int, ...] | torch.Size, tp: int) -> tuple[int, ...]:
     """The single-device shape of parameter ``name`` whose tp shard has shape ``local``."""
     shape = list(local)
-    dim = tp_shard_dim(name)
+    dim = tp_split(name).dim
     if dim is not None and tp > 1:
         shape[dim] *= tp  # (q|k|v: each third is split, so the rows add up the same way)
     return tuple(shape)
@@ -52,7 +42,7 @@ def init_values(cfg: GPTConfig, seed: int, tp_rank: int = 0, tp: int = 1,
     reference's initial value of ``name``, generated on ``device`` (fast on a GPU)."""
     def values(name: str, p: nn.Parameter) -> torch.Tensor:
         full = init_parameter(name, full_shape(name, p.shape, tp), cfg, seed, device)
-        if tp == 1 or tp_shard_dim(name) is None:
+        if tp == 1 or tp_split(name).dim is None:
             return full
         return shard_tensor(name, full, tp_rank, tp).clone()  # the rest is freed here
     return values
@@ -63,16 +53,16 @@ def reshard(name: str, pieces: dict[int, torch.Tensor], saved_tp: int, tp_rank: 
     """Rank ``tp_rank`` of ``tp``'s shard of ``name`` from the overlapping shards of a
     layout with ``saved_tp`` ranks (``pieces``: saved rank -> its shard; only those
     ``overlapping`` returns need be there). No full tensor is assembled."""
-    dim = tp_shard_dim(name)
+    split = tp_split(name)
+    dim, qkv = split.dim, split.parts > 1
     first = next(iter(pieces.values()))
     if dim is None or first.dim() == 0:
         return pieces[min(pieces)]  # replicated (or a scalar state): any copy
     if saved_tp == tp:
         return pieces[tp_rank]
-    qkv = _is_qkv(name)
 
-    def blocks(t: torch.Tensor) -> torch.Tensor:  # q|k|v: split inside each third
-        return t.reshape(3, t.shape[0] // 3, *t.shape[1:]) if qkv else t
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # q|k|v: split inside each part
+        return t.reshape(split.parts, t.shape[0] // split.parts, *t.shape[1:]) if qkv else t
     axis = 1 if qkv else dim
     n_saved = blocks(first).shape[axis]  # rows per saved shard (block rows for qkv)
     total = n_saved * saved_tp

@@ -1,37 +1,42 @@
 """Pipeline parallelism: cut the GPT into stages, and run any schedule over them.
 
-**Stages.** ``build_stage(model, pp_rank, pp, virtual)`` splits the ``n_layer`` blocks
-into ``pp * virtual`` chunks of consecutive layers (uneven counts: the first chunks take
-one more; ``head_layers`` k gives the last chunk, which also runs the head and the loss,
-k layers fewer: ``partition_layers``), and gives rank ``r`` the chunks
-``r, r + pp, ...`` (Megatron's virtual stages, arXiv 2104.04473). Each chunk is a
-``PipelineStage``: an ``nn.Module`` that owns exactly its layers, under the reference
-model's names (``blocks.5.mlp.fc.weight``: ``blocks`` is keyed by the global layer
-index), so checkpoints, tensor-parallel slicing and ZeRO find every parameter by the
-name it has on one device. The first chunk also embeds the tokens; the last applies the
-final norm, the head and the model's loss.
+``build_stage`` gives rank ``r`` the chunks ``r, r + pp, ...`` of ``pp * virtual``
+chunks of consecutive layers (Megatron's virtual stages, arXiv 2104.04473), each a
+``PipelineStage`` that owns its layers under the reference model's names, so
+checkpoints, tensor-parallel slicing and ZeRO find every parameter by the name it has
+on one device. ``PipelineExecutor`` walks this rank's action list of a schedule
+(``minipar.parallel.schedules``: schedules are data) and does what it says: forwards,
+backwards (split in B and W for zero bubble, arXiv 2401.10241), and the point-to-point
+sends and receives between stages, recording when each action ran and how long it
+waited, from which ``minipar.theory.bubble`` measures the bubble.
 
-**Tied embeddings** (Megatron's way, 1909.08053 section 3): with pp > 1 the first stage
-holds the token embedding and the last the head, each a copy of the one shared weight
-(identical at initialisation, since both come from the same reference model). After the
-backward their gradients are summed in the *embedding group* (the first and last pp
-ranks of one dp/tp coordinate, ``RankMesh.embed``), so both copies take the same step.
-
-**Running a schedule** over the chunks is ``PipelineExecutor``'s job
-(``minipar.parallel.executor``, re-exported here).
+Tied embeddings (Megatron's way, 1909.08053 section 3): with pp > 1 the first stage holds
+the token embedding and the last the head, each a copy of the one shared weight; their
+gradients are summed in the embedding group (``RankMesh.embed``) so both take one step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
-from minipar.comm import Comm
+from minipar.comm import Comm, Pending
 from minipar.model import GPT, embed_tokens
-from minipar.parallel.executor import ActionRecord, PipelineExecutor, StepResult
-from minipar.parallel.schedules import rank_of
+from minipar.parallel.schedules import (
+    UNIT_COST,
+    Action,
+    Schedule,
+    action_cost,
+    rank_of,
+    schedule_shape,
+    validate,
+)
 
 __all__ = ["partition_layers", "split_report", "PipelineStage", "build_stage",
            "StageLayers", "tied_copy", "tied_parameters", "sync_tied_grads",
@@ -165,3 +170,355 @@ def sync_tied_grads(model: nn.Module, comm: Comm | None) -> None:
     if comm is None or comm.size == 1 or not params:
         return
     comm.all_reduce(params[0].grad)
+
+
+# --- the executor ----------------------------------------------------------------------
+
+
+class ActionRecord(NamedTuple):
+    """When one action ran on one rank (``time.time()`` seconds) and how long the rank
+    waited for its incoming data before starting it."""
+
+    rank: int
+    kind: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
+    wait: float
+
+
+class StepResult(NamedTuple):
+    loss: float | torch.Tensor | None  # mean micro-batch loss (last stage, or everywhere
+    # if broadcast); a 0-dim tensor if asked for
+    timeline: list[ActionRecord]
+    peak_in_flight: int  # most (micro-batch, chunk) activations held at once
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 10  # dtype code, ndim, up to 8 sizes
+
+
+class PipelineExecutor:
+    """Runs this rank's part of ``actions`` over ``chunks`` (local order, as
+    ``build_stage`` returns them), talking to the other stages through ``comm``.
+
+    ``step(microbatches)`` walks the rank's action list and does what it says:
+
+    * ``RECV_*`` posts a non-blocking ``irecv``; the compute that needs the data waits for
+      it (the wait is recorded). ``SEND_*`` posts an ``isend`` and moves on; sends are
+      completed at the end of the step. The lists are valid under *blocking* sends and
+      receives (``validate``), so this gentler execution cannot deadlock either.
+    * ``F`` calls the chunk module (``__call__``: wrappers' hooks fire) and keeps its
+      input and output for the backward.
+    * ``B`` back-propagates the output gradient. If the list also has a ``W`` for that
+      micro-batch and chunk (zero-bubble, arXiv 2401.10241), ``B`` computes only the input
+      gradient and the gradients of every parameter-owning module's output; ``W`` later
+      turns those into weight gradients (``autograd.backward`` with ``inputs=`` the
+      parameters, so only the weight products run and gradient hooks fire). For that, each
+      such module runs on *detached* inputs and ``_Stitch`` joins its output back to the
+      chunk's graph: B's gradient crosses the stitch into the module's own graph (its input
+      gradient), and W back-propagates every module's own graph in one engine call. The
+      graphs share no node, so no gradient reaches a parameter twice (a weight two modules
+      share, a tied embedding in one chunk, gets the sum of both), and the engine walks
+      each graph once (with one graph per chunk, each module's W would walk everything
+      upstream of it: a micro-batch cost quadratic in the modules).
+    * The loss of each micro-batch is multiplied by ``loss_scale`` (default 1/m) before the
+      backward, so the gradients equal those of the mean loss of the whole batch on one
+      device. (Forgetting the 1/m scales the gradient by m; picotron has that bug.)
+
+    Activation shapes are never assumed: the first time a boundary carries a new input
+    shape, the sender sends a small header (dtype and shape) before the tensor. Gradient
+    shapes are known (those of the rank's own outputs). So sequence parallelism's
+    [b, s/tp, h] crosses stages like anything else.
+
+    ``sleep_per_unit`` adds ``cost * sleep_per_unit`` seconds of sleep to every compute
+    action (F 1, B 2 or 1 + W 1): a stand-in for a bigger model, so that measured
+    timelines are comparable with theory on a small, busy CPU.
+
+    ``synchronize=True`` waits for the GPU after every compute action, and for each
+    received tensor to arrive before the compute that needs it starts, so that each
+    record's start and end are when the GPU ran it and its wait is the GPU's wait for
+    the data (a true timeline; busy is compute only). Off by default:
+    each wait stalls the host, which then cannot queue the next kernels while the GPU
+    works, and costs a few per cent of a small model's step. Without it, on a GPU the
+    records say when the host *queued* the work (the step's total stays true).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], comm: Comm, actions: Schedule, *,
+                 sleep_per_unit: float = 0.0, synchronize: bool = False,
+                 device: torch.device | str | None = None) -> None:
+        if len(actions) != comm.size:
+            raise ValueError(f"schedule is for pp={len(actions)}, the pipeline group has "
+                             f"{comm.size} ranks")
+        validate(actions, virtual=len(chunks))
+        self.comm, self.pp, self.rank = comm, comm.size, comm.rank
+        self.n_chunks = self.pp * len(chunks)
+        self.chunks = {self.rank + k * self.pp: c for k, c in enumerate(chunks)}
+        self.actions = list(actions[self.rank])
+        self.microbatches = schedule_shape(actions)[1]
+        self.split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
+        self.sleep_per_unit = sleep_per_unit
+        # (ZeRO-3 leaves a chunk no registered parameters: the caller names the device)
+        params = [p for c in chunks for p in c.parameters()]
+        self.device = torch.device(device) if device is not None else \
+            params[0].device if params else torch.device("cpu")
+        self.synchronize = synchronize and self.device.type == "cuda"
+        self._shapes_sent: set = set()
+        self._shapes_known: dict = {}
+        self._capture: list | None = None
+        self._cuts: list = []  # (inputs, detached inputs) per module running: they nest
+        self._hooks = []
+        self._own: dict[nn.Module, list[nn.Parameter]] = {}  # module -> what W reaches
+        if self.split:  # run each parameter-owning module on its own graph (_Stitch)
+            for module in dict.fromkeys(m for c in chunks for m in c.modules()):
+                own = list(module.parameters(recurse=False))
+                if own:
+                    self._own[module] = own
+                    self._hooks += [
+                        module.register_forward_pre_hook(self._cut_inputs, with_kwargs=True),
+                        module.register_forward_hook(self._capture_output, with_kwargs=True)]
+
+    def close(self) -> None:
+        """Remove the forward hooks this executor put on the chunks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _cut_inputs(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self._capture is None:  # (also a recomputing forward inside a backward)
+            return None
+        originals = [t for t in (*args, *kwargs.values()) if _needs_grad(t)]
+        if not originals:  # token ids in: the module's graph is its own already
+            self._cuts.append(None)
+            return None
+        detached = {id(t): t.detach().requires_grad_() for t in originals}
+        self._cuts.append((originals, list(detached.values())))
+        cut = [detached.get(id(t), t) for t in args]
+        return tuple(cut), {k: detached.get(id(t), t) for k, t in kwargs.items()}
+
+    def _capture_output(self, module: nn.Module, args, kwargs, output):
+        if self._capture is None:
+            return None
+        cut = self._cuts.pop()
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} returns {type(output).__name__}; the "
+                            "split backward (W actions) needs modules that return a tensor")
+        joined = output if cut is None else _Stitch.apply((output, cut[1]), *cut[0])
+        if output.requires_grad:
+            self._capture.append((module, output, joined))
+        return joined
+
+    # --- point to point, with a shape header the first time ----------------------
+    def _send_activation(self, t: torch.Tensor, chunk: int, key: tuple) -> list[Pending]:
+        peer, out = rank_of(chunk + 1, self.pp), []
+        if (chunk + 1, key) not in self._shapes_sent:
+            self._shapes_sent.add((chunk + 1, key))
+            header = torch.zeros(_HEADER, dtype=torch.long, device=t.device)
+            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+            header[2:2 + t.dim()] = torch.tensor(t.shape)
+            out.append(self.comm.isend(header, peer))
+        out.append(self.comm.isend(t, peer))
+        return out
+
+    def _recv_activation(self, chunk: int, key: tuple) -> tuple[Pending, torch.Tensor]:
+        peer = rank_of(chunk - 1, self.pp)
+        if (chunk, key) not in self._shapes_known:
+            header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
+            self.comm.irecv(header, peer).wait()
+            h = header.tolist()
+            self._shapes_known[(chunk, key)] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
+        shape, dtype = self._shapes_known[(chunk, key)]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return self.comm.irecv(buf, peer), buf
+
+    # --- one training step ---------------------------------------------------------
+    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             loss_scale: float | None = None, broadcast_loss: bool = False,
+             loss_as_tensor: bool = False,
+             before_compute: Callable[[int], None] | None = None) -> StepResult:
+        """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
+
+        Every rank passes the same list of (inputs, targets) micro-batches (only the
+        first stage reads inputs, only the last reads targets). Each micro-batch's
+        loss is multiplied by ``loss_scale`` before its backward: 1/m by default (the
+        batch mean); pass 1/(dp*m) if data parallelism sums gradients instead of
+        averaging them. Returns the mean micro-batch loss (unscaled) on the last stage,
+        on every stage with ``broadcast_loss``; as a 0-dim tensor with
+        ``loss_as_tensor`` (reading a float waits for the GPU to finish the backward,
+        and the host could queue the optimizer step meanwhile). ``before_compute(mb)``
+        runs before every F, B and W of micro-batch ``mb`` (the engine keys dropout
+        there: a recomputing backward must draw the forward's masks).
+        """
+        m = len(microbatches)
+        if m != self.microbatches:
+            raise ValueError(f"schedule is for {self.microbatches} micro-batches, got {m}")
+        st = _StepState(microbatches, 1.0 / m if loss_scale is None else loss_scale)
+        run = {"F": self._forward, "B": self._backward, "W": self._weight_grad,
+               "RECV_F": self._recv_f, "RECV_B": self._recv_b,
+               "SEND_F": self._send_f, "SEND_B": self._send_b}
+        records = []
+        for a in self.actions:
+            st.start = time.time()  # compute actions move it past their wait for inputs
+            if before_compute is not None and a.kind in ("F", "B", "W"):
+                before_compute(a.mb)
+            wait = run[a.kind](a, st) or 0.0
+            if a.kind in ("F", "B", "W"):
+                self._pretend_compute(a)
+            records.append(ActionRecord(self.rank, a.kind, a.mb, a.chunk, st.start,
+                                        time.time(), wait))
+            for s in [s for s in st.sends if s.is_completed()]:
+                s.wait()  # stamps its end in the comm log
+                st.sends.remove(s)
+        for s in st.sends:
+            s.wait()
+        loss = torch.stack(st.losses).mean() if st.losses else None
+        if broadcast_loss:
+            loss = self.comm.broadcast(torch.zeros((), device=self.device) if loss is None
+                                       else loss.to(self.device).float(),
+                                       src=rank_of(self.n_chunks - 1, self.pp))
+        if loss is not None and not loss_as_tensor:
+            loss = float(loss)
+        return StepResult(loss, records, st.peak)
+
+    # each action: returns the seconds it waited for incoming data (or None)
+    def _recv_f(self, a: Action, st: _StepState) -> None:
+        st.inputs[(a.mb, a.chunk)] = self._recv_activation(a.chunk, st.shape_key(a.mb))
+
+    def _recv_b(self, a: Action, st: _StepState) -> None:
+        buf = torch.empty_like(st.saved[(a.mb, a.chunk)][1])
+        st.out_grads[(a.mb, a.chunk)] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)),
+                                         buf)
+
+    def _send_f(self, a: Action, st: _StepState) -> None:
+        out = st.saved[(a.mb, a.chunk)][1].detach()
+        st.sends += self._send_activation(out, a.chunk, st.shape_key(a.mb))
+
+    def _send_b(self, a: Action, st: _StepState) -> None:
+        grad = st.input_grads.pop((a.mb, a.chunk))
+        st.sends.append(self.comm.isend(grad, rank_of(a.chunk - 1, self.pp)))
+
+    def _forward(self, a: Action, st: _StepState) -> float:
+        key, last = (a.mb, a.chunk), a.chunk == self.n_chunks - 1
+        x, y = st.microbatches[a.mb]
+        wait = 0.0
+        if a.chunk > 0:
+            x, wait = self._take(st.inputs, key)
+            x = x.detach().requires_grad_(x.is_floating_point())
+            st.start = time.time()
+        self._capture = [] if key in self.split else None
+        out = self.chunks[a.chunk](x, y) if last else self.chunks[a.chunk](x)
+        if self._capture is not None:
+            st.weight_work[key] = self._capture
+        self._capture = None
+        st.saved[key] = (x, out)
+        if last:
+            st.losses.append(out.detach())
+        elif rank_of(a.chunk + 1, self.pp) == self.rank:  # the next chunk is here too
+            st.inputs[(a.mb, a.chunk + 1)] = out.detach()
+        st.peak = max(st.peak, len(st.saved.keys() | st.weight_work.keys()))
+        return wait
+
+    def _backward(self, a: Action, st: _StepState) -> float:
+        """B: the input gradient; also the weight gradients unless a W will do them."""
+        key, wait, grad = (a.mb, a.chunk), 0.0, None
+        x, out = st.saved.pop(key)
+        if a.chunk == self.n_chunks - 1:  # the output is the loss
+            out = out * st.scale
+        else:
+            grad, wait = self._take(st.out_grads, key)
+            st.start = time.time()
+        needs_dx = a.chunk > 0 and x.requires_grad
+        if key not in self.split:
+            torch.autograd.backward(out, grad)
+            dx = x.grad if needs_dx else None
+        else:  # the input gradient, and each module's output gradient for W; the
+            # graph is not kept: W needs only the modules' own graphs. (``grad`` hands
+            # the gradients back: ``backward`` with non-leaf ``inputs=`` would
+            # ``retain_grad`` each output, a copy into ``.grad`` per module)
+            work = st.weight_work[key]
+            wrt = ([x] if needs_dx else []) + [joined for _, _, joined in work]
+            grads = list(torch.autograd.grad(out, wrt, grad, allow_unused=True))
+            dx = grads.pop(0) if needs_dx else None
+            # W starts from each module's graph node, not its output: the outputs no
+            # node saved (q|k|v once attention's graph is gone) are freed now
+            st.weight_work[key] = [(mod, get_gradient_edge(o), g)
+                                   for (mod, o, _), g in zip(work, grads)]
+        if dx is not None:
+            if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
+                st.out_grads[(a.mb, a.chunk - 1)] = dx
+            else:
+                st.input_grads[key] = dx
+        return wait
+
+    def _weight_grad(self, a: Action, st: _StepState) -> None:
+        """W: every module's weight gradients from its saved output gradient, in one
+        engine call (the modules' graphs are disjoint)."""
+        work = [(mod, e, g) for mod, e, g in st.weight_work.pop((a.mb, a.chunk))
+                if g is not None]
+        params = list(dict.fromkeys(p for mod, _, _ in work for p in self._own[mod]
+                                    if p.requires_grad))
+        if params:
+            torch.autograd.backward([e for _, e, _ in work], [g for _, _, g in work],
+                                    inputs=params)
+
+    def _take(self, store: dict, key) -> tuple[torch.Tensor, float]:
+        """Pop a tensor; if it is still arriving, wait for it and report how long."""
+        value = store.pop(key)
+        if not isinstance(value, tuple):
+            return value, 0.0
+        t0 = time.time()
+        value[0].wait()
+        if self.synchronize:  # an NCCL wait only makes the stream wait for the data:
+            # wait for the data itself, or the compute's record counts the GPU's wait
+            # for it as busy (the measured bubble came out at half the simulated one)
+            torch.cuda.current_stream(self.device).synchronize()
+        return value[1], time.time() - t0
+
+    def _pretend_compute(self, a: Action) -> None:
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
+        if self.sleep_per_unit > 0:
+            split = (a.mb, a.chunk) in self.split
+            time.sleep(self.sleep_per_unit * action_cost(a.kind, split, UNIT_COST))
+
+
+def _needs_grad(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+class _Stitch(torch.autograd.Function):
+    """Joins a module's output, computed from detached inputs, to the chunk's graph.
+    Its backward is the module's input gradient, from the module's own graph (kept for
+    W: only the input products run here). ``inner`` is (output, detached inputs)."""
+
+    @staticmethod
+    def forward(ctx, inner: tuple, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.inner = inner
+        return inner[0].detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, detached = ctx.inner
+        return None, *torch.autograd.grad(out, detached, grad, retain_graph=True,
+                                          allow_unused=True)
+
+
+@dataclass
+class _StepState:
+    """What one step keeps between actions, keyed by (micro-batch, chunk)."""
+
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+    inputs: dict = field(default_factory=dict)  # chunk input, or (pending, buffer)
+    out_grads: dict = field(default_factory=dict)  # grad of chunk output, likewise
+    saved: dict = field(default_factory=dict)  # (input, output) until the backward
+    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)]; then its edge
+    input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
+    sends: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    peak: int = 0
+    start: float = 0.0  # when the current action started (after its inputs arrived)
+
+    def shape_key(self, mb: int) -> tuple:
+        return tuple(self.microbatches[mb][0].shape)

@@ -1,37 +1,17 @@
 """Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B and ZB-H1, plus a validator.
 
-A pipeline cuts the model into ``pp * virtual`` chunks of consecutive layers. Rank ``r``
-holds chunks ``r, r + pp, r + 2 pp, ...`` (Megatron's virtual stages; with ``virtual=1``
-chunk ``r`` is simply stage ``r``). A *schedule* says, for every rank, in which order to
-run the work of every micro-batch on every chunk it holds. Here it is plain data:
+A pipeline cuts the model into ``pp * virtual`` chunks of consecutive layers; rank ``r``
+holds chunks ``r, r + pp, ...`` (Megatron's virtual stages). A *schedule* is, for every
+rank, the list of ``Action`` s it runs, in order:
 
     make_schedule("1f1b", pp=2, microbatches=3), micro-batch numbers only:
       rank 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 F2 RECV_B1 SEND_F2 B1 RECV_B2 B2
       rank 1: RECV_F0 F0 RECV_F1 B0 SEND_B0 F1 B1 SEND_B1 RECV_F2 F2 B2 SEND_B2
 
-Each ``Action(kind, mb, chunk)`` names the micro-batch and the (global) chunk:
-
-* ``F``  forward of ``chunk`` on micro-batch ``mb``;
-* ``B``  backward: the gradient with respect to the chunk's input. It also computes the
-  weight gradients, *unless* the same rank's list holds a ``W`` for that (mb, chunk);
-* ``W``  the weight gradients alone (zero-bubble schedules split the backward in two);
-* ``SEND_F`` / ``RECV_F``  the activation leaving ``chunk`` / entering ``chunk``;
-* ``SEND_B`` / ``RECV_B``  the gradient leaving ``chunk`` (to the chunk before) /
-  arriving for ``chunk``'s output (from the chunk after).
-
-The same lists drive the executor (``minipar.parallel.executor``), the theoretical
-timeline, the bubble figures (``minipar.theory.bubble``) and the lessons' pictures.
-
-**Communication model.** Every send and receive is treated as *blocking until its partner
-reaches the matching action* (MPI's synchronous mode; what an NCCL send does on a GPU
-stream). A list that runs under this strictest model runs under any gentler one (gloo's
-asynchronous isend/irecv). The generators place messages by a round-by-round simulation
-so that all ranks meet their messages in one global order, which can never deadlock;
-``validate`` checks any list, handwritten ones included, against the same model.
-
-Papers: GPipe (Huang et al., arXiv 1811.06965); 1F1B (PipeDream-Flush, Narayanan et al.,
-arXiv 2006.09503); interleaved 1F1B (Narayanan et al., arXiv 2104.04473, section 2.2);
-ZB-H1 (Qi et al., arXiv 2401.10241, section 3).
+The same lists drive the executor (``minipar.parallel.pp``), the theoretical timeline,
+the bubble figures (``minipar.theory.bubble``) and the lessons' pictures. Papers: GPipe
+(arXiv 1811.06965); 1F1B (PipeDream-Flush, arXiv 2006.09503); interleaved 1F1B (arXiv
+2104.04473, section 2.2); ZB-H1 (Qi et al., arXiv 2401.10241, section 3).
 """
 
 from __future__ import annotations
@@ -59,7 +39,17 @@ def action_cost(kind: str, split: bool, cost: Mapping[str, float] = UNIT_COST) -
 
 
 class Action(NamedTuple):
-    """One step of one rank: ``kind`` of micro-batch ``mb`` on global chunk ``chunk``."""
+    """One step of one rank: ``kind`` of micro-batch ``mb`` on global chunk ``chunk``.
+
+    * ``F``  forward of ``chunk`` on micro-batch ``mb``;
+    * ``B``  backward: the gradient with respect to the chunk's input. It also computes
+      the weight gradients, *unless* the same rank's list holds a ``W`` for that
+      (mb, chunk);
+    * ``W``  the weight gradients alone (zero-bubble schedules split the backward in two);
+    * ``SEND_F`` / ``RECV_F``  the activation leaving ``chunk`` / entering ``chunk``;
+    * ``SEND_B`` / ``RECV_B``  the gradient leaving ``chunk`` (to the chunk before) /
+      arriving for ``chunk``'s output (from the chunk after).
+    """
 
     kind: str
     mb: int
@@ -301,6 +291,14 @@ def validate(actions: Schedule, microbatches: int | None = None,
              virtual: int | None = None) -> None:
     """Raise ``ScheduleError`` unless ``actions`` can run to completion.
 
+    The communication model: every send and receive blocks until its partner reaches
+    the matching action (MPI's synchronous mode; what an NCCL send does on a GPU
+    stream). A list that runs under this strictest model runs under any gentler one
+    (gloo's asynchronous isend/irecv). The generators place messages by a round-by-round
+    simulation so that all ranks meet their messages in one global order, which can
+    never deadlock; this checks any list, handwritten ones included, against the same
+    model.
+
     Checks, in order: every action is well formed and sits on the rank that holds its
     chunk; every F and B of every (micro-batch, chunk) appears exactly once (W at most
     once) and every needed send/receive exactly once (and no other); every action comes
@@ -388,7 +386,10 @@ def _check_no_deadlock(actions: Schedule) -> None:
         if not progressed:
             break
     lines = []
-    for r in (r for r in range(pp) if (a := current(r)) is not None):
+    for r in range(pp):
+        a = current(r)
+        if a is None:
+            continue
         peer = rank_of(partner(a).chunk, pp)
         there = current(peer)
         why = f"rank {peer} has finished" if there is None else f"rank {peer} is at {there}"

@@ -1,64 +1,45 @@
-"""Tensor parallelism (Megatron-LM) and the vocabulary-parallel loss, applied by a plan.
+"""Tensor parallelism (Megatron-LM) with sequence parallelism, applied by a plan.
 
-Tensor parallelism splits each layer's weights across ``tp`` ranks so that no rank holds
-or computes the whole layer (Shoeybi et al. 2019, arXiv 1909.08053, section 3):
+Each layer's weights are split over the ``tp`` ranks (Shoeybi et al. 2019, arXiv
+1909.08053, section 3): ``qkv`` and ``fc`` by output rows (attention by whole heads),
+``proj`` by input columns, so a sublayer costs one all-reduce forward ("g") and one
+backward ("f"); the embedding, head and loss are split by vocabulary rows, so no rank
+holds logits for the whole vocabulary. Sequence parallelism (Korthikanti et al. 2022,
+arXiv 2205.05198, 4.2.2) is the same layers with g a reduce-scatter and f an all-gather
+along the sequence: outside the tp regions a rank keeps positions [r*s/tp, (r+1)*s/tp).
 
-* MLP: ``fc`` is split by output columns, ``proj`` by input rows. GELU then runs on each
-  rank's own columns, and the only communication is one all-reduce after ``proj``.
-* Attention: the fused ``qkv`` weight has rows [q | k | v], heads contiguous inside each;
-  each rank takes *whole heads* (rows of q, k and v of its heads), attends on its heads
-  alone, and ``proj`` (split by rows) ends in one all-reduce.
-* So a sublayer needs one all-reduce forward ("g") and one backward ("f", conjugate).
-* Vocabulary: the embedding and the head are split by vocabulary rows. The loss is
-  computed from the shards with three small all-reduces (max, sum of exp, target logit),
-  so logits for the whole vocabulary never exist on one rank.
-
-Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198) lives next door in
-``sp.py``: with ``sequence_parallel=True`` the same layers move a sequence shard between
-tensor-parallel regions instead of the full activation.
-
-How it is applied: by a *plan*, as torchtitan's ``parallelize_module(model, mesh, plan)``
-reads. ``tensor_parallel_plan(sp)`` maps module-name patterns to styles
-(``"blocks.*.mlp.fc": ColwiseParallel()``); ``parallelize_module`` replaces every
-matching submodule of an initialised single-device ``GPT`` by its parallel version,
-holding this rank's slice of the same weights. Parameter names do not change, so
-``shard_tensor`` / ``unshard`` / ``gather_tensor`` move any parameter (or optimizer
-state) between full and sharded form by name. Print the plan with ``describe_plan``.
-Without SP the activation between blocks is the full [b, s, h] on every tp rank; with
-SP it is [b, s/tp, h], rank r holding positions [r*s/tp, (r+1)*s/tp).
-
-Dropout needs nothing special: its masks are keyed by global position
-(``minipar.model.KeyedDropout``), so a sequence shard only says where it starts.
+The plan (``tensor_parallel_plan``) maps module-name patterns to styles named and meant
+as torch's; ``parallelize_module`` swaps each matching submodule of a single-device
+``GPT`` for its parallel version. The plan is the one statement of how a parameter is
+split (``tp_split``): checkpoints and sharded initialisation read it. One file past 600
+lines: TP and SP share every layer, and the plan is the only way either is applied.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from minipar.comm import Comm
-from minipar.model import GPT, GPTConfig
-from minipar.parallel.sp import (  # sync_sequence_parallel_grads: re-exported
-    SequenceParallel,
-    _GatherLinear,
-    _LinearReduceScatter,
-    _ReduceScatterToSP,
-    sync_sequence_parallel_grads,
-)
+from minipar.model import GPT, GPTConfig, KeyedDropout
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "ColwiseParallel",
-    "RowwiseParallel", "VocabParallel", "SequenceParallel", "VocabParallelLoss",
-    "tensor_parallel_plan", "describe_plan", "parallelize_module", "apply_tensor_parallel",
-    "check_tp", "tp_shard_dim", "shard_tensor", "unshard", "gather_tensor",
-    "sync_sequence_parallel_grads",
+    "check_tp", "wanted", "ColumnParallelLinear", "RowParallelLinear",
+    "VocabParallelEmbedding", "SequenceShardedEmbedding", "SequenceParallelDropout",
+    "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
+    "sync_sequence_parallel_grads", "Split", "ParallelStyle", "ColwiseParallel",
+    "RowwiseParallel", "SequenceParallel", "Stacked", "SequenceShardedPositions",
+    "VocabParallelLoss", "tensor_parallel_plan", "describe_plan", "parallelize_module",
+    "apply_tensor_parallel", "param_splits", "tp_split", "tp_shard_dim", "shard_tensor",
+    "unshard", "gather_tensor",
 ]
 
 def check_tp(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
@@ -76,8 +57,8 @@ def check_tp(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
 
 
 # --- the conjugate communication functions -------------------------------------------
-# f and g of Megatron's figure 3, and their sequence-parallel twins. Backward receives
-# a gradient that autograd may share with other branches, so we reduce a fresh copy.
+# f and g of Megatron's figure 3. Backward receives a gradient that autograd may share
+# with other branches, so we reduce a fresh copy.
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
@@ -110,6 +91,109 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+# --- sequence parallelism's f and g -------------------------------------------------
+# An all-reduce *is* a reduce-scatter plus an all-gather: SP moves the same bytes as TP
+# while the activations outside the tp regions shrink by tp. Like the paper we keep each
+# column linear's *sharded* input and all-gather it again in backward rather than keep
+# the full one: 5/4 of plain TP's bytes per layer. Zero bubble (arXiv 2401.10241) splits
+# a backward in two calls, input gradients (B) and weight gradients (W); each function
+# asks which gradients *this* call wants (``wanted``), so B + W move what one backward
+# moves.
+
+SEQ = 1  # the sequence dimension of [batch, seq, hidden] activations
+
+
+def wanted(ctx, i: int) -> bool:
+    """Does *this* backward call use the gradient of input ``i``?
+
+    ``ctx.needs_input_grad`` only says whether it could. The zero-bubble schedule splits
+    a backward in two calls, one for input gradients (B) and one for weight gradients
+    (W, arXiv 2401.10241); each must run only its own communication. The engine's own
+    answer is ``_will_engine_execute_node`` (what ``register_multi_grad_hook`` uses).
+    """
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    try:
+        return node is None or torch._C._will_engine_execute_node(node)
+    except (AttributeError, RuntimeError):  # a leaf inside autograd.grad: be safe
+        return True
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """SP's g: reduce-scatter partial sums along the sequence; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.reduce_scatter(x.contiguous(), dim=SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not wanted(ctx, 0):  # B of a split backward, below a module output it keeps
+            return None, None
+        return ctx.comm.all_gather(grad.contiguous(), dim=SEQ), None
+
+
+class _GatherLinear(torch.autograd.Function):
+    """SP's f fused with the column linear: all-gather the sequence, then x W^T + b.
+
+    Saves the *sharded* input and gathers it again in backward for the weight gradient
+    (Korthikanti et al. 4.2.2), so the full [b, s, h] input is never kept alive. The
+    re-gather runs only when the weight gradient is wanted, the reduce-scatter only when
+    the input gradient is: a split backward (B, then W) moves what one backward moves.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(comm.all_gather(x.contiguous(), dim=SEQ), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if wanted(ctx, 0):
+            grad_x = ctx.comm.reduce_scatter(grad.matmul(weight), dim=SEQ)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        if wanted(ctx, 1):
+            full = ctx.comm.all_gather(x.contiguous(), dim=SEQ)  # the extra all-gather
+            grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        if ctx.has_bias and wanted(ctx, 2):
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """SP's row linear: x W^T, then reduce-scatter along the sequence.
+
+    Both gradients need the all-gathered output gradient. When B asks for the input
+    gradient alone and a W pass will ask for the weight's later, the gathered gradient is
+    kept for it rather than gathered twice.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, comm):
+        ctx.comm = comm
+        ctx.save_for_backward(x, weight)
+        return comm.reduce_scatter(F.linear(x, weight).contiguous(), dim=SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = getattr(ctx, "gathered", None)
+        if full is None:
+            full = ctx.comm.all_gather(grad.contiguous(), dim=SEQ)
+        want_x, want_w = wanted(ctx, 0), wanted(ctx, 1)
+        ctx.gathered = full if ctx.needs_input_grad[1] and not want_w else None
+        grad_x = full.matmul(weight) if want_x else None
+        grad_w = None
+        if want_w:
+            grad_w = full.reshape(-1, full.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w, None
 
 
 # --- layers --------------------------------------------------------------------------
@@ -167,6 +251,32 @@ class VocabParallelEmbedding(nn.Module):
         return _ReduceFromTP.apply(out, self.comm)
 
 
+class SequenceShardedEmbedding(nn.Module):
+    """SP's position embedding: the full (replicated) table, looked up only for this
+    rank's positions. Its gradient is partial: ``sync_sequence_parallel_grads`` sums it."""
+
+    def __init__(self, weight: nn.Parameter, comm: Comm) -> None:
+        super().__init__()
+        self.weight, self.comm = weight, comm
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        if pos.shape[0] % self.comm.size:
+            raise ValueError(f"sequence length {pos.shape[0]} is not divisible by "
+                             f"tp={self.comm.size} (needed by sequence parallelism)")
+        return F.embedding(pos.chunk(self.comm.size)[self.comm.rank], self.weight)
+
+
+class SequenceParallelDropout(KeyedDropout):
+    """Dropout of a sequence shard [b, s/tp, h]: one device's mask for those positions."""
+
+    def __init__(self, p: float, site: int, comm: Comm) -> None:
+        super().__init__(p, site)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        return super().forward(x, position_offset + self.comm.rank * x.shape[SEQ])
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy from logits split by vocabulary (Megatron's
     ``vocab_parallel_cross_entropy``): loss = log sum_j exp(z_j - m) - (z_target - m),
@@ -216,154 +326,329 @@ class VocabParallelCrossEntropy(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.comm)
 
 
-# --- parameters by name: which dimension is split, and how -----------------------------
+def sync_sequence_parallel_grads(params: nn.Module | Iterable[nn.Parameter],
+                                 comm: Comm) -> None:
+    """Sum over the tp group the gradients of parameters marked ``sequence_parallel``
+    (replicated ones used on a sequence shard), in one flat all-reduce. Call after the
+    backward of the last micro-batch, before gradient clipping. Nothing without SP.
 
-_SHARD_DIMS = {  # parameter name suffix -> dimension split across tp ranks
-    "tok_emb.weight": 0, "head.weight": 0,  # by vocabulary rows
-    "attn.qkv.weight": 0, "attn.qkv.bias": 0,  # by heads, inside each of q, k, v
-    "attn.proj.weight": 1,
-    "mlp.fc.weight": 0, "mlp.fc.bias": 0,
-    "mlp.proj.weight": 1,
-}
-_PATTERN = re.compile(r"(?:^|\.)(" + "|".join(map(re.escape, _SHARD_DIMS)) + r")$")
+    Works on a whole model, a pipeline stage, or a list of parameters.
+    """
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    grads = [p.grad for p in params
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if comm.size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# --- styles: what the plan makes of one submodule ---------------------------------------
+# Named and meant as torch's (``torch.distributed.tensor.parallel``), with torch's
+# placements: ``Replicate()`` (every rank holds all of it), ``Shard(d)`` (split along
+# dimension d). minipar has no DTensor: a layout says what a local tensor *is*, and the
+# modules made take and return local tensors (torch's ``use_local_output=True``).
+
+@dataclass(frozen=True)
+class Split:
+    """How one parameter lies over the tp group: split along ``dim`` (None: whole on
+    every rank). ``parts`` > 1: the tensor stacks that many matrices along ``dim`` (the
+    fused q|k|v: 3), each split alike, so a rank holds its rows of each."""
+
+    dim: int | None = None
+    parts: int = 1
+
+
+class ParallelStyle:
+    """What a plan maps a module-name pattern to (torch: ``ParallelStyle``)."""
+
+    def param_splits(self, module: nn.Module) -> dict[str, Split]:
+        """How each of ``module``'s own parameters is split (absent: replicated)."""
+        return {}
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        """The module that replaces ``module``, whose parameters are already this
+        rank's parts (``parallelize_module`` cut them by ``param_splits``)."""
+        raise NotImplementedError
+
+
+def _allow(style: ParallelStyle, what: str, got: object, allowed: tuple) -> None:
+    if got not in allowed:
+        hint = " (minipar has no DTensor)" if what == "use_local_output" else ""
+        raise ValueError(f"{type(style).__name__}: {what}={got!r} is not supported{hint}; "
+                         f"use {' or '.join(map(repr, allowed))}")
+
+
+def _kind(style: ParallelStyle, module: nn.Module, *kinds: type) -> None:
+    if not isinstance(module, kinds):
+        raise TypeError(f"{type(style).__name__} applies to "
+                        f"{' or '.join(k.__name__ for k in kinds)}, not {type(module).__name__}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColwiseParallel(ParallelStyle):
+    """nn.Linear -> ``ColumnParallelLinear``: weight and bias split by output rows.
+
+    ``input_layouts``: ``Replicate()`` (the whole activation; f before) or ``Shard(1)``
+    (a sequence shard; SP's all-gather before). Output: this rank's output features,
+    ``Shard(-1)``. torch's defaults."""
+
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = field(default=True, repr=False)  # minipar: always True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_layouts", self.input_layouts or Replicate())
+        object.__setattr__(self, "output_layouts", self.output_layouts or Shard(-1))
+        _allow(self, "input_layouts", self.input_layouts, (Replicate(), Shard(SEQ)))
+        _allow(self, "output_layouts", self.output_layouts, (Shard(-1),))
+        _allow(self, "use_local_output", self.use_local_output, (True,))
+
+    def param_splits(self, module: nn.Module) -> dict[str, Split]:
+        _kind(self, module, nn.Linear)
+        return {"weight": Split(0), "bias": Split(0)}
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        return ColumnParallelLinear(module.weight, module.bias, comm,
+                                    self.input_layouts == Shard(SEQ))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowwiseParallel(ParallelStyle):
+    """nn.Linear -> ``RowParallelLinear`` (weight split by input columns, bias whole);
+    nn.Embedding -> ``VocabParallelEmbedding`` (table split by vocabulary rows).
+
+    ``input_layouts``: the linear's input is this rank's features, ``Shard(-1)``; the
+    embedding's, the whole token ids, ``Replicate()`` (as torchtitan writes it).
+    ``output_layouts``: ``Replicate()`` (all-reduce after) or ``Shard(1)`` (SP's
+    reduce-scatter along the sequence after)."""
+
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = field(default=True, repr=False)  # minipar: always True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_layouts", self.input_layouts or Shard(-1))
+        object.__setattr__(self, "output_layouts", self.output_layouts or Replicate())
+        _allow(self, "output_layouts", self.output_layouts, (Replicate(), Shard(SEQ)))
+        _allow(self, "use_local_output", self.use_local_output, (True,))
+
+    def param_splits(self, module: nn.Module) -> dict[str, Split]:
+        _kind(self, module, nn.Linear, nn.Embedding)
+        linear = isinstance(module, nn.Linear)
+        _allow(self, f"input_layouts (of an {type(module).__name__})", self.input_layouts,
+               (Shard(-1),) if linear else (Replicate(),))
+        return {"weight": Split(1 if linear else 0)}
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        sp = self.output_layouts == Shard(SEQ)
+        if isinstance(module, nn.Embedding):
+            return VocabParallelEmbedding(module.weight, comm, sp)
+        return RowParallelLinear(module.weight, module.bias, comm, sp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceParallel(ParallelStyle):
+    """A token-wise module (dropout, a norm) run on a sequence shard, ``Shard(1)`` in and
+    out, with the single device's result for those positions. Its parameters stay whole
+    on every rank (``sync_sequence_parallel_grads`` sums their gradients)."""
+
+    sequence_dim: int = 1
+
+    def __post_init__(self) -> None:
+        _allow(self, "sequence_dim", self.sequence_dim, (SEQ,))
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        if isinstance(module, KeyedDropout):  # its mask is keyed by global position
+            return SequenceParallelDropout(module.p, module.site, comm)
+        _kind(self, module, nn.LayerNorm)
+        return module
+
+
+@dataclass(frozen=True)
+class Stacked(ParallelStyle):
+    """``style`` on a weight that stacks ``parts`` matrices along its split dimension
+    (the fused q|k|v projection: 3): each part is split as ``style`` splits one, so a
+    rank holds whole heads of q, of k and of v. minipar's own: torch's styles cut the
+    tensor as one, which is why torchtitan keeps wq, wk and wv apart."""
+
+    style: ParallelStyle
+    parts: int = 3
+
+    def param_splits(self, module: nn.Module) -> dict[str, Split]:
+        return {leaf: Split(s.dim, self.parts if s.dim is not None else 1)
+                for leaf, s in self.style.param_splits(module).items()}
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        return self.style.apply(module, comm)
+
+
+@dataclass(frozen=True)
+class SequenceShardedPositions(ParallelStyle):
+    """The position embedding -> ``SequenceShardedEmbedding``: the whole table, looked up
+    at this rank's positions only (SP). minipar's own: torch has no such style."""
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        _kind(self, module, nn.Embedding)
+        return SequenceShardedEmbedding(module.weight, comm)
+
+
+@dataclass(frozen=True)
+class VocabParallelLoss(ParallelStyle):
+    """The model's loss -> ``VocabParallelCrossEntropy``, for logits split by vocabulary
+    (torch does this with the ``loss_parallel()`` context manager)."""
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        return VocabParallelCrossEntropy(comm)
+
+
+# --- the plan ---------------------------------------------------------------------------
+
+Plan = dict[str, ParallelStyle]
+
+
+def tensor_parallel_plan(sequence_parallel: bool = False) -> Plan:
+    """Megatron's split of a ``GPT``, as module-name pattern -> style (``*``: any), in
+    torchtitan's words: with SP, ``Shard(1)`` (a sequence shard) where the activation
+    would be whole, ``Replicate()``."""
+    seq = Shard(SEQ) if sequence_parallel else Replicate()
+    plan: Plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)}
+    if sequence_parallel:
+        plan |= {"pos_emb": SequenceShardedPositions(), "drop": SequenceParallel(),
+                 "blocks.*.resid_drop*": SequenceParallel()}
+    return plan | {
+        "blocks.*.attn.qkv": Stacked(ColwiseParallel(input_layouts=seq), parts=3),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=seq),
+        "blocks.*.mlp.fc": ColwiseParallel(input_layouts=seq),
+        "blocks.*.mlp.proj": RowwiseParallel(output_layouts=seq),
+        "head": ColwiseParallel(input_layouts=seq),
+        "loss_fn": VocabParallelLoss(),
+    }
+
+
+def describe_plan(plan: Plan) -> str:
+    """The plan as a table a learner can read, one pattern per line."""
+    width = max(map(len, plan))
+    return "\n".join(f"{pattern:<{width}}  {style!r}" for pattern, style in plan.items())
+
+
+def param_splits(model: nn.Module, plan: Plan) -> dict[str, Split]:
+    """Name -> split of every parameter of the single-device ``model`` that ``plan``
+    splits: what ``parallelize_module`` would cut, read without cutting anything."""
+    out: dict[str, Split] = {}
+    for pattern, style in plan.items():
+        for name, module in model.named_modules():
+            if name and fnmatch.fnmatchcase(name, pattern):
+                for leaf, split in style.param_splits(module).items():
+                    if getattr(module, leaf, None) is not None:
+                        out[f"{name}.{leaf}"] = split
+    return out
+
+
+def parallelize_module(model: nn.Module, comm: Comm, plan: Plan) -> nn.Module:
+    """Replace every submodule of ``model`` that matches a pattern of ``plan`` by what
+    its style makes of it, in place; patterns are applied in order. Each parameter the
+    style splits becomes a new Parameter holding this rank's part, once per original
+    (a tied weight stays tied). Returns ``model``."""
+    new: dict[int, nn.Parameter] = {}  # id(original) -> this rank's part
+    for pattern, style in plan.items():
+        for name, module in list(model.named_modules()):
+            if not name or not fnmatch.fnmatchcase(name, pattern):
+                continue
+            for leaf, split in style.param_splits(module).items():
+                p = getattr(module, leaf, None)
+                if p is None:
+                    continue
+                if id(p) not in new:
+                    part = _take(split, p.detach(), comm.rank, comm.size)
+                    new[id(p)] = nn.Parameter(part.clone(), requires_grad=p.requires_grad)
+                setattr(module, leaf, new[id(p)])
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, style.apply(module, comm))
+    return model
+
+
+def apply_tensor_parallel(model: GPT, comm: Comm, sequence_parallel: bool = False) -> GPT:
+    """Split a full ``GPT`` (initialised, or on the meta device) over the tp group
+    ``comm``, in place, with ``tensor_parallel_plan``. With SP the parameters the plan
+    leaves whole (norms, position embedding, row biases) see only part of the sequence:
+    they are marked ``p.sequence_parallel = True``; call ``sync_sequence_parallel_grads``
+    after backward."""
+    check_tp(model.cfg, comm.size, sequence_parallel)
+    plan = tensor_parallel_plan(sequence_parallel)
+    split = param_splits(model, plan)
+    parallelize_module(model, comm, plan)  # names unchanged
+    for name, p in model.named_parameters():
+        if sequence_parallel and name not in split:
+            p.sequence_parallel = True
+    return model
+
+
+# --- a parameter by name: its split, read from the plan -------------------------------
+
+@functools.cache
+def _gpt_splits() -> dict[str, Split]:
+    # the plan on a meta-device GPT: splits depend on module kinds, not on sizes or SP
+    return param_splits(GPT("tiny", device="meta"), tensor_parallel_plan())
+
+
+def tp_split(name: str) -> Split:
+    """How ``tensor_parallel_plan`` splits the ``GPT`` parameter ``name`` (or its
+    optimizer state). Prefixes are ignored (``module.blocks.3.mlp.fc.weight`` works)."""
+    parts = re.sub(r"(^|\.)blocks\.\d+\.", r"\1blocks.0.", name).split(".")
+    for i in range(len(parts)):
+        split = _gpt_splits().get(".".join(parts[i:]))
+        if split is not None:
+            return split
+    return Split()
 
 
 def tp_shard_dim(name: str) -> int | None:
-    """The dimension along which parameter ``name`` is split, or None if replicated.
-    Prefixes are ignored (``module.blocks.0.mlp.fc.weight`` works)."""
-    match = _PATTERN.search(name)
-    return None if match is None else _SHARD_DIMS[match.group(1)]
+    """The dimension along which parameter ``name`` is split, or None if replicated."""
+    return tp_split(name).dim
 
 
-def _is_qkv(name: str) -> bool:
-    return re.search(r"(?:^|\.)attn\.qkv\.(weight|bias)$", name) is not None
+def _blocks(split: Split, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` with its stacked parts as a leading dimension, and the axis to cut."""
+    if split.parts == 1:
+        return t, split.dim
+    return t.reshape(*t.shape[:split.dim], split.parts, -1, *t.shape[split.dim + 1:]), \
+        split.dim + 1
+
+
+def _take(split: Split, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    if split.dim is None:
+        return full
+    t, axis = _blocks(split, full)
+    part = t.chunk(tp, dim=axis)[tp_rank]
+    return part.flatten(split.dim, axis) if split.parts > 1 else part
 
 
 def shard_tensor(name: str, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
     """Rank ``tp_rank``'s part of the full tensor of parameter ``name`` (or of its
     optimizer state). May share memory with ``full``. For qkv: q, k and v rows of this
     rank's heads, in that order."""
-    dim = tp_shard_dim(name)
-    if dim is None:
-        return full
-    if _is_qkv(name):
-        three = full.reshape(3, full.shape[0] // 3, *full.shape[1:])
-        return three.chunk(tp, dim=1)[tp_rank].reshape(-1, *full.shape[1:])
-    return full.chunk(tp, dim=dim)[tp_rank]
+    return _take(tp_split(name), full, tp_rank, tp)
 
 
 def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """The full tensor of parameter ``name`` from every rank's shard (rank order)."""
-    dim = tp_shard_dim(name)
-    if dim is None:
+    split = tp_split(name)
+    if split.dim is None:
         return shards[0]
-    if _is_qkv(name):
-        rest = shards[0].shape[1:]
-        parts = [s.reshape(3, s.shape[0] // 3, *rest) for s in shards]
-        return torch.cat(parts, dim=1).reshape(-1, *rest)
-    return torch.cat(shards, dim=dim)
+    blocks = [_blocks(split, s) for s in shards]
+    full = torch.cat([t for t, _ in blocks], dim=blocks[0][1])
+    return full.flatten(split.dim, split.dim + 1) if split.parts > 1 else full
 
 
 def gather_tensor(name: str, local: torch.Tensor, comm: Comm) -> torch.Tensor:
     """All-gather a sharded tensor over the tp group and return the full one."""
-    if tp_shard_dim(name) is None or comm.size == 1:
+    if tp_split(name).dim is None or comm.size == 1:
         return local
     gathered = comm.all_gather(local.detach().contiguous(), dim=0)
     return unshard(name, list(gathered.chunk(comm.size, dim=0)))
-
-
-# --- styles and the plan -------------------------------------------------------------
-# A style turns one reference submodule into its parallel version. ``shard(name, p)``
-# gives this rank's slice of parameter ``p`` (named ``name``): one new Parameter per
-# original, so a tied weight stays tied.
-
-@dataclass(frozen=True)
-class ColwiseParallel:
-    """nn.Linear -> ColumnParallelLinear (weight and bias split by output rows)."""
-
-    sequence_parallel: bool = False
-
-    def apply(self, module: nn.Linear, name: str, comm: Comm, shard) -> nn.Module:
-        bias = None if module.bias is None else shard(f"{name}.bias", module.bias)
-        return ColumnParallelLinear(shard(f"{name}.weight", module.weight), bias, comm,
-                                    self.sequence_parallel)
-
-
-@dataclass(frozen=True)
-class RowwiseParallel(ColwiseParallel):
-    """nn.Linear -> RowParallelLinear (weight split by input columns, bias replicated)."""
-
-    def apply(self, module: nn.Linear, name: str, comm: Comm, shard) -> nn.Module:
-        return RowParallelLinear(shard(f"{name}.weight", module.weight), module.bias, comm,
-                                 self.sequence_parallel)
-
-
-@dataclass(frozen=True)
-class VocabParallel(ColwiseParallel):
-    """nn.Embedding -> VocabParallelEmbedding (rows of the vocabulary)."""
-
-    def apply(self, module: nn.Embedding, name: str, comm: Comm, shard) -> nn.Module:
-        return VocabParallelEmbedding(shard(f"{name}.weight", module.weight), comm,
-                                      self.sequence_parallel)
-
-
-@dataclass(frozen=True)
-class VocabParallelLoss:
-    """CrossEntropy -> VocabParallelCrossEntropy (takes logits split by vocabulary)."""
-
-    def apply(self, module: nn.Module, name: str, comm: Comm, shard) -> nn.Module:
-        return VocabParallelCrossEntropy(comm)
-
-
-def tensor_parallel_plan(sequence_parallel: bool = False) -> dict[str, object]:
-    """Megatron's split of a ``GPT``, as module-name pattern -> style (``*``: any)."""
-    sp = sequence_parallel
-    plan: dict[str, object] = {"tok_emb": VocabParallel(sp)}
-    if sp:
-        plan |= {"pos_emb": SequenceParallel(), "drop": SequenceParallel(),
-                 "blocks.*.resid_drop*": SequenceParallel()}
-    return plan | {
-        "blocks.*.attn.qkv": ColwiseParallel(sp), "blocks.*.attn.proj": RowwiseParallel(sp),
-        "blocks.*.mlp.fc": ColwiseParallel(sp), "blocks.*.mlp.proj": RowwiseParallel(sp),
-        "head": ColwiseParallel(sp), "loss_fn": VocabParallelLoss(),
-    }
-
-
-def describe_plan(plan: dict[str, object]) -> str:
-    """The plan as a table a learner can read, one pattern per line."""
-    width = max(map(len, plan))
-    return "\n".join(f"{pattern:<{width}}  {style!r}" for pattern, style in plan.items())
-
-
-def parallelize_module(model: nn.Module, comm: Comm, plan: dict[str, object]) -> nn.Module:
-    """Replace every submodule of ``model`` that matches a pattern of ``plan`` by what
-    its style makes of it, in place; patterns are applied in order. Returns ``model``."""
-    new: dict[int, nn.Parameter] = {}  # id(original) -> this rank's part: ties survive
-
-    def shard(name: str, p: nn.Parameter) -> nn.Parameter:
-        if id(p) not in new:
-            part = shard_tensor(name, p.detach(), comm.rank, comm.size)
-            new[id(p)] = nn.Parameter(part.clone(), requires_grad=p.requires_grad)
-        return new[id(p)]
-
-    for pattern, style in plan.items():
-        for name, module in list(model.named_modules()):
-            if name and fnmatch.fnmatchcase(name, pattern):
-                parent, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(parent), leaf,
-                        style.apply(module, name, comm, shard))
-    return model
-
-
-def apply_tensor_parallel(model: GPT, comm: Comm, sequence_parallel: bool = False) -> GPT:
-    """Split a full, initialised ``GPT`` over the tp group ``comm``, in place, with
-    ``tensor_parallel_plan``. With SP the replicated parameters (layer norms, position
-    embedding, row biases) see only part of the sequence: they are marked
-    ``p.sequence_parallel = True``; call ``sync_sequence_parallel_grads`` after backward.
-    """
-    check_tp(model.cfg, comm.size, sequence_parallel)
-    parallelize_module(model, comm, tensor_parallel_plan(sequence_parallel))
-    for name, p in model.named_parameters():
-        if sequence_parallel and tp_shard_dim(name) is None:
-            p.sequence_parallel = True
-    return model

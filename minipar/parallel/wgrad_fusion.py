@@ -22,7 +22,7 @@ counts the arrival as its gradient hook would. The weight then gets no ``.grad``
 the bias still goes through autograd and the hook.
 
 The zero-bubble pipeline splits a backward into B (input gradients) and W (weight
-gradients) and runs each through the engine with only what it wants (``executor.py``).
+gradients) and runs each through the engine with only what it wants (``pp.PipelineExecutor``).
 Autograd's own matrix multiplies skip the product nobody asked for; a custom function
 must ask the engine which of its inputs the running backward will reach
 (``torch._C._will_engine_execute_node``). ``torch.autograd.grad`` cannot answer for a
