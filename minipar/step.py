@@ -196,9 +196,17 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     # reason); bf16 halves the buffers and the adds, as torch's peers sum .grad
     grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
     if cfg.zero == 3:
-        sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
-                     shared=shared, average=False, materialize=materialize,
-                     offload=cfg.offload, grad_dtype=grad_dtype)
+        def zero3(comm, names=None):
+            return Zero3(model, comm, units=units, param_dtype=torch.bfloat16 if bf16 else None,
+                         shared=shared, average=False, materialize=materialize,
+                         offload=cfg.offload, grad_dtype=grad_dtype, only=names)
+        if cfg.ep > 1:  # two wrappers of the model: dense weights over dp x cp, experts
+            from minipar.parallel.ep import ExpertDataParallel, split_experts
+
+            dense, experts = split_experts(model)  # over their replicas
+            sync = ExpertDataParallel(zero3(rm.dp_cp, dense), zero3(rm.edp, experts), rm.ep)
+        else:
+            sync = zero3(rm.dp_cp)
         sync.backwards_per_step = cfg.microbatches  # offload: shards leave at the last
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
@@ -225,11 +233,12 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
                              overlap_param_gather=overlap and cfg.overlap_param_gather,
                              **opt_kwargs)
     if cfg.ep > 1:  # expert weights reduce (and shard) over their own replicas
-        from minipar.parallel.ep import ExpertDataParallel, is_expert
+        from minipar.parallel.ep import ExpertDataParallel, split_experts
 
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        sync = ExpertDataParallel(zero([p for n, p in named if not is_expert(n)], rm.dp_cp),
-                                  zero([p for n, p in named if is_expert(n)], rm.edp), rm.ep)
+        weights = dict(model.named_parameters())
+        dense, experts = split_experts(model)
+        sync = ExpertDataParallel(zero([weights[n] for n in dense], rm.dp_cp),
+                                  zero([weights[n] for n in experts], rm.edp), rm.ep)
     else:
         sync = zero(model.parameters(), rm.dp_cp)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward

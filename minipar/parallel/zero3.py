@@ -68,7 +68,10 @@ class Zero3(OnHost, ShardedState, nn.Module):
     ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
     device (``parallel/materialize.py``): each weight is made when its unit is built and
     only this rank's shard kept (the local model never exists whole); nothing is
-    broadcast, every rank computes the same values.
+    broadcast, every rank computes the same values. ``only``: the names of the weights
+    this wrapper shards over ``comm`` (default: every trainable one); the others are left
+    to another wrapper of the same module over its own group (``parallel/ep.py``: the
+    experts over their replicas).
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, *,
@@ -78,13 +81,16 @@ class Zero3(OnHost, ShardedState, nn.Module):
                  reduce_dtype: torch.dtype | None = None,
                  replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
-                 max_inflight: int = 1, materialize=None, offload: bool = False):
+                 max_inflight: int = 1, materialize=None, offload: bool = False,
+                 only: Iterable[str] | None = None):
         super().__init__()
         self.offload = HostShards() if offload else None  # fp32 masters on the host
         self.module, self.comm = module, comm or Comm()
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
         self.prefetch, self.average, self.max_inflight = prefetch, average, max_inflight
-        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        only = None if only is None else set(only)
+        named = {n: p for n, p in module.named_parameters()
+                 if p.requires_grad and (only is None or n in only)}
         self._values = materialize
         if broadcast and materialize is None:  # every rank starts from rank 0's weights
             broadcast_module(module, self.comm)
