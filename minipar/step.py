@@ -6,11 +6,11 @@ outside, and only then does this rank give its parameters their values, one at a
 the reference's initial values by name and seed (``parallel/materialize.py``), so every
 layout starts from the same weights without any rank holding the whole model:
 
-1. tensor parallelism replaces submodules by sharded ones, following a printable plan
-   (``parallel/tp.py``); context parallelism then replaces the attention cores by the
-   ring, the position embedding and dropouts by their sequence-shard versions
-   (``parallel/cp_plan.py``); expert parallelism each MoE layer's experts by this
-   rank's share of them (``parallel/ep.py``);
+1. expert parallelism replaces each MoE layer's experts by this rank's share of them
+   (``parallel/ep.py``); tensor parallelism replaces submodules by sharded ones (the
+   experts' MLPs too), following a printable plan (``parallel/tp.py``); context
+   parallelism then replaces the attention cores by the ring, the position embedding
+   and dropouts by their sequence-shard versions (``parallel/cp_plan.py``);
 2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
    the rest of the reference model is dropped;
 3. recomputation replaces blocks (``parallel/recompute.py``); with ``--fp8`` the blocks'
@@ -96,16 +96,16 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
 
     mcfg = cfg.model_config()
     full = GPT(mcfg, device="meta")  # shapes only: no rank ever holds the whole model
+    if cfg.ep > 1:  # each MoE layer keeps this rank's experts (parallel/ep.py); tp
+        from minipar.parallel.ep import apply_expert_parallel  # then splits each one
+
+        apply_expert_parallel(full, rm.ep)
     if cfg.tp > 1:
         apply_tensor_parallel(full, rm.tp, sequence_parallel=cfg.sp)
     if cfg.cp > 1:  # after tp: the cp styles see (and keep) sequence parallelism's slice
         from minipar.parallel.cp_plan import apply_context_parallel
 
         apply_context_parallel(full, rm.cp)
-    if cfg.ep > 1:  # each MoE layer keeps this rank's experts (parallel/ep.py)
-        from minipar.parallel.ep import apply_expert_parallel
-
-        apply_expert_parallel(full, rm.ep)
     stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual, cfg.head_layers)
     apply_recompute(stage, cfg.recompute)
     if cfg.fp8:  # the blocks' linears (and tp's local products) multiply in float8

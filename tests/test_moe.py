@@ -249,18 +249,19 @@ def test_stage_parameters_and_flops_count_the_experts(name: str) -> None:
     assert model_flops_per_token(cfg) == pytest.approx(moe_flops_per_token(cfg))
 
 
-@pytest.mark.parametrize("capacity", [0.0, 1.0])
-def test_memory_prediction_holds_for_an_ep_run(capacity: float) -> None:
+@pytest.mark.parametrize("capacity,tp", [(0.0, 1), (1.0, 1), (1.0, 2)])
+def test_memory_prediction_holds_for_an_ep_run(capacity: float, tp: int) -> None:
     """dp 2, ep 2 (fp32 AdamW, ZeRO-0, 1 step): weights, gradients and optimizer states
-    as measured, byte for byte (each rank holds half the experts); the stored
-    activations within 15%: measured over predicted 1.072 dropless (routing is not
-    balanced: a rank's experts receive more than k s rows), 0.988 with capacity 1.
-    The prediction that ignores ep (every rank with all the experts) must miss."""
-    cfg = TrainConfig(model="moe-tiny", dp=2, ep=2, steps=1, timeout=240,
+    as measured, byte for byte (each rank holds half the experts, with tp 2 half of
+    each expert's MLP); the stored activations within 15%: measured over predicted
+    1.072 dropless (routing is not balanced: a rank's experts receive more than k s
+    rows), 0.988 with capacity 1. The prediction that ignores ep (every rank with all
+    the experts) must miss."""
+    cfg = TrainConfig(model="moe-tiny", dp=2, ep=2, tp=tp, steps=1, timeout=240,
                       capacity_factor=capacity)
     got = train(cfg)["ranks"][0]["memory"]
     model = cfg.model_config()
-    want, whole = (memory_per_stage(model, 2, zero=0, dtype=cfg.dtype,
+    want, whole = (memory_per_stage(model, 2, tp=tp, zero=0, dtype=cfg.dtype,
                                     microbatch_size=cfg.batch_size // 2,
                                     accounting="fused", ep=ep)[0] for ep in (2, 1))
     for key in ("params", "grads", "optimizer"):

@@ -9,6 +9,10 @@ or computes the whole layer (Shoeybi et al. 2019, arXiv 1909.08053, section 3):
   each rank takes *whole heads* (rows of q, k and v of its heads), attends on its heads
   alone, and ``proj`` (split by rows) ends in one all-reduce.
 * So a sublayer needs one all-reduce forward ("g") and one backward ("f", conjugate).
+* MoE experts (``model.Experts``): each expert's MLP is split as the MLP is (its
+  ``fc`` by output columns, ``proj`` by input rows, one all-reduce), every expert on
+  every tp rank (Megatron-Core's default: expert tp = tp); with expert parallelism the
+  rows arrive by all-to-all first (``ep.py``).
 * Vocabulary: the embedding and the head are split by vocabulary rows. The loss is
   computed from the shards with three small all-reduces (max, sum of exp, target logit),
   so logits for the whole vocabulary never exist on one rank.
@@ -43,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.model import GPT, GPTConfig
+from minipar.model import GPT, GPTConfig, GroupedLinear, grouped_matmul
 from minipar.parallel.sp import (  # sync_sequence_parallel_grads: re-exported
     SequenceParallel,
     _GatherLinear,
@@ -53,7 +57,9 @@ from minipar.parallel.sp import (  # sync_sequence_parallel_grads: re-exported
 )
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "ColumnParallelLinear", "RowParallelLinear", "ColumnParallelGroupedLinear",
+    "RowParallelGroupedLinear", "GroupedColwiseParallel", "GroupedRowwiseParallel",
+    "VocabParallelEmbedding",
     "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "ColwiseParallel",
     "RowwiseParallel", "VocabParallel", "SequenceParallel", "VocabParallelLoss",
     "tensor_parallel_plan", "describe_plan", "parallelize_module", "apply_tensor_parallel",
@@ -68,6 +74,8 @@ def check_tp(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
         raise ValueError(f"tensor parallel size must be a positive integer, got {tp!r}")
     sizes = [("n_head", cfg.n_head), ("d_model", cfg.d_model), ("d_ff", cfg.d_ff),
              ("vocab_size", cfg.vocab_size)]
+    if cfg.n_expert:
+        sizes.append(("the experts' hidden size", cfg.expert_d_ff))
     if sequence_parallel:
         sizes.append(("seq_len (with sequence parallelism)", cfg.seq_len))
     for what, n in sizes:
@@ -148,6 +156,28 @@ class RowParallelLinear(ColumnParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
+class ColumnParallelGroupedLinear(GroupedLinear):
+    """An MoE layer's ``experts.fc`` split like ``ColumnParallelLinear``: each expert's
+    output columns (dim 1 of [E, out, in]) over tp. Input: the rows sorted by expert,
+    the same on every tp rank (its gradient summed over tp: f)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter, comm: Comm) -> None:
+        nn.Module.__init__(self)
+        self.weight, self.bias, self.comm = weight, bias, comm
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return super().forward(_CopyToTP.apply(x, self.comm), counts)
+
+
+class RowParallelGroupedLinear(ColumnParallelGroupedLinear):
+    """``experts.proj`` split like ``RowParallelLinear``: each expert's input rows (dim 2)
+    over tp; the partial sums are all-reduced (g), then the bias (replicated) added."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        y = _ReduceFromTP.apply(grouped_matmul(x, self.weight, counts), self.comm)
+        return y + self.bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [rank*V/tp, (rank+1)*V/tp) of the table. Tokens outside the shard look up
     zeros; the sum over ranks (all-reduce, or reduce-scatter with SP) completes them."""
@@ -224,6 +254,9 @@ _SHARD_DIMS = {  # parameter name suffix -> dimension split across tp ranks
     "attn.proj.weight": 1,
     "mlp.fc.weight": 0, "mlp.fc.bias": 0,
     "mlp.proj.weight": 1,
+    # an MoE layer's experts ([E, out, in] each): every expert's MLP split as the MLP's
+    "experts.fc.weight": 1, "experts.fc.bias": 1,
+    "experts.proj.weight": 2,
 }
 _PATTERN = re.compile(r"(?:^|\.)(" + "|".join(map(re.escape, _SHARD_DIMS)) + r")$")
 
@@ -299,6 +332,24 @@ class RowwiseParallel(ColwiseParallel):
 
 
 @dataclass(frozen=True)
+class GroupedColwiseParallel:
+    """GroupedLinear (an MoE layer's ``experts.fc``) -> ColumnParallelGroupedLinear."""
+
+    def apply(self, module: GroupedLinear, name: str, comm: Comm, shard) -> nn.Module:
+        return ColumnParallelGroupedLinear(shard(f"{name}.weight", module.weight),
+                                           shard(f"{name}.bias", module.bias), comm)
+
+
+@dataclass(frozen=True)
+class GroupedRowwiseParallel:
+    """GroupedLinear (``experts.proj``) -> RowParallelGroupedLinear (bias replicated)."""
+
+    def apply(self, module: GroupedLinear, name: str, comm: Comm, shard) -> nn.Module:
+        return RowParallelGroupedLinear(shard(f"{name}.weight", module.weight), module.bias,
+                                        comm)
+
+
+@dataclass(frozen=True)
 class VocabParallel(ColwiseParallel):
     """nn.Embedding -> VocabParallelEmbedding (rows of the vocabulary)."""
 
@@ -325,6 +376,8 @@ def tensor_parallel_plan(sequence_parallel: bool = False) -> dict[str, object]:
     return plan | {
         "blocks.*.attn.qkv": ColwiseParallel(sp), "blocks.*.attn.proj": RowwiseParallel(sp),
         "blocks.*.mlp.fc": ColwiseParallel(sp), "blocks.*.mlp.proj": RowwiseParallel(sp),
+        "blocks.*.mlp.experts.fc": GroupedColwiseParallel(),
+        "blocks.*.mlp.experts.proj": GroupedRowwiseParallel(),
         "head": ColwiseParallel(sp), "loss_fn": VocabParallelLoss(),
     }
 
