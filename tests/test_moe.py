@@ -71,7 +71,7 @@ def run_and_compare(**layout):
 
 
 # 2 and 4 ranks; dropless and with a capacity; top-1 and top-2; ZeRO 0-3, and offload
-# (each group's masters on the host)
+# (each group's masters on the host); tp (each expert's MLP split) with and without ep
 LAYOUTS = [
     dict(dp=2, ep=2, microbatches=2),
     dict(dp=2, ep=2, pp=2, microbatches=2, capacity_factor=1.0, zero=1),
@@ -79,6 +79,8 @@ LAYOUTS = [
     dict(dp=2, ep=2, pp=2, microbatches=2, zero=3),
     dict(dp=2, ep=2, microbatches=2, capacity_factor=1.0, zero=1, offload=True),
     dict(dp=2, ep=2, microbatches=2, zero=3, offload=True),
+    dict(tp=2, microbatches=2, capacity_factor=1.0),  # the experts' MLPs split by tp
+    dict(dp=2, ep=2, tp=2, zero=3),
 ]
 
 
