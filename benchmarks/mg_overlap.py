@@ -14,7 +14,9 @@ On each rank, a configuration of the speed rows (the same construction code,
 
 Configurations: gpt-1.3b at the speed rows' sizes, minipar dp N with ZeRO-1, 2 and 3,
 torch DDP and FSDP2 at dp N (per-GPU batch ``Sizes.per_gpu_batch``), minipar tp N with
-sequence parallelism against DTensor tp N sp (global batch ``Sizes.tp_batch``). An
+sequence parallelism against DTensor tp N sp (global batch ``Sizes.tp_batch``), and
+moe-1.3b at dp N with ep 1 and N (ZeRO-1, one sequence a micro-batch): ``a2a_s`` the
+all-to-all's kernels, ``a2a_exposed_s_max`` the part no compute hides (worst rank). An
 NCCL kernel's time includes waiting for the slowest peer, so part of "exposed" is rank
 skew, not wire time. Rank 0's first profiled step of minipar dp N ZeRO-2 is written as a
 gzipped Chrome trace under --out (Perfetto opens it). On CPU (gloo) there are no device
@@ -85,19 +87,35 @@ def is_copy(name: str) -> bool:
     return name.startswith(("Memcpy", "Memset"))
 
 
-def overlap_stats(kernels: list[Kernel]) -> dict:
-    """Communication, overlapped, exposed and busy seconds of one device's events.
-    A communication interval counts as overlapped where a compute kernel on another
-    stream runs at the same time (kernels of one stream never overlap anyway)."""
-    comm = [k for k in kernels if is_comm(k[0])]
-    compute = [k for k in kernels if not is_comm(k[0]) and not is_copy(k[0])]
+def is_all_to_all(name: str) -> bool:
+    """NCCL runs ``all_to_all_single`` as grouped sends and receives (pp's too: an MoE
+    row has no pp)."""
+    return is_comm(name) and ("sendrecv" in name.lower() or "alltoall" in name.lower())
+
+
+def _hidden(comm: list[Kernel], compute: list[Kernel]) -> list[Interval]:
+    """Where a compute kernel on another stream runs beside the communication."""
     hidden: list[Interval] = []
     for stream in {k[3] for k in comm}:
         mine = [(a, b) for _, a, b, s in comm if s == stream]
         others = [(a, b) for _, a, b, s in compute if s != stream]
         hidden += intersect(mine, others)
+    return hidden
+
+
+def overlap_stats(kernels: list[Kernel]) -> dict:
+    """Communication, overlapped, exposed and busy seconds of one device's events.
+    A communication interval counts as overlapped where a compute kernel on another
+    stream runs at the same time (kernels of one stream never overlap anyway).
+    ``a2a_s`` / ``a2a_exposed_s``: the same for the all-to-all kernels alone (MoE)."""
+    comm = [k for k in kernels if is_comm(k[0])]
+    compute = [k for k in kernels if not is_comm(k[0]) and not is_copy(k[0])]
+    hidden = _hidden(comm, compute)
+    a2a = [k for k in comm if is_all_to_all(k[0])]
+    a2a_s = length((a, b) for _, a, b, _ in a2a)
     comm_s, hidden_s = length((a, b) for _, a, b, _ in comm), length(hidden)
-    return {"kernels": len(kernels), "nccl_kernels": len(comm),
+    return {"kernels": len(kernels), "nccl_kernels": len(comm), "a2a_s": a2a_s,
+            "a2a_exposed_s": a2a_s - length(_hidden(a2a, compute)),
             "comm_s": comm_s, "comm_sum_s": sum(b - a for _, a, b, _ in comm),
             "overlapped_s": hidden_s, "exposed_s": comm_s - hidden_s,
             "compute_s": length((a, b) for _, a, b, _ in compute),
@@ -134,7 +152,8 @@ def kernel_totals(kernels: list[Kernel], top: int = 30) -> dict:
 
 def mean_stats(steps: list[dict]) -> dict:
     """Per-step means of ``overlap_stats`` records (the hidden share from the sums)."""
-    keys = ("comm_s", "comm_sum_s", "overlapped_s", "exposed_s", "compute_s", "busy_s")
+    keys = ("comm_s", "comm_sum_s", "overlapped_s", "exposed_s", "compute_s", "busy_s",
+            "a2a_s", "a2a_exposed_s")
     out = {k: statistics.fmean(s[k] for s in steps) for k in keys}
     out.update(kernels=statistics.fmean(s["kernels"] for s in steps),
                nccl_kernels=statistics.fmean(s["nccl_kernels"] for s in steps),
@@ -276,7 +295,9 @@ def _reduce(res: list[dict]) -> dict:
                exposed_s_mean=statistics.fmean(m["exposed_s"] for m in means),
                busy_s=statistics.fmean(m["busy_s"] for m in means),
                busy_share=statistics.fmean(m["busy_s"] for m in means) / wall,
-               exposed_share=worst["exposed_s"] / wall)
+               exposed_share=worst["exposed_s"] / wall,
+               a2a_s=statistics.fmean(m["a2a_s"] for m in means),
+               a2a_exposed_s_max=max(m["a2a_exposed_s"] for m in means))
     share = f"{100 * row['hidden_share']:.0f}%" if row["hidden_share"] is not None else "-"
     row["brief"] = (f"NCCL {1e3 * comm:.1f} ms/step, {share} hidden, exposed "
                     f"{1e3 * worst['exposed_s']:.1f} ms (worst rank; "
@@ -314,6 +335,9 @@ def section_overlap(run) -> None:
                      run, model, n, b, ov, pp=n, microbatches=m, schedule=sched)),
                  (f"torch pipelining pp{n} {sched}", "pp", mg.peer_spec(
                      run, "torch-pp", model, n, b, ov, schedule=sched, microbatches=m))]
+    moe = "moe-1.3b" if run.cuda else "moe-tiny"  # gpt-1.3b's active parameters
+    rows += [(f"minipar {moe} dp{n} ep{e}", "ep", mg.minipar_spec(
+        run, moe, n, b * n, dp=n, ep=e, zero=1, microbatches=b)) for e in (1, n)]
     for name, group, spec in rows:
         spec.update(warmup=min(WARMUP, s.warmup), steps=PROFILED)
         trace = os.path.join(run.args.out, f"overlap_trace_dp{n}_zero2_rank0.json.gz") \

@@ -6,11 +6,11 @@ outside, and only then does this rank give its parameters their values, one at a
 the reference's initial values by name and seed (``parallel/materialize.py``), so every
 layout starts from the same weights without any rank holding the whole model:
 
-1. tensor parallelism replaces submodules by sharded ones, following a printable plan
-   (``parallel/tp.py``); context parallelism then replaces the attention cores by the
-   ring, the position embedding and dropouts by their sequence-shard versions
-   (``parallel/cp_plan.py``); expert parallelism each MoE layer's experts by this
-   rank's share of them (``parallel/ep.py``);
+1. expert parallelism replaces each MoE layer's experts by this rank's share of them
+   (``parallel/ep.py``); tensor parallelism replaces submodules by sharded ones (the
+   experts' MLPs too), following a printable plan (``parallel/tp.py``); context
+   parallelism then replaces the attention cores by the ring, the position embedding
+   and dropouts by their sequence-shard versions (``parallel/cp_plan.py``);
 2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
    the rest of the reference model is dropped;
 3. recomputation replaces blocks (``parallel/recompute.py``); with ``--fp8`` the blocks'
@@ -31,24 +31,42 @@ so the gradient is exactly that of the global batch's mean loss on one device.
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from minipar.config import TrainConfig, device_for, lr_at, optimizer_class, optimizer_kwargs
 from minipar.data import TokenSource, local_batches
+from minipar.hf import HFCheckpoint
 from minipar.mesh import RankMesh
-from minipar.meter import HeldPeaks
-from minipar.model import GPT, set_moe_loss_scale
+from minipar.meter import HeldPeaks, HostPeak
+from minipar.model import GPT, set_dropout_key, set_moe_loss_scale
+from minipar.parallel.cp_plan import apply_context_parallel, shard_batch
+from minipar.parallel.ep import (
+    ExpertDataParallel,
+    apply_expert_parallel,
+    expert_values,
+    split_experts,
+)
+from minipar.parallel.fp8 import apply_fp8
+from minipar.parallel.materialize import init_values
+from minipar.parallel.pp import (
+    PipelineExecutor,
+    PipelineStage,
+    StageLayers,
+    build_stage,
+    tied_copy,
+)
 from minipar.parallel.precision import MixedPrecision
+from minipar.parallel.recompute import apply_recompute
+from minipar.parallel.schedules import make_schedule
+from minipar.parallel.tp import apply_tensor_parallel, tp_shard_dim
+from minipar.parallel.wgrad_fusion import fuse_weight_gradients
 from minipar.parallel.zero import GradientSync, OnHost, Zero3, ZeroOptimizer
 from minipar.parallel.zero.shards import global_grad_norm
 from minipar.reshard import ShardReader, load_optimizer_state
-
-if TYPE_CHECKING:  # (pp is imported where it is built: its first import is timed apart)
-    from minipar.parallel.pp import PipelineExecutor, PipelineStage
 
 __all__ = ["Parts", "build", "data_parallel", "loss_scale", "clip_gradients", "train_step"]
 
@@ -65,7 +83,7 @@ class Parts:
     names: list[str]  # reference names of this rank's trainable weights
     sp_names: list[str]  # weights whose gradient is also summed over tp (SP norms)
     tied_names: list[str]  # a tied embedding's copy, summed over the embedding group
-    offload: OnHost | None = None  # ZeRO-Offload's host side (its traffic), or None
+    offload: OnHost | ExpertDataParallel | None = None  # ZeRO-Offload: its traffic
     # measurement beside the mechanics: the peaks of the data-parallel buffers in a step
     peaks: HeldPeaks = field(default_factory=HeldPeaks)
     build_seconds: float = 0.0  # how long build took on this rank
@@ -80,15 +98,11 @@ def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
     optimizer states come from it, each rank reading only the shards it needs.
     Records ``build_seconds`` and ``host_peak_bytes`` (resident host memory growth).
     """
-    import importlib
 
-    from minipar.meter import HostPeak
 
     # imported before measuring: a module's first import costs seconds and tens of MB
     # that are not the build's (a torch optimizer's first construction imports dynamo)
-    for module in ("torch._dynamo", "minipar.parallel.materialize", "minipar.parallel.pp",
-                   "minipar.parallel.recompute"):
-        importlib.import_module(module)
+    importlib.import_module("torch._dynamo")
 
     t0 = time.perf_counter()
     with HostPeak() as host:
@@ -98,28 +112,20 @@ def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
 
 
 def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
-    from minipar.parallel.materialize import init_values
-    from minipar.parallel.pp import PipelineExecutor, StageLayers, build_stage
-    from minipar.parallel.recompute import apply_recompute
-    from minipar.parallel.schedules import make_schedule
-    from minipar.parallel.tp import apply_tensor_parallel
 
     mcfg = cfg.model_config()
     full = GPT(mcfg, device="meta")  # shapes only: no rank ever holds the whole model
+    if cfg.ep > 1:  # each MoE layer keeps this rank's experts (parallel/ep.py); tp
+
+        apply_expert_parallel(full, rm.ep)
     if cfg.tp > 1:
         apply_tensor_parallel(full, rm.tp, sequence_parallel=cfg.sp)
     if cfg.cp > 1:  # after tp: the cp styles see (and keep) sequence parallelism's slice
-        from minipar.parallel.cp_plan import apply_context_parallel
 
         apply_context_parallel(full, rm.cp)
-    if cfg.ep > 1:  # each MoE layer keeps this rank's experts (parallel/ep.py)
-        from minipar.parallel.ep import apply_expert_parallel
-
-        apply_expert_parallel(full, rm.ep)
     stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual, cfg.head_layers)
     apply_recompute(stage, cfg.recompute)
     if cfg.fp8:  # the blocks' linears (and tp's local products) multiply in float8
-        from minipar.parallel.fp8 import apply_fp8
 
         apply_fp8(stage, cfg.fp8, emulate=cfg.fp8_emulate)
     model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
@@ -133,13 +139,11 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     if resume is not None:
         values = resume.values(device)
     elif cfg.init_from:
-        from minipar.hf import HFCheckpoint
 
         values = HFCheckpoint(cfg.init_from).values(rm.coords.tp, cfg.tp, device)
     else:
         values = init_values(mcfg, cfg.seed, rm.coords.tp, cfg.tp, device)
     if cfg.ep > 1:
-        from minipar.parallel.ep import expert_values
 
         values = expert_values(values, rm.ep.rank, cfg.ep)
     for chunk in stage:  # MoE auxiliary losses weigh as their micro-batch's loss
@@ -155,10 +159,11 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     sync, optimizer = data_parallel(
         cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names,
         values, offload)
+    if offload is not None and isinstance(sync, ExpertDataParallel):
+        offload = sync  # (its last_traffic: both parts' hosts)
     peaks = HeldPeaks()
     sync.observe(peaks)
     if cfg.wgrad_fusion:  # before the executor looks at the modules
-        from minipar.parallel.wgrad_fusion import fuse_weight_gradients
 
         fuse_weight_gradients(stage, sync)
     actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
@@ -201,9 +206,16 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     # reason); bf16 halves the buffers and the adds, as torch's peers sum .grad
     grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
     if cfg.zero == 3:
-        sync = Zero3(model, rm.dp_cp, units=units, param_dtype=torch.bfloat16 if bf16 else None,
-                     shared=shared, average=False, materialize=materialize,
-                     place=offload, grad_dtype=grad_dtype)
+        def zero3(comm, place, names=None):
+            return Zero3(model, comm, units=units, param_dtype=torch.bfloat16 if bf16 else None,
+                         shared=shared, average=False, materialize=materialize,
+                         place=place, grad_dtype=grad_dtype, only=names)
+        if cfg.ep > 1:  # two wrappers of the model: dense weights over dp x cp, experts
+            dense, experts = split_experts(model)  # over their replicas (each its host)
+            sync = ExpertDataParallel(zero3(rm.dp_cp, offload, dense),
+                                      zero3(rm.edp, offload and OnHost(), experts), rm.ep)
+        else:
+            sync = zero3(rm.dp_cp, offload)
         sync.backwards_per_step = cfg.microbatches  # OnHost: shards leave at the last
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)
@@ -221,21 +233,21 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
         (sum(p.numel() * p.element_size() for p in u.parameters()) for u in units),
         default=25 * 2**20) / 2**20
 
-    def zero(params, comm):
+    def zero(params, comm, place):
         return ZeroOptimizer(params, opt_cls, module=model, stage=cfg.zero, comm=comm,
                              precision=precision, average=False, shared=shared,
                              mode=cfg.ddp, bucket_mb=bucket_mb, materialize=materialize,
-                             place=offload, grad_dtype=grad_dtype,
+                             place=place, grad_dtype=grad_dtype,
                              overlap_param_gather=overlap and cfg.overlap_param_gather,
                              **opt_kwargs)
     if cfg.ep > 1:  # expert weights reduce (and shard) over their own replicas
-        from minipar.parallel.ep import ExpertDataParallel, is_expert
-
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        sync = ExpertDataParallel(zero([p for n, p in named if not is_expert(n)], rm.dp_cp),
-                                  zero([p for n, p in named if is_expert(n)], rm.edp), rm.ep)
+        weights = dict(model.named_parameters())
+        dense, experts = split_experts(model)  # (each part on a host of its own)
+        sync = ExpertDataParallel(zero([weights[n] for n in dense], rm.dp_cp, offload),
+                                  zero([weights[n] for n in experts], rm.edp,
+                                       offload and OnHost()), rm.ep)
     else:
-        sync = zero(model.parameters(), rm.dp_cp)
+        sync = zero(model.parameters(), rm.dp_cp, offload)
     sync.backwards_per_step = cfg.microbatches  # reduce during the last one's backward
     return sync, sync
 
@@ -258,8 +270,6 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor
     ``min(1, clip / norm)`` is computed and applied there too, as
     ``torch.nn.utils.clip_grad_norm_`` does (read the norm after the update).
     """
-    from minipar.parallel.pp import tied_copy
-    from minipar.parallel.tp import tp_shard_dim
 
     def counted(name: str) -> bool:
         if tied_copy(name, parts.model.cfg):  # the last stage's copy of a tied embedding
@@ -276,8 +286,6 @@ def clip_gradients(cfg: TrainConfig, rm: RankMesh, parts: Parts) -> torch.Tensor
 def train_step(cfg: TrainConfig, rm: RankMesh, parts: Parts, data: TokenSource,
                step: int) -> dict:
     """One optimizer step on the global batch of ``step``. Returns loss and timeline."""
-    from minipar.model import set_dropout_key
-    from minipar.parallel.cp_plan import shard_batch
 
     lr = lr_at(step, cfg)
     for group in parts.optimizer.param_groups:

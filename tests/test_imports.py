@@ -22,8 +22,6 @@ PACKAGE = ROOT / "minipar"
 # run without them; plotly, ipywidgets and IPython are the notebooks')
 OPTIONAL = {"plotly", "ipywidgets", "IPython", "jupyterlab", "jupyterlab_widgets",
             "tokenizers", "safetensors", "transformers", "datasets", "pyarrow"}
-# files whose function-level imports another change in flight moves to the top
-IN_FLIGHT = {"step.py"}
 
 
 def _modules() -> dict[str, Path]:
@@ -159,8 +157,6 @@ def test_functions_import_only_optional_packages() -> None:
     engine must run without, and said so in a comment on it or the line before."""
     wrong = []
     for module, path in MODULES.items():
-        if str(path.relative_to(PACKAGE)) in IN_FLIGHT:
-            continue
         lines = path.read_text().splitlines()
         for node in _import_nodes(_tree(path), at_import_time=False):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) \

@@ -70,10 +70,17 @@ def run_and_compare(**layout):
     return run, compare(run, ref, params, ref["params"]), ref
 
 
-LAYOUTS = [  # 2 and 4 ranks; dropless and with a capacity; top-1 and top-2; every ZeRO 0-2
+# 2 and 4 ranks; dropless and with a capacity; top-1 and top-2; ZeRO 0-3, and offload
+# (each group's masters on the host); tp (each expert's MLP split) with and without ep
+LAYOUTS = [
     dict(dp=2, ep=2, microbatches=2),
     dict(dp=2, ep=2, pp=2, microbatches=2, capacity_factor=1.0, zero=1),
     dict(dp=2, ep=2, tp=2, capacity_factor=1.25, moe_top_k=1, zero=2),
+    dict(dp=2, ep=2, pp=2, microbatches=2, zero=3),
+    dict(dp=2, ep=2, microbatches=2, capacity_factor=1.0, zero=1, offload=True),
+    dict(dp=2, ep=2, microbatches=2, zero=3, offload=True),
+    dict(tp=2, microbatches=2, capacity_factor=1.0),  # the experts' MLPs split by tp
+    dict(dp=2, ep=2, tp=2, zero=3),
 ]
 
 
@@ -93,6 +100,21 @@ def test_adamw_clipped_zero1_with_z_loss_and_replicated_experts() -> None:
                                      z_loss_coef=1e-3)
     assert parity.ok(FP32), parity.describe()
     assert run["losses"][-1] < run["losses"][0] - 0.2
+
+
+def test_zero3_shards_experts_over_their_replicas() -> None:
+    """dp 4, ep 2, ZeRO-3, AdamW clipped: at parity, and each rank's Adam moments are
+    its dense weights over 4 ranks plus its E/ep experts over their 2 replicas (the
+    theory's ``sharded``, to the flats' padding); experts sharded over dp would be
+    half that, unsharded twice."""
+    run, parity, _ = run_and_compare(dp=4, ep=2, zero=3, capacity_factor=1.0)
+    assert parity.ok(FP32), parity.describe()
+    model = TrainConfig(model="moe-tiny").model_config()
+    got = run["ranks"][0]["memory"]["optimizer"]
+    want = memory_per_stage(model, 4, zero=3, dtype="fp32", accounting="fused",
+                            ep=2)[0]["optimizer"]
+    experts = 2 * 4 * stage_expert_params(model, ep=2)  # Adam: 2 fp32 moments
+    assert abs(got - want) < 0.01 * experts, (got, want, experts)
 
 
 def test_all_to_all_bytes_equal_the_theory() -> None:
@@ -126,12 +148,13 @@ def test_aux_loss_not_averaged_over_microbatches_fails(monkeypatch) -> None:
     assert not broken.ok(FP32), f"an auxiliary loss 2x too heavy passed: {broken}"
 
 
-def test_expert_gradients_over_the_wrong_group_fail(monkeypatch) -> None:
+@pytest.mark.parametrize("zero", [0, 3])
+def test_expert_gradients_over_the_wrong_group_fail(monkeypatch, zero: int) -> None:
     """dp 2, ep 2: each expert lives once (edp = 1 rank); summing its gradient over dp
-    adds the other rank's experts to it."""
+    adds the other rank's experts to it (ZeRO-3: and shards it there)."""
     monkeypatch.setattr(mesh_module.RankMesh, "edp",
                         property(lambda self: self.comms["dp_cp"]))
-    _, broken, _ = run_and_compare(dp=2, ep=2, **SGD)
+    _, broken, _ = run_and_compare(dp=2, ep=2, zero=zero, **SGD)
     assert not broken.ok(FP32), f"expert gradients summed over dp passed: {broken}"
 
 
@@ -228,18 +251,19 @@ def test_stage_parameters_and_flops_count_the_experts(name: str) -> None:
     assert model_flops_per_token(cfg) == pytest.approx(moe_flops_per_token(cfg))
 
 
-@pytest.mark.parametrize("capacity", [0.0, 1.0])
-def test_memory_prediction_holds_for_an_ep_run(capacity: float) -> None:
+@pytest.mark.parametrize("capacity,tp", [(0.0, 1), (1.0, 1), (1.0, 2)])
+def test_memory_prediction_holds_for_an_ep_run(capacity: float, tp: int) -> None:
     """dp 2, ep 2 (fp32 AdamW, ZeRO-0, 1 step): weights, gradients and optimizer states
-    as measured, byte for byte (each rank holds half the experts); the stored
-    activations within 15%: measured over predicted 1.072 dropless (routing is not
-    balanced: a rank's experts receive more than k s rows), 0.988 with capacity 1.
-    The prediction that ignores ep (every rank with all the experts) must miss."""
-    cfg = TrainConfig(model="moe-tiny", dp=2, ep=2, steps=1, timeout=240,
+    as measured, byte for byte (each rank holds half the experts, with tp 2 half of
+    each expert's MLP); the stored activations within 15%: measured over predicted
+    1.072 dropless (routing is not balanced: a rank's experts receive more than k s
+    rows), 0.988 with capacity 1. The prediction that ignores ep (every rank with all
+    the experts) must miss."""
+    cfg = TrainConfig(model="moe-tiny", dp=2, ep=2, tp=tp, steps=1, timeout=240,
                       capacity_factor=capacity, measure_activations=True)
     got = train(cfg)["ranks"][0]["memory"]
     model = cfg.model_config()
-    want, whole = (memory_per_stage(model, 2, zero=0, dtype=cfg.dtype,
+    want, whole = (memory_per_stage(model, 2, tp=tp, zero=0, dtype=cfg.dtype,
                                     microbatch_size=cfg.batch_size // 2,
                                     accounting="fused", ep=ep)[0] for ep in (2, 1))
     for key in ("params", "grads", "optimizer"):
@@ -269,12 +293,12 @@ def test_fit_check_and_memory_command_count_experts_by_ep(tmp_path, capsys) -> N
 
 
 def test_planner_enumerates_ep_and_prices_the_all_to_all() -> None:
-    """Every ep dividing dp and the experts is tried (none with ZeRO-3); the ep term is
+    """Every ep dividing dp and the experts is tried, with every ZeRO stage; the ep term is
     the theory's all-to-all bytes at the cluster's link: a calibrated all-to-all when
     given, else the all-gather's."""
     result = plan("moe-1.3b", "dgx-a100", 64, recomputes=("none",), schedules=("1f1b",))
     eps = {(lay.ep, lay.zero) for lay in result}
-    assert {e for e, _ in eps} == {1, 2, 4, 8} and all(z < 3 for e, z in eps if e > 1)
+    assert {e for e, _ in eps} == {1, 2, 4, 8} and {z for e, z in eps if e > 1} == {0, 1, 2, 3}
     assert {lay.ep for lay in plan("gpt-1.3b", "dgx-a100", 64, recomputes=("none",))} == {1}
     where = get_cluster("dgx-a100")
     lay = evaluate("moe-1.3b", where, 1, 1, 8, zero=1, microbatch_size=8, global_batch=64,

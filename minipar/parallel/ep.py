@@ -17,8 +17,8 @@ swapped. Every exchange goes through ``Comm.all_to_all`` (counted). This is the
 placement of GShard (Lepikhin et al. 2020, arXiv 2006.16668), Megatron-Core and
 torchtitan: experts sharded over ep, replicated over dp/ep. So dense weights keep their
 reduction over dp x cp while an expert's gradient is summed over its own replicas, the
-*edp group* (``ExpertDataParallel``: two ZeRO optimizers, one per group; each shards its
-states over its own ranks).
+*edp group* (``ExpertDataParallel``: two ZeRO wrappers, one per group, at any stage and
+with offload; each shards its weights' states, ZeRO-3 the weights too, over its ranks).
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ from minipar.model import Experts, GPTConfig, MoE
 def is_expert(name: str) -> bool:
     """Whether parameter ``name`` belongs to an MoE layer's experts (split by ep)."""
     return ".experts." in f".{name}"
+
+
+def split_experts(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The names of ``model``'s trainable weights: (dense ones, expert ones)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n in names if not is_expert(n)], [n for n in names if is_expert(n)]
 
 
 def check_ep(cfg, model: GPTConfig) -> None:
@@ -64,10 +70,8 @@ def check_ep(cfg, model: GPTConfig) -> None:
     if model.n_expert % cfg.ep:
         raise ValueError(f"--ep {cfg.ep} must divide the number of experts "
                          f"({model.n_expert})")
-    for flag, on in (("--zero 3", cfg.zero == 3), ("--offload", cfg.offload),
-                     ("--resume", cfg.resume is not None)):
-        if on:
-            raise ValueError(f"--ep {cfg.ep} with {flag} is not supported yet")
+    if cfg.resume is not None:
+        raise ValueError(f"--ep {cfg.ep} with --resume is not supported yet")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -163,9 +167,12 @@ def expert_values(values, ep_rank: int, ep: int):
 
 
 class ExpertDataParallel:
-    """The data-parallel layer when experts are split: two ``ZeroOptimizer`` s, ``dense``
-    over dp x cp and ``experts`` over the edp group, offered as one (the calls
-    ``step.data_parallel`` documents, and an optimizer's ``param_groups`` / ``step``).
+    """The data-parallel layer when experts are split: two ZeRO wrappers of the same
+    stage, ``dense`` over dp x cp and ``experts`` over the edp group, offered as one (the
+    calls ``step.data_parallel`` documents). ZeRO 0-2: two ``ZeroOptimizer`` s, stepped
+    together (an optimizer's ``param_groups`` / ``step``); ZeRO-3: two ``Zero3`` s, each
+    sharding its own weights (``only``) under one torch optimizer (``parameters``).
+    With ``--offload`` each keeps its masters on the host.
 
     Gradient norm: each rank owns its dense shard (once over dp) and its expert shard
     (once over edp; the ep ranks hold other experts), so the squared sums over dp, tp and
@@ -174,6 +181,8 @@ class ExpertDataParallel:
 
     def __init__(self, dense, experts, ep: Comm) -> None:
         self.dense, self.experts, self.ep = dense, experts, ep
+        # ZeroOptimizer counts its whole module's weights; a Zero3 its own only
+        self.counts_module = isinstance(dense, torch.optim.Optimizer)
 
     @property
     def parts(self) -> tuple:
@@ -186,6 +195,21 @@ class ExpertDataParallel:
     @property
     def param_groups(self) -> list[dict]:
         return [g for z in self.parts for g in z.param_groups]
+
+    @property
+    def last_traffic(self) -> dict[str, int]:
+        """ZeRO-Offload's bytes each way of the last step, both parts' hosts together."""
+        last = [z.place.last_traffic for z in self.parts]
+        return {k: sum(t[k] for t in last) for k in last[0]}
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """ZeRO-3: the master shards of both parts, for one torch optimizer."""
+        for z in self.parts:
+            yield from z.parameters()
+
+    def publish_after(self, optimizer: torch.optim.Optimizer) -> None:
+        for z in self.parts:
+            z.publish_after(optimizer)
 
     @property
     def backwards_per_step(self) -> int:
@@ -234,14 +258,17 @@ class ExpertDataParallel:
         self.dense.accumulate_product(p, dy, x)
 
     def memory_bytes(self, optimizer=None) -> dict[str, int]:
-        dense, experts = self.dense.memory_bytes(), self.experts.memory_bytes()
-        # (each counts the whole module's weights under "params": once)
-        return {k: v + (experts.get(k, 0) if k != "params" else 0) for k, v in dense.items()}
+        """Both parts' bytes; ``optimizer`` (ZeRO-3's, over both) counted once."""
+        dense = self.dense.memory_bytes(optimizer)
+        experts = self.experts.memory_bytes(None)
+        if self.counts_module:  # (each counts the whole module's weights: once)
+            experts["params"] = 0
+        return {k: v + experts.get(k, 0) for k, v in dense.items()}
 
     def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
         """(fp32 weights, optimizer states) by name, whole (collective over dp and ep)."""
-        weights, states = self.dense.full_state_by_name()
-        ew, es = self.experts.full_state_by_name()
+        weights, states = self.dense.full_state_by_name(optimizer)
+        ew, es = self.experts.full_state_by_name(optimizer)
         for name in ew:
             weights[name] = self.ep.all_gather(ew[name], dim=0)
             states[name] = {k: self.ep.all_gather(v, dim=0)

@@ -4,9 +4,12 @@ Each layer's weights are split over the ``tp`` ranks (Shoeybi et al. 2019, arXiv
 1909.08053, section 3): ``qkv`` and ``fc`` by output rows (attention by whole heads),
 ``proj`` by input columns, so a sublayer costs one all-reduce forward ("g") and one
 backward ("f"); the embedding, head and loss are split by vocabulary rows, so no rank
-holds logits for the whole vocabulary. Sequence parallelism (Korthikanti et al. 2022,
-arXiv 2205.05198, 4.2.2) is the same layers with g a reduce-scatter and f an all-gather
-along the sequence: outside the tp regions a rank keeps positions [r*s/tp, (r+1)*s/tp).
+holds logits for the whole vocabulary. An MoE layer's experts are split as the MLP is,
+every expert on every tp rank (Megatron-Core's default, expert tp = tp; with expert
+parallelism the rows arrive by all-to-all first, ``ep.py``). Sequence parallelism
+(Korthikanti et al. 2022, arXiv 2205.05198, 4.2.2) is the same layers with g a
+reduce-scatter and f an all-gather along the sequence: outside the tp regions a rank
+keeps positions [r*s/tp, (r+1)*s/tp).
 
 The plan (``tensor_parallel_plan``) maps module-name patterns to styles named and meant
 as torch's; ``parallelize_module`` swaps each matching submodule of a single-device
@@ -29,10 +32,12 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from minipar.comm import Comm
-from minipar.model import GPT, GPTConfig, KeyedDropout
+from minipar.model import GPT, GPTConfig, GroupedLinear, KeyedDropout, grouped_matmul
 
 __all__ = [
     "check_tp", "wanted", "ColumnParallelLinear", "RowParallelLinear",
+    "ColumnParallelGroupedLinear", "RowParallelGroupedLinear", "GroupedColwiseParallel",
+    "GroupedRowwiseParallel",
     "VocabParallelEmbedding", "SequenceShardedEmbedding", "SequenceParallelDropout",
     "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
     "sync_sequence_parallel_grads", "Split", "ParallelStyle", "ColwiseParallel",
@@ -49,6 +54,8 @@ def check_tp(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
         raise ValueError(f"tensor parallel size must be a positive integer, got {tp!r}")
     sizes = [("n_head", cfg.n_head), ("d_model", cfg.d_model), ("d_ff", cfg.d_ff),
              ("vocab_size", cfg.vocab_size)]
+    if cfg.n_expert:
+        sizes.append(("the experts' hidden size", cfg.expert_d_ff))
     if sequence_parallel:
         sizes.append(("seq_len (with sequence parallelism)", cfg.seq_len))
     for what, n in sizes:
@@ -230,6 +237,28 @@ class RowParallelLinear(ColumnParallelLinear):
         else:
             y = _ReduceFromTP.apply(self.linear(x, self.weight, None), self.comm)
         return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelGroupedLinear(GroupedLinear):
+    """An MoE layer's ``experts.fc`` split like ``ColumnParallelLinear``: each expert's
+    output columns (dim 1 of [E, out, in]) over tp. Input: the rows sorted by expert,
+    the same on every tp rank (its gradient summed over tp: f)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter, comm: Comm) -> None:
+        nn.Module.__init__(self)
+        self.weight, self.bias, self.comm = weight, bias, comm
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return super().forward(_CopyToTP.apply(x, self.comm), counts)
+
+
+class RowParallelGroupedLinear(ColumnParallelGroupedLinear):
+    """``experts.proj`` split like ``RowParallelLinear``: each expert's input rows (dim 2)
+    over tp; the partial sums are all-reduced (g), then the bias (replicated) added."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        y = _ReduceFromTP.apply(grouped_matmul(x, self.weight, counts), self.comm)
+        return y + self.bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -418,6 +447,33 @@ class ColwiseParallel(ParallelStyle):
                                     self.input_layouts == Shard(SEQ))
 
 
+@dataclass(frozen=True)
+class GroupedColwiseParallel(ParallelStyle):
+    """``GroupedLinear`` (an MoE layer's ``experts.fc``, [E, out, in]) ->
+    ``ColumnParallelGroupedLinear``: every expert's output rows split, as ``mlp.fc``'s
+    (minipar's own: torch has no style for grouped experts)."""
+
+    def param_splits(self, module: nn.Module) -> dict[str, Split]:
+        _kind(self, module, GroupedLinear)
+        return {"weight": Split(1), "bias": Split(1)}
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        return ColumnParallelGroupedLinear(module.weight, module.bias, comm)
+
+
+@dataclass(frozen=True)
+class GroupedRowwiseParallel(ParallelStyle):
+    """``GroupedLinear`` (``experts.proj``) -> ``RowParallelGroupedLinear``: every
+    expert's input columns split, as ``mlp.proj``'s; the bias stays whole."""
+
+    def param_splits(self, module: nn.Module) -> dict[str, Split]:
+        _kind(self, module, GroupedLinear)
+        return {"weight": Split(2)}
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        return RowParallelGroupedLinear(module.weight, module.bias, comm)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RowwiseParallel(ParallelStyle):
     """nn.Linear -> ``RowParallelLinear`` (weight split by input columns, bias whole);
@@ -526,6 +582,8 @@ def tensor_parallel_plan(sequence_parallel: bool = False) -> Plan:
         "blocks.*.attn.proj": RowwiseParallel(output_layouts=seq),
         "blocks.*.mlp.fc": ColwiseParallel(input_layouts=seq),
         "blocks.*.mlp.proj": RowwiseParallel(output_layouts=seq),
+        "blocks.*.mlp.experts.fc": GroupedColwiseParallel(),
+        "blocks.*.mlp.experts.proj": GroupedRowwiseParallel(),
         "head": ColwiseParallel(input_layouts=seq),
         "loss_fn": VocabParallelLoss(),
     }
@@ -593,8 +651,14 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sequence_parallel: bool = Fals
 
 @functools.cache
 def _gpt_splits() -> dict[str, Split]:
-    # the plan on a meta-device GPT: splits depend on module kinds, not on sizes or SP
-    return param_splits(GPT("tiny", device="meta"), tensor_parallel_plan())
+    # the plan on meta-device GPTs, dense and with experts (splits depend on module
+    # kinds, not on sizes or SP), every block's names folded into block 0's
+    out = {}
+    for preset in ("tiny", "moe-tiny"):
+        for name, split in param_splits(GPT(preset, device="meta"),
+                                        tensor_parallel_plan()).items():
+            out[re.sub(r"(^|\.)blocks\.\d+\.", r"\1blocks.0.", name)] = split
+    return out
 
 
 def tp_split(name: str) -> Split:

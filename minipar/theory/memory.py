@@ -196,9 +196,9 @@ def moe_layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1,
                           recompute: str = "none", dtype: str = "bf16",
                           ep: int = 1, tp: int = 1) -> dict[str, float]:
     """Bytes an MoE block stores for backward per micro-batch beyond a dense block's
-    (``layer_activations`` less its MLP's two wide tensors, which tp splits; the block
-is whole on every tp rank), and ``dispatch``: the
-    all-to-all buffers live while it runs (not stored).
+    (``layer_activations`` less its MLP's two wide tensors), and ``dispatch``: the
+    all-to-all buffers live while it runs (not stored). tp splits the experts' hidden
+    activations as it splits the MLP's; their input and output rows are whole.
 
     A sequence's k s assignments become rows sorted by expert: the experts keep their
     input rows (h), hidden activations before and after GELU (g each) and outputs (h,
@@ -220,7 +220,7 @@ is whole on every tp rank), and ``dispatch``: the
     dense = layer_activations(cfg, microbatch_size, tp, False, recompute, dtype, "fused")
     return {
         "expert input rows": rows * h * e,
-        "expert hidden (GELU input and output)": 2 * rows * g * e,
+        "expert hidden (GELU input and output)": 2 * rows * g * e / tp,
         "expert outputs (for the gate)": rows * h * e,
         "router probabilities (fp32)": s * b * n * 4,
         "routing indices (int64)": 2 * rows * 8,
@@ -447,7 +447,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             act = 0.0
         else:
             n = stage_params(cfg, pp, tp, s, virtual, head_layers, ep)
-            ne = stage_expert_params(cfg, pp, s, virtual, head_layers, ep)
+            ne = stage_expert_params(cfg, pp, s, virtual, head_layers, ep, tp)
             act = stage_activations(cfg, pp, tp, s, microbatch_size, microbatches, schedule,
                                     virtual, sp, recompute, dtype, accounting, cp,
                                     head_layers, ep) / cp

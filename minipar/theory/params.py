@@ -87,9 +87,10 @@ def layer_params(cfg: GPTConfig | str) -> int:
 
 def _moe_block(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
     """(parameters an MoE block holds on one rank beyond a dense block's tp share, of
-    which expert weights): the router and E/ep experts, less the MLP's tp share."""
+    which expert weights): the router and E/ep experts, each its MLP's tp share (the
+    ``proj`` bias whole), less the dense MLP's tp share."""
     h, f, g = cfg.d_model, cfg.d_ff, cfg.expert_d_ff
-    experts = cfg.n_expert // ep * (2 * h * g + g + h)
+    experts = cfg.n_expert // ep * ((2 * h * g + g) // tp + h)
     mlp = (2 * h * f + f) // tp + h
     return h * cfg.n_expert + experts - mlp, experts
 
@@ -167,13 +168,15 @@ def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
 
 
 def stage_expert_params(cfg: GPTConfig | str, pp: int = 1, stage: int = 0,
-                        virtual: int = 1, head_layers: int = 0, ep: int = 1) -> int:
-    """Of ``stage_params``, the expert weights (E/ep experts of each MoE block): the part
-    whose gradients reduce, and whose ZeRO shards split, over dp / ep replicas."""
+                        virtual: int = 1, head_layers: int = 0, ep: int = 1,
+                        tp: int = 1) -> int:
+    """Of ``stage_params``, the expert weights (E/ep experts of each MoE block, their tp
+    share): the part whose gradients reduce, and whose ZeRO shards split, over dp / ep
+    replicas."""
     cfg = get_model(cfg)
     if not cfg.n_expert:
         return 0
-    return stage_moe_layers(cfg, pp, stage, virtual, head_layers) * _moe_block(cfg, 1, ep)[1]
+    return stage_moe_layers(cfg, pp, stage, virtual, head_layers) * _moe_block(cfg, tp, ep)[1]
 
 
 def hook_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,

@@ -40,7 +40,7 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
 
 A mixture-of-experts model also enumerates ep (dividing dp and the experts; its
 compute counts the active weights, its memory E/ep experts per rank); no cp or sp
-(``parallel.ep.check_ep`` refuses them), no ZeRO-3 or offload with ep > 1.
+(``parallel.ep.check_ep`` refuses them).
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
 across nodes (network), read off the rank layout (``minipar.mesh.Mesh``). What it
@@ -366,8 +366,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     keeps at least ``min_cp_tokens`` tokens of a sequence (seq_len / cp; below that
     the ring cannot hide behind the blocks' compute), within a node with tp.
     ``offload=True``: a layout that does not fit is tried again with ZeRO-Offload.
-    A mixture-of-experts model: every ep (a power of two dividing dp and the experts;
-    ep > 1 not with ZeRO-3 or offload), no sp or cp.
+    A mixture-of-experts model: every ep (a power of two dividing dp and the experts),
+    no sp or cp.
     ``settings`` go to ``evaluate`` (dtype, optimizer, matmul_efficiency,
     memory_margin, accounting, order, overlap).
     """
@@ -420,13 +420,13 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                             reject("ZeRO-3 frees the weights zb's W pass needs",
                                    f"zero=3 with zb, pp={pp}")
                             continue
-                        for rc, ep in ((r, e) for r in recomputes for e in _eps(cfg, dp, zero)):
+                        for rc, ep in ((r, e) for r in recomputes for e in _eps(cfg, dp)):
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
                             price = partial(evaluate, cfg, cluster, tp, pp, dp, zero, b,
                                             global_batch, schedule, v, sp and tp > 1, rc,
                                             cp=cp, head_layers=k, ep=ep, **settings)
                             lay = price()  # (pp: stages balanced for the head)
-                            if not lay.fits and offload and ep == 1:
+                            if not lay.fits and offload:
                                 lay = price(offload=True)
                             if lay.fits:
                                 layouts.append(lay)
@@ -466,10 +466,10 @@ def _shape(lay: Layout) -> tuple:
             lay.virtual, lay.head_layers, lay.offload)
 
 
-def _eps(cfg: GPTConfig, dp: int, zero: int) -> list[int]:
+def _eps(cfg: GPTConfig, dp: int) -> list[int]:
     """The expert-parallel sizes worth trying: 1, and for an MoE model each power of two
-    dividing dp and the experts (not with ZeRO-3, which ``check_ep`` refuses)."""
-    if not cfg.n_expert or zero == 3:
+    dividing dp and the experts."""
+    if not cfg.n_expert:
         return [1]
     return [e for e in _powers_of_two(dp) if cfg.n_expert % e == 0]
 

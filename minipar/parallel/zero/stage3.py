@@ -64,7 +64,10 @@ class Zero3(nn.Module):
     ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
     device (``parallel/materialize.py``): each weight is made when its unit is built and
     only this rank's shard kept (the local model never exists whole); nothing is
-    broadcast, every rank computes the same values. ``place``: see above.
+    broadcast, every rank computes the same values. ``place``: see above. ``only``: the
+    names of the weights this wrapper shards over ``comm`` (default: every trainable
+    one); the others are left to another wrapper of the same module over its own group
+    (``parallel/ep.py``: the experts over their replicas).
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, *,
@@ -75,14 +78,16 @@ class Zero3(nn.Module):
                  replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
                  max_inflight: int = 1, materialize=None,
-                 place: OnDevice | OnHost | None = None):
+                 place: OnDevice | OnHost | None = None, only: Iterable[str] | None = None):
         super().__init__()
         self.shards = Shards(comm or Comm(), place or OnDevice())
         self.comm, self.place = self.shards.comm, self.shards.place
         self.module = module
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
         self.prefetch, self.average, self.max_inflight = prefetch, average, max_inflight
-        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        only = None if only is None else set(only)
+        named = {n: p for n, p in module.named_parameters()
+                 if p.requires_grad and (only is None or n in only)}
         self._values = materialize
         if broadcast and materialize is None:  # every rank starts from rank 0's weights
             broadcast_module(module, self.comm)
