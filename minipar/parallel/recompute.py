@@ -54,7 +54,8 @@ class RecomputedBlock(Block):
             self.add_module(name, child)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(super().forward, x, use_reentrant=False)
+        # Block.forward named, not super(): a compiled block runs this with itself
+        return checkpoint(Block.forward, self, x, use_reentrant=False)
 
 
 def apply_recompute(stages: Iterable[nn.Module], mode: str) -> None:
