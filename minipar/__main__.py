@@ -41,6 +41,15 @@ def _add_train(sub) -> None:
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--recompute-layers", type=int, metavar="N",
+                   help="recompute only the first N blocks of each pipeline chunk (default: "
+                        "all); the others keep their activations")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each transformer block (default: on CUDA devices; "
+                        "--no-compile runs them eagerly; parallel/compile.py)")
+    p.add_argument("--compile-backend", default="inductor",
+                   choices=("inductor", "aot_eager", "eager"),
+                   help="aot_eager: the graphs without generated code (tests, CPUs)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--grad-dtype", default="fp32", choices=("fp32", "bf16"),
                    help="where bf16 gradients are summed and reduced: fp32 (exact, default) "
@@ -131,6 +140,8 @@ def train_config(args) -> TrainConfig:
         model=args.model, dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero,
         schedule=args.schedule, virtual=args.virtual, head_layers=args.head_layers,
         microbatches=args.microbatches, sp=args.sp, recompute=args.recompute,
+        recompute_layers=args.recompute_layers, compile=args.compile,
+        compile_backend=args.compile_backend,
         dtype=args.dtype, grad_dtype=args.grad_dtype, wgrad_fusion=args.wgrad_fusion,
         overlap_param_gather=args.overlap_param_gather,
         steps=args.steps, seed=args.seed,

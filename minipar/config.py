@@ -36,6 +36,7 @@ class TrainConfig:
     microbatches: int = 1
     sp: bool = False
     recompute: str = "none"
+    recompute_layers: int | None = None  # recompute only the first N blocks of each chunk
     dtype: str = "fp32"
     grad_dtype: str = "fp32"  # gradient sums under bf16: fp32 exact, or bf16 as torch's peers
     wgrad_fusion: bool = True  # a linear's weight gradient summed in the GEMM making it
@@ -91,6 +92,8 @@ class TrainConfig:
     z_loss_coef: float | None = None
     fp8: str | None = None  # rowwise or tensorwise: the blocks' GEMMs in float8
     fp8_emulate: bool = False  # float8 casts, fp32 matmuls: CPUs (tests), no speed
+    compile: bool | None = None  # torch.compile each block; None: on CUDA devices (use_compile)
+    compile_backend: str = "inductor"  # aot_eager: graphs without code generation (tests)
     allow_nonfinite: bool = False  # train on past a non-finite loss (default: stop there)
 
     @property
@@ -186,6 +189,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.grad_dtype == "bf16" and cfg.dtype != "bf16":
         raise ValueError("--grad-dtype bf16 needs --dtype bf16 (fp32 weights get fp32 gradients)")
     _choice("recompute", cfg.recompute, RECOMPUTE)
+    _check_recompute_layers(cfg)
     _choice("backend", cfg.backend, ("gloo", "nccl"))
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _choice("order", cfg.order, ("megatron", "pp-inside-dp"))
@@ -235,6 +239,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     check_timeout(cfg.timeout)
     _check_device(cfg)
     _check_fp8(cfg, model)
+    _check_compile(cfg)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
     if cfg.init_from is not None:
@@ -255,6 +260,40 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
         if cfg.sp and (model.seq_len // cfg.cp) % cfg.tp:
             raise ValueError(f"--sp with --cp {cfg.cp} needs seq_len/cp="
                              f"{model.seq_len // cfg.cp} divisible by --tp {cfg.tp}")
+
+
+def _check_recompute_layers(cfg: TrainConfig) -> None:
+    n = cfg.recompute_layers
+    if n is None:
+        return
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"--recompute-layers must be 0 or a positive integer, got {n!r}")
+    if cfg.recompute == "none":
+        raise ValueError("--recompute-layers needs --recompute full or selective (which "
+                         "blocks to recompute, and how)")
+
+
+def use_compile(cfg: TrainConfig) -> bool:
+    """Whether the blocks run compiled: ``--compile`` / ``--no-compile``, else on CUDA
+    devices where compilation applies (no dropout, whose per-step mask keys would
+    recompile every step; not the zero-bubble schedule)."""
+    if cfg.compile is not None:
+        return cfg.compile
+    return device_for(cfg).type == "cuda" and not cfg.dropout and cfg.schedule != "zb"
+
+
+def _check_compile(cfg: TrainConfig) -> None:
+    from minipar.parallel.compile import BACKENDS
+
+    _choice("compile-backend", cfg.compile_backend, BACKENDS)
+    if not cfg.compile:
+        return
+    if cfg.schedule == "zb":
+        raise ValueError("--compile with --schedule zb is not supported: its split weight "
+                         "gradient (W) needs each linear's own backward; use --no-compile")
+    if cfg.dropout:
+        raise ValueError("--compile with --dropout recompiles the blocks at every step (the "
+                         "masks' keys change); use --no-compile")
 
 
 def _check_fp8(cfg: TrainConfig, model: GPTConfig) -> None:
@@ -299,7 +338,7 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
 
     c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "cp", "zero", "microbatches", "sp",
                                       "recompute", "schedule", "virtual", "offload",
-                                      "head_layers", "ep")} | layout
+                                      "head_layers", "ep", "recompute_layers")} | layout
     rows = memory_per_stage(model, c["dp"], c["pp"], c["tp"], c["zero"], cfg.dtype,
                             "sgd" if cfg.optimizer == "sgd" else "adam",
                             max(1, cfg.batch_size // (c["dp"] * c["microbatches"])),
@@ -307,6 +346,7 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
                             virtual=c["virtual"], accounting="fused", cp=c["cp"],
                             offload=c["offload"], head_layers=c["head_layers"],
                             grad_dtype=cfg.grad_dtype, ep=c["ep"],
+                            recompute_layers=c["recompute_layers"],
                             stages=None if stage is None else [stage])
     device = device or device_for(cfg).type
     return max(card_bytes(r, c["zero"], device)["process"] for r in rows)

@@ -34,6 +34,7 @@ from minipar.config import (
     optimizer_class,
     optimizer_kwargs,
     predicted_bytes,
+    use_compile,
     validate,
 )
 from minipar.corpus import make_data, prepare_data
@@ -135,10 +136,18 @@ def rank_main(cfg: TrainConfig) -> dict:
         "device_peak_bytes": _device_peak(device),
         "device_memory": _device_memory(device, after_build),
         "predicted_peak_bytes": predicted_bytes(cfg, parts.model.cfg, stage=rm.coords.pp),
+        "compile": _compile_stats(parts) if use_compile(cfg) else None,
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
     }
+
+
+def _compile_stats(parts: Parts) -> dict:
+    """The compiled blocks, compile seconds and cache use (``parallel/compile.py``)."""
+    from minipar.parallel.compile import compile_stats
+
+    return compile_stats(parts.chunks)
 
 
 def _device_peak(device: torch.device) -> int | None:

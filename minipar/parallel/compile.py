@@ -59,14 +59,16 @@ def apply_compile(stages: Iterable[nn.Module], backend: str = "inductor") -> int
     return n
 
 
-def compile_stats() -> dict:
-    """Seconds this process spent compiling (graph capture and code generation, forward
-    and backward) and the hits and misses of torch's compiled-graph caches."""
+def compile_stats(stages: Iterable[nn.Module]) -> dict:
+    """The blocks of ``stages`` that run compiled, the seconds this process spent
+    compiling (graph capture and code generation, forward and backward: the first step's
+    extra time) and the hits and misses of torch's compiled-graph caches."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
+    blocks = sum(isinstance(b, CompiledBlock) for s in stages for b in s.blocks.values())
     seconds = {k: round(sum(compilation_time_metrics.get(m, [])), 3) for k, m in (
         ("forward", "_compile.compile_inner"), ("backward", "backward._backward_impl"))}
     cache = {k: v for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
              if "cache" in k}
-    return {"seconds": round(sum(seconds.values()), 3), **seconds, "cache": cache,
-            "graph_breaks": sum(counters["graph_break"].values())}
+    return {"blocks": blocks, "seconds": round(sum(seconds.values()), 3), **seconds,
+            "cache": cache, "graph_breaks": sum(counters["graph_break"].values())}
