@@ -78,7 +78,8 @@ def _add_train(sub) -> None:
                    help="also train the single-process reference and print both")
     p.add_argument("--ddp", default="overlapped", choices=("naive", "bucketed", "overlapped"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--fused", action="store_true", help="fused AdamW kernel (GPU speed)")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch's fused optimizer kernel (default: on CUDA devices)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
                    help="sgd: plain SGD, no momentum (parity checks see a gradient's scale)")
     p.add_argument("--timeout", type=float, default=600.0,

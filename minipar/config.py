@@ -51,7 +51,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     ddp: str = "overlapped"  # naive, bucketed, overlapped (ZeRO 0)
-    fused: bool = False  # torch's fused AdamW kernel (one launch for all parameters; GPUs)
+    fused: bool | None = None  # torch's fused optimizer kernel; None: where it steps on CUDA
     optimizer: str = "adamw"  # adamw, or sgd (plain, no momentum: a scale error cannot hide)
     order: str = "megatron"
     save: str | None = None
@@ -534,9 +534,11 @@ def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
 
     ``host`` (ZeRO-Offload's CPU step): AdamW is torch's fused CPU kernel, 4-6x its
     per-tensor loop (``benchmarks/offload_host.py``), at times 1 ulp apart from it
-    (within the parity tolerances); elsewhere the default unless ``cfg.fused`` asks."""
+    (within the parity tolerances). On CUDA the fused kernel (one launch for every
+    parameter) unless ``--no-fused``; elsewhere torch's default unless ``--fused``."""
     kwargs = {"lr": learning_rate(cfg), "weight_decay": cfg.weight_decay}
-    if cfg.fused or (host and cfg.optimizer != "sgd"):
+    on_cuda = not host and device_for(cfg).type == "cuda"
+    if cfg.fused or (cfg.fused is None and on_cuda) or (host and cfg.optimizer != "sgd"):
         kwargs["fused"] = True
     return kwargs
 
