@@ -167,7 +167,7 @@ def _snapshot_rank(spec: dict, keep: str | None) -> dict:
 
     mine = dist.get_rank() == 0 and torch.cuda.is_available()
     if mine:
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     b = multigpu._speed_build(spec)
     for s in range(2):
         b.step_fn(s)
