@@ -55,8 +55,10 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train the GPT on 1 or dp*pp*tp*cp ranks")
     for f in _train_fields():
         kind = str(f.type).split(" | ")[0]  # "int | None": an int, or not given
-        if kind == "bool":  # a switch; one on by default also has its --no- form
-            how = {"action": argparse.BooleanOptionalAction if f.default else "store_true"}
+        if kind == "bool":  # a switch; one on by default (or decided by the machine:
+            # None) also has its --no- form
+            how = {"action": argparse.BooleanOptionalAction if f.default is not False
+                   else "store_true"}
         else:
             how = {"type": {"int": int, "float": float, "str": str}[kind],
                    "choices": f.metadata["choices"]}

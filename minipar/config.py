@@ -23,6 +23,7 @@ from minipar.hf import check_init_from, default_tokenizer, read_config
 from minipar.launch import check_timeout
 from minipar.mesh import ORDERS
 from minipar.model import GPTConfig, get_config
+from minipar.parallel.compile import BACKENDS
 from minipar.parallel.ep import check_ep
 from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
 from minipar.parallel.fp8 import check_fp8
@@ -63,6 +64,14 @@ class TrainConfig:
     sp: bool = option(False, "sequence parallelism (needs --tp > 1)")
     recompute: str = option("none", "activations recomputed in the backward pass",
                             choices=RECOMPUTE)
+    recompute_layers: int | None = option(None, "recompute only the first N blocks of each "
+                                          "pipeline chunk (default: all); the others keep "
+                                          "their activations")
+    compile: bool | None = option(None, "torch.compile each transformer block (default: on "
+                                  "CUDA devices; --no-compile runs them eagerly; "
+                                  "parallel/compile.py)")
+    compile_backend: str = option("inductor", "aot_eager: the graphs without generated code "
+                                  "(tests, CPUs)", choices=BACKENDS)
     dtype: str = option("fp32", "the blocks' compute dtype", choices=DTYPES)
     grad_dtype: str = option("fp32", "where bf16 gradients are summed and reduced: fp32 "
                              "(exact, default) or bf16 (half the bytes and traffic, as "
@@ -87,7 +96,8 @@ class TrainConfig:
     grad_clip: float = option(1.0, "global norm (0: off)")
     ddp: str = option("overlapped", "ZeRO 0's gradient sync",
                       choices=("naive", "bucketed", "overlapped"))
-    fused: bool = option(False, "fused AdamW kernel (GPU speed)")
+    fused: bool | None = option(None, "torch's fused optimizer kernel (default: on CUDA "
+                                "devices)")
     optimizer: str = option("adamw", "sgd: plain SGD, no momentum (parity checks see a "
                             "gradient's scale)", choices=OPTIMIZERS)
     order: str = option("megatron", "how ranks map to mesh coordinates (minipar.mesh)",
@@ -276,6 +286,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     check_timeout(cfg.timeout)
     _check_device(cfg)
     _check_fp8(cfg, model)
+    _check_compile(cfg)
+    _check_recompute_layers(cfg)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
     if cfg.init_from is not None:
@@ -294,6 +306,37 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
         if cfg.sp and (model.seq_len // cfg.cp) % cfg.tp:
             raise ValueError(f"--sp with --cp {cfg.cp} needs seq_len/cp="
                              f"{model.seq_len // cfg.cp} divisible by --tp {cfg.tp}")
+
+
+def _check_recompute_layers(cfg: TrainConfig) -> None:
+    n = cfg.recompute_layers
+    if n is None:
+        return
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"--recompute-layers must be 0 or a positive integer, got {n!r}")
+    if cfg.recompute == "none":
+        raise ValueError("--recompute-layers needs --recompute full or selective (which "
+                         "blocks to recompute, and how)")
+
+
+def use_compile(cfg: TrainConfig) -> bool:
+    """Whether the blocks run compiled: ``--compile`` / ``--no-compile``, else on CUDA
+    devices where compilation applies (no dropout, whose per-step mask keys would
+    recompile every step; not the zero-bubble schedule)."""
+    if cfg.compile is not None:
+        return cfg.compile
+    return device_for(cfg).type == "cuda" and not cfg.dropout and cfg.schedule != "zb"
+
+
+def _check_compile(cfg: TrainConfig) -> None:
+    if not cfg.compile:
+        return
+    if cfg.schedule == "zb":
+        raise ValueError("--compile with --schedule zb is not supported: its split weight "
+                         "gradient (W) needs each linear's own backward; use --no-compile")
+    if cfg.dropout:
+        raise ValueError("--compile with --dropout recompiles the blocks at every step (the "
+                         "masks' keys change); use --no-compile")
 
 
 def _check_fp8(cfg: TrainConfig, model: GPTConfig) -> None:
@@ -332,7 +375,7 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
     same two functions."""
     c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "cp", "zero", "microbatches", "sp",
                                       "recompute", "schedule", "virtual", "offload",
-                                      "head_layers", "ep")} | layout
+                                      "head_layers", "ep", "recompute_layers")} | layout
     rows = memory_per_stage(model, c["dp"], c["pp"], c["tp"], c["zero"], cfg.dtype,
                             "sgd" if cfg.optimizer == "sgd" else "adam",
                             max(1, cfg.batch_size // (c["dp"] * c["microbatches"])),
@@ -340,6 +383,7 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
                             virtual=c["virtual"], accounting="fused", cp=c["cp"],
                             offload=c["offload"], head_layers=c["head_layers"],
                             grad_dtype=cfg.grad_dtype, ep=c["ep"],
+                            recompute_layers=c["recompute_layers"],
                             stages=None if stage is None else [stage])
     device = device or device_for(cfg).type
     return max(card_bytes(r, c["zero"], device, c["pp"])["process"] for r in rows)
@@ -505,9 +549,11 @@ def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
 
     ``host`` (ZeRO-Offload's CPU step): AdamW is torch's fused CPU kernel, 4-6x its
     per-tensor loop (``benchmarks/offload_host.py``), at times 1 ulp apart from it
-    (within the parity tolerances); elsewhere the default unless ``cfg.fused`` asks."""
+    (within the parity tolerances). On CUDA the fused kernel (one launch for every
+    parameter) unless ``--no-fused``; elsewhere torch's default unless ``--fused``."""
     kwargs = {"lr": learning_rate(cfg), "weight_decay": cfg.weight_decay}
-    if cfg.fused or (host and cfg.optimizer != "sgd"):
+    on_cuda = not host and device_for(cfg).type == "cuda"
+    if cfg.fused or (cfg.fused is None and on_cuda) or (host and cfg.optimizer != "sgd"):
         kwargs["fused"] = True
     return kwargs
 

@@ -35,6 +35,7 @@ from minipar.config import (
     optimizer_class,
     optimizer_kwargs,
     predicted_bytes,
+    use_compile,
     validate,
 )
 from minipar.corpus import make_data, prepare_data
@@ -44,6 +45,7 @@ from minipar.launch import LaunchError, heartbeat, launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter
 from minipar.model import GPT, materialize, set_dropout_key
+from minipar.parallel.compile import compile_stats
 from minipar.reshard import ShardReader
 from minipar.sample import write_run_card
 from minipar.step import Parts, build, train_step
@@ -141,10 +143,16 @@ def rank_main(cfg: TrainConfig) -> dict:
         "device_peak_bytes": _device_peak(device),
         "device_memory": _device_memory(device, after_build),
         "predicted_peak_bytes": predicted_bytes(cfg, parts.model.cfg, stage=rm.coords.pp),
+        "compile": _compile_stats(parts) if use_compile(cfg) else None,
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
     }
+
+
+def _compile_stats(parts: Parts) -> dict:
+    """The compiled blocks, compile seconds and cache use (``parallel/compile.py``)."""
+    return compile_stats(parts.chunks)
 
 
 def _device_peak(device: torch.device) -> int | None:

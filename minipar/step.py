@@ -14,7 +14,8 @@ layout starts from the same weights without any rank holding the whole model:
 2. the pipeline gives each of this rank's chunks exactly its layers (``parallel/pp.py``);
    the rest of the reference model is dropped;
 3. recomputation replaces blocks (``parallel/recompute.py``); with ``--fp8`` the blocks'
-   linears become float8 ones (``parallel/fp8.py``);
+   linears become float8 ones (``parallel/fp8.py``); then each block is compiled
+   (``parallel/compile.py``);
 4. data parallelism, in one place (``data_parallel``, ``parallel/zero/``): ZeRO 0-2
    (stage 0 is data parallelism itself; replicated or sharded optimizer states and
    gradients, bf16 weights with fp32 masters) or ZeRO-3 (the weights sharded too).
@@ -37,12 +38,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipar.config import TrainConfig, device_for, lr_at, optimizer_class, optimizer_kwargs
+from minipar.config import (
+    TrainConfig,
+    device_for,
+    lr_at,
+    optimizer_class,
+    optimizer_kwargs,
+    use_compile,
+)
 from minipar.data import TokenSource, local_batches
 from minipar.hf import HFCheckpoint
 from minipar.mesh import RankMesh
 from minipar.meter import HeldPeaks, HostPeak
 from minipar.model import GPT, set_dropout_key, set_moe_loss_scale
+from minipar.parallel.compile import apply_compile
 from minipar.parallel.cp_plan import apply_context_parallel, shard_batch
 from minipar.parallel.ep import (
     ExpertDataParallel,
@@ -121,13 +130,13 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     if cfg.tp > 1:
         apply_tensor_parallel(full, rm.tp, sequence_parallel=cfg.sp)
     if cfg.cp > 1:  # after tp: the cp styles see (and keep) sequence parallelism's slice
-
         apply_context_parallel(full, rm.cp)
     stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual, cfg.head_layers)
-    apply_recompute(stage, cfg.recompute)
+    apply_recompute(stage, cfg.recompute, cfg.recompute_layers)
     if cfg.fp8:  # the blocks' linears (and tp's local products) multiply in float8
-
         apply_fp8(stage, cfg.fp8, emulate=cfg.fp8_emulate)
+    if use_compile(cfg):  # last before data parallelism: its hooks stay outside the graphs
+        apply_compile(stage, cfg.compile_backend)
     model = StageLayers(stage, full.cfg)  # what the optimizer and checkpoints see
     del full  # the layers no chunk took go with it
     device = device_for(cfg)

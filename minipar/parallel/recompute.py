@@ -54,16 +54,20 @@ class RecomputedBlock(Block):
             self.add_module(name, child)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(super().forward, x, use_reentrant=False)
+        # Block.forward named, not super(): a compiled block runs this with itself
+        return checkpoint(Block.forward, self, x, use_reentrant=False)
 
 
-def apply_recompute(stages: Iterable[nn.Module], mode: str) -> None:
+def apply_recompute(stages: Iterable[nn.Module], mode: str, layers: int | None = None) -> None:
     """Replace, in every module of ``stages`` with a ``blocks`` container, each block
-    (``full``) or each block's attention core (``selective``)."""
+    (``full``) or each block's attention core (``selective``). ``layers`` N: only the
+    first N blocks of each chunk (Megatron's partial recomputation,
+    ``--recompute-num-layers``): the rest keep their activations and skip the extra
+    forward, for the memory a card has to spare."""
     if mode not in MODES:
         raise ValueError(f"recompute must be one of {MODES}, got {mode!r}")
     for stage in stages:
-        for key, block in list(stage.blocks.named_children()):
+        for key, block in list(stage.blocks.named_children())[:layers]:
             if mode == "full":
                 stage.blocks[key] = RecomputedBlock(block)
             elif mode == "selective":

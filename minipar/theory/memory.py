@@ -300,20 +300,25 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
                       schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
                       recompute: str = "none", dtype: str = "bf16",
                       accounting: str = "korthikanti", cp: int = 1,
-                      head_layers: int = 0, ep: int = 1) -> float:
+                      head_layers: int = 0, ep: int = 1,
+                      recompute_layers: int | None = None) -> float:
     """Peak activation bytes on one rank of pipeline stage ``stage``: per-layer bytes x
     layers per chunk x chunks in flight (interleaved: chunks in flight / v, as Megatron's
     estimator; uneven chunks: their mean size), plus the embedding terms on the first
     stage and the head terms on the last, times its micro-batches in flight. An MoE
     block's stored rows replace its MLP's (``moe_layer_activations``; its all-to-all
-    buffers are ``memory_per_stage``'s)."""
+    buffers are ``memory_per_stage``'s). ``recompute_layers`` N: only the first N blocks
+    of each chunk recompute, the rest keep everything (Megatron's partial recomputation)."""
     cfg = get_model(cfg)
     check_divisible(cfg, tp)
-    per_layer = sum(layer_activations(cfg, microbatch_size, tp, sp, recompute, dtype,
-                                      accounting, cp).values())
+
+    def per_layer(mode: str) -> float:
+        return sum(layer_activations(cfg, microbatch_size, tp, sp, mode, dtype,
+                                     accounting, cp).values())
     chunks = inflight(schedule, pp, microbatches, stage, virtual)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) / virtual
-    total = per_layer * layers * chunks
+    redone = layers if recompute_layers is None else min(layers, recompute_layers)
+    total = (per_layer(recompute) * redone + per_layer("none") * (layers - redone)) * chunks
     moe = moe_layer_activations(cfg, microbatch_size, recompute, dtype, ep, tp)
     moe.pop("dispatch", None)
     total += (sum(moe.values()) * stage_moe_layers(cfg, pp, stage, virtual, head_layers)
@@ -402,7 +407,8 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
                      virtual: int = 1, accounting: str = "korthikanti",
                      stages: list[int] | None = None, cp: int = 1,
                      offload: bool = False, head_layers: int = 0,
-                     grad_dtype: str = "fp32", ep: int = 1) -> list[dict]:
+                     grad_dtype: str = "fp32", ep: int = 1,
+                     recompute_layers: int | None = None) -> list[dict]:
     """``memory_breakdown`` for each pipeline stage (or the listed ``stages``); every
     data-, tensor- and context-parallel rank of a stage holds the same (up to ZeRO
     padding).
@@ -450,7 +456,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             ne = stage_expert_params(cfg, pp, s, virtual, head_layers, ep, tp)
             act = stage_activations(cfg, pp, tp, s, microbatch_size, microbatches, schedule,
                                     virtual, sp, recompute, dtype, accounting, cp,
-                                    head_layers, ep) / cp
+                                    head_layers, ep, recompute_layers) / cp
         shard = sharded(n, dp * cp, ne, ep)
         row = {"stage": s, "n_params": n,
                **model_states(n, dp * cp, zero, dtype, optimizer, ne, ep),

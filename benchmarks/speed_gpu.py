@@ -1,0 +1,249 @@
+"""Compiled blocks, partial recomputation and the memory they take, against FSDP2, on GPUs.
+
+Run from the repository root with ``PYTHONPATH=.``; one JSON (``--out FILE``), rewritten
+after every row; a row failing records its error and the run goes on; rows starting
+past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
+
+* ``speed``: ``python -m minipar train ... --json`` itself (what a user types; step =
+  the slowest rank, median of 6 after 2 warm-ups, the first of which compiles), per row
+  the command, step time, MFU over 989 TFLOP/s, peak memory, compile seconds and cache
+  hits: gpt-1.3b dp N ZeRO-3, 8 sequences per GPU, eager / compiled / compiled without
+  weight-gradient fusion; gpt-13b dp N ZeRO-3 full recompute, 4 per GPU, eager /
+  compiled / compiled with ``--recompute-layers`` 36 and 32 of 40; and the FSDP2 peer
+  (``benchmarks/peers.fsdp2``: ``fully_shard`` per block, bf16 parameters, fp32
+  reduction, meta-device init, ``checkpoint_wrapper`` per block for 13B) in the same job.
+* ``memory``: one rank's allocations over build + 2 steps (``torch.cuda.memory.
+  _record_memory_history``), replayed to the peak: the live bytes there grouped by the
+  allocating call site (innermost frame in minipar, the benchmarks, torch.distributed,
+  checkpoint, optim or autograd), the largest first; minipar (eager and compiled) and
+  FSDP2 + checkpointing, gpt-13b dp N (``--memory-model`` to change). The raw snapshot is
+  written beside the JSON only when ``--keep-snapshots`` and it is under 8 MB.
+
+    export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
+        NVSHMEM_DISABLE_NVLS=1
+    python benchmarks/speed_gpu.py --only 1.3b --out $OUT/speed_small.json --budget-s 540
+    python benchmarks/speed_gpu.py --only '13b (eager|compiled$)|FSDP2 gpt-13b' \\
+        --out $OUT/speed_big.json --budget-s 540
+    python benchmarks/speed_gpu.py --only 'recompute-layers' --out $OUT/speed_rl.json
+    python benchmarks/speed_gpu.py --sections memory --out $OUT/memory.json --budget-s 540
+    python benchmarks/speed_gpu.py --device cpu --gpus 2 --out /tmp/speed.json  # dry run
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                   "NVSHMEM_DISABLE_NVLS": "1"})  # NVLink multicast off, in every rank
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pickle  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+from collections import defaultdict  # noqa: E402
+
+import multigpu  # noqa: E402
+import torch  # noqa: E402
+from gpu import DATASHEET_TFLOPS  # noqa: E402
+
+from minipar.model import get_config  # noqa: E402
+from minipar.theory.params import model_flops_per_token  # noqa: E402
+
+SECTIONS = ("speed", "memory")
+GiB = 2**30
+WHERE = ("minipar/", "benchmarks/", "torch/distributed/", "torch/utils/checkpoint",
+         "torch/optim/", "torch/autograd/")  # call sites a memory block is charged to
+
+
+# --- speed: the command line's own JSON -------------------------------------------------
+def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[str]) -> None:
+    s = run.sizes
+    path = os.path.join(run.args.out, "train_" + "".join(c if c.isalnum() else "_"
+                                                         for c in name) + ".json")
+    cmd = [sys.executable, "-m", "minipar", "train", "--model", model, "--backend",
+           run.backend, "--dtype", "bf16", "--batch-size", str(batch), "--steps",
+           str(s.warmup + s.steps), "--json", path, "--quiet", "--lr", "3e-4"] + flags
+    if run.cuda:
+        cmd.append("--fused")
+    else:  # the inductor's C++ build takes minutes on a CPU: graphs only
+        cmd += ["--compile-backend", "aot_eager"]
+
+    def go() -> dict:
+        cap = run.timeout(540.0 if "13b" in model else 300.0)
+        done = subprocess.run(cmd + ["--timeout", str(int(cap - 10))], capture_output=True,
+                              text=True, timeout=cap)
+        if done.returncode != 0:
+            return {"status": "error", "error": (done.stderr or done.stdout)[-2000:]}
+        with open(path) as f:
+            rec = json.load(f)
+        ranks = rec["ranks"]
+        per_step = [max(r["step_seconds"][i] for r in ranks)
+                    for i in range(len(ranks[0]["step_seconds"]))]
+        step = statistics.median(per_step[s.warmup:])
+        mc = get_config(model)
+        tokens = batch * mc.seq_len
+        mfu = tokens / step * model_flops_per_token(mc) / (run.n * DATASHEET_TFLOPS * 1e12)
+        peaks = [r.get("device_peak_bytes") or 0 for r in ranks]
+        comp = ranks[0].get("compile")
+        return {"command": " ".join(["python"] + cmd[1:]), "step_s": step,
+                "step_s_all": per_step, "tokens_per_s": tokens / step, "mfu": mfu,
+                "peak_gib": max(peaks) / GiB,
+                "predicted_peak_gib": max(r["predicted_peak_bytes"] for r in ranks) / GiB,
+                "compile": comp, "first_step_s": per_step[0],
+                "build_seconds": max(r["build_seconds"] for r in ranks),
+                "losses": rec["losses"], "wall_s": rec["seconds"],
+                "brief": f"{1e3 * step:.0f} ms, MFU {100 * mfu:.1f}%, peak "
+                         f"{max(peaks) / GiB:.1f} GiB"
+                         + (f", compile {comp['seconds']:.0f} s" if comp else "")}
+
+    run.row("speed", name, go, model=model, batch=batch, flags=flags)
+
+
+def peer_row(run: multigpu.Run, name: str, model: str, batch: int, recompute: bool) -> None:
+    spec = multigpu.peer_spec(run, "fsdp2", model, run.n, batch, recompute=recompute)
+    run.row("speed", name, lambda: multigpu._measure(run, spec, run.timeout(540.0)),
+            model=model, batch=batch, impl="fsdp2", recompute=recompute)
+
+
+def section_speed(run: multigpu.Run) -> None:
+    n = run.n
+    small, big = ("gpt-1.3b", "gpt-13b") if run.cuda else ("tiny", "small")
+    zero3 = ["--dp", str(n), "--zero", "3"]
+    for what, extra in (("eager", ["--no-compile"]), ("compiled", ["--compile"]),
+                        ("compiled, no wgrad fusion", ["--compile", "--no-wgrad-fusion"])):
+        cli_row(run, f"minipar {small} dp{n} zero3 {what}", small, 8 * n, zero3 + extra)
+    peer_row(run, f"FSDP2 {small} dp{n}", small, 8 * n, recompute=False)
+    full = zero3 + ["--recompute", "full"]
+    layers = get_config(big).n_layer
+    for what, extra in (("eager", ["--no-compile"]), ("compiled", ["--compile"])):
+        cli_row(run, f"minipar {big} dp{n} zero3 full recompute {what}", big, 4 * n,
+                full + extra)
+    peer_row(run, f"FSDP2 {big} dp{n} + checkpointing", big, 4 * n, recompute=True)
+    for k in (layers - layers // 10, layers - layers // 5):  # 36 and 32 of 40
+        cli_row(run, f"minipar {big} dp{n} zero3 compiled recompute-layers {k}", big, 4 * n,
+                full + ["--compile", "--recompute-layers", str(k)])
+
+
+# --- memory: one rank's allocations replayed to the peak --------------------------------
+def _site(frames: list[dict]) -> str:
+    """The innermost frame of interest (``WHERE``), else the innermost Python frame."""
+    for f in frames:
+        if any(w in f["filename"] for w in WHERE) and f["filename"].endswith(".py"):
+            return f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+    py = [f for f in frames if f["filename"].endswith(".py")]
+    return f"{py[0]['filename']}:{py[0]['line']} {py[0]['name']}" if py else "(no Python)"
+
+
+def peak_summary(snapshot: dict, top: int = 15) -> dict:
+    """Replay the trace: live bytes at the peak, grouped by allocating call site."""
+    live: dict[int, tuple[int, str]] = {}
+    now = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for ev in (e for trace in snapshot["device_traces"] for e in trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
+            now += ev["size"]
+            if now > peak:
+                peak, at_peak = now, dict(live)
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            now -= live.pop(ev["addr"])[0]
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in at_peak.values():
+        groups[site][0] += size
+        groups[site][1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {"peak_gib": peak / GiB, "blocks_at_peak": len(at_peak),
+            "largest": [{"site": k, "gib": round(v[0] / GiB, 3), "count": v[1]}
+                        for k, v in rows[:top]],
+            "rest_gib": round(sum(v[0] for _, v in rows[top:]) / GiB, 3)}
+
+
+def _snapshot_rank(spec: dict, keep: str | None) -> dict:
+    import torch.distributed as dist
+
+    mine = dist.get_rank() == 0 and torch.cuda.is_available()
+    if mine:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    b = multigpu._speed_build(spec)
+    for s in range(2):
+        b.step_fn(s)
+    if not mine:
+        return {}
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    out = {**peak_summary(snap), "max_allocated_gib": torch.cuda.max_memory_allocated() / GiB}
+    data = pickle.dumps(snap)
+    out["snapshot_mb"] = len(data) / 2**20
+    if keep and len(data) < 8 * 2**20:
+        with open(keep, "wb") as f:
+            f.write(data)
+        out["snapshot_file"] = keep
+    return out
+
+
+def section_memory(run: multigpu.Run) -> None:
+    if not run.cuda:
+        run.row("memory", "snapshots", lambda: {"status": "skipped", "reason": "needs CUDA"})
+        return
+    model, n = run.args.memory_model, run.n
+    layout = dict(dp=n, zero=3, recompute="full")
+    specs = [("minipar eager", multigpu.minipar_spec(run, model, n, 4 * n, compile=False,
+                                                     **layout)),
+             ("minipar compiled", multigpu.minipar_spec(run, model, n, 4 * n, compile=True,
+                                                        **layout)),
+             ("FSDP2 + checkpointing", multigpu.peer_spec(run, "fsdp2", model, n, 4 * n,
+                                                          recompute=True))]
+    for name, spec in specs:
+        keep = (os.path.join(run.args.out, name.replace(" ", "_") + ".pickle")
+                if run.args.keep_snapshots else None)
+
+        def go(spec=spec, keep=keep) -> dict:
+            res = run.launch(_snapshot_rank, n, spec, keep, cap=run.timeout(540.0))
+            return next(r for r in res if r)
+
+        run.row("memory", f"{name} {model} dp{n} zero3 full recompute", go)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="the JSON file to write")
+    p.add_argument("--sections", default="speed", help=f"from {', '.join(SECTIONS)}")
+    p.add_argument("--gpus", type=int, default=None, help="ranks (default: every GPU)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="rows starting after this many seconds are recorded as skipped")
+    p.add_argument("--only", help="regular expression on 'section row-name'")
+    p.add_argument("--memory-model", default="gpt-13b")
+    p.add_argument("--keep-snapshots", action="store_true")
+    args = p.parse_args()
+    sections = args.sections.split(",")
+    for s in sections:
+        if s not in SECTIONS:
+            p.error(f"unknown section {s!r}; choose from {', '.join(SECTIONS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here; --device cpu for a dry run")
+    n = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    ns = types.SimpleNamespace(**{**vars(args), "out": os.path.dirname(out),
+                                  "calibration": None, "start_method": None})
+    sizes = multigpu.Sizes(steps=6, warmup=2) if args.device == "cuda" else \
+        multigpu.Sizes(steps=2, warmup=1)
+    run = multigpu.Run(ns, n, sizes)
+    run.path = out
+    run.report["meta"].update(args=vars(args), benchmark="speed_gpu")
+    for name in SECTIONS:
+        if name in sections:
+            globals()[f"section_{name}"](run)
+    run.save()
+    print(f"wrote {out} in {time.monotonic() - run.t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
