@@ -43,7 +43,7 @@ def _rows(pattern: str = "card-memory-4xH100-*.json",
     """(row, predicted memory, predicted step seconds) for each recorded run, once per
     command unless ``dedup`` is false."""
     rows, seen = [], set()
-    for path in sorted(RESULTS.glob(pattern)):
+    for path in sorted(RESULTS.glob(pattern), reverse=True):  # the latest run of each
         for row in json.loads(path.read_text())["rows"]:
             if "command" not in row or (dedup and row["command"] in seen):
                 continue
