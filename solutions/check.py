@@ -174,9 +174,9 @@ def _classify(name: str, impl: str, exc: BaseException) -> CheckResult:
         where = "; ".join(line.strip() for line in str(exc).splitlines()[1:-1])
         return CheckResult(
             name, "fail", f"the ranks hung ({where})",
-            "some rank waits for a message or collective that its partner never posts; "
-            "compare the ops above (a blocking send facing a blocking send deadlocks: "
-            "use isend, or the exchange() helper)")
+            "some rank waits for a message or collective that its partner never posts: "
+            "note the call each rank is inside and with whom, then find where your code "
+            "makes those calls, in the order every rank makes them")
     if isinstance(exc, RankFailed):
         m = _RANK_ERROR.match(str(exc).splitlines()[0])
         if m and m.group(2) == "NotImplementedError":
@@ -252,10 +252,12 @@ def overview(impl: str | None = None) -> list[dict]:
     for name, ex in EXERCISES.items():
         spec = importlib.util.find_spec(f"{impl}.{name}")
         text = open(spec.origin).read() if spec and spec.origin else ""
-        blanks = text.count("# YOUR CODE HERE") + text.count("# FIND THE BUG HERE")
+        lab = name.startswith("debug_")  # a lab has a bug to find, not blanks to fill
         rows.append({"lesson": ex.lesson, "exercise": name, "title": ex.title,
-                     "file": f"{impl}/{name}.py", "blanks": blanks})
+                     "file": f"{impl}/{name}.py",
+                     "blanks": None if lab else text.count("# YOUR CODE HERE")})
     print(f"{'lesson':<7}{'exercise':<18}{'blanks left':<13}what you build")
     for r in rows:
-        print(f"{r['lesson']:<7}{r['exercise']:<18}{r['blanks']:<13}{r['title']}")
+        left = "(a lab)" if r["blanks"] is None else r["blanks"]
+        print(f"{r['lesson']:<7}{r['exercise']:<18}{left!s:<13}{r['title']}")
     return rows

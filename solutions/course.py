@@ -132,27 +132,29 @@ HINTS: dict[str, dict[int, str]] = {
            "then the all-to-all with the two split lists swapped.",
     },
     "debug_deadlock": {
-        1: "Read the hang report: which operation is every rank stuck in, and who would "
-           "have to act first to free it?",
-        2: "A blocking receive on every rank at once waits for a send that nobody has "
-           "posted yet. Make the send not wait (isend), or let half of the ranks send "
-           "first.",
+        1: "Read the hang report: which call is every rank inside, and with which rank? "
+           "Which move was running, and which of the file's functions does it call?",
+        2: "Follow the hung move down to its send and recv calls and play them out for "
+           "three ranks at once: if every rank's first call blocks until a partner acts, "
+           "and every partner is blocked the same way, nobody ever moves. Compare that "
+           "function with the moves that finished.",
     },
     "debug_sp": {
         1: "Run gradient_audit(): which parameters differ from one process, and what do "
-           "they have in common? Where in a layer are they used under sequence "
-           "parallelism?",
-        2: "The layer norms (and every parameter outside the tensor-parallel regions) run "
-           "on each rank's part of the sequence, so each rank's gradient is a partial "
-           "sum over its tokens. Nothing in the tp layers adds those parts: one all-reduce "
-           "over tp after the backward must.",
+           "they have in common that the ones that agree lack (their shapes, the layers "
+           "they belong to)? Under sequence parallelism, what does a rank compute for them?",
+        2: "Those parameters are replicated but used on a rank's part of the sequence, so "
+           "each rank's gradient is a partial sum that must be added over tp after the "
+           "backward. Find the code that does that adding and check which parameters it "
+           "actually takes: print p.sequence_parallel and p.dim() for each.",
     },
     "debug_pipeline": {
-        1: "Run gradient_audit(): it prints the ratio of this run's gradient norm to one "
-           "process. Which size of the layout equals that ratio?",
-        2: "The pipeline accumulates the gradients of m micro-batch losses; one process "
-           "computes the gradient of the mean over the batch. What must each micro-batch "
-           "loss be multiplied by before its backward?",
+        1: "Run gradient_audit(m) for m = 2, 4 and 8: how does the ratio of the gradient "
+           "norms move with m? Which sizes of the run would give that ratio?",
+        2: "The executor adds the gradients of the m micro-batch losses, each multiplied "
+           "by loss_scale first; one process computes the gradient of the mean over the "
+           "batch. Work out the loss_scale that makes the two equal, and compare it with "
+           "what the step passes.",
     },
 }
 

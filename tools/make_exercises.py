@@ -16,7 +16,8 @@ message says how to ask:
 
 A debugging lab plants a bug instead of a blank: a block may end with a ``### PLANTED BUG``
 line followed by commented-out lines (``# code``); the exercise gets those lines
-uncommented (the bug), the solution keeps the code above the marker (the fix).
+uncommented (the bug), with no mark to say where (the learner finds it from its
+symptoms), and the solution keeps the code above the marker (the fix).
 
 Files without markers are copied as they are (``__init__.py``), except the checker: its
 cases (``checks/``) stay in ``solutions/`` and run from there, and ``exercises/check.py``
@@ -45,7 +46,6 @@ END = "### END SOLUTION"
 HINT = "# HINT:"
 BLANK_MARK = "# YOUR CODE HERE"
 BUG = "### PLANTED BUG"
-BUG_MARK = "# FIND THE BUG HERE"
 HEADER = ("# Your copy of this exercise, generated from {src} by tools/make_exercises.py.\n"
           "# Fill in the blanks (each raises NotImplementedError), then check your work with\n"
           "#     from exercises.check import check; check(\"{name}\")\n")
@@ -107,7 +107,7 @@ def _planted(block: list[str], indent: str) -> list[str] | None:
     marks = [k for k, line in enumerate(block) if line.strip() == BUG]
     if not marks:
         return None
-    out = [f"{indent}{BUG_MARK}\n"]
+    out = []
     for line in block[marks[0] + 1:]:
         stripped = line.strip()
         body = stripped[2:] if stripped.startswith("# ") else stripped.lstrip("#")
