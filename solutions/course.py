@@ -39,7 +39,9 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "h100_headline_table", "h100_overlap_table", "hint", "layout_puzzle", "log_error",
            "measure_builds", "MOE_PUZZLE", "moe_puzzle", "overlap_of_picture", "predict",
            "predictions_path", "record_prediction", "router_demo", "say", "score_layout",
-           "score_schedule", "show_calibration"]
+           "score_schedule", "show_calibration", "CAPSTONE", "capstone_layouts",
+           "capstone_config", "capstone_command", "capstone_plan", "layout_label", "reconcile",
+           "score_capstone", "step_wire_bytes", "trace_breakdown"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
 LEVELS = {1: "a nudge", 2: "the method", 3: "the answer"}
@@ -767,4 +769,191 @@ def h100_headline_table(data: dict) -> list[dict]:
         out.append(row)
     w = head["weak_scaling"]
     print(f"\nweak scaling, {w['run']}: {w['efficiency']:.1%} ({w['meaning']})")
+    return out
+
+
+# --- the capstone (lesson 09) ---------------------------------------------------------
+# A model, a cluster of CPU ranks, a memory cap per rank and a target validation loss.
+# The learner plans with minipar.theory, predicts, runs, and reconciles; these helpers
+# enumerate the layouts, build the run's config and grade the gap. The brief's cap is
+# set between the layouts' predicted peaks, so that it rules some out (tested).
+CAPSTONE = dict(model="tiny", ranks=4, batch_size=16, steps=8, memory_cap=5.5e6,
+                max_bubble=0.25, target_val_loss=3.6)
+
+
+def capstone_layouts(brief: dict | None = None) -> list[dict]:
+    """Every layout of ``brief["ranks"]`` ranks the engine runs for the brief's model
+    (tp dividing the heads, pp the layers; ZeRO 0-3 over dp; sp with tp; 4 micro-batches
+    with a pipeline, else 1), each with what ``minipar.theory`` predicts for it in fp32
+    Adam: ``memory`` (bytes, the most loaded rank), ``wire`` (bytes rank 0 sends a step,
+    by group) and ``bubble`` (1F1B's idle share). Sorted by bytes on the wire."""
+    from minipar.config import TrainConfig
+    from minipar.theory.bubble import bubble_fraction_formula
+    from minipar.theory.comm_volume import comm_volume
+    from minipar.theory.memory import memory_per_stage
+
+    b = brief or CAPSTONE
+    mc = TrainConfig(model=b["model"]).model_config()
+    n, out = b["ranks"], []
+    for tp in (t for t in (1, 2, 4, 8) if n % t == 0 and mc.n_head % t == 0):
+        for pp in (p for p in (1, 2, 4, 8) if (n // tp) % p == 0 and mc.n_layer % p == 0):
+            dp = n // (tp * pp)
+            m = 4 if pp > 1 else 1
+            for zero in range(4) if dp > 1 else (0,):
+                lay = dict(dp=dp, pp=pp, tp=tp, zero=zero, sp=tp > 1, microbatches=m)
+                size = b["batch_size"] // (dp * m)
+                rows = memory_per_stage(mc, dp, pp, tp, zero, "fp32", "adam", size, m,
+                                        "1f1b", tp > 1, "none", accounting="fused")
+                vol = comm_volume(mc, dp, pp, tp, zero, "fp32", size, m, sp=tp > 1)
+                wire = {g: sum(v["wire_bytes"] for v in ops.values()) for g, ops in vol.items()}
+                out.append({"layout": lay, "memory": max(r["total"] for r in rows),
+                            "wire": wire, "bubble": bubble_fraction_formula("1f1b", pp, m)})
+    return sorted(out, key=lambda c: (sum(c["wire"].values()), c["memory"]))
+
+
+def capstone_plan(layouts: list[dict], brief: dict | None = None) -> dict:
+    """The brief's choice among ``capstone_layouts``: predicted to fit the memory cap,
+    a bubble of at most ``max_bubble``, then the fewest bytes on the wire (ties: the
+    least memory)."""
+    b = brief or CAPSTONE
+    fits = [c for c in layouts if c["memory"] <= b["memory_cap"]
+            and c["bubble"] <= b["max_bubble"]]
+    return min(fits, key=lambda c: (sum(c["wire"].values()), c["memory"]))
+
+
+def layout_label(lay: dict) -> str:
+    """``dp 2 pp 2 tp 1 ZeRO-1`` (sp and micro-batches when they apply)."""
+    text = f"dp {lay['dp']} pp {lay['pp']} tp {lay['tp']} ZeRO-{lay['zero']}"
+    return text + (" sp" if lay.get("sp") else "") + \
+        (f" m {lay['microbatches']}" if lay.get("microbatches", 1) > 1 else "")
+
+
+def capstone_config(layout: dict, brief: dict | None = None, trace: str | None = None):
+    """The ``TrainConfig`` of the capstone run for ``layout`` (validation at the end)."""
+    from minipar.config import TrainConfig
+
+    b = brief or CAPSTONE
+    return TrainConfig(model=b["model"], steps=b["steps"], batch_size=b["batch_size"],
+                       eval_every=b["steps"], trace=trace, **layout)
+
+
+def capstone_command(layout: dict, brief: dict | None = None) -> str:
+    """The same run as one command line (``--backend nccl`` on GPUs)."""
+    b = brief or CAPSTONE
+    lay = layout
+    flags = f"--dp {lay['dp']} --pp {lay['pp']} --tp {lay['tp']} --zero {lay['zero']}"
+    flags += " --sp" if lay.get("sp") else ""
+    flags += f" --microbatches {lay['microbatches']}" if lay.get("microbatches", 1) > 1 else ""
+    return (f"python -m minipar train --model {b['model']} {flags} --steps {b['steps']} "
+            f"--batch-size {b['batch_size']} --eval-every {b['steps']} --trace trace.json "
+            f"--json run.json --compare")
+
+
+def step_wire_bytes(trace: dict, sizes: dict[str, int]) -> dict[str, int]:
+    """Bytes rank 0 put on the wire in one whole step of a ``--trace`` trace, by group: the
+    communication that starts between the first compute of the second-to-last step and
+    the first of the last (so the optimizer's collectives count, and a validation pass
+    after training does not). ``sizes``: each group's number of ranks ({"dp": 2, ...})."""
+    from minipar.comm import wire_bytes
+
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == 0]
+    firsts: dict[int, float] = {}
+    for e in xs:
+        step = e["args"].get("step") if e["tid"] == 0 else None
+        if step is not None:
+            firsts[step] = min(firsts.get(step, e["ts"]), e["ts"])
+    last = max(firsts)
+    t0, t1 = firsts[last - 1], firsts[last]
+    out: dict[str, int] = {}
+    for e in xs:
+        if e["tid"] == 1 and t0 <= e["ts"] < t1:
+            op, group = e["name"].split()
+            out[group] = out.get(group, 0) + wire_bytes(op, e["args"]["bytes"], sizes[group])
+    return out
+
+
+def reconcile(run: dict, predicted: dict, trace: dict) -> list[dict]:
+    """Predicted against measured: rank 0's memory part by part, the most loaded rank's
+    peak, and the bytes rank 0 sent in one step by group (from the trace). Returns the
+    rows (``what``, ``predicted``, ``measured``, ``gap``: measured / predicted - 1) and
+    prints them."""
+    from minipar.theory.comm_volume import comm_volume
+    from minipar.theory.memory import memory_per_stage
+
+    lay = predicted["layout"]
+    mc = capstone_config(lay).model_config()
+    size = run["config"]["batch_size"] // (lay["dp"] * lay["microbatches"])
+    stages = memory_per_stage(mc, lay["dp"], lay["pp"], lay["tp"], lay["zero"], "fp32", "adam",
+                              size, lay["microbatches"], "1f1b", lay["sp"], "none",
+                              accounting="fused")
+    vol = comm_volume(mc, lay["dp"], lay["pp"], lay["tp"], lay["zero"], "fp32", size,
+                      lay["microbatches"], sp=lay["sp"])
+    sent = step_wire_bytes(trace, {"dp": lay["dp"], "pp": lay["pp"], "tp": lay["tp"]})
+    rank0 = run["ranks"][0]
+    rows = [{"what": f"rank 0 {part}", "predicted": stages[0][part],
+             "measured": rank0["memory"][part]}
+            for part in ("params", "grads", "optimizer", "activations", "total")]
+    top = max(run["ranks"], key=lambda r: r["memory"]["total"])
+    rows.append({"what": f"peak of any rank (rank {top['rank']})",
+                 "predicted": predicted["memory"], "measured": top["memory"]["total"]})
+    for group, ops in vol.items():
+        rows.append({"what": f"rank 0 {group} bytes in a step",
+                     "predicted": sum(v["wire_bytes"] for v in ops.values()),
+                     "measured": sent.get(group, 0)})
+    print(f"{'':<34}{'predicted':>12}{'measured':>12}{'gap':>8}")
+    for r in rows:
+        r["gap"] = r["measured"] / r["predicted"] - 1 if r["predicted"] else 0.0
+        print(f"{r['what']:<34}{r['predicted']:>12,}{r['measured']:>12,}{r['gap']:>+8.1%}")
+    return rows
+
+
+def score_capstone(run: dict, reference: dict, rows: list[dict],
+                   brief: dict | None = None) -> dict:
+    """Grade the capstone: the run trained like one process (losses), reached the target
+    validation loss, stayed under the memory cap as measured, and the predictions held:
+    the peak memory within 25 % and every group's bytes within 1 % (``reconcile``'s
+    rows). Prints one line each."""
+    b = brief or CAPSTONE
+    worst = max(abs(a - c) for a, c in zip(run["losses"], reference["losses"]))
+    val = run["eval"][-1]["loss"]
+    peak = max(r["memory"]["total"] for r in run["ranks"])
+    mem_gap = next(r["gap"] for r in rows if r["what"].startswith("peak"))
+    byte_rows = [r for r in rows if r["what"].endswith("bytes in a step")]
+    byte_gap = max(byte_rows, key=lambda r: abs(r["gap"]))
+    grades = {"parity": worst < 1e-4, "loss": val <= b["target_val_loss"],
+              "memory": peak <= b["memory_cap"], "memory_prediction": abs(mem_gap) <= 0.25,
+              "bytes_prediction": abs(byte_gap["gap"]) <= 0.01}
+    lines = [("parity", "trains like one process: losses within "
+              + ("1e-4 at every step" if grades["parity"] else f"{worst:.2g}")),
+             ("loss", f"validation loss {val:.2f} (target at most {b['target_val_loss']})"),
+             ("memory", f"measured peak {peak / 1e6:.2f} MB on the busiest rank (cap "
+              f"{b['memory_cap'] / 1e6:.1f} MB)"),
+             ("memory_prediction", f"peak memory predicted within {abs(mem_gap):.0%} "
+              "(25 % passes)"),
+             ("bytes_prediction", f"bytes a step predicted within {abs(byte_gap['gap']):.1%} "
+              f"(worst: {byte_gap['what']}; 1 % passes)")]
+    for key, text in lines:
+        print(f"{'PASS' if grades[key] else 'FAIL'}  {text}")
+    grades["passed"] = all(grades.values())
+    return grades
+
+
+def trace_breakdown(trace: dict) -> dict[int, dict[str, float]]:
+    """Per rank, the last traced step of a ``--trace`` Chrome trace split into
+    milliseconds of compute, of collectives not under compute (sends and receives count
+    as waiting: posted early, they are in flight, not busy) and of waiting (the rest:
+    the bubble, a partner's lateness, and on a shared CPU, other ranks on the cores)."""
+    from minipar.viz.timeline import step_lanes
+
+    lanes = step_lanes(trace)
+    step = max(b for spans in lanes.values() for _, b, *_ in spans)
+    out: dict[int, dict[str, float]] = {}
+    for rank in sorted({int(lane.split()[1]) for lane in lanes}):
+        comp = [(a, b) for a, b, *_ in lanes.get(f"rank {rank} compute", [])]
+        coll = [(a, b) for a, b, _, name in lanes.get(f"rank {rank} comm", [])
+                if not name.startswith(("send", "recv"))]
+        busy = sum(b - a for a, b in _union(comp))
+        exposed = sum(b - a for a, b in _union(coll)) - _covered(coll, comp)
+        out[rank] = {"step_ms": step, "compute_ms": busy, "collective_ms": exposed,
+                     "waiting_ms": step - busy - exposed}
     return out
