@@ -521,3 +521,39 @@ def test_h100_artifacts_tool_trims_and_merges() -> None:
     assert [(e["name"], e["ts"]) for e in xs] == [("F2", 0.0), ("all_gather tp", 2.0)]
     assert out["otherData"]["step"] == 2 and out["traceEvents"][0]["ph"] == "M"
     assert merge([(0, 1), (1.004, 2), (3, 4)], gap=0.005) == [[0, 2], [3, 4]]
+
+
+# --- the capstone (lesson 09): its brief decides, its instruments read a trace ----------
+def test_capstone_brief_rules_layouts_out_and_leaves_a_choice() -> None:
+    from solutions.course import CAPSTONE, capstone_layouts, capstone_plan
+    layouts = capstone_layouts()
+    cap, idle = CAPSTONE["memory_cap"], CAPSTONE["max_bubble"]
+    assert any(c["memory"] > cap for c in layouts) and any(c["bubble"] > idle for c in layouts)
+    least = min(sum(c["wire"].values()) for c in layouts)
+    assert any(sum(c["wire"].values()) == least and c["bubble"] > idle for c in layouts)
+    choice = capstone_plan(layouts)
+    fits = [c for c in layouts if c["memory"] <= cap and c["bubble"] <= idle]
+    assert choice in fits and len(fits) > 1
+    assert sum(choice["wire"].values()) == min(sum(c["wire"].values()) for c in fits)
+
+
+def test_capstone_reads_a_step_of_the_trace() -> None:
+    from minipar.trace import chrome_trace
+    from solutions.course import step_wire_bytes, trace_breakdown
+
+    def step(s, t):  # rank 0: F then B of step s from t; a send and a reduce-scatter
+        return [{"name": "F0", "kind": "F", "mb": 0, "step": s, "start": t, "end": t + 0.01},
+                {"name": "B0", "kind": "B", "mb": 0, "step": s, "start": t + 0.02,
+                 "end": t + 0.04}]
+    comm = [{"op": op, "dim": dim, "start": t + 0.011, "end": t + 0.015, "nbytes": 100,
+             "shape": [25]} for t in (0.0, 1.0, 2.0)
+            for op, dim in (("send", "pp"), ("reduce_scatter", "dp"))]
+    comm.append({"op": "all_reduce", "dim": "dp", "start": 2.5, "end": 2.6, "nbytes": 8,
+                 "shape": [2]})  # after the last step: a validation pass, not counted
+    trace = chrome_trace([{"rank": 0, "coords": {}, "comm_records": comm,
+                           "timeline": step(0, 0.0) + step(1, 1.0) + step(2, 2.0)}])
+    assert step_wire_bytes(trace, {"dp": 2, "pp": 2}) == {"pp": 100, "dp": 50}
+    parts = trace_breakdown(trace)[0]
+    assert parts["step_ms"] == pytest.approx(40.0) and parts["compute_ms"] == pytest.approx(30)
+    assert parts["collective_ms"] == pytest.approx(4.0)  # the reduce-scatter, not the send
+    assert parts["waiting_ms"] == pytest.approx(6.0)
