@@ -41,7 +41,8 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "predictions_path", "record_prediction", "router_demo", "say", "score_layout",
            "score_schedule", "show_calibration", "CAPSTONE", "capstone_layouts",
            "capstone_config", "capstone_command", "capstone_plan", "layout_label", "reconcile",
-           "score_capstone", "step_wire_bytes", "trace_breakdown"]
+           "score_capstone", "step_wire_bytes", "trace_breakdown", "ring_timing",
+           "ring_layer_on_a_shard", "ring_layer_errors"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
 LEVELS = {1: "a nudge", 2: "the method", 3: "the answer"}
@@ -957,3 +958,97 @@ def trace_breakdown(trace: dict) -> dict[int, dict[str, float]]:
         out[rank] = {"step_ms": step, "compute_ms": busy, "collective_ms": exposed,
                      "waiting_ms": step - busy - exposed}
     return out
+
+
+# --- lesson 07: ring attention measured, and the merge inside a layer -----------------
+def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 8192, 64),
+                repeats: int = 3) -> dict:
+    """Run on each rank of a cp group: this rank's CPU seconds inside the attention blocks
+    of a ring-attention forward (the least of ``repeats``, one thread: its own work only)
+    and the sends it counted. ``shape``: (batch, heads, sequence, head dim)."""
+    import time
+
+    import torch
+
+    from minipar.comm import Comm
+    from minipar.parallel import cp
+
+    torch.set_num_threads(1)
+    comm = Comm(dim="cp")
+    plain, busy = cp.block_forward, [0.0]
+
+    def timed(*args, **kwargs):
+        t = time.process_time()
+        out = plain(*args, **kwargs)
+        busy[0] += time.process_time() - t
+        return out
+
+    cp.block_forward = timed  # this rank's process only
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (cp.shard_sequence(torch.randn(*shape, generator=g), comm.rank, comm.size,
+                                 layout, dim=2) for _ in range(3))
+    core = cp.RingAttention(comm, layout)
+    per_run = []
+    with torch.no_grad():
+        core(q, k, v)  # warm-up
+        for _ in range(repeats):
+            busy[0] = 0.0
+            comm.log.clear()
+            core(q, k, v)
+            per_run.append(busy[0])
+    return {"busy": min(per_run), "sends": comm.log.summary()["cp"]["send"]}
+
+
+def _layer_input(cfg):
+    import torch
+
+    return torch.randn(2, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(1))
+
+
+def ring_layer_on_a_shard(impl: str, cfg) -> dict:
+    """Run on each rank of a cp group: a transformer layer whose attention core is
+    ``RingAttention`` with ``<impl>.attention_merge``'s merge, on this rank's zig-zag share
+    of the sequence; its output, input gradient and weight gradients summed over cp."""
+    import importlib
+
+    import torch
+
+    from minipar.comm import Comm
+    from minipar.model import Block
+    from minipar.parallel import cp
+
+    cp.merge_attention = importlib.import_module(f"{impl}.attention_merge").merge_attention
+    comm = Comm(dim="cp")
+    torch.manual_seed(0)
+    block = Block(cfg)
+    block.attn.core = cp.RingAttention(comm)  # a submodule replaced, as a plan does
+    x_mine = cp.shard_sequence(_layer_input(cfg), comm.rank, comm.size).requires_grad_()
+    out = block(x_mine)
+    out.pow(2).sum().backward()
+    grads = [p.grad for p in block.parameters()]
+    for g in grads:  # cp ranks hold the same weights: sum their gradients, as dp does
+        comm.all_reduce(g)
+    return {"out": out.detach(), "dx": x_mine.grad, "grads": grads}
+
+
+def ring_layer_errors(results: list[dict], cfg) -> dict[str, float]:
+    """The worst differences (relative to the largest value) between the cp ranks'
+    ``ring_layer_on_a_shard`` results, put back in order, and one process's layer."""
+    import torch
+
+    from minipar.model import Block
+    from minipar.parallel import cp
+
+    torch.manual_seed(0)
+    ref = Block(cfg)
+    x = _layer_input(cfg).requires_grad_()
+    out = ref(x)
+    out.pow(2).sum().backward()
+
+    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    return {"output": rel(cp.unshard_sequence([r["out"] for r in results]), out.detach()),
+            "input gradient": rel(cp.unshard_sequence([r["dx"] for r in results]), x.grad),
+            "weight gradients": max(rel(g, p.grad) for g, p in zip(results[0]["grads"],
+                                                                   ref.parameters()))}
