@@ -3,7 +3,8 @@
 # It runs, but something in it is wrong: find it with the lesson's instruments,
 # fix it, then check your work with
 #     from exercises.check import check; check("debug_deadlock")
-"""Lesson 00 debugging lab: ring moves built from send and recv, one of which hangs.
+# Bug 1 of 4: another_bug("debug_deadlock") (from exercises.course) plants the next.
+"""Lesson 00 debugging lab: ring moves built from send and recv, one of them wrong.
 
 Every ring algorithm is made of a few moves between neighbours. This file holds them,
 each a handful of lines over ``Comm``'s point-to-point calls:
@@ -14,11 +15,13 @@ each a handful of lines over ``Comm``'s point-to-point calls:
 * ``ring_all_gather``: N - 1 shifts to the right, and every rank holds every tensor;
 * ``ring_sum``: N - 1 shifts to the left, and every rank holds the sum of all of them.
 
-``check("debug_deadlock")`` runs each move on 2, 3 and 4 ranks and compares what every
-rank ends with against the definition. Your copy hangs. The hang report says which
-operation each rank was inside, and with which rank, when the check gave up; the lines
-above it say which moves finished. Find the code that leaves the ranks waiting, fix it
-(point-to-point calls only: no ``all_reduce`` or other collective), and check again.
+``check("debug_deadlock")`` runs each move on 3 ranks, in the order above, then all of
+them on 2 and 4, and compares what every rank ends with against the move's definition.
+Your copy has one bug. It may hang: then the report says which call each rank was inside,
+and with which rank, when the check gave up, and which moves had finished. Or a move may
+leave the wrong tensor: rank r starts with 2**r everywhere, so any value names the ranks
+it came from. Work from that to the line, fix it (point-to-point calls only: no
+``all_reduce`` or other collective), and check again.
 """
 
 from __future__ import annotations

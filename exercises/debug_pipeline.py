@@ -3,6 +3,7 @@
 # It runs, but something in it is wrong: find it with the lesson's instruments,
 # fix it, then check your work with
 #     from exercises.check import check; check("debug_pipeline")
+# Bug 1 of 4: another_bug("debug_pipeline") (from exercises.course) plants the next.
 """Lesson 04 debugging lab: a pipeline step whose loss is right.
 
 Two ranks run one step of the tiny GPT (4 layers) as a 2-stage 1F1B pipeline over ``m``
@@ -13,9 +14,10 @@ expects), then measure the gradient norm over both stages. One process runs the 
 batch. The loss each rank reports agrees with one process to float rounding.
 
 Your copy has one bug. ``gradient_audit()`` prints the two losses, the two gradient norms
-and their ratio, and names the size of the layout that explains the ratio. Try it at
-more than one ``m``: how does the ratio move? Find where the file lets that size into
-the gradients, fix it, and ``check("debug_pipeline")``.
+and their ratio, and names the size of the layout that explains the ratio, if one does.
+Try it at more than one ``m``: how does the ratio move? Is it the gradients that are
+wrong, or the way they are measured? Find the line, fix it, and
+``check("debug_pipeline")``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 # It runs, but something in it is wrong: find it with the lesson's instruments,
 # fix it, then check your work with
 #     from exercises.check import check; check("debug_sp")
+# Bug 1 of 4: another_bug("debug_sp") (from exercises.course) plants the next.
 """Lesson 03 debugging lab: one step of tensor and sequence parallelism, beside one process.
 
 Two ranks run one forward and backward of the tiny GPT (2 layers) with tensor

@@ -48,7 +48,8 @@ EXERCISES: dict[str, Exercise] = {
         "00", "ring all-reduce from send/recv",
         ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")),
     "debug_deadlock": Exercise(
-        "00", "debugging lab: a ring shift that hangs", ("shift_right",), timeout=5.0),
+        "00", "debugging lab: ring moves, one of them wrong",
+        ("shift_right", "shift_left", "ring_all_gather", "ring_sum"), timeout=5.0),
     "ddp_buckets": Exercise(
         "01", "bucketed, overlapped gradient all-reduce",
         ("bucket_params", "BucketedDDP")),
@@ -63,8 +64,8 @@ EXERCISES: dict[str, Exercise] = {
     "pipeline_1f1b": Exercise(
         "04", "the 1F1B schedule as data", ("one_f_one_b_compute", "peak_in_flight")),
     "debug_pipeline": Exercise(
-        "04", "debugging lab: a pipeline's gradients off by a factor",
-        ("microbatch_loss_scale",)),
+        "04", "debugging lab: a pipeline step that does not train like one process",
+        ("pipeline_step", "grad_norm")),
     "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
     "memory_formula": Exercise(
         "06", "memory per device with the pipeline term", ("in_flight", "device_memory")),

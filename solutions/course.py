@@ -41,7 +41,8 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "predictions_path", "record_prediction", "router_demo", "say", "score_layout",
            "score_schedule", "show_calibration", "CAPSTONE", "capstone_layouts",
            "capstone_config", "capstone_command", "capstone_plan", "layout_label", "reconcile",
-           "score_capstone", "step_wire_bytes", "trace_breakdown", "ring_timing",
+           "score_capstone", "step_wire_bytes", "trace_breakdown", "ring_timing", "another_bug",
+           "lab_variant",
            "ring_layer_on_a_shard", "ring_layer_errors"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
@@ -135,53 +136,113 @@ HINTS: dict[str, dict[int, str]] = {
            "then the all-to-all with the two split lists swapped.",
     },
     "debug_deadlock": {
-        1: "Read the hang report: which call is every rank inside, and with which rank? "
-           "Which move was running, and which of the file's functions does it call?",
-        2: "Follow the hung move down to its send and recv calls and play them out for "
-           "three ranks at once: if every rank's first call blocks until a partner acts, "
-           "and every partner is blocked the same way, nobody ever moves. Compare that "
-           "function with the moves that finished.",
+        1: "Which move failed first, and how: a hang (which call is each rank inside, "
+           "and with which rank?) or a wrong tensor (rank r starts with 2**r everywhere, "
+           "so a value names the ranks it came from)?",
+        2: "Follow that move's code down to its send and recv calls and play them out for "
+           "three ranks at once: who sends to whom, who receives from whom, what is stored "
+           "or added where. If every rank's first call blocks until a partner acts, and "
+           "every partner is blocked the same way, nobody moves. Compare with the moves "
+           "that passed.",
     },
     "debug_sp": {
         1: "Run gradient_audit(): which parameters differ from one process, and what do "
-           "they have in common that the ones that agree lack (their shapes, the layers "
-           "they belong to)? Under sequence parallelism, what does a rank compute for them?",
-        2: "Those parameters are replicated but used on a rank's part of the sequence, so "
-           "each rank's gradient is a partial sum that must be added over tp after the "
-           "backward. Find the code that does that adding and check which parameters it "
-           "actually takes: print p.sequence_parallel and p.dim() for each.",
+           "they have in common that the ones that agree lack? How far off are they? Under "
+           "sequence parallelism, what does a rank compute for the replicated parameters "
+           "used on its part of the sequence?",
+        2: "Those parameters' gradients are partial sums over a rank's tokens, to be added "
+           "over tp after the backward. Find the code that does that adding and check, "
+           "line by line, which parameters it takes (print p.sequence_parallel and "
+           "p.dim() for each), and whether it adds the parts, averages them or leaves "
+           "them as they are.",
     },
     "debug_pipeline": {
         1: "Run gradient_audit(m) for m = 2, 4 and 8: how does the ratio of the gradient "
-           "norms move with m? Which sizes of the run would give that ratio?",
+           "norms move with m? Which sizes of the run would give that ratio, and is it the "
+           "gradients or their measurement that is off?",
         2: "The executor adds the gradients of the m micro-batch losses, each multiplied "
            "by loss_scale first; one process computes the gradient of the mean over the "
-           "batch. Work out the loss_scale that makes the two equal, and compare it with "
-           "what the step passes.",
+           "batch. Work out the loss_scale that makes the two equal and compare it with "
+           "what the step passes; then check that grad_norm covers every stage.",
     },
 }
 
 
-def _formula(name: str) -> list[tuple[str, str]]:
-    """(function, hint text) for every ``# HINT:`` block in ``solutions/<name>.py``."""
+def _formula(name: str, variant: int | None = None) -> list[tuple[str, str]]:
+    """(function, hint text) for every ``# HINT:`` block in ``solutions/<name>.py``. For a
+    lab with several bugs, those of bug ``variant`` only (``# HINT(k):`` lines; the plain
+    ``# HINT:`` lines belong to bug 1); ``None``: the bug in the learner's copy."""
     path = Path(__file__).resolve().parents[1] / "solutions" / f"{name}.py"
     if not path.exists():
         return []
+    text = path.read_text()
+    tagged = re.search(r"^\s*# HINT\(\d+\):", text, re.MULTILINE) is not None
+    if tagged and variant is None:
+        variant = lab_variant(name)
     out: list[tuple[str, str]] = []
     function, taking = "", False
-    for line in path.read_text().splitlines():
-        text = line.strip()
-        m = re.match(r"(?:async\s+)?def\s+(\w+)", text)
+    for line in text.splitlines():
+        line_text = line.strip()
+        m = re.match(r"(?:async\s+)?def\s+(\w+)", line_text)
+        k = re.match(r"# HINT\((\d+)\):", line_text)
         if m:
             function, taking = m.group(1), False
-        elif text.startswith("# HINT:"):
-            out.append((function, text[len("# HINT:"):].strip()))
-            taking = True
-        elif taking and text.startswith("#") and not text.startswith("###"):
-            out[-1] = (out[-1][0], out[-1][1] + " " + text.lstrip("#").strip())
+        elif k:
+            taking = False
+            if int(k.group(1)) == variant:
+                body = line_text[k.end():].strip()
+                if out and out[-1][0] == function and out[-1][2] == variant:
+                    out[-1] = (function, out[-1][1] + " " + body, variant)
+                else:
+                    out.append((function, body, variant))
+        elif line_text.startswith("# HINT:"):
+            taking = not tagged or variant == 1
+            if taking:
+                out.append((function, line_text[len("# HINT:"):].strip(), 1))
+        elif taking and line_text.startswith("#") and not line_text.startswith("###"):
+            out[-1] = (out[-1][0], out[-1][1] + " " + line_text.lstrip("#").strip(), 1)
         else:
             taking = False
-    return out
+    return [(f, h) for f, h, _ in out]
+
+
+def lab_variant(name: str, root: Path | None = None) -> int:
+    """Which bug of lab ``name`` the learner's copy (``exercises/<name>.py`` under the
+    course's root, or ``root``) holds: its header says ``# Bug k of n``; 1 when it does
+    not."""
+    path = (root or Path(__file__).resolve().parents[1]) / "exercises" / f"{name}.py"
+    head = path.read_text()[:1000] if path.exists() else ""
+    m = re.search(r"^# Bug (\d+) of \d+", head, re.MULTILINE)
+    return int(m.group(1)) if m else 1
+
+
+def another_bug(name: str, variant: int | None = None, root: Path | None = None) -> int:
+    """Replace your copy of lab ``name`` with its next bug (or bug ``variant``), keeping
+    the copy you had as ``exercises/<name>.py.bak``. Returns the bug's number. ``root``:
+    the course's folder (default: this one; tests pass a copy)."""
+    import importlib.util
+
+    course = Path(__file__).resolve().parents[1]
+    root = root or course
+    spec = importlib.util.spec_from_file_location("make_exercises",
+                                                  course / "tools" / "make_exercises.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    src = course / "solutions" / f"{name}.py"
+    n = gen.variants(src.read_text())
+    if n < 2:
+        raise ValueError(f"{name!r} is not a lab with several bugs")
+    variant = variant or lab_variant(name, root) % n + 1
+    if not 1 <= variant <= n:
+        raise ValueError(f"{name!r} has bugs 1 to {n}, not {variant}")
+    mine = root / "exercises" / f"{name}.py"
+    if mine.exists():
+        mine.with_name(mine.name + ".bak").write_text(mine.read_text())
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.write_text(gen.generate(src, course / "solutions", variant))
+    print(f"exercises/{name}.py now holds bug {variant} of {n} (your copy is in "
+          f"{name}.py.bak): run check({name!r}) and hunt it down")
+    return variant
 
 
 def hint(name: str, level: int = 1, function: str | None = None) -> None:

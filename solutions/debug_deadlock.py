@@ -1,4 +1,4 @@
-"""Lesson 00 debugging lab: ring moves built from send and recv, one of which hangs.
+"""Lesson 00 debugging lab: ring moves built from send and recv, one of them wrong.
 
 Every ring algorithm is made of a few moves between neighbours. This file holds them,
 each a handful of lines over ``Comm``'s point-to-point calls:
@@ -9,11 +9,13 @@ each a handful of lines over ``Comm``'s point-to-point calls:
 * ``ring_all_gather``: N - 1 shifts to the right, and every rank holds every tensor;
 * ``ring_sum``: N - 1 shifts to the left, and every rank holds the sum of all of them.
 
-``check("debug_deadlock")`` runs each move on 2, 3 and 4 ranks and compares what every
-rank ends with against the definition. Your copy hangs. The hang report says which
-operation each rank was inside, and with which rank, when the check gave up; the lines
-above it say which moves finished. Find the code that leaves the ranks waiting, fix it
-(point-to-point calls only: no ``all_reduce`` or other collective), and check again.
+``check("debug_deadlock")`` runs each move on 3 ranks, in the order above, then all of
+them on 2 and 4, and compares what every rank ends with against the move's definition.
+Your copy has one bug. It may hang: then the report says which call each rank was inside,
+and with which rank, when the check gave up, and which moves had finished. Or a move may
+leave the wrong tensor: rank r starts with 2**r everywhere, so any value names the ranks
+it came from. Work from that to the line, fix it (point-to-point calls only: no
+``all_reduce`` or other collective), and check again.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ def pass_along(comm: Comm, t: torch.Tensor, dst: int, src: int) -> torch.Tensor:
 def shift_right(comm: Comm, t: torch.Tensor) -> torch.Tensor:
     """Every rank's ``t`` moves to rank + 1 (mod N); returns what rank - 1 held."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    ### BEGIN SOLUTION
     return pass_along(comm, t, right, left)
+    ### PLANTED BUG 3
+    # HINT(3): the shift sends to the right (rank + 1) and receives from the left, and
+    # HINT(3): pass_along takes the destination first: return pass_along(comm, t, right, left)
+    # return pass_along(comm, t, left, right)
+    ### END SOLUTION
 
 
 def shift_left(comm: Comm, t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +76,13 @@ def ring_all_gather(comm: Comm, t: torch.Tensor) -> list[torch.Tensor]:
     travelling = t.clone()
     for step in range(1, comm.size):
         travelling = shift_right(comm, travelling)
+        ### BEGIN SOLUTION
         out[(comm.rank - step) % comm.size] = travelling
+        ### PLANTED BUG 2
+        # HINT(2): after `step` shifts to the right, what arrives started on rank - step:
+        # HINT(2): out[(comm.rank - step) % comm.size] = travelling
+        # out[(comm.rank + step) % comm.size] = travelling
+        ### END SOLUTION
     return out
 
 
@@ -79,5 +93,10 @@ def ring_sum(comm: Comm, t: torch.Tensor) -> torch.Tensor:
     travelling = t.clone()
     for _ in range(comm.size - 1):
         travelling = shift_left(comm, travelling)
+        ### BEGIN SOLUTION
         total += travelling
+        ### PLANTED BUG 4
+        # HINT(4): add what has just arrived, not this rank's own tensor: total += travelling
+        # total += t
+        ### END SOLUTION
     return total

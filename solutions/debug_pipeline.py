@@ -8,9 +8,10 @@ expects), then measure the gradient norm over both stages. One process runs the 
 batch. The loss each rank reports agrees with one process to float rounding.
 
 Your copy has one bug. ``gradient_audit()`` prints the two losses, the two gradient norms
-and their ratio, and names the size of the layout that explains the ratio. Try it at
-more than one ``m``: how does the ratio move? Find where the file lets that size into
-the gradients, fix it, and ``check("debug_pipeline")``.
+and their ratio, and names the size of the layout that explains the ratio, if one does.
+Try it at more than one ``m``: how does the ratio move? Is it the gradients that are
+wrong, or the way they are measured? Find the line, fix it, and
+``check("debug_pipeline")``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ def grad_norm(chunks) -> float:
     sq = sum(float(p.grad.double().pow(2).sum()) for c in chunks for p in c.parameters()
              if p.grad is not None)
     total = torch.tensor([sq], dtype=torch.float64)
+    ### BEGIN SOLUTION
     comm.all_reduce(total)
+    ### PLANTED BUG 3
+    # HINT(3): each rank sums the squares of its own stage only; the norm of the whole
+    # HINT(3): model needs them added over the stages: comm.all_reduce(total).
+    # total = total.clone()
+    ### END SOLUTION
     return float(total.sqrt())
 
 
@@ -53,6 +60,15 @@ def pipeline_step(microbatches: int) -> dict:
     loss_scale = 1.0 / len(parts)
     ### PLANTED BUG
     # loss_scale = 1.0 / comm.size
+    ### PLANTED BUG 2
+    # HINT(2): each micro-batch's loss is a mean over its tokens, and the executor adds
+    # HINT(2): m of them: scale each by 1 / m, loss_scale = 1.0 / len(parts)
+    # loss_scale = 1.0
+    ### PLANTED BUG 4
+    # HINT(4): each micro-batch's loss is already a mean over its own sequences; the m
+    # HINT(4): of them are added, so the scale is 1 / m, not 1 / (the batch's sequences):
+    # HINT(4): loss_scale = 1.0 / len(parts)
+    # loss_scale = 1.0 / BATCH
     ### END SOLUTION
     res = ex.step(parts, broadcast_loss=True, loss_scale=loss_scale)
     return {"loss": res.loss, "grad_norm": grad_norm(chunks)}

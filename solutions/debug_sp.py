@@ -44,11 +44,26 @@ def finish_gradients(model: torch.nn.Module, comm: Comm) -> None:
                if getattr(p, "sequence_parallel", False) and p.grad is not None]
                ### PLANTED BUG
                # if getattr(p, "sequence_parallel", False) and p.dim() > 1]
+               ### PLANTED BUG 4
+               # HINT(4): the filter is inverted: it sums the sharded parameters' gradients,
+               # HINT(4): which were complete, and not the marked ones. Keep the marked ones:
+               # HINT(4): if getattr(p, "sequence_parallel", False) and p.grad is not None]
+               # if not getattr(p, "sequence_parallel", False) and p.grad is not None]
                ### END SOLUTION
     if comm.size == 1 or not partial:
         return
     flat = torch.cat([g.reshape(-1) for g in partial])
+    ### BEGIN SOLUTION
     comm.all_reduce(flat)
+    ### PLANTED BUG 2
+    # HINT(2): the parts are flattened and copied back, but nothing adds them across the
+    # HINT(2): tp group: comm.all_reduce(flat) after the torch.cat.
+    # flat = flat.contiguous()
+    ### PLANTED BUG 3
+    # HINT(3): the parts of a sum must be added, not averaged: drop flat /= comm.size.
+    # comm.all_reduce(flat)
+    # flat /= comm.size
+    ### END SOLUTION
     offset = 0
     for g in partial:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -557,3 +557,49 @@ def test_capstone_reads_a_step_of_the_trace() -> None:
     assert parts["step_ms"] == pytest.approx(40.0) and parts["compute_ms"] == pytest.approx(30)
     assert parts["collective_ms"] == pytest.approx(4.0)  # the reduce-scatter, not the send
     assert parts["waiting_ms"] == pytest.approx(6.0)
+
+
+# --- every lab holds several bugs, each found from its symptom -----------------------
+def _lab_variants() -> list[tuple[str, int]]:
+    return [(name, v) for name in LABS
+            for v in range(2, gen.variants((ROOT / "solutions" / f"{name}.py").read_text()) + 1)]
+
+
+def test_labs_hold_four_bugs_each_with_its_own_answer(capsys) -> None:
+    from solutions.course import _formula
+    for name in LABS:
+        src = ROOT / "solutions" / f"{name}.py"
+        n = gen.variants(src.read_text())
+        assert n >= 4, f"{name} plants {n} bugs"
+        files = {gen.generate(src, ROOT / "solutions", v) for v in range(1, n + 1)}
+        assert len(files) == n  # four different files
+        answers = [_formula(name, v) for v in range(1, n + 1)]
+        assert all(answers) and len({str(a) for a in answers}) == n  # one answer each
+
+
+@pytest.mark.parametrize("name,variant", _lab_variants())
+def test_every_planted_bug_fails_with_a_symptom(name: str, variant: int, tmp_path,
+                                                monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    buggy = gen.generate(ROOT / "solutions" / f"{name}.py", ROOT / "solutions", variant)
+    assert "BUG" not in buggy.split("\n", 6)[-1] and "HINT" not in buggy
+    pkg = _package(tmp_path, f"bug{variant}_{name}", {f"{name}.py": buggy})
+    result = run_one(name, impl=pkg, timeout=30)
+    assert result.status == "fail", str(result)
+    for word in NEVER:
+        assert word not in str(result), f"the report gives the fix away ({word!r}):\n{result}"
+
+
+def test_another_bug_replaces_the_copy_and_the_answer_follows(tmp_path, capsys) -> None:
+    from solutions.course import another_bug, lab_variant
+    (tmp_path / "exercises").mkdir()
+    mine = tmp_path / "exercises" / "debug_sp.py"
+    mine.write_text(gen.generate(ROOT / "solutions" / "debug_sp.py", ROOT / "solutions"))
+    assert lab_variant("debug_sp", tmp_path) == 1
+    assert another_bug("debug_sp", root=tmp_path) == 2
+    assert lab_variant("debug_sp", tmp_path) == 2 and "bug 2 of 4" in capsys.readouterr().out
+    assert (tmp_path / "exercises" / "debug_sp.py.bak").read_text().count("p.dim() > 1") == 1
+    assert another_bug("debug_sp", 4, root=tmp_path) == 4
+    assert another_bug("debug_sp", root=tmp_path) == 1  # round again
+    with pytest.raises(ValueError):
+        another_bug("ring_allreduce", root=tmp_path)

@@ -27,6 +27,6 @@ def run(impl: str, timeout: float) -> str:
         expect(abs(ratio - 1) < 1e-4,
                f"m={m}: gradient norm expected {ref['grad_norm']:.5f} (one process), got "
                f"{out['grad_norm']:.5f}: {why}",
-               "run gradient_audit(m) at a few m: which size of the layout does the ratio "
-               "follow, and where does the step use it?")
+               "run gradient_audit(m) at a few m: what does the ratio follow? Then look "
+               "for where the step lets that into the gradients, or into their measurement")
     return "loss and gradient norm equal one process at m = 4 and m = 2"
