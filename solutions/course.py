@@ -42,7 +42,8 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "score_schedule", "show_calibration", "CAPSTONE", "capstone_layouts",
            "capstone_config", "capstone_command", "capstone_plan", "layout_label", "reconcile",
            "score_capstone", "step_wire_bytes", "trace_breakdown", "ring_timing", "another_bug",
-           "lab_variant",
+           "lab_variant", "train_with_ring", "train_with_ddp", "train_with_zero1",
+           "adamw_on_both_batches",
            "ring_layer_on_a_shard", "ring_layer_errors"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
@@ -1113,3 +1114,151 @@ def ring_layer_errors(results: list[dict], cfg) -> dict[str, float]:
             "input gradient": rel(cp.unshard_sequence([r["dx"] for r in results]), x.grad),
             "weight gradients": max(rel(g, p.grad) for g, p in zip(results[0]["grads"],
                                                                    ref.parameters()))}
+
+
+# --- "your code trains": the runs that plug an exercise into training (lessons 00-02) ---
+# Each runs on every rank of a launched job (or alone, world 1) and takes the package to
+# load the learner's code from by name, so it is importable: a rank started by spawn
+# (Windows) can run it as well as a forked one.
+def _impl(name: str, impl: str):
+    import importlib
+
+    return importlib.import_module(f"{impl}.{name}")
+
+
+def train_with_ring(impl: str = "solutions", steps: int = 8, batch: int = 16,
+                    world: int | None = None) -> dict:
+    """Lesson 00 § 7: the two-layer tiny GPT trained with data parallelism by hand: each
+    rank's slice of the batch, all gradients flattened into one buffer, summed by
+    ``<impl>.ring_allreduce.ring_all_reduce`` and divided by the world size, then AdamW.
+    ``world`` 1 (or no job): one process on the whole batch. Returns the losses, the bytes
+    sent per step and the gradient buffer's bytes."""
+    import torch
+    import torch.distributed as dist
+
+    from minipar.comm import Comm
+    from minipar.data import MarkovData, split_batch
+    from minipar.model import GPT, get_config
+
+    world = world or (dist.get_world_size() if dist.is_initialized() else 1)
+    rank = dist.get_rank() if world > 1 else 0
+    cfg = get_config("tiny").with_(n_layer=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = MarkovData(cfg.vocab_size, cfg.seq_len, seed=0)
+    comm = Comm() if world > 1 else None
+    ring = _impl("ring_allreduce", impl) if comm else None
+    losses, sent, grads = [], [], None
+    for step in range(steps):
+        x, y = data.batch(step, batch)
+        [(mx, my)] = split_batch(x, y, rank, world, 1)
+        loss = model(mx, my)
+        loss.backward()
+        if comm is not None:
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            comm.log.clear()
+            ring.ring_all_reduce(comm, grads)
+            sent.append(comm.log.total("nbytes", op="send"))
+            grads /= world
+            offset = 0
+            for p in model.parameters():
+                p.grad.copy_(grads[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "sent": sent, "grad_bytes": grads.numel() * 4 if comm else 0}
+
+
+def train_with_ddp(impl: str = "solutions", steps: int = 6, batch: int = 16,
+                   bucket_bytes: int = 64_000, world: int | None = None) -> dict:
+    """Lesson 01 § 6: the two-layer tiny GPT on each rank's slice of the batch, its
+    gradients averaged by ``<impl>.ddp_buckets.BucketedDDP`` (buckets of
+    ``bucket_bytes``), AdamW. Returns the losses, the all-reduces per step and the
+    bucket count; ``world`` 1 (or no job): one process on the whole batch."""
+    import torch
+    import torch.distributed as dist
+
+    from minipar.comm import Comm
+    from minipar.data import MarkovData, split_batch
+    from minipar.model import GPT, get_config
+
+    world = world or (dist.get_world_size() if dist.is_initialized() else 1)
+    rank = dist.get_rank() if world > 1 else 0
+    cfg = get_config("tiny").with_(n_layer=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    comm = Comm() if world > 1 else None
+    ddp = _impl("ddp_buckets", impl).BucketedDDP(model, comm, bucket_bytes=bucket_bytes) \
+        if comm else None
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = MarkovData(cfg.vocab_size, cfg.seq_len, seed=0)
+    losses, calls = [], []
+    for step in range(steps):
+        x, y = data.batch(step, batch)
+        [(mx, my)] = split_batch(x, y, rank, world, 1)
+        if comm:
+            comm.log.clear()
+        loss = model(mx, my)
+        loss.backward()
+        if ddp:
+            ddp.finish_gradient_sync()
+            calls.append(len(comm.log.records))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "calls": calls, "buckets": len(ddp.buckets) if ddp else 1}
+
+
+def _mlp_batch(step: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def train_with_zero1(impl: str = "solutions", steps: int = 5) -> dict:
+    """Lesson 02 § 5, on each rank: a small MLP on this rank's batches, stepped by
+    ``<impl>.zero1.Zero1``. Returns the losses, the optimizer state bytes it holds and
+    the collectives it used."""
+    from minipar.comm import Comm
+
+    comm, net = Comm(), _mlp()
+    opt = _impl("zero1", impl).Zero1(net.parameters(), comm, lr=0.01)
+    losses = []
+    for step in range(steps):
+        x, y = _mlp_batch(step, comm.rank)
+        loss = (net(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": opt.state_bytes(),
+            "ops": sorted({r.op for r in comm.log.records})}
+
+
+def adamw_on_both_batches(steps: int = 5, ranks: int = 2) -> dict:
+    """Lesson 02 § 5's reference: the same MLP in one process, AdamW on the mean gradient
+    of every rank's batch. Returns each step's per-rank losses and the Adam state bytes."""
+    import torch
+
+    net = _mlp()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    out = []
+    for step in range(steps):
+        losses = [(net(x) - y).pow(2).mean() for x, y in
+                  (_mlp_batch(step, r) for r in range(ranks))]
+        (sum(losses) / ranks).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append([v.item() for v in losses])
+    return {"losses": out, "state": 8 * sum(p.numel() for p in net.parameters())}

@@ -603,3 +603,15 @@ def test_another_bug_replaces_the_copy_and_the_answer_follows(tmp_path, capsys) 
     assert another_bug("debug_sp", root=tmp_path) == 1  # round again
     with pytest.raises(ValueError):
         another_bug("ring_allreduce", root=tmp_path)
+
+
+def test_lesson_runs_launch_under_spawn() -> None:
+    """The runs that plug an exercise into training live in an importable module, so a
+    rank started by spawn (where fork is missing: Windows) runs them too."""
+    from minipar.launch import launch
+    from solutions.course import adamw_on_both_batches, train_with_zero1
+    ranks = launch(train_with_zero1, 2, args=("solutions", 2), timeout=120,
+                   start_method="spawn")
+    one = adamw_on_both_batches(steps=2)
+    assert all(abs(pair[r] - ranks[r]["losses"][s]) < 1e-5
+               for s, pair in enumerate(one["losses"]) for r in (0, 1))

@@ -113,3 +113,15 @@ def zero3_prefetch_figure(blocks: int = 4, gather: float = 0.6,
                         title=f"ZeRO-3 forward of {blocks} blocks: step ends at "
                               f"{ends['no prefetch']:.1f} without prefetch, "
                               f"{ends['prefetch']:.1f} with it")
+
+
+def loss_curves_figure(reference, run, run_name: str, title: str) -> go.Figure:
+    """One process's losses (a line) and a parallel run's (crosses) per step: on top of
+    each other when the run is at parity."""
+    fig = go.Figure([go.Scatter(y=list(reference), name="one process, whole batch",
+                                mode="lines"),
+                     go.Scatter(y=list(run), name=run_name, mode="markers",
+                                marker=dict(size=9, symbol="x"))])
+    fig.update_layout(xaxis_title="step", yaxis_title="loss", width=620, height=340,
+                      title=title)
+    return fig
