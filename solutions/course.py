@@ -43,7 +43,7 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "capstone_config", "capstone_command", "capstone_plan", "layout_label", "reconcile",
            "score_capstone", "step_wire_bytes", "trace_breakdown", "ring_timing", "another_bug",
            "lab_variant", "train_with_ring", "train_with_ddp", "train_with_zero1",
-           "adamw_on_both_batches",
+           "adamw_on_both_batches", "run_schedule",
            "ring_layer_on_a_shard", "ring_layer_errors"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
@@ -1262,3 +1262,26 @@ def adamw_on_both_batches(steps: int = 5, ranks: int = 2) -> dict:
         opt.zero_grad()
         out.append([v.item() for v in losses])
     return {"losses": out, "state": 8 * sum(p.numel() for p in net.parameters())}
+
+
+def run_schedule(impl: str = "solutions", microbatches: int = 4,
+                 sleep_per_unit: float = 0.03) -> dict:
+    """Lesson 04 § 7, on each rank of a pipeline: one step of the tiny GPT driven by
+    ``<impl>.pipeline_1f1b.one_f_one_b``'s lists, each action padded by
+    ``sleep_per_unit`` seconds per unit of work (a stand-in for a bigger model). Returns
+    the loss and the rank's timeline."""
+    import torch
+
+    from minipar.comm import Comm
+    from minipar.data import MarkovData, split_batch
+    from minipar.model import GPT, get_config
+    from minipar.parallel.pp import PipelineExecutor, build_stage
+
+    mine, cfg, comm = _impl("pipeline_1f1b", impl), get_config("tiny"), Comm()
+    torch.manual_seed(0)
+    chunks = build_stage(GPT(cfg), comm.rank, comm.size)
+    ex = PipelineExecutor(chunks, comm, mine.one_f_one_b(comm.size, microbatches),
+                          sleep_per_unit=sleep_per_unit)
+    x, y = MarkovData(cfg.vocab_size, cfg.seq_len).batch(0, 8)
+    res = ex.step(split_batch(x, y, 0, 1, microbatches), broadcast_loss=True)
+    return {"loss": res.loss, "timeline": res.timeline}
