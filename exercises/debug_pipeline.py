@@ -3,18 +3,21 @@
 # It runs, but something in it is wrong: find it with the lesson's instruments,
 # fix it, then check your work with
 #     from exercises.check import check; check("debug_pipeline")
-"""Lesson 04 debugging lab: a pipeline whose gradients are wrong by a simple factor.
+# Bug 1 of 4: another_bug("debug_pipeline") (from exercises.course) plants the next.
+"""Lesson 04 debugging lab: a pipeline step whose loss is right.
 
-Two ranks train the tiny GPT as a 2-stage 1F1B pipeline over ``m`` micro-batches. The
-loss each rank prints agrees with one process to float rounding, and yet the run does
-not train like one process: its *gradients* are off. A loss comparison cannot see it (the
-loss is computed before the error enters), which is why minipar's parity checks compare
-gradient norms too.
+Two ranks run one step of the tiny GPT (4 layers) as a 2-stage 1F1B pipeline over ``m``
+micro-batches, the way the engine does it: build this rank's stage, make the schedule,
+split the batch, let the executor run the forwards and backwards (each micro-batch's
+loss times ``loss_scale`` before its backward; the executor's docstring says what it
+expects), then measure the gradient norm over both stages. One process runs the same
+batch. The loss each rank reports agrees with one process to float rounding.
 
-Find the bug with the gradient audit (``gradient_audit()`` in the lesson, or
-``minipar.parity.audit``): it compares this run's gradient norm with one process and
-names the size of the layout that explains the ratio. Then fix the line marked below,
-and ``check("debug_pipeline")``.
+Your copy has one bug. ``gradient_audit()`` prints the two losses, the two gradient norms
+and their ratio, and names the size of the layout that explains the ratio, if one does.
+Try it at more than one ``m``: how does the ratio move? Is it the gradients that are
+wrong, or the way they are measured? Find the line, fix it, and
+``check("debug_pipeline")``.
 """
 
 from __future__ import annotations
@@ -29,12 +32,6 @@ from minipar.parallel.schedules import make_schedule
 
 CFG = get_config("tiny").with_(n_layer=4)
 BATCH = 8
-
-
-def microbatch_loss_scale(microbatches: int) -> float:
-    """What each micro-batch's loss is multiplied by before its backward."""
-    # FIND THE BUG HERE
-    return 1.0  # each micro-batch's loss, as it comes
 
 
 def grad_norm(chunks) -> float:
@@ -52,10 +49,12 @@ def pipeline_step(microbatches: int) -> dict:
     comm = Comm()
     torch.manual_seed(0)
     chunks = build_stage(GPT(CFG), comm.rank, comm.size)
-    ex = PipelineExecutor(chunks, comm, make_schedule("1f1b", comm.size, microbatches))
+    schedule = make_schedule("1f1b", comm.size, microbatches)
+    ex = PipelineExecutor(chunks, comm, schedule)
     x, y = MarkovData(CFG.vocab_size, CFG.seq_len).batch(0, BATCH)
-    res = ex.step(split_batch(x, y, 0, 1, microbatches), broadcast_loss=True,
-                  loss_scale=microbatch_loss_scale(microbatches))
+    parts = split_batch(x, y, 0, 1, microbatches)  # every stage gets the same list
+    loss_scale = 1.0 / comm.size
+    res = ex.step(parts, broadcast_loss=True, loss_scale=loss_scale)
     return {"loss": res.loss, "grad_norm": grad_norm(chunks)}
 
 
@@ -79,8 +78,9 @@ def gradient_audit(microbatches: int = 4) -> None:
     ref = reference_step()
     out = launch(pipeline_step, 2, args=(microbatches,), timeout=60)[0]
     ratio = out["grad_norm"] / ref["grad_norm"]
+    print(f"m = {microbatches}")
     print(f"loss:          one process {ref['loss']:.5f}   pipeline {out['loss']:.5f}")
     print(f"gradient norm: one process {ref['grad_norm']:.5f}   pipeline "
           f"{out['grad_norm']:.5f}   ratio {ratio:.4f}")
-    print("audit:", audit([ratio], {"microbatches": microbatches, "pp": 2})
-          or "the gradients agree with one process")
+    found = audit([ratio], {"microbatches": microbatches, "pp": 2})
+    print("audit:", found.split(";")[0] if found else "the gradients agree with one process")

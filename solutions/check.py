@@ -48,7 +48,8 @@ EXERCISES: dict[str, Exercise] = {
         "00", "ring all-reduce from send/recv",
         ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")),
     "debug_deadlock": Exercise(
-        "00", "debugging lab: a ring shift that hangs", ("shift_right",), timeout=5.0),
+        "00", "debugging lab: ring moves, one of them wrong",
+        ("shift_right", "shift_left", "ring_all_gather", "ring_sum"), timeout=5.0),
     "ddp_buckets": Exercise(
         "01", "bucketed, overlapped gradient all-reduce",
         ("bucket_params", "BucketedDDP")),
@@ -63,8 +64,8 @@ EXERCISES: dict[str, Exercise] = {
     "pipeline_1f1b": Exercise(
         "04", "the 1F1B schedule as data", ("one_f_one_b_compute", "peak_in_flight")),
     "debug_pipeline": Exercise(
-        "04", "debugging lab: a pipeline's gradients off by a factor",
-        ("microbatch_loss_scale",)),
+        "04", "debugging lab: a pipeline step that does not train like one process",
+        ("pipeline_step", "grad_norm")),
     "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
     "memory_formula": Exercise(
         "06", "memory per device with the pipeline term", ("in_flight", "device_memory")),
@@ -174,9 +175,9 @@ def _classify(name: str, impl: str, exc: BaseException) -> CheckResult:
         where = "; ".join(line.strip() for line in str(exc).splitlines()[1:-1])
         return CheckResult(
             name, "fail", f"the ranks hung ({where})",
-            "some rank waits for a message or collective that its partner never posts; "
-            "compare the ops above (a blocking send facing a blocking send deadlocks: "
-            "use isend, or the exchange() helper)")
+            "some rank waits for a message or collective that its partner never posts: "
+            "note the call each rank is inside and with whom, then find where your code "
+            "makes those calls, in the order every rank makes them")
     if isinstance(exc, RankFailed):
         m = _RANK_ERROR.match(str(exc).splitlines()[0])
         if m and m.group(2) == "NotImplementedError":
@@ -252,10 +253,12 @@ def overview(impl: str | None = None) -> list[dict]:
     for name, ex in EXERCISES.items():
         spec = importlib.util.find_spec(f"{impl}.{name}")
         text = open(spec.origin).read() if spec and spec.origin else ""
-        blanks = text.count("# YOUR CODE HERE") + text.count("# FIND THE BUG HERE")
+        lab = name.startswith("debug_")  # a lab has a bug to find, not blanks to fill
         rows.append({"lesson": ex.lesson, "exercise": name, "title": ex.title,
-                     "file": f"{impl}/{name}.py", "blanks": blanks})
+                     "file": f"{impl}/{name}.py",
+                     "blanks": None if lab else text.count("# YOUR CODE HERE")})
     print(f"{'lesson':<7}{'exercise':<18}{'blanks left':<13}what you build")
     for r in rows:
-        print(f"{r['lesson']:<7}{r['exercise']:<18}{r['blanks']:<13}{r['title']}")
+        left = "(a lab)" if r["blanks"] is None else r["blanks"]
+        print(f"{r['lesson']:<7}{r['exercise']:<18}{left!s:<13}{r['title']}")
     return rows

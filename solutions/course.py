@@ -39,7 +39,12 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "h100_headline_table", "h100_overlap_table", "hint", "layout_puzzle", "log_error",
            "measure_builds", "MOE_PUZZLE", "moe_puzzle", "overlap_of_picture", "predict",
            "predictions_path", "record_prediction", "router_demo", "say", "score_layout",
-           "score_schedule", "show_calibration"]
+           "score_schedule", "show_calibration", "CAPSTONE", "capstone_layouts",
+           "capstone_config", "capstone_command", "capstone_plan", "layout_label", "reconcile",
+           "score_capstone", "step_wire_bytes", "trace_breakdown", "ring_timing", "another_bug",
+           "lab_variant", "train_with_ring", "train_with_ddp", "train_with_zero1",
+           "adamw_on_both_batches", "run_schedule",
+           "ring_layer_on_a_shard", "ring_layer_errors"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
 LEVELS = {1: "a nudge", 2: "the method", 3: "the answer"}
@@ -132,51 +137,113 @@ HINTS: dict[str, dict[int, str]] = {
            "then the all-to-all with the two split lists swapped.",
     },
     "debug_deadlock": {
-        1: "Read the hang report: which operation is every rank stuck in, and who would "
-           "have to act first to free it?",
-        2: "A blocking receive on every rank at once waits for a send that nobody has "
-           "posted yet. Make the send not wait (isend), or let half of the ranks send "
-           "first.",
+        1: "Which move failed first, and how: a hang (which call is each rank inside, "
+           "and with which rank?) or a wrong tensor (rank r starts with 2**r everywhere, "
+           "so a value names the ranks it came from)?",
+        2: "Follow that move's code down to its send and recv calls and play them out for "
+           "three ranks at once: who sends to whom, who receives from whom, what is stored "
+           "or added where. If every rank's first call blocks until a partner acts, and "
+           "every partner is blocked the same way, nobody moves. Compare with the moves "
+           "that passed.",
     },
     "debug_sp": {
         1: "Run gradient_audit(): which parameters differ from one process, and what do "
-           "they have in common? Where in a layer are they used under sequence "
-           "parallelism?",
-        2: "The layer norms (and every parameter outside the tensor-parallel regions) run "
-           "on each rank's part of the sequence, so each rank's gradient is a partial "
-           "sum over its tokens. Nothing in the tp layers adds those parts: one all-reduce "
-           "over tp after the backward must.",
+           "they have in common that the ones that agree lack? How far off are they? Under "
+           "sequence parallelism, what does a rank compute for the replicated parameters "
+           "used on its part of the sequence?",
+        2: "Those parameters' gradients are partial sums over a rank's tokens, to be added "
+           "over tp after the backward. Find the code that does that adding and check, "
+           "line by line, which parameters it takes (print p.sequence_parallel and "
+           "p.dim() for each), and whether it adds the parts, averages them or leaves "
+           "them as they are.",
     },
     "debug_pipeline": {
-        1: "Run gradient_audit(): it prints the ratio of this run's gradient norm to one "
-           "process. Which size of the layout equals that ratio?",
-        2: "The pipeline accumulates the gradients of m micro-batch losses; one process "
-           "computes the gradient of the mean over the batch. What must each micro-batch "
-           "loss be multiplied by before its backward?",
+        1: "Run gradient_audit(m) for m = 2, 4 and 8: how does the ratio of the gradient "
+           "norms move with m? Which sizes of the run would give that ratio, and is it the "
+           "gradients or their measurement that is off?",
+        2: "The executor adds the gradients of the m micro-batch losses, each multiplied "
+           "by loss_scale first; one process computes the gradient of the mean over the "
+           "batch. Work out the loss_scale that makes the two equal and compare it with "
+           "what the step passes; then check that grad_norm covers every stage.",
     },
 }
 
 
-def _formula(name: str) -> list[tuple[str, str]]:
-    """(function, hint text) for every ``# HINT:`` block in ``solutions/<name>.py``."""
+def _formula(name: str, variant: int | None = None) -> list[tuple[str, str]]:
+    """(function, hint text) for every ``# HINT:`` block in ``solutions/<name>.py``. For a
+    lab with several bugs, those of bug ``variant`` only (``# HINT(k):`` lines; the plain
+    ``# HINT:`` lines belong to bug 1); ``None``: the bug in the learner's copy."""
     path = Path(__file__).resolve().parents[1] / "solutions" / f"{name}.py"
     if not path.exists():
         return []
+    text = path.read_text()
+    tagged = re.search(r"^\s*# HINT\(\d+\):", text, re.MULTILINE) is not None
+    if tagged and variant is None:
+        variant = lab_variant(name)
     out: list[tuple[str, str]] = []
     function, taking = "", False
-    for line in path.read_text().splitlines():
-        text = line.strip()
-        m = re.match(r"(?:async\s+)?def\s+(\w+)", text)
+    for line in text.splitlines():
+        line_text = line.strip()
+        m = re.match(r"(?:async\s+)?def\s+(\w+)", line_text)
+        k = re.match(r"# HINT\((\d+)\):", line_text)
         if m:
             function, taking = m.group(1), False
-        elif text.startswith("# HINT:"):
-            out.append((function, text[len("# HINT:"):].strip()))
-            taking = True
-        elif taking and text.startswith("#") and not text.startswith("###"):
-            out[-1] = (out[-1][0], out[-1][1] + " " + text.lstrip("#").strip())
+        elif k:
+            taking = False
+            if int(k.group(1)) == variant:
+                body = line_text[k.end():].strip()
+                if out and out[-1][0] == function and out[-1][2] == variant:
+                    out[-1] = (function, out[-1][1] + " " + body, variant)
+                else:
+                    out.append((function, body, variant))
+        elif line_text.startswith("# HINT:"):
+            taking = not tagged or variant == 1
+            if taking:
+                out.append((function, line_text[len("# HINT:"):].strip(), 1))
+        elif taking and line_text.startswith("#") and not line_text.startswith("###"):
+            out[-1] = (out[-1][0], out[-1][1] + " " + line_text.lstrip("#").strip(), 1)
         else:
             taking = False
-    return out
+    return [(f, h) for f, h, _ in out]
+
+
+def lab_variant(name: str, root: Path | None = None) -> int:
+    """Which bug of lab ``name`` the learner's copy (``exercises/<name>.py`` under the
+    course's root, or ``root``) holds: its header says ``# Bug k of n``; 1 when it does
+    not."""
+    path = (root or Path(__file__).resolve().parents[1]) / "exercises" / f"{name}.py"
+    head = path.read_text()[:1000] if path.exists() else ""
+    m = re.search(r"^# Bug (\d+) of \d+", head, re.MULTILINE)
+    return int(m.group(1)) if m else 1
+
+
+def another_bug(name: str, variant: int | None = None, root: Path | None = None) -> int:
+    """Replace your copy of lab ``name`` with its next bug (or bug ``variant``), keeping
+    the copy you had as ``exercises/<name>.py.bak``. Returns the bug's number. ``root``:
+    the course's folder (default: this one; tests pass a copy)."""
+    import importlib.util
+
+    course = Path(__file__).resolve().parents[1]
+    root = root or course
+    spec = importlib.util.spec_from_file_location("make_exercises",
+                                                  course / "tools" / "make_exercises.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    src = course / "solutions" / f"{name}.py"
+    n = gen.variants(src.read_text())
+    if n < 2:
+        raise ValueError(f"{name!r} is not a lab with several bugs")
+    variant = variant or lab_variant(name, root) % n + 1
+    if not 1 <= variant <= n:
+        raise ValueError(f"{name!r} has bugs 1 to {n}, not {variant}")
+    mine = root / "exercises" / f"{name}.py"
+    if mine.exists():
+        mine.with_name(mine.name + ".bak").write_text(mine.read_text())
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.write_text(gen.generate(src, course / "solutions", variant))
+    print(f"exercises/{name}.py now holds bug {variant} of {n} (your copy is in "
+          f"{name}.py.bak): run check({name!r}) and hunt it down")
+    return variant
 
 
 def hint(name: str, level: int = 1, function: str | None = None) -> None:
@@ -766,3 +833,455 @@ def h100_headline_table(data: dict) -> list[dict]:
     w = head["weak_scaling"]
     print(f"\nweak scaling, {w['run']}: {w['efficiency']:.1%} ({w['meaning']})")
     return out
+
+
+# --- the capstone (lesson 09) ---------------------------------------------------------
+# A model, a cluster of CPU ranks, a memory cap per rank and a target validation loss.
+# The learner plans with minipar.theory, predicts, runs, and reconciles; these helpers
+# enumerate the layouts, build the run's config and grade the gap. The brief's cap is
+# set between the layouts' predicted peaks, so that it rules some out (tested).
+CAPSTONE = dict(model="tiny", ranks=4, batch_size=16, steps=8, memory_cap=5.5e6,
+                max_bubble=0.25, target_val_loss=3.6)
+
+
+def capstone_layouts(brief: dict | None = None) -> list[dict]:
+    """Every layout of ``brief["ranks"]`` ranks the engine runs for the brief's model
+    (tp dividing the heads, pp the layers; ZeRO 0-3 over dp; sp with tp; 4 micro-batches
+    with a pipeline, else 1), each with what ``minipar.theory`` predicts for it in fp32
+    Adam: ``memory`` (bytes, the most loaded rank), ``wire`` (bytes rank 0 sends a step,
+    by group) and ``bubble`` (1F1B's idle share). Sorted by bytes on the wire."""
+    from minipar.config import TrainConfig
+    from minipar.theory.bubble import bubble_fraction_formula
+    from minipar.theory.comm_volume import comm_volume
+    from minipar.theory.memory import memory_per_stage
+
+    b = brief or CAPSTONE
+    mc = TrainConfig(model=b["model"]).model_config()
+    n, out = b["ranks"], []
+    for tp in (t for t in (1, 2, 4, 8) if n % t == 0 and mc.n_head % t == 0):
+        for pp in (p for p in (1, 2, 4, 8) if (n // tp) % p == 0 and mc.n_layer % p == 0):
+            dp = n // (tp * pp)
+            m = 4 if pp > 1 else 1
+            for zero in range(4) if dp > 1 else (0,):
+                lay = dict(dp=dp, pp=pp, tp=tp, zero=zero, sp=tp > 1, microbatches=m)
+                size = b["batch_size"] // (dp * m)
+                rows = memory_per_stage(mc, dp, pp, tp, zero, "fp32", "adam", size, m,
+                                        "1f1b", tp > 1, "none", accounting="fused")
+                vol = comm_volume(mc, dp, pp, tp, zero, "fp32", size, m, sp=tp > 1)
+                wire = {g: sum(v["wire_bytes"] for v in ops.values()) for g, ops in vol.items()}
+                out.append({"layout": lay, "memory": max(r["total"] for r in rows),
+                            "wire": wire, "bubble": bubble_fraction_formula("1f1b", pp, m)})
+    return sorted(out, key=lambda c: (sum(c["wire"].values()), c["memory"]))
+
+
+def capstone_plan(layouts: list[dict], brief: dict | None = None) -> dict:
+    """The brief's choice among ``capstone_layouts``: predicted to fit the memory cap,
+    a bubble of at most ``max_bubble``, then the fewest bytes on the wire (ties: the
+    least memory)."""
+    b = brief or CAPSTONE
+    fits = [c for c in layouts if c["memory"] <= b["memory_cap"]
+            and c["bubble"] <= b["max_bubble"]]
+    return min(fits, key=lambda c: (sum(c["wire"].values()), c["memory"]))
+
+
+def layout_label(lay: dict) -> str:
+    """``dp 2 pp 2 tp 1 ZeRO-1`` (sp and micro-batches when they apply)."""
+    text = f"dp {lay['dp']} pp {lay['pp']} tp {lay['tp']} ZeRO-{lay['zero']}"
+    return text + (" sp" if lay.get("sp") else "") + \
+        (f" m {lay['microbatches']}" if lay.get("microbatches", 1) > 1 else "")
+
+
+def capstone_config(layout: dict, brief: dict | None = None, trace: str | None = None):
+    """The ``TrainConfig`` of the capstone run for ``layout`` (validation at the end)."""
+    from minipar.config import TrainConfig
+
+    b = brief or CAPSTONE
+    return TrainConfig(model=b["model"], steps=b["steps"], batch_size=b["batch_size"],
+                       eval_every=b["steps"], trace=trace, **layout)
+
+
+def capstone_command(layout: dict, brief: dict | None = None) -> str:
+    """The same run as one command line (``--backend nccl`` on GPUs)."""
+    b = brief or CAPSTONE
+    lay = layout
+    flags = f"--dp {lay['dp']} --pp {lay['pp']} --tp {lay['tp']} --zero {lay['zero']}"
+    flags += " --sp" if lay.get("sp") else ""
+    flags += f" --microbatches {lay['microbatches']}" if lay.get("microbatches", 1) > 1 else ""
+    return (f"python -m minipar train --model {b['model']} {flags} --steps {b['steps']} "
+            f"--batch-size {b['batch_size']} --eval-every {b['steps']} --trace trace.json "
+            f"--json run.json --compare")
+
+
+def step_wire_bytes(trace: dict, sizes: dict[str, int]) -> dict[str, int]:
+    """Bytes rank 0 put on the wire in one whole step of a ``--trace`` trace, by group: the
+    communication that starts between the first compute of the second-to-last step and
+    the first of the last (so the optimizer's collectives count, and a validation pass
+    after training does not). ``sizes``: each group's number of ranks ({"dp": 2, ...})."""
+    from minipar.comm import wire_bytes
+
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == 0]
+    firsts: dict[int, float] = {}
+    for e in xs:
+        step = e["args"].get("step") if e["tid"] == 0 else None
+        if step is not None:
+            firsts[step] = min(firsts.get(step, e["ts"]), e["ts"])
+    last = max(firsts)
+    t0, t1 = firsts[last - 1], firsts[last]
+    out: dict[str, int] = {}
+    for e in xs:
+        if e["tid"] == 1 and t0 <= e["ts"] < t1:
+            op, group = e["name"].split()
+            out[group] = out.get(group, 0) + wire_bytes(op, e["args"]["bytes"], sizes[group])
+    return out
+
+
+def reconcile(run: dict, predicted: dict, trace: dict) -> list[dict]:
+    """Predicted against measured: rank 0's memory part by part, the most loaded rank's
+    peak, and the bytes rank 0 sent in one step by group (from the trace). Returns the
+    rows (``what``, ``predicted``, ``measured``, ``gap``: measured / predicted - 1) and
+    prints them."""
+    from minipar.theory.comm_volume import comm_volume
+    from minipar.theory.memory import memory_per_stage
+
+    lay = predicted["layout"]
+    mc = capstone_config(lay).model_config()
+    size = run["config"]["batch_size"] // (lay["dp"] * lay["microbatches"])
+    stages = memory_per_stage(mc, lay["dp"], lay["pp"], lay["tp"], lay["zero"], "fp32", "adam",
+                              size, lay["microbatches"], "1f1b", lay["sp"], "none",
+                              accounting="fused")
+    vol = comm_volume(mc, lay["dp"], lay["pp"], lay["tp"], lay["zero"], "fp32", size,
+                      lay["microbatches"], sp=lay["sp"])
+    sent = step_wire_bytes(trace, {"dp": lay["dp"], "pp": lay["pp"], "tp": lay["tp"]})
+    rank0 = run["ranks"][0]
+    rows = [{"what": f"rank 0 {part}", "predicted": stages[0][part],
+             "measured": rank0["memory"][part]}
+            for part in ("params", "grads", "optimizer", "activations", "total")]
+    top = max(run["ranks"], key=lambda r: r["memory"]["total"])
+    rows.append({"what": f"peak of any rank (rank {top['rank']})",
+                 "predicted": predicted["memory"], "measured": top["memory"]["total"]})
+    for group, ops in vol.items():
+        rows.append({"what": f"rank 0 {group} bytes in a step",
+                     "predicted": sum(v["wire_bytes"] for v in ops.values()),
+                     "measured": sent.get(group, 0)})
+    print(f"{'':<34}{'predicted':>12}{'measured':>12}{'gap':>8}")
+    for r in rows:
+        r["gap"] = r["measured"] / r["predicted"] - 1 if r["predicted"] else 0.0
+        print(f"{r['what']:<34}{r['predicted']:>12,}{r['measured']:>12,}{r['gap']:>+8.1%}")
+    return rows
+
+
+def score_capstone(run: dict, reference: dict, rows: list[dict],
+                   brief: dict | None = None) -> dict:
+    """Grade the capstone: the run trained like one process (losses), reached the target
+    validation loss, stayed under the memory cap as measured, and the predictions held:
+    the peak memory within 25 % and every group's bytes within 1 % (``reconcile``'s
+    rows). Prints one line each."""
+    b = brief or CAPSTONE
+    worst = max(abs(a - c) for a, c in zip(run["losses"], reference["losses"]))
+    val = run["eval"][-1]["loss"]
+    peak = max(r["memory"]["total"] for r in run["ranks"])
+    mem_gap = next(r["gap"] for r in rows if r["what"].startswith("peak"))
+    byte_rows = [r for r in rows if r["what"].endswith("bytes in a step")]
+    byte_gap = max(byte_rows, key=lambda r: abs(r["gap"]))
+    grades = {"parity": worst < 1e-4, "loss": val <= b["target_val_loss"],
+              "memory": peak <= b["memory_cap"], "memory_prediction": abs(mem_gap) <= 0.25,
+              "bytes_prediction": abs(byte_gap["gap"]) <= 0.01}
+    lines = [("parity", "trains like one process: losses within "
+              + ("1e-4 at every step" if grades["parity"] else f"{worst:.2g}")),
+             ("loss", f"validation loss {val:.2f} (target at most {b['target_val_loss']})"),
+             ("memory", f"measured peak {peak / 1e6:.2f} MB on the busiest rank (cap "
+              f"{b['memory_cap'] / 1e6:.1f} MB)"),
+             ("memory_prediction", f"peak memory predicted within {abs(mem_gap):.0%} "
+              "(25 % passes)"),
+             ("bytes_prediction", f"bytes a step predicted within {abs(byte_gap['gap']):.1%} "
+              f"(worst: {byte_gap['what']}; 1 % passes)")]
+    for key, text in lines:
+        print(f"{'PASS' if grades[key] else 'FAIL'}  {text}")
+    grades["passed"] = all(grades.values())
+    return grades
+
+
+def trace_breakdown(trace: dict) -> dict[int, dict[str, float]]:
+    """Per rank, the last traced step of a ``--trace`` Chrome trace split into
+    milliseconds of compute, of collectives not under compute (sends and receives count
+    as waiting: posted early, they are in flight, not busy) and of waiting (the rest:
+    the bubble, a partner's lateness, and on a shared CPU, other ranks on the cores)."""
+    from minipar.viz.timeline import step_lanes
+
+    lanes = step_lanes(trace)
+    step = max(b for spans in lanes.values() for _, b, *_ in spans)
+    out: dict[int, dict[str, float]] = {}
+    for rank in sorted({int(lane.split()[1]) for lane in lanes}):
+        comp = [(a, b) for a, b, *_ in lanes.get(f"rank {rank} compute", [])]
+        coll = [(a, b) for a, b, _, name in lanes.get(f"rank {rank} comm", [])
+                if not name.startswith(("send", "recv"))]
+        busy = sum(b - a for a, b in _union(comp))
+        exposed = sum(b - a for a, b in _union(coll)) - _covered(coll, comp)
+        out[rank] = {"step_ms": step, "compute_ms": busy, "collective_ms": exposed,
+                     "waiting_ms": step - busy - exposed}
+    return out
+
+
+# --- lesson 07: ring attention measured, and the merge inside a layer -----------------
+def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 8192, 64),
+                repeats: int = 3) -> dict:
+    """Run on each rank of a cp group: this rank's CPU seconds inside the attention blocks
+    of a ring-attention forward (the least of ``repeats``, one thread: its own work only)
+    and the sends it counted. ``shape``: (batch, heads, sequence, head dim)."""
+    import time
+
+    import torch
+
+    from minipar.comm import Comm
+    from minipar.parallel import cp
+
+    torch.set_num_threads(1)
+    comm = Comm(dim="cp")
+    plain, busy = cp.block_forward, [0.0]
+
+    def timed(*args, **kwargs):
+        t = time.process_time()
+        out = plain(*args, **kwargs)
+        busy[0] += time.process_time() - t
+        return out
+
+    cp.block_forward = timed  # this rank's process only
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (cp.shard_sequence(torch.randn(*shape, generator=g), comm.rank, comm.size,
+                                 layout, dim=2) for _ in range(3))
+    core = cp.RingAttention(comm, layout)
+    per_run = []
+    with torch.no_grad():
+        core(q, k, v)  # warm-up
+        for _ in range(repeats):
+            busy[0] = 0.0
+            comm.log.clear()
+            core(q, k, v)
+            per_run.append(busy[0])
+    return {"busy": min(per_run), "sends": comm.log.summary()["cp"]["send"]}
+
+
+def _layer_input(cfg):
+    import torch
+
+    return torch.randn(2, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(1))
+
+
+def ring_layer_on_a_shard(impl: str, cfg) -> dict:
+    """Run on each rank of a cp group: a transformer layer whose attention core is
+    ``RingAttention`` with ``<impl>.attention_merge``'s merge, on this rank's zig-zag share
+    of the sequence; its output, input gradient and weight gradients summed over cp."""
+    import importlib
+
+    import torch
+
+    from minipar.comm import Comm
+    from minipar.model import Block
+    from minipar.parallel import cp
+
+    cp.merge_attention = importlib.import_module(f"{impl}.attention_merge").merge_attention
+    comm = Comm(dim="cp")
+    torch.manual_seed(0)
+    block = Block(cfg)
+    block.attn.core = cp.RingAttention(comm)  # a submodule replaced, as a plan does
+    x_mine = cp.shard_sequence(_layer_input(cfg), comm.rank, comm.size).requires_grad_()
+    out = block(x_mine)
+    out.pow(2).sum().backward()
+    grads = [p.grad for p in block.parameters()]
+    for g in grads:  # cp ranks hold the same weights: sum their gradients, as dp does
+        comm.all_reduce(g)
+    return {"out": out.detach(), "dx": x_mine.grad, "grads": grads}
+
+
+def ring_layer_errors(results: list[dict], cfg) -> dict[str, float]:
+    """The worst differences (relative to the largest value) between the cp ranks'
+    ``ring_layer_on_a_shard`` results, put back in order, and one process's layer."""
+    import torch
+
+    from minipar.model import Block
+    from minipar.parallel import cp
+
+    torch.manual_seed(0)
+    ref = Block(cfg)
+    x = _layer_input(cfg).requires_grad_()
+    out = ref(x)
+    out.pow(2).sum().backward()
+
+    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    return {"output": rel(cp.unshard_sequence([r["out"] for r in results]), out.detach()),
+            "input gradient": rel(cp.unshard_sequence([r["dx"] for r in results]), x.grad),
+            "weight gradients": max(rel(g, p.grad) for g, p in zip(results[0]["grads"],
+                                                                   ref.parameters()))}
+
+
+# --- "your code trains": the runs that plug an exercise into training (lessons 00-02) ---
+# Each runs on every rank of a launched job (or alone, world 1) and takes the package to
+# load the learner's code from by name, so it is importable: a rank started by spawn
+# (Windows) can run it as well as a forked one.
+def _impl(name: str, impl: str):
+    import importlib
+
+    return importlib.import_module(f"{impl}.{name}")
+
+
+def train_with_ring(impl: str = "solutions", steps: int = 8, batch: int = 16,
+                    world: int | None = None) -> dict:
+    """Lesson 00 § 7: the two-layer tiny GPT trained with data parallelism by hand: each
+    rank's slice of the batch, all gradients flattened into one buffer, summed by
+    ``<impl>.ring_allreduce.ring_all_reduce`` and divided by the world size, then AdamW.
+    ``world`` 1 (or no job): one process on the whole batch. Returns the losses, the bytes
+    sent per step and the gradient buffer's bytes."""
+    import torch
+    import torch.distributed as dist
+
+    from minipar.comm import Comm
+    from minipar.data import MarkovData, split_batch
+    from minipar.model import GPT, get_config
+
+    world = world or (dist.get_world_size() if dist.is_initialized() else 1)
+    rank = dist.get_rank() if world > 1 else 0
+    cfg = get_config("tiny").with_(n_layer=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = MarkovData(cfg.vocab_size, cfg.seq_len, seed=0)
+    comm = Comm() if world > 1 else None
+    ring = _impl("ring_allreduce", impl) if comm else None
+    losses, sent, grads = [], [], None
+    for step in range(steps):
+        x, y = data.batch(step, batch)
+        [(mx, my)] = split_batch(x, y, rank, world, 1)
+        loss = model(mx, my)
+        loss.backward()
+        if comm is not None:
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            comm.log.clear()
+            ring.ring_all_reduce(comm, grads)
+            sent.append(comm.log.total("nbytes", op="send"))
+            grads /= world
+            offset = 0
+            for p in model.parameters():
+                p.grad.copy_(grads[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "sent": sent, "grad_bytes": grads.numel() * 4 if comm else 0}
+
+
+def train_with_ddp(impl: str = "solutions", steps: int = 6, batch: int = 16,
+                   bucket_bytes: int = 64_000, world: int | None = None) -> dict:
+    """Lesson 01 § 6: the two-layer tiny GPT on each rank's slice of the batch, its
+    gradients averaged by ``<impl>.ddp_buckets.BucketedDDP`` (buckets of
+    ``bucket_bytes``), AdamW. Returns the losses, the all-reduces per step and the
+    bucket count; ``world`` 1 (or no job): one process on the whole batch."""
+    import torch
+    import torch.distributed as dist
+
+    from minipar.comm import Comm
+    from minipar.data import MarkovData, split_batch
+    from minipar.model import GPT, get_config
+
+    world = world or (dist.get_world_size() if dist.is_initialized() else 1)
+    rank = dist.get_rank() if world > 1 else 0
+    cfg = get_config("tiny").with_(n_layer=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    comm = Comm() if world > 1 else None
+    ddp = _impl("ddp_buckets", impl).BucketedDDP(model, comm, bucket_bytes=bucket_bytes) \
+        if comm else None
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = MarkovData(cfg.vocab_size, cfg.seq_len, seed=0)
+    losses, calls = [], []
+    for step in range(steps):
+        x, y = data.batch(step, batch)
+        [(mx, my)] = split_batch(x, y, rank, world, 1)
+        if comm:
+            comm.log.clear()
+        loss = model(mx, my)
+        loss.backward()
+        if ddp:
+            ddp.finish_gradient_sync()
+            calls.append(len(comm.log.records))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "calls": calls, "buckets": len(ddp.buckets) if ddp else 1}
+
+
+def _mlp_batch(step: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def train_with_zero1(impl: str = "solutions", steps: int = 5) -> dict:
+    """Lesson 02 § 5, on each rank: a small MLP on this rank's batches, stepped by
+    ``<impl>.zero1.Zero1``. Returns the losses, the optimizer state bytes it holds and
+    the collectives it used."""
+    from minipar.comm import Comm
+
+    comm, net = Comm(), _mlp()
+    opt = _impl("zero1", impl).Zero1(net.parameters(), comm, lr=0.01)
+    losses = []
+    for step in range(steps):
+        x, y = _mlp_batch(step, comm.rank)
+        loss = (net(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": opt.state_bytes(),
+            "ops": sorted({r.op for r in comm.log.records})}
+
+
+def adamw_on_both_batches(steps: int = 5, ranks: int = 2) -> dict:
+    """Lesson 02 § 5's reference: the same MLP in one process, AdamW on the mean gradient
+    of every rank's batch. Returns each step's per-rank losses and the Adam state bytes."""
+    import torch
+
+    net = _mlp()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    out = []
+    for step in range(steps):
+        losses = [(net(x) - y).pow(2).mean() for x, y in
+                  (_mlp_batch(step, r) for r in range(ranks))]
+        (sum(losses) / ranks).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append([v.item() for v in losses])
+    return {"losses": out, "state": 8 * sum(p.numel() for p in net.parameters())}
+
+
+def run_schedule(impl: str = "solutions", microbatches: int = 4,
+                 sleep_per_unit: float = 0.03) -> dict:
+    """Lesson 04 § 7, on each rank of a pipeline: one step of the tiny GPT driven by
+    ``<impl>.pipeline_1f1b.one_f_one_b``'s lists, each action padded by
+    ``sleep_per_unit`` seconds per unit of work (a stand-in for a bigger model). Returns
+    the loss and the rank's timeline."""
+    import torch
+
+    from minipar.comm import Comm
+    from minipar.data import MarkovData, split_batch
+    from minipar.model import GPT, get_config
+    from minipar.parallel.pp import PipelineExecutor, build_stage
+
+    mine, cfg, comm = _impl("pipeline_1f1b", impl), get_config("tiny"), Comm()
+    torch.manual_seed(0)
+    chunks = build_stage(GPT(cfg), comm.rank, comm.size)
+    ex = PipelineExecutor(chunks, comm, mine.one_f_one_b(comm.size, microbatches),
+                          sleep_per_unit=sleep_per_unit)
+    x, y = MarkovData(cfg.vocab_size, cfg.seq_len).batch(0, 8)
+    res = ex.step(split_batch(x, y, 0, 1, microbatches), broadcast_loss=True)
+    return {"loss": res.loss, "timeline": res.timeline}

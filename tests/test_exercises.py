@@ -64,13 +64,16 @@ def test_exercise_passes_its_check(name: str, impl: str, capsys) -> None:
 
 
 # --- the generated blanks fail cleanly (built fresh from solutions/, not your copy) -
-LABS = {"debug_deadlock": ["FAIL", "the ranks hung", "recv on world"],
-        "debug_pipeline": ["FAIL", "gradient norm expected", "(one process), got",
-                            "gradients are 4x the reference", "4 = microbatches",
-                            "divided by m"],
-        "debug_sp": ["FAIL", "15 of 29 gradients differ from one process",
-                     "worst pos_emb.weight: off by",
-                     "replicated parameters used on a sequence shard"]}
+# A lab's report gives the symptom (the hang, the ratio, the differing parameters) and
+# never the fix: none of the words after "never" may appear in it.
+LABS = {"debug_deadlock": ["FAIL", "ring_all_gather finished; then ring_sum hung",
+                           "inside recv on world with rank"],
+        "debug_pipeline": ["FAIL", "m=4: gradient norm expected", "(one process), got",
+                           "gradients are 2x the reference: 2 = pp"],
+        "debug_sp": ["FAIL", "14 of 29 gradients differ from one process",
+                     "worst ln_f.bias: off by"]}
+NEVER = ["isend", "exchange()", "loss_scale", "1 / m", "divided by m", "microbatch_loss",
+         "finish_gradients", "sequence shard", "summed over tp", "dim()"]
 
 
 @pytest.mark.parametrize("name", [n for n in EXERCISES if n not in LABS])
@@ -90,11 +93,14 @@ def test_blank_reports_not_implemented(name: str, tmp_path, monkeypatch) -> None
 def test_planted_bug_fails_with_the_audit(name: str, tmp_path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
     buggy = gen.generate(ROOT / "solutions" / f"{name}.py", ROOT / "solutions")
-    assert gen.BUG_MARK in buggy and "NotImplementedError" not in buggy
+    assert "NotImplementedError" not in buggy
+    assert "BUG" not in buggy and "###" not in buggy, "nothing marks where the bug is"
     pkg = _package(tmp_path, f"bug_{name}", {f"{name}.py": buggy})
     text = str(run_one(name, impl=pkg, timeout=30))
     for word in LABS[name]:
         assert word in text, f"{word!r} missing from the report:\n{text}"
+    for word in NEVER:
+        assert word not in text, f"the report gives the fix away ({word!r}):\n{text}"
 
 
 # What an exercise asks the learner to derive: none of it may appear in the file the
@@ -324,7 +330,7 @@ def test_generator_plants_a_bug() -> None:
            "    # return 1.0  # as it comes\n"
            "    ### END SOLUTION\n")
     out = gen.strip_solutions(src, "exercises/m.py")
-    assert out == "def f(m):\n    # FIND THE BUG HERE\n    return 1.0  # as it comes\n"
+    assert out == "def f(m):\n    return 1.0  # as it comes\n"  # unmarked
 
 
 @pytest.mark.parametrize("src", [
@@ -515,3 +521,97 @@ def test_h100_artifacts_tool_trims_and_merges() -> None:
     assert [(e["name"], e["ts"]) for e in xs] == [("F2", 0.0), ("all_gather tp", 2.0)]
     assert out["otherData"]["step"] == 2 and out["traceEvents"][0]["ph"] == "M"
     assert merge([(0, 1), (1.004, 2), (3, 4)], gap=0.005) == [[0, 2], [3, 4]]
+
+
+# --- the capstone (lesson 09): its brief decides, its instruments read a trace ----------
+def test_capstone_brief_rules_layouts_out_and_leaves_a_choice() -> None:
+    from solutions.course import CAPSTONE, capstone_layouts, capstone_plan
+    layouts = capstone_layouts()
+    cap, idle = CAPSTONE["memory_cap"], CAPSTONE["max_bubble"]
+    assert any(c["memory"] > cap for c in layouts) and any(c["bubble"] > idle for c in layouts)
+    least = min(sum(c["wire"].values()) for c in layouts)
+    assert any(sum(c["wire"].values()) == least and c["bubble"] > idle for c in layouts)
+    choice = capstone_plan(layouts)
+    fits = [c for c in layouts if c["memory"] <= cap and c["bubble"] <= idle]
+    assert choice in fits and len(fits) > 1
+    assert sum(choice["wire"].values()) == min(sum(c["wire"].values()) for c in fits)
+
+
+def test_capstone_reads_a_step_of_the_trace() -> None:
+    from minipar.trace import chrome_trace
+    from solutions.course import step_wire_bytes, trace_breakdown
+
+    def step(s, t):  # rank 0: F then B of step s from t; a send and a reduce-scatter
+        return [{"name": "F0", "kind": "F", "mb": 0, "step": s, "start": t, "end": t + 0.01},
+                {"name": "B0", "kind": "B", "mb": 0, "step": s, "start": t + 0.02,
+                 "end": t + 0.04}]
+    comm = [{"op": op, "dim": dim, "start": t + 0.011, "end": t + 0.015, "nbytes": 100,
+             "shape": [25]} for t in (0.0, 1.0, 2.0)
+            for op, dim in (("send", "pp"), ("reduce_scatter", "dp"))]
+    comm.append({"op": "all_reduce", "dim": "dp", "start": 2.5, "end": 2.6, "nbytes": 8,
+                 "shape": [2]})  # after the last step: a validation pass, not counted
+    trace = chrome_trace([{"rank": 0, "coords": {}, "comm_records": comm,
+                           "timeline": step(0, 0.0) + step(1, 1.0) + step(2, 2.0)}])
+    assert step_wire_bytes(trace, {"dp": 2, "pp": 2}) == {"pp": 100, "dp": 50}
+    parts = trace_breakdown(trace)[0]
+    assert parts["step_ms"] == pytest.approx(40.0) and parts["compute_ms"] == pytest.approx(30)
+    assert parts["collective_ms"] == pytest.approx(4.0)  # the reduce-scatter, not the send
+    assert parts["waiting_ms"] == pytest.approx(6.0)
+
+
+# --- every lab holds several bugs, each found from its symptom -----------------------
+def _lab_variants() -> list[tuple[str, int]]:
+    return [(name, v) for name in LABS
+            for v in range(2, gen.variants((ROOT / "solutions" / f"{name}.py").read_text()) + 1)]
+
+
+def test_labs_hold_four_bugs_each_with_its_own_answer(capsys) -> None:
+    from solutions.course import _formula
+    for name in LABS:
+        src = ROOT / "solutions" / f"{name}.py"
+        n = gen.variants(src.read_text())
+        assert n >= 4, f"{name} plants {n} bugs"
+        files = {gen.generate(src, ROOT / "solutions", v) for v in range(1, n + 1)}
+        assert len(files) == n  # four different files
+        answers = [_formula(name, v) for v in range(1, n + 1)]
+        assert all(answers) and len({str(a) for a in answers}) == n  # one answer each
+
+
+@pytest.mark.parametrize("name,variant", _lab_variants())
+def test_every_planted_bug_fails_with_a_symptom(name: str, variant: int, tmp_path,
+                                                monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    buggy = gen.generate(ROOT / "solutions" / f"{name}.py", ROOT / "solutions", variant)
+    assert "BUG" not in buggy.split("\n", 6)[-1] and "HINT" not in buggy
+    pkg = _package(tmp_path, f"bug{variant}_{name}", {f"{name}.py": buggy})
+    result = run_one(name, impl=pkg, timeout=30)
+    assert result.status == "fail", str(result)
+    for word in NEVER:
+        assert word not in str(result), f"the report gives the fix away ({word!r}):\n{result}"
+
+
+def test_another_bug_replaces_the_copy_and_the_answer_follows(tmp_path, capsys) -> None:
+    from solutions.course import another_bug, lab_variant
+    (tmp_path / "exercises").mkdir()
+    mine = tmp_path / "exercises" / "debug_sp.py"
+    mine.write_text(gen.generate(ROOT / "solutions" / "debug_sp.py", ROOT / "solutions"))
+    assert lab_variant("debug_sp", tmp_path) == 1
+    assert another_bug("debug_sp", root=tmp_path) == 2
+    assert lab_variant("debug_sp", tmp_path) == 2 and "bug 2 of 4" in capsys.readouterr().out
+    assert (tmp_path / "exercises" / "debug_sp.py.bak").read_text().count("p.dim() > 1") == 1
+    assert another_bug("debug_sp", 4, root=tmp_path) == 4
+    assert another_bug("debug_sp", root=tmp_path) == 1  # round again
+    with pytest.raises(ValueError):
+        another_bug("ring_allreduce", root=tmp_path)
+
+
+def test_lesson_runs_launch_under_spawn() -> None:
+    """The runs that plug an exercise into training live in an importable module, so a
+    rank started by spawn (where fork is missing: Windows) runs them too."""
+    from minipar.launch import launch
+    from solutions.course import adamw_on_both_batches, train_with_zero1
+    ranks = launch(train_with_zero1, 2, args=("solutions", 2), timeout=120,
+                   start_method="spawn")
+    one = adamw_on_both_batches(steps=2)
+    assert all(abs(pair[r] - ranks[r]["losses"][s]) < 1e-5
+               for s, pair in enumerate(one["losses"]) for r in (0, 1))

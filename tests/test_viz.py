@@ -347,3 +347,50 @@ def test_traffic_figure_is_the_matrix() -> None:
     sent = [[10, 2000], [3000, 40]]
     fig = traffic_figure(sent)
     assert [list(r) for r in fig.data[0].z] == sent
+
+
+def test_step_lanes_keep_one_step_and_clip_its_messages():
+    from minipar.trace import chrome_trace
+    from minipar.viz.timeline import step_lanes
+
+    def rec(name, step, a, b):
+        return {"name": name, "kind": name[0], "mb": 0, "step": step, "start": a, "end": b}
+    ranks = [{"rank": 0, "coords": {}, "timeline": [rec("F0", 0, 0.0, 0.01),
+                                                    rec("F0", 1, 1.0, 1.01),
+                                                    rec("B0", 1, 1.02, 1.05)],
+              "comm_records": [{"op": "send", "dim": "pp", "start": 0.5, "end": 1.03,
+                                "nbytes": 8, "shape": [2]}]}]
+    lanes = step_lanes(chrome_trace(ranks))
+    assert [s[3] for s in lanes["rank 0 compute"]] == ["F0", "B0"]  # step 1 only
+    assert lanes["rank 0 compute"][0][:2] == pytest.approx((0.0, 10.0))
+    assert lanes["rank 0 comm"][0][:2] == pytest.approx((0.0, 30.0))  # clipped to the step
+    assert [s[3] for s in step_lanes(chrome_trace(ranks), step=0)["rank 0 compute"]] == ["F0"]
+
+
+def test_lesson_figures_draw_their_models():
+    from minipar.comm import wire_bytes
+    from minipar.theory.memory import model_states
+    from minipar.viz.collectives import COST_RANKS, allreduce_cost_figure, allreduce_seconds
+    from minipar.viz.dp import (
+        DP_RANKS,
+        dp_traffic_figure,
+        overlap_figure,
+        overlap_timeline,
+        zero3_prefetch,
+        zero3_prefetch_figure,
+        zero_states_figure,
+    )
+    fig = allreduce_cost_figure(1.0, 10.0, 50.0)
+    assert list(fig.data[1].y) == pytest.approx([allreduce_seconds("ring", n, 1e6, 1e-5, 5e10)
+                                                 for n in COST_RANKS])
+    fig = dp_traffic_figure(1.0, 4)
+    assert list(fig.data[0].y) == [wire_bytes("all_reduce", 4 * 10**9, n) / 1e9
+                                   for n in DP_RANKS]
+    t = overlap_timeline(bucket_mb=25.0)
+    assert t["overlapped"] <= t["after"] and len(t["spans"]) == t["buckets"]
+    assert sum(len(d.x) for d in overlap_figure(25.0).data) == 1 + t["buckets"]
+    fig = zero_states_figure(7.5, 64)
+    assert fig.data[2].y[1] == model_states(7_500_000_000, 64, 1, "bf16")["optimizer"] / 1e9
+    ends = {m: r[2] for m, r in zero3_prefetch(4, 0.6, 1.0).items()}
+    assert ends == pytest.approx({"no prefetch": 6.4, "prefetch": 4.6})
+    assert "6.4 without prefetch, 4.6 with it" in zero3_prefetch_figure().layout.title.text

@@ -92,10 +92,9 @@ BROKEN = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"broke
 # tests/test_viz.py and the notebooks' own cells.
 DASHBOARDS = {
     "01_data_parallel.ipynb": [("traffic", "bytes", "4")],
-    "02_zero.ipynb": [("memory", "ZeRO", "3")],
     "04_pipeline_parallel.ipynb": [("timeline", "schedule", "gpipe")],
     "05_3d.ipynb": [("mesh", "dp", "4")],
-    "06_planning_at_scale.ipynb": [("plan", "batch", "512")],
+    "06_planning_at_scale.ipynb": [("memory", "ZeRO", "3"), ("plan", "batch", "512")],
 }
 
 # Figures whose slider lives in the plotly layout (no kernel needed): the test drags the

@@ -16,7 +16,13 @@ message says how to ask:
 
 A debugging lab plants a bug instead of a blank: a block may end with a ``### PLANTED BUG``
 line followed by commented-out lines (``# code``); the exercise gets those lines
-uncommented (the bug), the solution keeps the code above the marker (the fix).
+uncommented (the bug), with no mark to say where (the learner finds it from its
+symptoms), and the solution keeps the code above the marker (the fix). A lab may hold
+several bugs, one per *variant*: ``### PLANTED BUG 2`` starts variant 2's lines. The file
+of variant k plants the lines of every block's section k and keeps the fix (without its
+hints) in every block that has none; ``generate(..., variant=k)`` makes it (the course's
+``another_bug`` gives the learner the next one). A ``# HINT(k):`` line in a bug section
+is variant k's level-3 hint, never planted.
 
 Files without markers are copied as they are (``__init__.py``), except the checker: its
 cases (``checks/``) stay in ``solutions/`` and run from there, and ``exercises/check.py``
@@ -45,7 +51,6 @@ END = "### END SOLUTION"
 HINT = "# HINT:"
 BLANK_MARK = "# YOUR CODE HERE"
 BUG = "### PLANTED BUG"
-BUG_MARK = "# FIND THE BUG HERE"
 HEADER = ("# Your copy of this exercise, generated from {src} by tools/make_exercises.py.\n"
           "# Fill in the blanks (each raises NotImplementedError), then check your work with\n"
           "#     from exercises.check import check; check(\"{name}\")\n")
@@ -102,21 +107,71 @@ def _blank(indent: str, function: str | None, name: str, path: str) -> list[str]
     return out
 
 
-def _planted(block: list[str], indent: str) -> list[str] | None:
-    """The uncommented lines after ``### PLANTED BUG`` in a block, or None if none."""
-    marks = [k for k, line in enumerate(block) if line.strip() == BUG]
-    if not marks:
+_BUG_LINE = re.compile(r"^### PLANTED BUG(?: (\d+))?$")
+VARIANT_HINT = re.compile(r"^# HINT\((\d+)\):")
+
+
+def _bug_sections(block: list[str]) -> tuple[list[str], dict[int, list[str]]]:
+    """A block's fix (the lines before its first bug marker) and its bug sections by
+    variant (``### PLANTED BUG`` is variant 1)."""
+    fix: list[str] = []
+    bugs: dict[int, list[str]] = {}
+    current: list[str] = fix
+    for line in block:
+        m = _BUG_LINE.match(line.strip())
+        if m:
+            current = bugs.setdefault(int(m.group(1) or 1), [])
+        else:
+            current.append(line)
+    return fix, bugs
+
+
+def variants(text: str) -> int:
+    """How many bug variants a lab's solution file plants (0: not a lab)."""
+    found = {int(m.group(1) or 1) for line in text.splitlines()
+             if (m := _BUG_LINE.match(line.strip()))}
+    return max(found, default=0)
+
+
+def _planted(block: list[str], indent: str, variant: int = 1) -> list[str] | None:
+    """What replaces a lab's block in variant ``variant``: that variant's bug lines,
+    uncommented, or the fix without its hints where the block has no such bug; None for
+    a block that plants nothing (an exercise's blank)."""
+    fix, bugs = _bug_sections(block)
+    if not bugs:
         return None
-    out = [f"{indent}{BUG_MARK}\n"]
-    for line in block[marks[0] + 1:]:
+    if variant not in bugs:
+        hints = _hint_lines(fix)
+        return [line for k, line in enumerate(fix) if k not in hints]
+    out = []
+    for line in bugs[variant]:
         stripped = line.strip()
+        if VARIANT_HINT.match(stripped):
+            continue
         body = stripped[2:] if stripped.startswith("# ") else stripped.lstrip("#")
         out.append(f"{indent}{body}\n" if body else "\n")
     return out
 
 
-def strip_solutions(text: str, exercise_path: str, name: str = "") -> str:
-    """The exercise version of a solution file's text (markers replaced by blanks)."""
+def _hint_lines(block: list[str]) -> set[int]:
+    """The indices of the lines of ``block`` that belong to a ``# HINT:`` comment (the
+    marker line and the ``#`` lines right after it)."""
+    out, taking = set(), False
+    for k, line in enumerate(block):
+        text = line.strip()
+        if text.startswith(HINT):
+            out.add(k)
+            taking = True
+        elif taking and text.startswith("#") and not text.startswith("###"):
+            out.add(k)
+        else:
+            taking = False
+    return out
+
+
+def strip_solutions(text: str, exercise_path: str, name: str = "", variant: int = 1) -> str:
+    """The exercise version of a solution file's text (markers replaced by blanks, or a
+    lab's blocks by the bug of ``variant``)."""
     lines = text.splitlines(keepends=True)
     out: list[str] = []
     i = 0
@@ -137,7 +192,7 @@ def strip_solutions(text: str, exercise_path: str, name: str = "") -> str:
             raise MarkerError(f"{exercise_path}:{start + 1}: {BEGIN} is not closed by {END}")
         block = lines[start + 1:i]
         function = _enclosing_function(lines, start, len(indent))
-        planted = _planted(block, indent)
+        planted = _planted(block, indent, variant)
         name = name or Path(exercise_path).stem
         out.extend(planted if planted is not None else
                    _blank(indent, function, name, exercise_path))
@@ -194,8 +249,9 @@ def _generated(rel: str) -> bool:
     return not rel.startswith("checks/")
 
 
-def generate(src: Path, solutions: Path) -> str:
-    """The generated text of ``exercises/<rel>`` for the solution file ``src``."""
+def generate(src: Path, solutions: Path, variant: int = 1) -> str:
+    """The generated text of ``exercises/<rel>`` for the solution file ``src`` (a lab's
+    bug ``variant``; the first unless asked)."""
     rel = src.relative_to(solutions).as_posix()
     text = src.read_text()
     src_name = f"solutions/{rel}"
@@ -204,9 +260,13 @@ def generate(src: Path, solutions: Path) -> str:
     if not any(line.strip() in (BEGIN, END) for line in text.splitlines()):
         return PLAIN_HEADER.format(src=src_name) + text
     name = rel.removesuffix(".py").replace("/", ".")
-    body = strip_solutions(text, f"exercises/{rel}", name)
-    header = LAB_HEADER if any(line.strip() == BUG for line in text.splitlines()) else HEADER
-    return header.format(src=src_name, name=name) + body
+    body = strip_solutions(text, f"exercises/{rel}", name, variant)
+    n = variants(text)
+    if not n:
+        return HEADER.format(src=src_name, name=name) + body
+    more = (f"# Bug {variant} of {n}: another_bug(\"{name}\") (from exercises.course) plants "
+            "the next.\n") if n > 1 else ""
+    return LAB_HEADER.format(src=src_name, name=name) + more + body
 
 
 def expected_files(root: Path = ROOT) -> dict[Path, str]:

@@ -1,7 +1,10 @@
 """Figures (pure functions returning ``plotly.graph_objects.Figure``) and thin dashboards.
 
 * ``collectives_figure`` what each collective leaves where; ``ring_allreduce_figure``:
-  the ring all-reduce step by step (a slider)
+  the ring all-reduce step by step (a slider); ``allreduce_cost_figure``: its time
+  against the rank count in the alpha-beta model
+* ``dp``               data parallelism and ZeRO: bytes per rank, buckets overlapping the
+  backward, model states by ZeRO stage, ZeRO-3's prefetch (``minipar.viz.dp``)
 * ``mesh_figure``      the dp x pp x tp mesh in 3-D, both rank orders
 * ``timeline_figure``  pipeline timelines, theory beside measurement, bubbles shaded
 * ``memory_figure``    memory per rank by part, theory beside measurement

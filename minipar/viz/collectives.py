@@ -96,3 +96,39 @@ def ring_allreduce_figure(n: int) -> go.Figure:
                       yaxis=dict(autorange="reversed"), width=620, height=420,
                       title=f"Ring all-reduce on {n} ranks (cell text: contributing ranks)")
     return fig
+
+
+def allreduce_seconds(algo: str, n: int, size: float, latency: float,
+                      bandwidth: float) -> float:
+    """Time of one all-reduce in the alpha-beta model: messages * latency + bytes / bandwidth.
+
+    Ring: 2 (n-1) messages of size/n each; every link busy in parallel.
+    Via rank 0: rank 0 receives n-1 tensors, then sends n-1 (one link, in sequence).
+    """
+    if n == 1:
+        return 0.0
+    if algo == "ring":
+        return 2 * (n - 1) * latency + 2 * (n - 1) / n * size / bandwidth
+    if algo == "via rank 0":
+        return 2 * (n - 1) * latency + 2 * (n - 1) * size / bandwidth
+    raise ValueError(algo)
+
+
+COST_RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def allreduce_cost_figure(size_mb: float = 1000.0, latency_us: float = 10.0,
+                          bandwidth_gbs: float = 50.0) -> go.Figure:
+    """Seconds per all-reduce against the rank count (``COST_RANKS``, log-log): the
+    via-rank-0 design (trace 0) and the ring (trace 1), by ``allreduce_seconds``."""
+    fig = go.Figure()
+    ns = list(COST_RANKS)
+    for algo in ("via rank 0", "ring"):
+        ys = [allreduce_seconds(algo, n, size_mb * 1e6, latency_us * 1e-6,
+                                bandwidth_gbs * 1e9) for n in ns]
+        fig.add_trace(go.Scatter(x=ns, y=ys, mode="lines+markers", name=algo))
+    fig.update_layout(xaxis=dict(type="log", title="ranks N"),
+                      yaxis=dict(type="log", title="seconds per all-reduce"),
+                      title=f"All-reduce of {size_mb:g} MB, {latency_us:g} µs per message, "
+                            f"{bandwidth_gbs:g} GB/s links", width=720, height=380)
+    return fig

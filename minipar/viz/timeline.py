@@ -196,6 +196,33 @@ def chrome_trace_lanes(trace: dict) -> dict[str, list[tuple[float, float, str, s
             for (pid, tid), spans in sorted(lanes.items())}
 
 
+def step_lanes(trace: dict, step: int | None = None) -> dict[str, list[tuple]]:
+    """``chrome_trace_lanes`` of one training step (default: the last one traced): the
+    compute events of that step, and the communication clipped to the step's window
+    (from its first compute on any rank to its last), times in ms from the window's
+    start. A send posted early and waited for late shows as a long span: it is in
+    flight, not busy."""
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = [e["args"].get("step") for e in xs if e["tid"] == 0]
+    step = max(s for s in steps if s is not None) if step is None else step
+    comp = [e for e in xs if e["tid"] == 0 and e["args"].get("step") == step]
+    t0 = min(e["ts"] for e in comp) / 1e3
+    t1 = max(e["ts"] + e["dur"] for e in comp) / 1e3
+    lanes = {}
+    for lane, spans in chrome_trace_lanes(trace).items():
+        base = min(e["ts"] for e in xs) / 1e3  # chrome_trace_lanes' zero
+        kept = []
+        for a, b, kind, name in spans:
+            a, b = a + base, b + base
+            if lane.endswith("compute") and not t0 <= a < t1:
+                continue
+            a, b = max(a, t0), min(b, t1)
+            if b > a:
+                kept.append((a - t0, b - t0, kind, name))
+        lanes[lane] = kept
+    return lanes
+
+
 def lanes_figure(lanes: dict[str, Sequence[Sequence]], unit: str = "ms",
                  title: str | None = None, label_kinds: Sequence[str] = ("F", "B", "W"),
                  height: int | None = None) -> go.Figure:

@@ -1,6 +1,7 @@
 """Cases for the pipeline debugging lab (lesson 04): the learner's 2-stage 1F1B run must
 have the loss *and the gradient norm* of one process, at two micro-batch counts (a fix
-that only works for one m, such as a constant 0.25, fails the other)."""
+that only works for one m, such as a constant 0.25, fails the other). A failure gives the
+ratio and the size of the layout that explains it (the symptom), not the line."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ def run(impl: str, timeout: float) -> str:
                f"m={m}: the loss is {out['loss']:.5f}, one process gives {ref['loss']:.5f}",
                "the loss itself should not change: look at the gradient, not the loss")
         ratio = out["grad_norm"] / ref["grad_norm"]
-        why = audit([ratio], {"microbatches": m, "pp": 2}) or "no simple factor explains it"
+        found = audit([ratio], {"microbatches": m, "pp": 2})
+        why = found.split(";")[0] if found else "no simple factor explains it"
         expect(abs(ratio - 1) < 1e-4,
                f"m={m}: gradient norm expected {ref['grad_norm']:.5f} (one process), got "
                f"{out['grad_norm']:.5f}: {why}",
-               "the audit names the factor; the line to fix is microbatch_loss_scale")
+               "run gradient_audit(m) at a few m: what does the ratio follow? Then look "
+               "for where the step lets that into the gradients, or into their measurement")
     return "loss and gradient norm equal one process at m = 4 and m = 2"
