@@ -17,6 +17,7 @@ gradients are summed in the embedding group (``RankMesh.embed``) so both take on
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,11 @@ def partition_layers(n_layer: int, n_chunks: int, head_layers: int = 0) -> list[
     layers, so the split is even over ``n_layer + k`` and the last chunk holds k fewer
     (Megatron's ``account_for_loss_in_pipeline_split``, torchtitan's output weight): a
     stage with the head is otherwise the pipeline's slowest."""
+    return list(_partition(n_layer, n_chunks, head_layers))
+
+
+@functools.cache  # (pure, and the planner asks it thousands of times a plan)
+def _partition(n_layer: int, n_chunks: int, head_layers: int) -> tuple[range, ...]:
     if n_chunks < 1:
         raise ValueError(f"need at least one chunk, got {n_chunks}")
     base, extra = divmod(n_layer + head_layers, n_chunks)
@@ -61,7 +67,7 @@ def partition_layers(n_layer: int, n_chunks: int, head_layers: int = 0) -> list[
         raise ValueError(f"--head-layers {head_layers} must be 0 or more and leave the last "
                          f"of {n_chunks} chunks 0 or more of the {n_layer} layers")
     starts = [sum(sizes[:i]) for i in range(n_chunks)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
+    return tuple(range(a, a + n) for a, n in zip(starts, sizes))
 
 
 def split_report(n_layer: int, pp: int, virtual: int = 1, head_layers: int = 0) -> str:
