@@ -103,6 +103,7 @@ def test_recompute_layers_in_the_memory_model_and_a_run() -> None:
     assert predicted(recompute="full", recompute_layers=0) == none
     assert half == pytest.approx((none + full) / 2)
     none, half, full = (train(TrainConfig(steps=1, batch_size=4, recompute=r,
-                                          recompute_layers=n))["ranks"][0]["memory"]
+                                          recompute_layers=n, measure_activations=True)
+                              )["ranks"][0]["memory"]
                         ["activations"] for r, n in [("none", None), ("full", 4), ("full", None)])
     assert none > half > full > 0

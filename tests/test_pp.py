@@ -339,7 +339,6 @@ def _tied_rank(pp: int, tp: int, configs: list[tuple[str, int, int]],
     head are two copies of one weight; after the embedding-group sum both must hold the
     single device's gradient of that weight (and every other gradient must match)."""
     from minipar.mesh import Mesh
-    from minipar.parallel.pp import sync_tied_grads
     from minipar.parallel.tp import apply_tensor_parallel, gather_tensor
 
     rm = Mesh(pp=pp, tp=tp).connect()
@@ -355,8 +354,9 @@ def _tied_rank(pp: int, tp: int, configs: list[tuple[str, int, int]],
         ex = PipelineExecutor(chunks, rm.pp, make_schedule(name, pp, m, v))
         res = ex.step(split_batch(*_batch(), 0, 1, m))
         ex.close()
-        if sync:
-            sync_tied_grads(held, rm.embed)
+        tied = [p for n, p in held.named_parameters() if n in ("tok_emb.weight", "head.weight")]
+        if sync and rm.embed is not None and tied:  # the sum the data-parallel wrappers make
+            rm.embed.all_reduce(tied[0].grad)  # over the embedding group (all_reduce_grads)
         err = {}
         for n, p in held.named_parameters():
             want = ref_grads["tok_emb.weight" if n == "head.weight" else n]

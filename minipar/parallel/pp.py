@@ -40,8 +40,7 @@ from minipar.parallel.schedules import (
 )
 
 __all__ = ["partition_layers", "split_report", "PipelineStage", "build_stage",
-           "StageLayers", "tied_copy", "tied_parameters", "sync_tied_grads",
-           "PipelineExecutor", "ActionRecord", "StepResult"]
+           "StageLayers", "tied_copy", "PipelineExecutor", "ActionRecord", "StepResult"]
 
 
 # --- stages --------------------------------------------------------------------------
@@ -159,23 +158,6 @@ def tied_copy(name: str, cfg) -> bool:
     in a gradient norm: under the first stage's name, ``tok_emb.weight``.)"""
     return bool(getattr(cfg, "tie_embeddings", False)) and name.split(".")[-2:] == [
         "head", "weight"]
-
-
-def tied_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The tied embedding weight as this rank holds it (first or last stage), or []."""
-    if not getattr(model.cfg, "tie_embeddings", False):
-        return []
-    named = dict(model.named_parameters())
-    return [p for n, p in named.items() if n in ("tok_emb.weight", "head.weight")]
-
-
-def sync_tied_grads(model: nn.Module, comm: Comm | None) -> None:
-    """Sum the tied embedding's gradient over the embedding group (first and last
-    stage), so both copies step alike. Nothing at pp = 1 (one weight, one gradient)."""
-    params = [p for p in tied_parameters(model) if p.grad is not None]
-    if comm is None or comm.size == 1 or not params:
-        return
-    comm.all_reduce(params[0].grad)
 
 
 # --- the executor ----------------------------------------------------------------------
