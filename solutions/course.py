@@ -897,7 +897,7 @@ def capstone_config(layout: dict, brief: dict | None = None, trace: str | None =
 
     b = brief or CAPSTONE
     return TrainConfig(model=b["model"], steps=b["steps"], batch_size=b["batch_size"],
-                       eval_every=b["steps"], trace=trace, **layout)
+                       eval_every=b["steps"], trace=trace, measure_activations=True, **layout)
 
 
 def capstone_command(layout: dict, brief: dict | None = None) -> str:
