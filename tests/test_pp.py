@@ -371,7 +371,10 @@ def _tied_configs(pp: int) -> list[tuple[str, int, int]]:
     return [("gpipe", pp, 1), ("1f1b", pp, 1), ("zb", pp, 1), ("interleaved", pp, 2)]
 
 
-@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2), (4, 2)])
+# pp 4 x tp 2 (8 ranks) in make test-full: pp 4 (middle stages without the embedding) and
+# tp 2 (a sharded tie) are each in make test.
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2),
+                                    pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_tied_embeddings_every_schedule(pp, tp):
     results = launch(_tied_rank, pp * tp, args=(pp, tp, _tied_configs(pp)), timeout=240)
     for rank, per_config in enumerate(results):
