@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -144,11 +145,21 @@ def test_bad_arguments_are_refused():
 
 
 def test_fifty_launches_in_a_row():
-    start = time.monotonic()
+    """No launch stalls on its rendezvous: a ``TCPStore`` client waited 5 s on about one
+    connection in ten, so of 50 launches several would take 5 s more than the others.
+    Judged against this run's own median, as a loaded machine slows every launch alike:
+    at a load of 9 on 2 cores the median was 0.17 s and the slowest 0.94 s; at a load of
+    25 the 50 took 54 s in all (a bound on the total failed there). Two launches more
+    than 4 s over the median are allowed for the machine's spikes; a stall every tenth
+    connection makes about ten."""
+    seconds = []
     for token in range(50):
+        start = time.monotonic()
         assert launch(helpers.token_sum, 2, args=(token,), timeout=60) == [(2.0 * token, 1.0)] * 2
-    # No launch may stall on its rendezvous (a TCPStore client sometimes waits 5 s).
-    assert time.monotonic() - start < 45
+        seconds.append(time.monotonic() - start)
+    median = statistics.median(seconds)
+    stalled = [round(s, 1) for s in seconds if s > median + 4.0]
+    assert len(stalled) <= 2, f"median {median:.2f} s; launches that stalled: {stalled}"
 
 
 def _token_then_linger(token: int) -> tuple[float, float]:

@@ -494,7 +494,9 @@ def test_synchronised_timeline_counts_the_wait_for_data_as_wait(monkeypatch):
     """Under ``synchronize`` the GPU's wait for a received activation is the record's
     wait, not part of the forward's busy time (it was: the measured 1F1B bubble on two
     H100s was 0.049 against 0.111 simulated). Rank 1 of pp = 2 receives its inputs."""
-    stream, m = _Stream(delay=0.5), 2  # a forward of 2 sequences: milliseconds
+    # A forward of 2 sequences takes milliseconds idle, but up to 1.0 s was measured on 2
+    # loaded cores (a load of 8-25, under nice): the data arrives 3 s late, 3x that.
+    stream, m = _Stream(delay=3.0), 2
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "synchronize", stream.synchronize)
     sent = SimpleNamespace(wait=lambda: None, is_completed=lambda: True)

@@ -453,14 +453,30 @@ def check_plotly_slider(page: Page, kind: str, title_after: str) -> str:
     return f"{kind} slider: moved to the last step, figure redrawn ({title_after})"
 
 
+# make test-browser runs these lessons, one of each kind of front end: the start page,
+# plotly figures beside widgets with a dropdown dashboard that redraws (01), a slider in a
+# plotly layout (07). Every lesson draws its figures and widgets with the same renderers,
+# and nbval runs every lesson's cells in make test, so the rest (each 15-45 s on 2 cores)
+# run in make test-full.
+SMOKE = ("index.ipynb", "01_data_parallel.ipynb", "07_long_context_and_offload.ipynb")
+
+
+def selected_lessons(request: pytest.FixtureRequest) -> list[str]:
+    """The lessons this session runs, in order (after --full's and -k's selection)."""
+    return [item.callspec.params["name"] for item in request.session.items
+            if getattr(item, "originalname", None) == "test_notebook_in_lab"]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", LESSONS)
-def test_notebook_in_lab(lab: Lab, browser, name: str) -> None:
+@pytest.mark.parametrize("name", [n if n in SMOKE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LESSONS])
+def test_notebook_in_lab(lab: Lab, browser, name: str, request) -> None:
     """Run All in the browser: no error on the page, every figure and widget drawn."""
     t0 = time.monotonic()
     page = Page(browser, lab, name)
     opened = time.monotonic() - t0
-    later = [*LESSONS, BROKEN_NB][LESSONS.index(name) + 1:]
+    run = selected_lessons(request)
+    later = [*run, BROKEN_NB][run.index(name) + 1:]
     if later:
         lab.start_session(later[0])
     try:
