@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # make test-full. The budget is a hang guard, not a bound: 4 rows and the calibration
 # took 108 s with other agents' tests loading the 2 cores (load 25), past the old 100 s
 # budget; the calibration alone 19 s and each row about 10 s at a load of 8.
-PARITY_ROWS = [("dp2 zero1 fp32",),
+PARITY_ROWS = [pytest.param(("dp2 zero1 fp32",), id="one row"),
                pytest.param(("dp2 zero1 fp32", "pp2 zb fp32", "tp2 sp bf16"),
                             marks=pytest.mark.slow, id="every row")]
 
