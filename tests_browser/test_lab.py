@@ -3,9 +3,11 @@
 Why a browser: nbval runs the kernels, not the page. A widget whose front end fails shows
 "Error displaying widget" only in the browser; a plotly figure whose renderer is missing
 shows nothing; neither is an error the kernel sees. So this test starts JupyterLab from the
-project's own environment, opens every lesson, runs all its cells through the Run menu and
+project's own environment, opens a lesson, runs all its cells through the Run menu and
 reads the page: no error output, every widget drawn, every plotly figure drawn. In the
-mesh, timeline and memory dashboards it moves a control and checks that the figure changed.
+dashboards it moves a control and checks that the figure changed. ``make test-browser``
+opens three lessons (``SMOKE``: one of each kind of front end); ``--full`` (make
+test-full) every lesson and every dashboard.
 
 All requests that leave 127.0.0.1 are aborted, which proves the course works offline: the
 plotly renderer and the widget manager come from the labextensions that plotly and
