@@ -463,10 +463,16 @@ def check_plotly_slider(page: Page, kind: str, title_after: str) -> str:
 SMOKE = ("index.ipynb", "01_data_parallel.ipynb", "07_long_context_and_offload.ipynb")
 
 
-def selected_lessons(request: pytest.FixtureRequest) -> list[str]:
-    """The lessons this session runs, in order (after --full's and -k's selection)."""
-    return [item.callspec.params["name"] for item in request.session.items
-            if getattr(item, "originalname", None) == "test_notebook_in_lab"]
+def selected_notebooks(request: pytest.FixtureRequest) -> list[str]:
+    """The notebooks this session opens, in order (after --full's, -k's and -m's
+    selection): a kernel started ahead for one it skips would outlive the browser."""
+    names = []
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == "test_notebook_in_lab":
+            names.append(item.callspec.params["name"])
+        elif getattr(item, "originalname", None) == "test_checks_catch_breakage":
+            names.append(BROKEN_NB)
+    return names
 
 
 @pytest.mark.timeout(300)
@@ -477,8 +483,8 @@ def test_notebook_in_lab(lab: Lab, browser, name: str, request) -> None:
     t0 = time.monotonic()
     page = Page(browser, lab, name)
     opened = time.monotonic() - t0
-    run = selected_lessons(request)
-    later = [*run, BROKEN_NB][run.index(name) + 1:]
+    run = selected_notebooks(request)
+    later = run[run.index(name) + 1:]
     if later:
         lab.start_session(later[0])
     try:
