@@ -32,9 +32,12 @@ test: setup lint
 test-fast: setup
 	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile tests
 
-# The exhaustive parity matrix (every layout x ZeRO stage x schedule); slow.
+# make test plus every test marked slow (tests/README.md lists them and why): the
+# exhaustive parity matrix (every layout x ZeRO stage x schedule), the parity cases whose
+# code path another case already covers, and every lesson in the browser. Hours on 2 cores.
 test-full: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests --full
+	$(MAKE) test-browser BROWSER_FLAGS=--full
 
 # Every notebook top to bottom under strict nbval (flags explained in notebooks/README.md).
 # Committed notebooks carry no outputs (checked first), so each is executed into build/nbref/;
@@ -55,11 +58,13 @@ notebooks: setup
 	  --durations=0 --durations-min=5 $(NBREF)
 
 # The course in a real JupyterLab, driven by headless Chromium (tests_browser/test_lab.py):
-# every lesson run from the Run menu, no error output and no undrawn widget or figure on the
-# page, the mesh/timeline/memory dashboards redraw when a control moves, and every request
-# that leaves 127.0.0.1 is blocked (plotly and widgets render offline). Installs Debian's
-# chromium through apt and Playwright into .venv when missing (never `playwright install`);
-# screenshots go to build/screenshots/. Bounded: about 6 minutes, 7.5 at most.
+# lessons run from the Run menu, no error output and no undrawn widget or figure on the
+# page, a dashboard redraws when a control moves, and every request that leaves 127.0.0.1
+# is blocked (plotly and widgets render offline). Three lessons, one of each kind of front
+# end (every lesson and dashboard with BROWSER_FLAGS=--full, as make test-full does).
+# Installs Debian's chromium through apt and Playwright into .venv when missing (never
+# `playwright install`); screenshots go to build/screenshots/. Bounded: 7.5 minutes at most.
+BROWSER_FLAGS ?=
 .PHONY: test-browser
 test-browser: setup
 	@command -v chromium >/dev/null || { s=$$([ "$$(id -u)" = 0 ] || echo sudo); \
@@ -67,7 +72,7 @@ test-browser: setup
 	  $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 	@$(BIN)/python -c "import playwright" 2>/dev/null || \
 	  $(PIP) install -c constraints.txt playwright
-	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests_browser
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests_browser $(BROWSER_FLAGS)
 
 # Regenerate exercises/ from solutions/ (a learner's changed file is first kept as .bak).
 exercises: setup

@@ -13,7 +13,7 @@ batch's), and gradients not summed over cp (the data-parallel group left at dp).
 from __future__ import annotations
 
 import pytest
-from test_engine import BF16, FP32, SGD, assert_parity, reference
+from test_engine import BF16, FP32, SGD, assert_parity, full_only, reference
 
 from minipar import mesh
 from minipar import step as step_module
@@ -40,7 +40,13 @@ def _id(d: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items())
 
 
-@pytest.mark.parametrize("layout", CP_COVERING, ids=_id)
+# make test-full only: cp 2 x tp 2 and cp 2 x pp 2 run inside cp 2 x tp 2 x pp 2 (and
+# tp 2 + sp, zb pp 2) of the same list; cp 4 alone is cp 2's ring on 4 ranks, and cp 4
+# stays in the 8-rank layout and in the ring-bytes test.
+CP_FULL_ONLY = [dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2), dict(cp=4)]
+
+
+@pytest.mark.parametrize("layout", full_only(CP_COVERING, CP_FULL_ONLY), ids=_id)
 def test_cp_layout_matches_single_device(layout: dict) -> None:
     assert_parity(**layout)
 

@@ -97,8 +97,23 @@ COVERING = [
 ]
 
 
-@pytest.mark.parametrize("layout", COVERING, ids=lambda d: " ".join(f"{k}={v}"
-                                                                   for k, v in d.items()))
+# make test-full only, each proved in make test by another case on the same code path:
+# ZeRO-1/2 at dp 2 under AdamW (the 3-D ZeRO-1 and ZeRO-2 layouts above; the same
+# layouts under plain SGD below), ZeRO-3 at dp 4 (the 3-D ZeRO-3 layout; dp 4 in
+# test_zero.py), tp 2 (test_tp.py; plain SGD in test_parity_tp_pp.py), tp 8 (tp 4's
+# sharding on 8 ranks), 1F1B at pp 4 (test_pp.py runs every schedule at pp 4; zb here).
+COVERING_FULL_ONLY = [dict(dp=2, zero=1), dict(dp=2, zero=2, microbatches=2),
+                      dict(dp=4, zero=3), dict(tp=2), dict(tp=8),
+                      dict(pp=4, schedule="1f1b", microbatches=4)]
+
+
+def full_only(layouts: list[dict], slow: list[dict]) -> list:
+    """``layouts`` for parametrize, those in ``slow`` marked for make test-full."""
+    return [pytest.param(d, marks=pytest.mark.slow) if d in slow else d for d in layouts]
+
+
+@pytest.mark.parametrize("layout", full_only(COVERING, COVERING_FULL_ONLY),
+                         ids=lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
 def test_layout_matches_single_device(layout: dict) -> None:
     assert_parity(**layout)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -144,11 +145,21 @@ def test_bad_arguments_are_refused():
 
 
 def test_fifty_launches_in_a_row():
-    start = time.monotonic()
+    """No launch stalls on its rendezvous: a ``TCPStore`` client waited 5 s on about one
+    connection in ten, so of 50 launches several would take 5 s more than the others.
+    Judged against this run's own median, as a loaded machine slows every launch alike:
+    at a load of 9 on 2 cores the median was 0.17 s and the slowest 0.94 s; at a load of
+    25 the 50 took 54 s in all (a bound on the total failed there). Two launches more
+    than 4 s over the median are allowed for the machine's spikes; a stall every tenth
+    connection makes about ten."""
+    seconds = []
     for token in range(50):
+        start = time.monotonic()
         assert launch(helpers.token_sum, 2, args=(token,), timeout=60) == [(2.0 * token, 1.0)] * 2
-    # No launch may stall on its rendezvous (a TCPStore client sometimes waits 5 s).
-    assert time.monotonic() - start < 45
+        seconds.append(time.monotonic() - start)
+    median = statistics.median(seconds)
+    stalled = [round(s, 1) for s in seconds if s > median + 4.0]
+    assert len(stalled) <= 2, f"median {median:.2f} s; launches that stalled: {stalled}"
 
 
 def _token_then_linger(token: int) -> tuple[float, float]:
@@ -181,6 +192,12 @@ def test_four_launches_at_the_same_time():
 
 # --- failures: the rank, the cause, fast, nothing left running -------------------------
 
+# A failure, a death, a hang past ``timeout`` or an interrupt is reported in seconds, not
+# after a peer's collective gives up (gloo: 30 min) or a sleeping rank's 120 s. The
+# slowest seen: 10.4 s (a hang, timeout 3 s) with other tests loading the 2 cores to a
+# load of 20; idle, a few seconds. The bound is 3x the slowest.
+PROMPT_S = 30.0
+
 
 def _fail_while_others_hang() -> None:
     rank = dist.get_rank()
@@ -196,7 +213,7 @@ def test_exception_on_one_rank_stops_all_fast():
     start = time.monotonic()
     with pytest.raises(RankFailed) as info:
         launch(_fail_while_others_hang, 3, timeout=60)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < PROMPT_S
     err = info.value
     assert err.rank == 2 and isinstance(err, LaunchError)
     assert "rank 2 raised ValueError: boom on rank 2" in str(err)
@@ -232,7 +249,7 @@ def test_dead_rank_is_reported(slow_parent, how, code, text):
     start = time.monotonic()
     with pytest.raises(RankDied) as info:
         launch(_die, 3, args=(how,), timeout=60)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < PROMPT_S
     assert info.value.rank == 1 and info.value.exitcode == code
     assert f"rank 1 {text}" in str(info.value)
 
@@ -249,7 +266,7 @@ def test_hang_names_each_ranks_last_collective(slow_parent):
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
         launch(_skip_a_collective, 2, timeout=3)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < PROMPT_S
     report = str(info.value)
     assert "rank 0: inside all_reduce on tp, shape (2, 5) float32" in report
     assert ("rank 1: after all_reduce on tp, shape (3,) float32, then running code outside "
@@ -282,7 +299,7 @@ def test_interrupt_stops_children_and_propagates():
             launch(_sleep_forever, 2, timeout=60)
     finally:
         watcher.join()
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < PROMPT_S
     assert ranks() == ["minipar-rank0", "minipar-rank1"]
     assert not any(psutil.pid_exists(pid) for pid in seen)
 

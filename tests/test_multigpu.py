@@ -14,24 +14,36 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_dry_run_calibrate_and_parity(tmp_path) -> None:
+# The parity rows run the engine's layouts, each at parity in test_engine.py: make test
+# keeps one row (and the tied row, ok or refused) for the benchmark's own code; all in
+# make test-full. The budget is a hang guard, not a bound: 4 rows and the calibration
+# took 108 s with other agents' tests loading the 2 cores (load 25), past the old 100 s
+# budget; the calibration alone 19 s and each row about 10 s at a load of 8.
+PARITY_ROWS = [pytest.param(("dp2 zero1 fp32",), id="one row"),
+               pytest.param(("dp2 zero1 fp32", "pp2 zb fp32", "tp2 sp bf16"),
+                            marks=pytest.mark.slow, id="every row")]
+
+
+@pytest.mark.parametrize("ok_rows", PARITY_ROWS)
+def test_dry_run_calibrate_and_parity(tmp_path, ok_rows) -> None:
     out = tmp_path / "out"
-    only = "calibrate|dp2 zero1 fp32|pp2 zb fp32|tp2 sp bf16|tied embeddings fp32"
+    only = "|".join(["calibrate", *ok_rows, "tied embeddings fp32"])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "multigpu.py"), "--device", "cpu",
          "--gpus", "2", "--sections", "calibrate,parity", "--only", only,
-         "--out", str(out), "--budget-s", "100"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+         "--out", str(out), "--budget-s", "240"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((out / "multigpu.json").read_text())
     rows = {r["name"]: r for r in report["sections"]["parity"]["rows"]}
-    assert set(rows) == {"dp2 zero1 fp32", "pp2 zb fp32", "tp2 sp bf16",
-                         "pp2 1f1b tied embeddings fp32"}
-    for name in ("dp2 zero1 fp32", "pp2 zb fp32", "tp2 sp bf16"):
+    assert set(rows) == {*ok_rows, "pp2 1f1b tied embeddings fp32"}
+    for name in ok_rows:
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["param_diff"] is not None
     tied = rows["pp2 1f1b tied embeddings fp32"]
@@ -68,7 +80,7 @@ def test_dry_run_calibrate_and_parity(tmp_path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(json.loads((merged / "multigpu.json").read_text())["sections"]["parity"]
-               ["rows"]) == 4
+               ["rows"]) == len(ok_rows) + 1
 
 
 def test_budget_spent_rows_are_skipped_not_lost(tmp_path) -> None:
@@ -167,6 +179,7 @@ def test_overlap_dry_run(tmp_path) -> None:
     assert (out / row["trace"]).stat().st_size == row["trace_bytes"] > 0
 
 
+@pytest.mark.slow  # make test-full: the cp and offload runs are at parity in test_cp_engine.py
 def test_dry_run_context_parallel_and_offload(tmp_path) -> None:
     """``--sections cp`` at tiny sizes: every minipar row runs (cp2 ring, one rank, the
     ring alone, ZeRO-1 with and without offload; ZeRO-2's and 3's pairs left out for

@@ -17,6 +17,7 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
+from test_engine import full_only
 
 from minipar.config import TrainConfig
 from minipar.engine import train, train_reference
@@ -73,7 +74,15 @@ SGD_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("layout", SGD_LAYOUTS, ids=lambda d: " ".join(
+# make test-full only: the same layout under the same plain SGD is in test_engine.py's
+# SGD_COVERING (tp 2 + sp, 1F1B pp 2 m 4, zb pp 2 m 2; interleaved as its 3-D layout),
+# which also compares the final parameters.
+SGD_FULL_ONLY = [dict(tp=2, sp=True), dict(pp=2, schedule="1f1b", microbatches=4),
+                 dict(pp=2, schedule="zb", microbatches=2),
+                 dict(pp=2, schedule="interleaved", virtual=2, microbatches=2)]
+
+
+@pytest.mark.parametrize("layout", full_only(SGD_LAYOUTS, SGD_FULL_ONLY), ids=lambda d: " ".join(
     f"{k}={v}" for k, v in d.items() if k != "overrides") + (" tied" if "overrides" in d
                                                             else ""))
 def test_plain_sgd_no_clipping(layout: dict) -> None:
@@ -84,7 +93,11 @@ DROPOUT_LAYOUTS = [dict(dp=2), dict(microbatches=2), dict(pp=2, microbatches=2),
                    dict(tp=2), dict(tp=2, sp=True)]
 
 
-@pytest.mark.parametrize("layout", DROPOUT_LAYOUTS,
+# make test-full only: micro-batches offset the sample index as dp and pp 2 m 2 do.
+DROPOUT_FULL_ONLY = [dict(microbatches=2)]
+
+
+@pytest.mark.parametrize("layout", full_only(DROPOUT_LAYOUTS, DROPOUT_FULL_ONLY),
                          ids=lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
 def test_dropout_draws_the_reference_masks(layout: dict) -> None:
     assert_parity(dropout=0.1, **layout)

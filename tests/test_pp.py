@@ -371,7 +371,10 @@ def _tied_configs(pp: int) -> list[tuple[str, int, int]]:
     return [("gpipe", pp, 1), ("1f1b", pp, 1), ("zb", pp, 1), ("interleaved", pp, 2)]
 
 
-@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2), (4, 2)])
+# pp 4 x tp 2 (8 ranks) in make test-full: pp 4 (middle stages without the embedding) and
+# tp 2 (a sharded tie) are each in make test.
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2),
+                                    pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_tied_embeddings_every_schedule(pp, tp):
     results = launch(_tied_rank, pp * tp, args=(pp, tp, _tied_configs(pp)), timeout=240)
     for rank, per_config in enumerate(results):
@@ -475,12 +478,15 @@ class _Stream:
     synchronisation (of the stream or the device) blocks until then."""
 
     def __init__(self, delay: float) -> None:
-        self.delay, self.due, self.synced = delay, 0.0, 0
+        self.delay, self.due, self.synced, self.arrived = delay, 0.0, 0, []
 
     def receive(self, t: torch.Tensor, src: int) -> SimpleNamespace:
         t.zero_()
-        return SimpleNamespace(wait=lambda: setattr(self, "due", time.time() + self.delay),
-                               is_completed=lambda: True)
+        return SimpleNamespace(wait=self._wait, is_completed=lambda: True)
+
+    def _wait(self) -> None:
+        self.due = time.time() + self.delay
+        self.arrived.append(self.due)  # when this receive's data is there
 
     def synchronize(self, device=None) -> None:
         self.synced += 1
@@ -491,7 +497,7 @@ def test_synchronised_timeline_counts_the_wait_for_data_as_wait(monkeypatch):
     """Under ``synchronize`` the GPU's wait for a received activation is the record's
     wait, not part of the forward's busy time (it was: the measured 1F1B bubble on two
     H100s was 0.049 against 0.111 simulated). Rank 1 of pp = 2 receives its inputs."""
-    stream, m = _Stream(delay=0.5), 2  # a forward of 2 sequences: milliseconds
+    stream, m = _Stream(delay=0.5), 2
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "synchronize", stream.synchronize)
     sent = SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
@@ -504,9 +510,12 @@ def test_synchronised_timeline_counts_the_wait_for_data_as_wait(monkeypatch):
     records = ex.step(batches).timeline
     forwards = [r for r in records if r.kind == "F"]
     assert len(forwards) == m
-    for r in forwards:
+    # The forward's busy time starts once its data is there. (Not a bound on its length:
+    # a forward of 2 sequences takes milliseconds idle but up to 4.6 s was seen with
+    # other tests loading the 2 cores, the first one's kernels warming up.)
+    for r, arrived in zip(forwards, stream.arrived, strict=True):
         assert r.wait >= stream.delay
-        assert r.end - r.start < stream.delay  # the data wait is not the forward's
+        assert r.start >= arrived  # the data wait is not the forward's
     stats = bubble_stats([records])
     assert stats["busy"] == pytest.approx(sum(r.end - r.start for r in records
                                               if r.kind in ("F", "B")))

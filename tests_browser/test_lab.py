@@ -3,9 +3,11 @@
 Why a browser: nbval runs the kernels, not the page. A widget whose front end fails shows
 "Error displaying widget" only in the browser; a plotly figure whose renderer is missing
 shows nothing; neither is an error the kernel sees. So this test starts JupyterLab from the
-project's own environment, opens every lesson, runs all its cells through the Run menu and
+project's own environment, opens a lesson, runs all its cells through the Run menu and
 reads the page: no error output, every widget drawn, every plotly figure drawn. In the
-mesh, timeline and memory dashboards it moves a control and checks that the figure changed.
+dashboards it moves a control and checks that the figure changed. ``make test-browser``
+opens three lessons (``SMOKE``: one of each kind of front end); ``--full`` (make
+test-full) every lesson and every dashboard.
 
 All requests that leave 127.0.0.1 are aborted, which proves the course works offline: the
 plotly renderer and the widget manager come from the labextensions that plotly and
@@ -452,14 +454,36 @@ def check_plotly_slider(page: Page, kind: str, title_after: str) -> str:
     return f"{kind} slider: moved to the last step, figure redrawn ({title_after})"
 
 
+# make test-browser runs these lessons, one of each kind of front end: the start page,
+# plotly figures beside widgets with a dropdown dashboard that redraws (01), a slider in a
+# plotly layout (07). Every lesson draws its figures and widgets with the same renderers,
+# and nbval runs every lesson's cells in make test, so the rest (each 15-45 s on 2 cores)
+# run in make test-full.
+SMOKE = ("index.ipynb", "01_data_parallel.ipynb", "07_long_context_and_offload.ipynb")
+
+
+def selected_notebooks(request: pytest.FixtureRequest) -> list[str]:
+    """The notebooks this session opens, in order (after --full's, -k's and -m's
+    selection): a kernel started ahead for one it skips would outlive the browser."""
+    names = []
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == "test_notebook_in_lab":
+            names.append(item.callspec.params["name"])
+        elif getattr(item, "originalname", None) == "test_checks_catch_breakage":
+            names.append(BROKEN_NB)
+    return names
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", LESSONS)
-def test_notebook_in_lab(lab: Lab, browser, name: str) -> None:
+@pytest.mark.parametrize("name", [n if n in SMOKE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LESSONS])
+def test_notebook_in_lab(lab: Lab, browser, name: str, request) -> None:
     """Run All in the browser: no error on the page, every figure and widget drawn."""
     t0 = time.monotonic()
     page = Page(browser, lab, name)
     opened = time.monotonic() - t0
-    later = [*LESSONS, BROKEN_NB][LESSONS.index(name) + 1:]
+    run = selected_notebooks(request)
+    later = run[run.index(name) + 1:]
     if later:
         lab.start_session(later[0])
     try:
