@@ -50,7 +50,6 @@ os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-import types  # noqa: E402
 
 import multigpu  # noqa: E402
 import torch  # noqa: E402
@@ -351,23 +350,13 @@ def main() -> int:
             p.error(f"unknown section {s!r}; choose from {', '.join(SECTIONS)}")
     if args.device == "cpu":
         args.loss_steps = min(args.loss_steps, 20)
-    n = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    out = os.path.abspath(args.out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    ns = types.SimpleNamespace(**{**vars(args), "out": os.path.dirname(out),
-                                  "calibration": None, "start_method": None})
-    sizes = multigpu.Sizes(steps=6, warmup=2) if args.device == "cuda" else \
-        multigpu.Sizes(steps=2, warmup=1)
-    run = multigpu.Run(ns, n, sizes)
-    run.path = out
-    run.report["meta"]["args"] = vars(args)
-    run.report["meta"]["benchmark"] = "fp8_gpu"
+    run = multigpu.Run.for_script(args, "fp8_gpu")
     state: dict = {}
     for name in SECTIONS:
         if name in sections:
             globals()[f"section_{name}"](run, state)
     run.save()
-    print(f"wrote {out} in {time.monotonic() - run.t0:.0f} s", flush=True)
+    print(f"wrote {run.path} in {time.monotonic() - run.t0:.0f} s", flush=True)
     return 0
 
 

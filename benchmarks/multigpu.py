@@ -166,6 +166,22 @@ class Run:
             with open(args.calibration) as f:
                 self.calibration = json.load(f)
 
+    @classmethod
+    def for_script(cls, args, benchmark: str) -> Run:
+        """A run for a benchmark script of its own that writes ``args.out`` (one JSON):
+        ``args.gpus`` ranks (default: every GPU; 2 on the CPU), 6 timed steps after 2 on
+        a GPU (2 after 1 on the CPU), no calibration."""
+        n = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
+        out = os.path.abspath(args.out)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        ns = types.SimpleNamespace(**{**vars(args), "out": os.path.dirname(out),
+                                      "calibration": None, "start_method": None})
+        sizes = Sizes(steps=6, warmup=2) if args.device == "cuda" else Sizes(steps=2, warmup=1)
+        run = cls(ns, n, sizes)
+        run.path = out
+        run.report["meta"].update(args=vars(args), benchmark=benchmark)
+        return run
+
     def remaining(self) -> float:
         return self.args.budget_s - (time.monotonic() - self.t0)
 

@@ -43,7 +43,6 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import types  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 import multigpu  # noqa: E402
@@ -227,21 +226,12 @@ def main() -> int:
             p.error(f"unknown section {s!r}; choose from {', '.join(SECTIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here; --device cpu for a dry run")
-    n = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    out = os.path.abspath(args.out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    ns = types.SimpleNamespace(**{**vars(args), "out": os.path.dirname(out),
-                                  "calibration": None, "start_method": None})
-    sizes = multigpu.Sizes(steps=6, warmup=2) if args.device == "cuda" else \
-        multigpu.Sizes(steps=2, warmup=1)
-    run = multigpu.Run(ns, n, sizes)
-    run.path = out
-    run.report["meta"].update(args=vars(args), benchmark="speed_gpu")
+    run = multigpu.Run.for_script(args, "speed_gpu")
     for name in SECTIONS:
         if name in sections:
             globals()[f"section_{name}"](run)
     run.save()
-    print(f"wrote {out} in {time.monotonic() - run.t0:.0f} s", flush=True)
+    print(f"wrote {run.path} in {time.monotonic() - run.t0:.0f} s", flush=True)
     return 0
 
 
