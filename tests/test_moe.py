@@ -117,6 +117,24 @@ def test_zero3_shards_experts_over_their_replicas() -> None:
     assert abs(got - want) < 0.01 * experts, (got, want, experts)
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_resume_splits_the_saved_experts_over_ep(tmp_path, zero: int) -> None:
+    """A checkpoint holds each expert whole (gathered over ep): resumed at dp 2 ep 2 each
+    rank takes its experts' weights and Adam moments, and the losses continue those of
+    the run that was not stopped (bitwise: CPU, fp32, the same layout); resumed at ep 1
+    (every rank with every expert) the same losses within 1e-5."""
+    steps, half = 4, 2
+    layout = dict(model="moe-tiny", dp=2, ep=2, zero=zero, steps=steps, timeout=240,
+                  capacity_factor=1.0)
+    full = train(TrainConfig(**layout))["losses"]
+    stopped = train(TrainConfig(**layout, save=str(tmp_path), stop_at=half))["losses"]
+    assert stopped == full[:half]
+    resumed = train(TrainConfig(**layout, resume=str(tmp_path)))["losses"]
+    assert resumed == full[half:]
+    replicated = train(TrainConfig(**{**layout, "ep": 1}, resume=str(tmp_path)))["losses"]
+    assert max(abs(a - b) for a, b in zip(replicated, full[half:])) < 1e-5
+
+
 def test_all_to_all_bytes_equal_the_theory() -> None:
     """Dropless: the payload an ep group sends is fixed (every routed row goes out and
     comes back, forward and backward), whichever expert each row chose."""

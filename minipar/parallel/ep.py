@@ -24,7 +24,7 @@ with offload; each shards its weights' states, ZeRO-3 the weights too, over its 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -70,8 +70,6 @@ def check_ep(cfg, model: GPTConfig) -> None:
     if model.n_expert % cfg.ep:
         raise ValueError(f"--ep {cfg.ep} must divide the number of experts "
                          f"({model.n_expert})")
-    if cfg.resume is not None:
-        raise ValueError(f"--ep {cfg.ep} with --resume is not supported yet")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -265,6 +263,15 @@ class ExpertDataParallel:
             experts["params"] = 0
         return {k: v + experts.get(k, 0) for k, v in dense.items()}
 
+    def load_full_state_by_name(self, states: Mapping, weights: Mapping | None = None,
+                                optimizer=None) -> None:
+        """Take whole states (and fp32 weights) by name, as a checkpoint holds them: each
+        part its own, the experts' cut to this ep rank's (dim 0, as ``expert_values``)."""
+        states = _ThisRanksExperts(states, self.ep.rank, self.ep.size)
+        weights = weights and _ThisRanksExperts(weights, self.ep.rank, self.ep.size)
+        for z in self.parts:
+            z.load_full_state_by_name(states, weights, optimizer)
+
     def full_state_by_name(self, optimizer=None) -> tuple[dict, dict]:
         """(fp32 weights, optimizer states) by name, whole (collective over dp and ep)."""
         weights, states = self.dense.full_state_by_name(optimizer)
@@ -275,3 +282,30 @@ class ExpertDataParallel:
                             if isinstance(v, torch.Tensor) and v.dim() else v
                             for k, v in es[name].items()}
         return weights, states
+
+
+class _ThisRanksExperts(Mapping):
+    """A by-name mapping of whole tensors (or of dicts of them: optimizer states) whose
+    expert entries read as this ep rank's experts only (dim 0); the rest as they are."""
+
+    def __init__(self, whole: Mapping, ep_rank: int, ep: int) -> None:
+        self.whole, self.ep_rank, self.ep = whole, ep_rank, ep
+
+    def _cut(self, t):
+        if isinstance(t, torch.Tensor) and t.dim():
+            return t.chunk(self.ep)[self.ep_rank].clone()
+        return t
+
+    def __getitem__(self, name: str):
+        value = self.whole[name]
+        if not is_expert(name):
+            return value
+        if isinstance(value, dict):
+            return {k: self._cut(v) for k, v in value.items()}
+        return self._cut(value)
+
+    def __iter__(self):
+        return iter(self.whole)
+
+    def __len__(self) -> int:
+        return len(self.whole)
