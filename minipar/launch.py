@@ -13,8 +13,10 @@ their results (rank order). What makes it safe for a room of laptops:
   function defined in a notebook cell is inherited, not pickled. A forked child first
   calls ``torch.set_num_threads(1)``: a fork of a process whose OpenMP pool already ran
   hangs at its first parallel op otherwise, which is why ``threads > 1`` needs spawn.
-  With ``start_method="spawn"`` (or CUDA already initialised, where fork is broken)
-  ``fn`` must live in an importable ``.py`` module; we check that before starting.
+  With ``start_method="spawn"`` (Windows, or CUDA already initialised, where fork is
+  broken) a function spawn's pickle cannot import by name (a notebook cell's, a
+  closure) travels by value (``cloudpickle``, as Ray and Dask send functions).
+  ``MINIPAR_START_METHOD=spawn`` forces it where fork exists (CI runs lessons so).
 * **Failures come back, fast, with the rank.** An exception on any rank stops every
   rank and raises ``RankFailed`` with that rank's traceback. A rank that dies (a signal,
   ``os._exit``) raises ``RankDied`` with its exit code. A rank that makes no progress
@@ -53,6 +55,8 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
+
+import cloudpickle
 
 from minipar.rank import child, get_status, rank_status_reporter
 from minipar.rank import heartbeat as heartbeat
@@ -112,7 +116,14 @@ class Results(list):
 
 
 def default_start_method() -> str:
-    """fork where it is safe (POSIX, CUDA not initialised in this process), else spawn."""
+    """``MINIPAR_START_METHOD`` when set (to try Windows' spawn on Linux), else fork where
+    it is safe (POSIX, CUDA not initialised in this process), else spawn."""
+    forced = os.environ.get("MINIPAR_START_METHOD")
+    if forced:
+        if forced not in mp.get_all_start_methods():
+            raise ValueError(f"MINIPAR_START_METHOD={forced!r}: this system starts "
+                             f"processes by {', '.join(mp.get_all_start_methods())}")
+        return forced
     if "fork" not in mp.get_all_start_methods():
         return "spawn"
     torch = sys.modules.get("torch")
@@ -121,21 +132,34 @@ def default_start_method() -> str:
     return "fork"
 
 
-def _check_spawnable(fn: Callable) -> None:
+class ByValue:
+    """A function sent to spawned ranks by value: ``cloudpickle`` carries its code and the
+    globals it reads, where pickle would send only a name the child cannot import (a
+    function of a notebook cell, a closure)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.payload = cloudpickle.dumps(fn)
+        self.__qualname__ = getattr(fn, "__qualname__", repr(fn))
+
+    def __call__(self, *args, **kwargs):
+        return cloudpickle.loads(self.payload)(*args, **kwargs)
+
+
+def spawnable(fn: Callable) -> Callable:
+    """``fn`` itself if spawned ranks can import it by name, else ``ByValue(fn)``."""
     main = sys.modules.get("__main__")
-    if fn.__module__ == "__main__" and not getattr(main, "__file__", None):
-        raise ValueError(
-            f"{fn.__qualname__} is defined in a notebook or an interactive session, so "
-            "spawned ranks cannot import it. Use start_method='fork' (the default on "
-            "Linux/macOS), or move the function into a .py module and import it."
-        )
+    if not (fn.__module__ == "__main__" and not getattr(main, "__file__", None)):
+        try:
+            pickle.dumps(fn)
+            return fn
+        except Exception:  # lambdas, closures, local functions: by value
+            pass
     try:
-        pickle.dumps(fn)
-    except Exception as e:  # lambdas, closures, local functions
-        raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)!r} cannot be pickled for spawn ({e}); "
-            "define it at the top level of an importable module, or use start_method='fork'"
-        ) from None
+        return ByValue(fn)
+    except Exception as e:
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} cannot be sent to spawned "
+                         f"ranks ({type(e).__name__}: {e}); define it at the top level of "
+                         "an importable module, or use start_method='fork'") from None
 
 
 # The keeper: makes this launch's temporary directory, prints its path, then waits. A
@@ -283,7 +307,7 @@ def launch(
     check_timeout(timeout, "timeout")
     method = start_method or default_start_method()
     if method == "spawn" or method == "forkserver":
-        _check_spawnable(fn)
+        fn = spawnable(fn)
     elif threads != 1:
         raise ValueError(
             f"threads={threads} needs start_method='spawn': a forked rank of a process "

@@ -88,7 +88,7 @@ def slow_parent(monkeypatch):
     monkeypatch.setattr(multiprocessing.connection, "wait", late_wait)
 
 
-# --- notebook functions: fork inherits them, spawn refuses them up front ---------------
+# --- notebook functions: fork inherits them, spawn gets them by value ------------------
 
 NOTEBOOK_CELL = """
 import torch
@@ -116,17 +116,28 @@ def test_notebook_function_runs_under_fork(notebook_fn):
     assert launch(notebook_fn, 2, args=(1,), timeout=60) == [3.0, 3.0]
 
 
-def test_notebook_function_under_spawn_is_refused_before_starting(notebook_fn):
+def test_notebook_function_runs_under_spawn(notebook_fn):
+    """Windows' way: the cell's function cannot be imported by name, so it travels by
+    value (its code and the globals it reads)."""
+    assert launch(notebook_fn, 2, args=(1,), start_method="spawn", timeout=120) == [3.0, 3.0]
+
+
+def test_a_lambda_runs_under_spawn_and_what_cannot_travel_is_refused_up_front():
+    assert launch(lambda: 5, 2, start_method="spawn", timeout=120) == [5, 5]
+    lock = threading.Lock()
     start = time.monotonic()
-    with pytest.raises(ValueError, match="notebook") as info:
-        launch(notebook_fn, 2, start_method="spawn", timeout=60)
+    with pytest.raises(ValueError, match="cannot be sent to spawned ranks") as info:
+        launch(lambda: lock.locked(), 2, start_method="spawn", timeout=60)
     assert "start_method='fork'" in str(info.value)
     assert time.monotonic() - start < 1.0  # no rank was started
 
 
-def test_unpicklable_function_under_spawn_is_refused():
-    with pytest.raises(ValueError, match="cannot be pickled"):
-        launch(lambda: 0, 2, start_method="spawn", timeout=60)
+def test_the_start_method_can_be_forced(monkeypatch):
+    monkeypatch.setenv("MINIPAR_START_METHOD", "spawn")
+    assert default_start_method() == "spawn"
+    monkeypatch.setenv("MINIPAR_START_METHOD", "teleport")
+    with pytest.raises(ValueError, match="MINIPAR_START_METHOD='teleport'"):
+        default_start_method()
 
 
 def test_module_function_runs_under_spawn():
