@@ -59,10 +59,10 @@ notebooks: setup
 	  --nbval-cell-timeout=180 --nbval-sanitize-with notebooks/sanitize.cfg \
 	  --durations=0 --durations-min=5 $(NBREF)
 
-# Where fork is missing (Windows): the lessons that launch functions of their own cells,
-# executed with every launch forced to spawn (those functions travel by value;
+# Where fork is missing (Windows): the launcher lesson, whose cells launch functions of
+# their own, executed with every launch forced to spawn (such functions travel by value;
 # minipar/launch.py). make test-full runs every lesson so.
-SPAWN_LESSONS ?= notebooks/00_collectives_and_launcher.ipynb notebooks/03_tensor_parallel.ipynb
+SPAWN_LESSONS ?= notebooks/00_collectives_and_launcher.ipynb
 notebooks-spawn: setup
 	rm -rf build/nbspawn && mkdir -p build/nbspawn
 	ls $(SPAWN_LESSONS) | xargs -P 2 -I NB env MINIPAR_START_METHOD=spawn \
