@@ -290,9 +290,12 @@ def test_a_damaged_shard_found_by_a_rank_is_named(tmp_path, capsys) -> None:
 
 def test_ctrl_c_is_one_line_and_exit_130_with_no_rank_left(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # (a shell's background job starts with SIGINT ignored, and a child inherits that: give
+    # the command line the terminal's Ctrl-C whatever ran this test)
     cli = subprocess.Popen([sys.executable, "-m", "minipar", "train", "--dp", "2", "--steps",
                             "100000", "--quiet"], cwd=tmp_path, env=env,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     me = psutil.Process(cli.pid)
     deadline = time.monotonic() + 60
     while len(me.children()) < 2 and time.monotonic() < deadline:

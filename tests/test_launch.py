@@ -302,6 +302,8 @@ def test_interrupt_stops_children_and_propagates():
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # (a shell's background job starts with SIGINT ignored: a kernel has Python's handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher = threading.Thread(target=interrupt_when_ranks_run)
     watcher.start()
     start = time.monotonic()
@@ -310,6 +312,7 @@ def test_interrupt_stops_children_and_propagates():
             launch(_sleep_forever, 2, timeout=60)
     finally:
         watcher.join()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < PROMPT_S
     assert ranks() == ["minipar-rank0", "minipar-rank1"]
     assert not any(psutil.pid_exists(pid) for pid in seen)
