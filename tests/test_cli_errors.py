@@ -297,13 +297,18 @@ def test_ctrl_c_is_one_line_and_exit_130_with_no_rank_left(tmp_path) -> None:
                            stderr=subprocess.PIPE, text=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     me = psutil.Process(cli.pid)
-    deadline = time.monotonic() + 60
-    while len(me.children()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    ranks = me.children(recursive=True)
-    assert len(ranks) >= 2
-    cli.send_signal(signal.SIGINT)
-    err = cli.communicate(timeout=30)[1]
+    try:
+        deadline = time.monotonic() + 60
+        while len(me.children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = me.children(recursive=True)
+        assert len(ranks) >= 2
+        cli.send_signal(signal.SIGINT)
+        err = cli.communicate(timeout=30)[1]
+    finally:  # a failing check must not leave a 100,000-step run behind (its ranks die
+        if cli.poll() is None:  # with it)
+            cli.kill()
+            cli.wait()
     assert cli.returncode == 130
     assert err.strip() == "minipar train: interrupted"
     time.sleep(0.5)
