@@ -268,7 +268,8 @@ class ExpertDataParallel:
         """Take whole states (and fp32 weights) by name, as a checkpoint holds them: each
         part its own, the experts' cut to this ep rank's (dim 0, as ``expert_values``)."""
         states = _ThisRanksExperts(states, self.ep.rank, self.ep.size)
-        weights = weights and _ThisRanksExperts(weights, self.ep.rank, self.ep.size)
+        if weights is not None:
+            weights = _ThisRanksExperts(weights, self.ep.rank, self.ep.size)
         for z in self.parts:
             z.load_full_state_by_name(states, weights, optimizer)
 
