@@ -9,7 +9,8 @@ Each rank profiles its steps 3 and 4 (CPU and CUDA activity; the first two warm 
 each rank writes ``OUT-rankR.json``: the window's wall time, the GPU's busy time (the union
 of its kernels' intervals), the time only communication kernels ran (NCCL exposed: no
 compute kernel beside them), the idle time, the kernel time by kind (gemm, attention,
-nccl, other), the 15 costliest kernels, the caching allocator's retries, and the host's
+nccl, other), NCCL's time and exposed time per collective (all-to-all runs as SendRecv),
+the 15 costliest kernels, the caching allocator's retries, and the host's
 costliest operators. With ``--trace-dir`` every rank's Chrome trace is kept (Perfetto).
 """
 
@@ -34,6 +35,13 @@ KINDS = (("nccl", ("nccl",)), ("gemm", ("gemm", "cutlass", "sm90_xmma", "matmul"
 def kind_of(name: str) -> str:
     low = name.lower()
     return next((k for k, words in KINDS if any(w in low for w in words)), "other")
+
+
+def collective_of(name: str) -> str:
+    """NCCL's kernel names carry the collective: ``ncclDevKernel_AllGather_RING_LL`` ->
+    ``AllGather``; all-to-all and pipeline sends run as ``SendRecv``."""
+    tail = name.split("Kernel_", 1)[-1]
+    return tail.split("_", 1)[0].split("(", 1)[0]
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -76,6 +84,12 @@ def summarise(trace: dict) -> dict:
     comm = union([s for s, e in zip(spans, kernels) if kind_of(e["name"]) == "nccl"])
     work = union([s for s, e in zip(spans, kernels) if kind_of(e["name"]) != "nccl"])
     busy = union(spans)
+    exposed_by_collective = {}
+    for coll in sorted({collective_of(e["name"]) for e in kernels
+                        if kind_of(e["name"]) == "nccl"}):
+        mine = union([s for s, e in zip(spans, kernels)
+                      if kind_of(e["name"]) == "nccl" and collective_of(e["name"]) == coll])
+        exposed_by_collective[coll] = (length(mine) * 1e-3, minus(mine, work) * 1e-3)
     by_kind: dict[str, float] = {}
     by_name: dict[str, list] = {}
     for e in kernels:
@@ -88,6 +102,8 @@ def summarise(trace: dict) -> dict:
     return {"window_ms": (end - start) * ms, "busy_ms": length(busy) * ms,
             "compute_ms": length(work) * ms, "nccl_ms": length(comm) * ms,
             "nccl_exposed_ms": minus(comm, work) * ms,
+            "nccl_by_collective_ms": {c: {"ms": t, "exposed_ms": x}
+                                      for c, (t, x) in exposed_by_collective.items()},
             "idle_ms": (end - start - length(busy)) * ms, "kernels": len(kernels),
             "by_kind_ms": {k: v * ms for k, v in by_kind.items()},
             "top_kernels": [{"name": k, "ms": v[0] * ms, "calls": v[1]} for k, v in top]}

@@ -28,6 +28,8 @@ one device): gloo moves host memory, and handles CUDA tensors only in all_reduce
 broadcast (torch.distributed's backend table; all_gather and send of a CUDA tensor kill
 the rank). So under gloo every CUDA tensor is *staged*: copied to the host, sent, and
 the result copied back (when an async op is waited on). Counted bytes are unchanged.
+The other way round, NCCL moves device memory only: a host tensor (a checkpoint's
+gathered state) is staged on this rank's GPU.
 """
 
 from __future__ import annotations
@@ -246,14 +248,22 @@ class Comm:
         self.rank = dist.get_rank(self.group)
         self.ranks = list(ranks) if ranks is not None else dist.get_process_group_ranks(
             self.group)
-        self._staged = dist.get_backend(self.group) == "gloo"  # see the module docstring
+        backend = dist.get_backend(self.group)  # where tensors must be (module docstring)
+        self._wire: torch.device | None = None
+        if backend == "gloo":
+            self._wire = torch.device("cpu")
+        elif backend == "nccl":
+            self._wire = torch.device("cuda", torch.cuda.current_device())
 
     def __repr__(self) -> str:
         return f"Comm({self.dim}, rank {self.rank} of {self.ranks})"
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` itself, or a host copy of it if gloo would have to move a CUDA tensor."""
-        return t.detach().cpu() if self._staged and t.is_cuda else t
+    def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself, or a copy of it where the backend moves tensors (a host copy of a
+        CUDA tensor for gloo, a device copy of a host tensor for NCCL)."""
+        if self._wire is None or t.device.type == self._wire.type:
+            return t
+        return t.detach().to(self._wire)
 
     @staticmethod
     def _back(t: torch.Tensor, h: torch.Tensor):
@@ -277,7 +287,7 @@ class Comm:
         rop = _reduce_op(op)  # a bad name fails on one rank too, and before logging
         if self.size == 1:
             return Pending(None, None) if async_op else None
-        h = self._host(t)
+        h = self._on_wire(t)
         return self._run("all_reduce", t, lambda: dist.all_reduce(
             h, rop, group=self.group, async_op=async_op), async_op, then=self._back(t, h))
 
@@ -286,7 +296,7 @@ class Comm:
         if self.size == 1:
             return t
         # The flat op gathers along dim 0 (and gloo wants exactly that output shape).
-        src = self._host(t.contiguous())
+        src = self._on_wire(t.contiguous())
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
                           device=src.device)
         self._run("all_gather", out, lambda: _all_gather_flat(out, src, group=self.group),
@@ -302,7 +312,7 @@ class Comm:
         if self.size == 1:
             out.copy_(t)
             return Pending(None, None) if async_op else None
-        h_out, h_in = self._host(out), self._host(t)
+        h_out, h_in = self._on_wire(out), self._on_wire(t)
         return self._run("all_gather", out, lambda: _all_gather_flat(
             h_out, h_in, group=self.group, async_op=async_op), async_op,
             then=self._back(out, h_out))
@@ -323,7 +333,7 @@ class Comm:
         shape = (*t.shape[:dim], t.shape[dim] // self.size, *t.shape[dim + 1:])
         src = t.contiguous() if dim == 0 else (
             t.unflatten(dim, (self.size, -1)).movedim(dim, 0).contiguous().view(-1))
-        src = self._host(src)
+        src = self._on_wire(src)
         out = torch.empty(shape, dtype=t.dtype, device=src.device)
         flat_out = out.view(-1) if dim else out
         self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
@@ -337,7 +347,7 @@ class Comm:
         if self.size == 1:
             out.copy_(t)
             return Pending(None, None) if async_op else None
-        h_out, h_in = self._host(out), self._host(t)
+        h_out, h_in = self._on_wire(out), self._on_wire(t)
         return self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
             h_out, h_in, rop, group=self.group, async_op=async_op), async_op,
             then=self._back(out, h_out))
@@ -353,7 +363,7 @@ class Comm:
         out_shape = (sum(recv_rows), *t.shape[1:])
         if self.size == 1:
             return t.clone()
-        src = self._host(t.contiguous())
+        src = self._on_wire(t.contiguous())
         out = torch.empty(out_shape, dtype=t.dtype, device=src.device)
         wire = (sum(send_rows) - send_rows[self.rank]) * row
         self._run("all_to_all", src, lambda: dist.all_to_all_single(
@@ -364,7 +374,7 @@ class Comm:
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy ``t`` from the group's local rank ``src`` to every rank, in place."""
         if self.size > 1:
-            h = self._host(t)
+            h = self._on_wire(t)
             self._run("broadcast", t, lambda: dist.broadcast(
                 h, self.ranks[src], group=self.group), False, then=self._back(t, h))
         return t
@@ -376,21 +386,21 @@ class Comm:
 
     # --- point to point (ranks are local to the group) ----------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
-        peer, h = self.ranks[dst], self._host(t.contiguous())
+        peer, h = self.ranks[dst], self._on_wire(t.contiguous())
         self._run("send", t, lambda: dist.send(h, peer, group=self.group), False, peer=peer)
 
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        peer, h = self.ranks[src], self._host(t)
+        peer, h = self.ranks[src], self._on_wire(t)
         self._run("recv", t, lambda: dist.recv(h, peer, group=self.group), False, peer=peer,
                   then=self._back(t, h))
         return t
 
     def isend(self, t: torch.Tensor, dst: int) -> Pending:
-        peer, h = self.ranks[dst], self._host(t.contiguous())
+        peer, h = self.ranks[dst], self._on_wire(t.contiguous())
         return self._run("send", t, lambda: dist.isend(h, peer, group=self.group), True,
                          peer=peer)
 
     def irecv(self, t: torch.Tensor, src: int) -> Pending:
-        peer, h = self.ranks[src], self._host(t)
+        peer, h = self.ranks[src], self._on_wire(t)
         return self._run("recv", t, lambda: dist.irecv(h, peer, group=self.group), True,
                          peer=peer, then=self._back(t, h))

@@ -379,6 +379,9 @@ class MoE(nn.Module):
         # an expert takes each token of a sequence at most once: seq_len slots are all
         return min(seq_len, math.ceil(self.capacity_factor * self.k * seq_len / self.n_expert))
 
+    # The kept tokens per expert are data: every step a new shape. A compiled block
+    # (``parallel/compile.py``) would recompile for each, so this layer stays eager.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         logits = self.router(x)
