@@ -36,21 +36,14 @@ from minipar.theory import clusters  # noqa: E402
 from minipar.theory.planner import Layout, evaluate, plan  # noqa: E402
 
 MODELS = {"gpt-1.3b": 32, "gpt-6.7b": 32, "gpt-13b": 16}  # global batch (sequences)
-# The covering rows of the big models take a smaller global batch: what a rank holds
-# depends on the micro-batch size and the micro-batches in flight, not on how many a
-# step has (8 fill pp 4's warm-up, interleaved v 2 included), and a step is 2-4x shorter.
-COVERING_BATCH = 8
-# Seconds a row costs beyond its steps (spawn, build, the first step's warm-up), and
-# how much slower than the planner's step a tensor-parallel one ran (h1-h8: 1.2-1.7x).
-ROW_OVERHEAD_S, TP_SLOWER = 22.0, 1.7
 
 
 def covering(model: str, n: int) -> list[dict]:
-    """Hand-picked layouts that isolate each term of the memory model: every ZeRO stage,
-    tp with and without sp, cp 2, pp n with each schedule, offload, recompute."""
-    if model == "gpt-1.3b":
-        rows = [dict(dp=n, zero=3, recompute="full", b=8),
-                dict(dp=n, zero=3, recompute="selective", b=4)]
+    """Hand-picked layouts that isolate each term of the memory model."""
+    big = model != "gpt-1.3b"
+    rows = [dict(dp=n, zero=3, recompute="full", b=4 if big else 8),
+            dict(dp=n, zero=3, recompute="selective", b=2 if big else 4)]
+    if not big:
         rows += [dict(dp=n, zero=z, b=2) for z in (0, 1, 2, 3)]
         rows += [dict(tp=n, sp=True, b=4), dict(tp=n, b=4, recompute="selective"),
                  dict(dp=n // 2, cp=2, zero=1, b=4),
@@ -58,31 +51,10 @@ def covering(model: str, n: int) -> list[dict]:
         rows += [dict(pp=n, schedule=s, b=2, m=8) for s in ("gpipe", "1f1b", "zb")]
         rows += [dict(pp=n, schedule="interleaved", virtual=2, b=2, m=8)]
         rows += [dict(pp=2, dp=n // 2, zero=1, schedule="1f1b", b=2, m=4)]
-        return rows
-    small = dict(batch=COVERING_BATCH)
-    rows = [dict(dp=n, zero=3, recompute="full", b=4),
-            dict(dp=n, zero=3, recompute="selective", b=2)]
-    # (tp's steps are the slowest: half the batch, 2 micro-batches, holds the same)
-    rows += [dict(tp=n, b=2, batch=COVERING_BATCH // 2),
-             dict(tp=n, sp=True, b=2, batch=COVERING_BATCH // 2)]
-    rows += [dict(dp=n // 2, cp=2, zero=3, b=1 if model == "gpt-13b" else 2, **small)]
-    # gpt-13b's quarter fits only without its 16-bit copy and gradient sum: ZeRO-3 over
-    # dp 1 with full recompute (the planner's top 5 has these shapes); ZeRO-3 refuses
-    # ZB's deferred weight gradients, so ZB runs ZeRO-0 (predicted not to fit)
-    big = dict(zero=3, recompute="full", **small) if model == "gpt-13b" else small
-    rows += [dict(pp=n, schedule=s, b=1, **(big if s != "zb" else small),
-                  **({"virtual": 2} if s == "interleaved" else {}))
-             for s in ("1f1b", "interleaved", "zb", "gpipe")]
-    # the host's AdamW steps 0.29e9 parameters/s per rank (docs/benchmarks.md, h7): a
-    # quarter of gpt-6.7b takes ~6 s, of gpt-13b ~11 s, so offload rows step 4 times
-    # (the peak is reached in the second), and come last
-    rows += [dict(dp=n, zero=3 if model == "gpt-13b" else 2, offload=True, b=1, steps=4,
-                  **small)]
     return rows
 
 
 def layout_of(spec: dict, n: int, batch: int) -> Layout:
-    batch = spec.get("batch", batch)
     tp, pp, cp = spec.get("tp", 1), spec.get("pp", 1), spec.get("cp", 1)
     dp = spec.get("dp", n // (tp * pp * cp))
     b = spec.get("b", 1)
@@ -92,13 +64,6 @@ def layout_of(spec: dict, n: int, batch: int) -> Layout:
                   virtual=spec.get("virtual", 1), sp=spec.get("sp", False),
                   recompute=spec.get("recompute", "none"), cp=cp,
                   offload=spec.get("offload", False))
-
-
-def estimate_s(lay: Layout, steps: int) -> float:
-    """Seconds a row should take: its overhead and its steps at the planner's pace (a
-    layout predicted not to fit stops in its first step)."""
-    step = lay.step_time * (TP_SLOWER if lay.tp > 1 else 1.0)
-    return ROW_OVERHEAD_S + (steps if lay.fits else 1) * step
 
 
 def run_one(flags: list[str], steps: int, timeout: float, backend: str) -> dict:
@@ -142,15 +107,13 @@ def main() -> int:
     ap.add_argument("--match", default="", help="covering rows whose label has this regex")
     ap.add_argument("--skip-recorded", action="store_true",
                     help="skip commands that benchmarks/results/card-memory-*.json ran")
-    ap.add_argument("--list", action="store_true",
-                    help="print the rows to run, each with its estimate, and run none")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "card_memory.json")
     cuda = args.device == "cuda"
     backend = "nccl" if cuda else "gloo"
     meta = {"argv": sys.argv, "gpus": args.gpus}
-    if cuda and not args.list:
+    if cuda:
         import torch
         meta.update(torch=torch.__version__, device=torch.cuda.get_device_name(0),
                     capacity=torch.cuda.get_device_properties(0).total_memory)
@@ -162,15 +125,13 @@ def main() -> int:
         with open(args.calibration) as f:
             where["calibrated"] = clusters.calibrated(preset, json.load(f))
     seen: set = set()
-    if args.skip_recorded:  # (model, flags) of every recorded run that finished or ran
-        # out of memory
+    if args.skip_recorded:  # (model, flags) of every recorded run that finished
         results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
         for name in sorted(os.listdir(results)):
             if name.startswith("card-memory-") and name.endswith(".json"):
                 with open(os.path.join(results, name)) as f:
                     seen |= {(r["model"], tuple(r["command"].split()[4:-2]))
-                             for r in json.load(f)["rows"]
-                             if r.get("status") == "ok" or r.get("oom")}
+                             for r in json.load(f)["rows"] if r.get("status") == "ok"}
     todo: list[tuple[str, str, int, Layout, dict]] = []
     for model in args.models.split(","):
         batch = MODELS.get(model, 4 * args.gpus)
@@ -180,40 +141,24 @@ def main() -> int:
                     todo.append((model, f"{name} #{rank + 1}", batch, lay, {}))
         if "covering" in args.sections:
             for spec in covering(model, args.gpus):
-                rows_batch = spec.get("batch", batch)
                 try:
                     lay = layout_of(spec, args.gpus, batch)
                     lay = evaluate(model, preset, lay.tp, lay.pp, lay.dp, lay.zero,
-                                   lay.microbatch_size, rows_batch, lay.schedule,
-                                   lay.virtual, lay.sp, lay.recompute, cp=lay.cp,
-                                   offload=lay.offload)
+                                   lay.microbatch_size, batch, lay.schedule, lay.virtual,
+                                   lay.sp, lay.recompute, cp=lay.cp, offload=lay.offload)
                 except ValueError as e:
                     report["rows"].append({"model": model, "source": "covering",
                                            "status": "invalid", "error": str(e)})
                     continue
                 if re.search(args.match, lay.label()):
-                    todo.append((model, "covering", rows_batch, lay, spec))
-    todo.sort(key=lambda row: row[4].get("offload", False))  # the slow host steps last
-    planned = [(row, min(args.steps, row[4].get("steps", args.steps))) for row in todo
-               if (row[0], tuple(row[3].train_flags(row[0], row[2]))) not in seen]
-    report["meta"]["estimate_s"] = round(sum(estimate_s(r[3], k) for r, k in planned))
-    print(f"{len(planned)} rows to run (of {len(todo)}), estimated "
-          f"{report['meta']['estimate_s']} s at the planner's pace", flush=True)
-    if args.list:
-        for (model, source, _, lay, _), steps in planned:
-            print(f"  {model:<9} {source:<12} {lay.label():<62} fits {lay.fits!s:<5} "
-                  f"{steps:>2} steps {estimate_s(lay, steps):5.0f} s")
-        return 0
-    for model, source, batch, lay, spec in todo:
+                    todo.append((model, "covering", batch, lay, spec))
+    for model, source, batch, lay, _ in todo:
         flags = lay.train_flags(model, batch)
-        steps = min(args.steps, spec.get("steps", args.steps))
         key = (model, tuple(flags))
         dup = key in seen
         seen.add(key)
         rec = {"model": model, "source": source, "label": lay.label(),
-               "planned_bytes": lay.memory.get("total"), "planned_step_s": lay.step_time,
-               "planned_reserved": lay.memory.get("reserved"), "steps": steps,
-               "estimate_s": round(estimate_s(lay, steps), 1)}
+               "planned_bytes": lay.memory.get("total"), "planned_step_s": lay.step_time}
         if dup:
             rec["status"] = "duplicate"
         elif time.monotonic() - t0 > args.budget_s - 20:
@@ -221,7 +166,7 @@ def main() -> int:
         else:
             left = args.budget_s - (time.monotonic() - t0)
             try:
-                rec.update(run_one(flags, steps, max(30.0, min(240.0, left)), backend))
+                rec.update(run_one(flags, args.steps, max(30.0, min(240.0, left)), backend))
             except subprocess.TimeoutExpired:
                 rec.update(status="timeout")
         report["rows"].append(rec)

@@ -386,7 +386,7 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
                             recompute_layers=c["recompute_layers"],
                             stages=None if stage is None else [stage])
     device = device or device_for(cfg).type
-    return max(card_bytes(r, c["zero"], device, c["pp"], c["schedule"])["process"] for r in rows)
+    return max(card_bytes(r, c["zero"], device, c["pp"])["process"] for r in rows)
 
 
 def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:

@@ -48,7 +48,6 @@ from minipar.theory.models import get_model
 from minipar.theory.offload import zero_offload_memory
 from minipar.theory.params import (
     check_divisible,
-    layer_params,
     stage_expert_params,
     stage_layers,
     stage_moe_layers,
@@ -362,18 +361,15 @@ CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
 # do not fit each other), fitted by least squares to the rows below 74 GiB (near the
 # card's capacity the allocator frees its cache and retries) as factor x live peak +
 # bytes, plus, for ZeRO 0-2, a share of the gradient buffer: ZeRO-1 frees and remakes
-# its full-size fp32 sum's neighbours every step, and a pipeline whose forwards run while
-# that sum is held (1F1B, interleaved, ZB; not GPipe, whose forwards all come first)
-# interleaves it with its micro-batches' activations, each leaving blocks of the
-# buffer's sizes cached. ZeRO-3's per-unit gathers and frees fragment it the most
-# (its gathered units themselves are live tensors: ``zero3_unit_bytes``).
-RESERVE_FIT = {0: (1.06, 0.31 * 2**30), 1: (1.06, 0.31 * 2**30), 2: (1.06, 0.31 * 2**30),
-               3: (1.10, 0.46 * 2**30)}
-RESERVE_GRAD_SHARE = {"zero1": 0.31, "pipeline": 0.46}
-# The headroom a plan keeps on top of that (share of the card): above the largest
-# under-prediction measured there (6.0%: gpt-1.3b dp 4 ZeRO-3 full recompute, and tp 2
-# dp 2 ZeRO-3 with sp, its reserve 18% over the live tensors), so that no layout the
-# model lets through runs out of memory.
+# its full-size fp32 sum's neighbours every step, and a pipeline interleaves that sum
+# with its micro-batches' activations, each leaving blocks of the buffer's sizes cached.
+# ZeRO-3's per-layer gathers and frees fragment it the most.
+RESERVE_FIT = {0: (1.04, 0.71 * 2**30), 1: (1.04, 0.71 * 2**30), 2: (1.04, 0.71 * 2**30),
+               3: (1.10, 1.75 * 2**30)}
+RESERVE_GRAD_SHARE = {"zero1": 0.44, "pipeline": 0.42}
+# The headroom a plan keeps on top of that (share of the card): the largest
+# under-prediction measured there (tp 2 dp 2 ZeRO-3 with sp: 7%, its reserve 17% over the
+# live tensors), so that no layout the model lets through runs out of memory.
 MEMORY_MARGIN = 0.07
 
 
@@ -387,34 +383,17 @@ def optimizer_step_bytes(n: int, parts: int, zero: int, dtype: str = "bf16",
     return (sharded(n, parts, experts, ep) if zero >= 1 else n) * 4
 
 
-def zero3_unit_bytes(cfg: GPTConfig | str, tp: int = 1, first: bool = True,
-                     last: bool = True, dtype: str = "bf16", grad_dtype: str = "fp32") -> int:
-    """What ZeRO-3 holds beyond its shards while a unit's backward runs
-    (``parallel.zero.stage3``): the unit gathered in the compute dtype, the neighbour its
-    prefetch gathers meanwhile, and the unit's gradient sum in ``grad_dtype`` until it is
-    reduce-scattered. A unit is a block, or (on the first and last stage) the embedding
-    or the head, each registered by its own module; the largest counts, its tp share."""
-    cfg = get_model(cfg)
-    unit = max([layer_params(cfg)] + [cfg.vocab_size * cfg.d_model] * (first or last)) / tp
-    pw = state_bytes(dtype)[0]
-    return int(unit * (2 * pw + (4 if grad_dtype == "fp32" or pw == 4 else 2)))
-
-
-def card_bytes(row: dict, zero: int, device: str = "cuda", pp: int = 1,
-               schedule: str = "1f1b") -> dict[str, int]:
+def card_bytes(row: dict, zero: int, device: str = "cuda", pp: int = 1) -> dict[str, int]:
     """From a stage's live-tensor peak (``row["total"]``, its gradients ``row["grads"]``)
     to what the card must hold: ``reserved`` (the caching allocator's peak reserve) and
     ``process`` (``reserved`` plus the runtime outside the allocator). On the CPU the
-    allocator keeps no reserve and the runtime is the interpreter's and torch's. The
-    pipeline's share of the gradient buffer (``RESERVE_GRAD_SHARE``) is for schedules
-    whose forwards run while the sum is held; GPipe's run before its first backward."""
+    allocator keeps no reserve and the runtime is the interpreter's and torch's."""
     if device != "cuda":
         return {"reserved": row["total"], "process": row["total"] + 300 * 2**20}
     factor, extra = RESERVE_FIT[zero]
     if zero < 3:
         share = ((RESERVE_GRAD_SHARE["zero1"] if zero == 1 else 0.0)
-                 + (RESERVE_GRAD_SHARE["pipeline"] if pp > 1 and schedule != "gpipe"
-                    else 0.0))
+                 + (RESERVE_GRAD_SHARE["pipeline"] if pp > 1 else 0.0))
         extra += share * row.get("grads", 0)
     reserved = int(row["total"] * factor + extra)
     return {"reserved": reserved, "process": reserved + CUDA_RUNTIME_BYTES}
@@ -505,10 +484,8 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             held = max(both) if zero != 1 and microbatches == 1 else sum(both)
             moe = moe_layer_activations(cfg, microbatch_size, recompute, dtype, ep, tp)
             row["moe_dispatch"] = int(moe.get("dispatch", 0))
-            row["zero3_units"] = zero3_unit_bytes(cfg, tp, s == 0, s == pp - 1, dtype,
-                                                  grad_dtype) if zero == 3 else 0
             backward = (row["params"] + row["optimizer"] + held + row["loss_workspace"]
-                        + row["moe_dispatch"] + row["zero3_units"])
+                        + row["moe_dispatch"])
             # the step: states, the reduced gradients and the optimizer's temporary
             row["optimizer_step"] = 0 if offload else optimizer_step_bytes(
                 n, dp * cp, zero, dtype, optimizer, ne, ep)
@@ -535,9 +512,8 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     With ``params=N`` and no config: model states only, N / (pp * tp) per rank.
     The most loaded stage is the first (most micro-batches in flight, the embedding)
     or the last (the head and its logits); middle stages hold no more than the first.
-    Not counted: temporary buffers (communication buckets; ZeRO-3's gathered units
-    only with ``accounting="fused"``), the CUDA context and allocator fragmentation
-    (``card_bytes``); keep a margin for them.
+    Not counted: temporary buffers (ZeRO-3's gathered layer, communication buckets),
+    the CUDA context and allocator fragmentation; keep a margin for them.
     """
     rows = memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
                             microbatches, schedule, sp, recompute, params=params,

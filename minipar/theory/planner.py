@@ -220,7 +220,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
                                accounting=accounting, offload=offload, head_layers=head_layers,
                                ep=ep, stages=sorted({0, pp - 1}), **common),
               key=lambda r: r["total"])
-    mem.update(card_bytes(mem, zero, "cuda", pp, schedule))
+    mem.update(card_bytes(mem, zero, "cuda", pp))
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, ep=ep, **common)
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
