@@ -29,8 +29,12 @@ after every row; one row failing records its error and the run goes on; rows pas
 
 The default run stops starting rows after ``--budget-s`` 420 s (about 7.5 min in all on
 4 x H100): the last section may be skipped; ``--sections peer,speed1`` runs it alone.
-ZeRO-3 gathers the weights in bf16: float8 all-gathers are not implemented (the rows'
-``comm_wire_bytes_per_step`` show the same bytes for bf16 and float8).
+With ``--fp8 tensorwise`` ZeRO-3 gathers the blocks' linear weights as float8 bytes
+(``minipar/parallel/zero/gather.py``; rowwise ones in bf16, as torchao does): each speed
+row has the counted ``comm_wire_bytes_per_step`` and ``theory.comm_volume``'s
+``predicted_all_gather_wire_bytes_per_step``; each float8 row ``wire_bytes_saved_vs_bf16``
+(counted) beside ``predicted_wire_bytes_saved_vs_bf16`` (the all-gathers' float8 bytes
+less the amax all-reduce): they agree for tensorwise, and are 0 for rowwise.
 
     export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         NVSHMEM_DISABLE_NVLS=1
@@ -56,6 +60,7 @@ import torch  # noqa: E402
 from gpu import DATASHEET_TFLOPS, RandomTokens, _timed  # noqa: E402
 
 from minipar.model import get_config  # noqa: E402
+from minipar.theory.comm_volume import comm_volume  # noqa: E402
 from minipar.theory.params import model_flops_per_token  # noqa: E402
 
 SECTIONS = ("kernel", "speed", "loss", "peer", "speed1")
@@ -188,10 +193,20 @@ def _measure(run: multigpu.Run, spec: dict, cap: float) -> dict:
     return row
 
 
+def _predicted_dp(model: str, recipe: str | None, layout: dict) -> tuple[int, int]:
+    """theory.comm_volume's wire bytes per step under dp: (all-gathers, all-reduces)."""
+    vol = comm_volume(model, dp=layout.get("dp", 1), zero=layout.get("zero", 0),
+                      dtype="bf16", microbatches=layout.get("microbatches", 1),
+                      fp8=recipe).get("dp", {})
+    return tuple(vol.get(op, {}).get("wire_bytes", 0) for op in ("all_gather", "all_reduce"))
+
+
 def _speed_rows(run: multigpu.Run, state: dict, section: str, model: str, world: int,
                 batch: int, **layout) -> None:
     base = None
+    base_gather = _predicted_dp(model, None, layout)[0]
     for recipe in RECIPES:
+        gather, amax = _predicted_dp(model, recipe, layout)
         spec = multigpu.minipar_spec(run, model, world, batch, fp8=recipe, **layout,
                                      fp8_emulate=recipe is not None and not run.cuda)
         spec["grad_e4m3"] = recipe == "rowwise" and state.get("grad_e4m3", False)
@@ -199,11 +214,19 @@ def _speed_rows(run: multigpu.Run, state: dict, section: str, model: str, world:
             f"{k}={v}" for k, v in layout.items())
         cap = 300 if "13b" in model else 180
 
-        def go(spec=spec, base=base, cap=cap) -> dict:
+        def go(spec=spec, base=base, cap=cap, gather=gather, amax=amax) -> dict:
             row = _measure(run, spec, cap)
+            row["predicted_all_gather_wire_bytes_per_step"] = gather
+            row["brief"] += f", dp wire {row['comm_wire_bytes_per_step'] / 1e9:.3g} GB/step"
             if base is not None:
                 row["speedup_vs_bf16"] = row["tokens_per_s"] / base["tokens_per_s"]
-                row["brief"] += f", {row['speedup_vs_bf16']:.2f}x bf16"
+                row["wire_bytes_saved_vs_bf16"] = (base["comm_wire_bytes_per_step"]
+                                                   - row["comm_wire_bytes_per_step"])
+                row["predicted_wire_bytes_saved_vs_bf16"] = base_gather - gather - amax
+                saved, want = (row[k] / 1e9 for k in ("wire_bytes_saved_vs_bf16",
+                                                       "predicted_wire_bytes_saved_vs_bf16"))
+                row["brief"] += (f" ({saved:.3g} GB less, predicted {want:.3g}), "
+                                 f"{row['speedup_vs_bf16']:.2f}x bf16")
             return row
 
         rec = run.row(section, name, go, fp8=recipe, grad_e4m3=spec["grad_e4m3"],

@@ -59,7 +59,7 @@ from minipar.parallel.ep import (
     expert_values,
     split_experts,
 )
-from minipar.parallel.fp8 import apply_fp8
+from minipar.parallel.fp8 import apply_fp8, float8_weights
 from minipar.parallel.materialize import init_values
 from minipar.parallel.pp import (
     PipelineExecutor,
@@ -74,6 +74,7 @@ from minipar.parallel.schedules import make_schedule
 from minipar.parallel.tp import apply_tensor_parallel, tp_shard_dim
 from minipar.parallel.wgrad_fusion import fuse_weight_gradients
 from minipar.parallel.zero import GradientSync, OnHost, Zero3, ZeroOptimizer
+from minipar.parallel.zero.gather import Float8Weights
 from minipar.parallel.zero.shards import global_grad_norm
 from minipar.reshard import ShardReader, load_optimizer_state
 
@@ -215,10 +216,15 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     # reason); bf16 halves the buffers and the adds, as torch's peers sum .grad
     grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
     if cfg.zero == 3:
+        # --fp8 tensorwise: the float8 linears' weights are gathered in float8, already
+        # cast (parallel/zero/gather.py); rowwise ones in the compute dtype, as torchao
+        matmuls = float8_weights(model) if cfg.fp8 == "tensorwise" else {}
+
         def zero3(comm, place, names=None):
             return Zero3(model, comm, units=units, param_dtype=torch.bfloat16 if bf16 else None,
                          shared=shared, average=False, materialize=materialize,
-                         place=place, grad_dtype=grad_dtype, only=names)
+                         place=place, grad_dtype=grad_dtype, only=names,
+                         gather=Float8Weights(matmuls) if matmuls else None)
         if cfg.ep > 1:  # two wrappers of the model: dense weights over dp x cp, experts
             dense, experts = split_experts(model)  # over their replicas (each its host)
             sync = ExpertDataParallel(zero3(rm.dp_cp, offload, dense),

@@ -18,6 +18,13 @@ scaled along which axis, divided back by which scale, and reduced over which gro
   (6% apart), and AdamW amplifies it. Worst measured over dp 2 (ZeRO 0-3), tp 2, dp 2 x
   tp 2 (recompute), pp 2, both recipes, AdamW and plain SGD, 5 steps of ``tiny``:
   loss 6.1e-4, grad-norm 9.9e-3 (relative), parameters 4.2e-3; ``FP8`` is about 3x that.
+* ZeRO-3 with tensorwise float8 gathers its linears' weights as e4m3 bytes
+  (``zero/gather.py``) cast with the whole weight's scale: the gathered bytes and scales
+  are one device's, bit for bit; the layouts match one process as above (measured, 3-4
+  steps: dp 2 and dp 4, SGD and AdamW, fp32 and bf16: loss 1.9e-4, grad-norm 2.3e-3,
+  parameters 3.9e-3, first step 3.3e-6 at most). A shard's own amax (the mutation) fails:
+  first step 4.3e-3. The counted all-gather bytes are the theory's, the float8 weights'
+  half of bf16's.
 * Tensor-parallel linears against one device, on data spanning more than e4m3's
   range; mutations (an amax not reduced over tp, a weight gradient 2x) fail the checks.
 """
@@ -33,13 +40,23 @@ import pytest
 import torch
 from torch import nn
 
+from minipar.comm import Comm
 from minipar.config import TrainConfig, validate
 from minipar.engine import train
 from minipar.launch import launch
 from minipar.model import GPT
 from minipar.parallel import fp8
-from minipar.parallel.fp8 import RECIPES, Float8Linear, Float8Matmul, apply_fp8, scale_for
+from minipar.parallel.fp8 import (
+    RECIPES,
+    Float8Linear,
+    Float8Matmul,
+    apply_fp8,
+    float8_weights,
+    scale_for,
+)
+from minipar.parallel.zero import Zero3, gather
 from minipar.parity import Tolerance, compare, final_parameters
+from minipar.theory.comm_volume import comm_volume, float8_gathered
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = Tolerance(loss=2e-3, grad_rel=3e-2, param=1.3e-2)
@@ -151,10 +168,11 @@ def _parity(cfg: TrainConfig):
 @pytest.mark.parametrize("layout", [
     dict(dp=2, zero=1, fp8="rowwise"),
     dict(dp=2, zero=3, fp8="tensorwise", **SGD),
+    dict(dp=4, zero=3, fp8="tensorwise", dtype="bf16"),
     dict(tp=2, fp8="rowwise", **SGD),
     dict(dp=2, tp=2, fp8="tensorwise", recompute="full")],
-    ids=["dp2 zero1 rowwise", "dp2 zero3 tensorwise sgd", "tp2 rowwise sgd",
-         "dp2 tp2 tensorwise recompute"])
+    ids=["dp2 zero1 rowwise", "dp2 zero3 tensorwise sgd", "dp4 zero3 tensorwise bf16",
+         "tp2 rowwise sgd", "dp2 tp2 tensorwise recompute"])
 def test_layouts_match_one_process(layout: dict) -> None:
     parity, first = _parity(TrainConfig(steps=4, timeout=240, fp8_emulate=True, **layout))
     assert first <= FIRST_STEP, f"first step: {first:.2e}"
@@ -233,6 +251,83 @@ def test_a_doubled_weight_gradient_fails(monkeypatch) -> None:
                      params, ref_params)
     assert not broken.ok(FP8), f"a doubled weight gradient passed: {broken.describe()}"
     assert broken.grad_ratios[0] > 1.2
+
+
+class _NoGroup:
+    """A group of one: the mutation's amax all-reduce does nothing."""
+    size = 1
+
+    def all_reduce(self, t, op="sum"):
+        return None
+
+
+def _local_amax(monkeypatch) -> None:
+    """Mutation: each rank scales its shard of a weight by the shard's own amax."""
+    original = gather.Float8Weights._rescale
+    monkeypatch.setattr(gather.Float8Weights, "_rescale",
+                        lambda self, comm: original(self, _NoGroup()))
+
+
+def _gathered_weights(dp: int) -> int:
+    """(Rank function.) Tiny's float8 linears under ZeRO-3 with float8 gathers against one
+    device's cast of the same weights: how many weights differ in a bit or their scale.
+    Half of one weight is scaled 1000x, so the shards' amaxes are far apart."""
+    model = GPT("tiny", seed=0)
+    with torch.no_grad():
+        model.blocks[1].mlp.fc.weight[:64] *= 1000.0
+    apply_fp8([model], "tensorwise", emulate=True)
+    matmuls = float8_weights(model)
+    weights = dict(model.named_parameters())
+    want = {n: m.quantize(weights[n].detach(), ("out", "in"), torch.float8_e4m3fn)
+            for n, m in matmuls.items()}
+    zero = Zero3(model, Comm(), gather=gather.Float8Weights(matmuls))
+    assert zero.comm.size == dp and len(matmuls) == 4 * model.cfg.n_layer
+    with zero.gathered():
+        return sum(not (torch.equal(m.weight8.data.view(torch.uint8),
+                                    want[n].data.view(torch.uint8))
+                        and torch.equal(m.weight8.scale, want[n].scale))
+                   for n, m in matmuls.items())
+
+
+def test_zero3_gathers_one_devices_float8_weights(monkeypatch) -> None:
+    for dp in (2, 4):
+        assert launch(_gathered_weights, dp, args=(dp,), timeout=120) == [0] * dp
+    _local_amax(monkeypatch)  # (the ranks are forked: they inherit the mutation)
+    assert max(launch(_gathered_weights, 2, args=(2,), timeout=120)) > 0
+
+
+def test_a_shard_local_scale_fails_the_parity_check(monkeypatch) -> None:
+    cfg = TrainConfig(steps=3, timeout=240, dp=2, zero=3, fp8="tensorwise",
+                      fp8_emulate=True, **SGD)
+    ref, ref_params = _run(_one_process(cfg))
+    _local_amax(monkeypatch)
+    run, params = _run(cfg)
+    broken = compare(run, {"losses": ref["losses"], "grad_norms": ref["ranks"][0]["grad_norms"]},
+                     params, ref_params)
+    assert abs(run["losses"][0] - ref["losses"][0]) > FIRST_STEP  # measured 4.3e-3
+    assert not broken.ok(FP8), f"a shard-local scale passed: {broken.describe()}"
+
+
+def test_zero3_float8_gathers_move_the_predicted_bytes() -> None:
+    """Per step, counted under dp: the all-gathers carry what ``theory.comm_volume``
+    predicts, bf16 or float8; float8 sends the float8 weights' bytes once instead of
+    twice, adds one all-reduce of 4 bytes per weight (the amaxes), and leaves the
+    gradients' reduce-scatters alone. Rowwise weights are gathered in bf16."""
+    steps, dp = 2, 2
+    counted = {}
+    for recipe in (None, "tensorwise", "rowwise"):
+        run = train(TrainConfig(steps=steps, dp=dp, zero=3, dtype="bf16", fp8=recipe,
+                                fp8_emulate=recipe is not None, timeout=240))
+        counted[recipe] = {op: {k: v // steps for k, v in x.items() if k != "seconds"}
+                           for op, x in run["ranks"][0]["comm"]["dp"].items()}
+        want = comm_volume("tiny", dp=dp, zero=3, dtype="bf16", fp8=recipe)["dp"]
+        assert counted[recipe]["all_gather"]["bytes"] == want["all_gather"]["bytes"], recipe
+    bf16, f8 = counted[None], counted["tensorwise"]
+    elements, matrices = float8_gathered("tiny")
+    assert bf16["all_gather"]["bytes"] - f8["all_gather"]["bytes"] == 2 * elements  # fwd, bwd
+    assert f8["all_reduce"]["bytes"] - bf16["all_reduce"]["bytes"] == 4 * matrices
+    assert f8["reduce_scatter"]["bytes"] == bf16["reduce_scatter"]["bytes"]
+    assert counted["rowwise"]["all_gather"] == bf16["all_gather"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -11,8 +11,10 @@ call over the whole tensor ("tensorwise") or per row ("rowwise": small rows keep
 range beside an outlier row). All three GEMMs run in float8, each as A B^T with both
 scaled along the contraction: y = x W^T, dx = dy (W^T)^T, dW = dy^T (x^T)^T.
 Tensor parallelism: an amax over a tp-split dimension is all-reduced (max), so every
-layout quantises as one device (TransformerEngine reduces amax over tp too). CPUs have
-no float8 GEMM: ``emulate`` makes the same casts and multiplies in fp32 (the tests).
+layout quantises as one device (TransformerEngine reduces amax over tp too). ZeRO-3
+may hand a linear its weight already in float8 (``weight8``: ``zero/gather.py`` gathers
+it so, tensorwise). CPUs have no float8 GEMM: ``emulate`` makes the same casts and
+multiplies in fp32 (the tests).
 """
 
 from __future__ import annotations
@@ -43,15 +45,23 @@ def scale_for(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(room)))
 
 
+def to_float8(t: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """fp8(t * scale), multiplied in ``t``'s dtype (exact: a power of two)."""
+    return (t * scale.to(t.dtype)).to(fmt)
+
+
 class Float8Matmul:
     """y = x W^T (+ b) with every GEMM in float8. ``comm``/``split``: the tp group and the
-    feature ("in" or "out") it splits, whose amaxes are all-reduced over the group."""
+    feature ("in" or "out") it splits, whose amaxes are all-reduced over the group.
+    ``weight8``: the weight already quantised (tensorwise), set by whoever delivers it in
+    float8 (ZeRO-3's gathers); None: the weight is cast at each use."""
 
     def __init__(self, recipe: str = "rowwise", emulate: bool = False,
                  comm: Comm | None = None, split: str | None = None) -> None:
         if recipe not in RECIPES:
             raise ValueError(f"fp8 recipe must be one of {RECIPES}, got {recipe!r}")
         self.recipe, self.emulate, self.comm, self.split = recipe, emulate, comm, split
+        self.weight8: Scaled | None = None
 
     def quantize(self, t: torch.Tensor, dims: tuple[str, str], fmt: torch.dtype) -> Scaled:
         """Row-major float8 copy of 2-d ``t`` (dims named: "tokens", "in", "out"),
@@ -62,7 +72,17 @@ class Float8Matmul:
         if self.comm is not None and self.split in (dims[1:] if rowwise else dims):
             self.comm.all_reduce(amax, op="max")  # the whole feature's amax, as one device
         scale = scale_for(amax, fmt)
-        return Scaled((t * scale.to(t.dtype)).to(fmt).contiguous(), scale)
+        return Scaled(to_float8(t, scale, fmt).contiguous(), scale)
+
+    def weight_operand(self, weight: torch.Tensor, transposed: bool = False) -> Scaled:
+        """W [out, in] (``transposed``: W^T [in, out], the dx GEMM's) in e4m3: ``weight8``
+        where the weight arrived in float8 (one tensorwise scale serves W and W^T alike),
+        else cast from ``weight`` here."""
+        if self.weight8 is None:
+            return self.quantize(weight.t() if transposed else weight,
+                                 ("in", "out") if transposed else ("out", "in"), E4M3)
+        w8 = self.weight8
+        return Scaled(w8.data.t().contiguous(), w8.scale) if transposed else w8
 
     def mm(self, a: Scaled, b: Scaled, out_dtype: torch.dtype,
            fast_accum: bool = False) -> torch.Tensor:
@@ -93,8 +113,8 @@ class _Float8Linear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, f8: Float8Matmul):
         ctx.save_for_backward(x, weight)
         ctx.f8 = f8
-        return f8.mm(f8.quantize(x, ("tokens", "in"), E4M3),
-                     f8.quantize(weight, ("out", "in"), E4M3), x.dtype, fast_accum=True)
+        return f8.mm(f8.quantize(x, ("tokens", "in"), E4M3), f8.weight_operand(weight),
+                     x.dtype, fast_accum=True)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -102,7 +122,7 @@ class _Float8Linear(torch.autograd.Function):
         f8, dx, dw = ctx.f8, None, None
         if wanted(ctx, 0):  # dx = dy W = dy (W^T)^T: contraction over "out"
             dx = f8.mm(f8.quantize(dy, ("tokens", "out"), E5M2),
-                       f8.quantize(weight.t(), ("in", "out"), E4M3), x.dtype)
+                       f8.weight_operand(weight, transposed=True), x.dtype)
         if wanted(ctx, 1):  # dW = dy^T x = dy^T (x^T)^T: contraction over the tokens
             dw = f8.mm(f8.quantize(dy.t(), ("out", "tokens"), E5M2),
                        f8.quantize(x.t(), ("in", "tokens"), E4M3), weight.dtype)
@@ -146,6 +166,17 @@ def apply_fp8(chunks: Iterable[nn.Module], recipe: str, emulate: bool = False) -
     return replaced
 
 
+def float8_weights(model: nn.Module) -> dict[str, Float8Matmul]:
+    """Name of every weight a ``Float8Matmul`` multiplies (in ``model.named_parameters``)
+    -> that matmul: a ``Float8Linear``'s or a tensor-parallel linear's local product."""
+    by_weight = {}
+    for m in model.modules():
+        f8 = getattr(m, "matmul", getattr(m, "linear", None))
+        if isinstance(f8, Float8Matmul):
+            by_weight[id(m.weight)] = f8
+    return {n: by_weight[id(p)] for n, p in model.named_parameters() if id(p) in by_weight}
+
+
 def fp8_supported(device: torch.device) -> bool:
     """Whether ``device`` multiplies in float8: a CUDA GPU of compute capability 8.9+."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -179,5 +210,5 @@ def check_fp8(recipe: str | None, emulate: bool, device: torch.device, dtype: st
                              f"{what} is {n}")
 
 
-__all__ = ["RECIPES", "Scaled", "scale_for", "Float8Matmul", "Float8Linear", "apply_fp8",
-           "fp8_supported", "check_fp8"]
+__all__ = ["RECIPES", "Scaled", "scale_for", "to_float8", "Float8Matmul", "Float8Linear",
+           "apply_fp8", "float8_weights", "fp8_supported", "check_fp8"]

@@ -17,7 +17,10 @@ micro-batches, e bytes per activation element):
   3(N-1)/N, 1.5x data parallel. Stages 2 and 3 keep only a shard of the gradient, so
   with m > 1 micro-batches they reduce-scatter after every micro-batch's backward, and
   stage 3 gathers the weights for every forward and backward (DeepSpeed and FSDP
-  without ``no_sync`` behave this way).
+  without ``no_sync`` behave this way). With ``--fp8 tensorwise`` stage 3 gathers the
+  blocks' linear weights as float8 bytes (``parallel/zero/gather.py``): 1 byte per
+  element instead of 2 (bf16), and once a step one all-reduce (max) of their amaxes,
+  4 bytes per weight matrix. (Float8's amax all-reduces over tp are not predicted.)
 * tp, tensor parallel (Shoeybi et al. 2019, Sec. 3): per layer two all-reduces of
   b*s*h in the forward (after attention and after the MLP) and two in the backward (the
   conjugate "f" operators at the qkv and fc inputs), plus one for the
@@ -57,7 +60,14 @@ from minipar.model import GPTConfig
 from minipar.theory.context import ring_bytes
 from minipar.theory.memory import _ALIASES, state_bytes
 from minipar.theory.models import get_model
-from minipar.theory.params import check_divisible, param_table, stage_layers, stage_params
+from minipar.theory.params import (
+    check_divisible,
+    layer_matmul_params,
+    param_table,
+    stage_layers,
+    stage_moe_layers,
+    stage_params,
+)
 
 
 def _add(out: dict, dim: str, op: str, calls: int, nbytes: int, n: int) -> None:
@@ -70,14 +80,30 @@ def _add(out: dict, dim: str, op: str, calls: int, nbytes: int, n: int) -> None:
     s["wire_bytes"] += calls * wire_bytes(op, nbytes, n)
 
 
+def float8_gathered(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
+                    virtual: int = 1) -> tuple[int, int]:
+    """(elements, weight matrices) of one rank's weights that ``--fp8`` multiplies in
+    float8: every block's linear weights (a dense block's four, tp-split; an MoE block's
+    attention two and its router, replicated over tp)."""
+    cfg = get_model(cfg)
+    h = cfg.d_model
+    layers = stage_layers(cfg.n_layer, pp, stage, virtual)
+    moe = stage_moe_layers(cfg, pp, stage, virtual) if cfg.n_expert else 0
+    dense = layers - moe
+    numel = dense * layer_matmul_params(cfg) // tp + moe * (4 * h * h // tp + h * cfg.n_expert)
+    return numel, 4 * dense + 3 * moe
+
+
 def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
-              microbatches: int = 1, dim: str = "dp") -> dict:
+              microbatches: int = 1, dim: str = "dp", float8: tuple[int, int] = (0, 0)
+              ) -> dict:
     """Data-parallel traffic of one rank holding ``n_params`` parameters (before ZeRO):
     an all-reduce of the gradients (stage 0), or reduce-scatter + all-gather (ZeRO
     paper, Sec. 7.2: the same 2 Psi per rank for stages 1 and 2, 3 Psi for stage 3).
     ``microbatches``: ZeRO-3 reduce-scatters (and gathers) every micro-batch; minipar's
     ZeRO-2 keeps each bucket whole until the last micro-batch's backward, then reduces
-    it once (``parallel/zero/optimizer.py``)."""
+    it once (``parallel/zero/optimizer.py``). ``float8``: (elements, matrices) of the
+    parameters ZeRO-3 gathers in float8 (``float8_gathered``)."""
     out: dict = defaultdict(lambda: defaultdict(lambda: {"calls": 0, "bytes": 0,
                                                          "wire_bytes": 0}))
     pw, pg, _ = state_bytes(dtype)
@@ -89,7 +115,11 @@ def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
         _add(out, dim, "all_gather", 1, padded * pw, dp)
     elif zero == 3:
         _add(out, dim, "reduce_scatter", microbatches, padded * pg, dp)
-        _add(out, dim, "all_gather", 2 * microbatches, padded * pw, dp)
+        f8, matrices = float8
+        rest = math.ceil((n_params - f8) / dp) * dp
+        gathered = rest * pw + math.ceil(f8 / dp) * dp  # float8: one byte an element
+        _add(out, dim, "all_gather", 2 * microbatches, gathered, dp)
+        _add(out, dim, "all_reduce", 1 if matrices else 0, 4 * matrices, dp)  # amaxes
     else:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
     return out
@@ -99,12 +129,14 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
                 zero: int = 0, dtype: str = "bf16", microbatch_size: int = 1,
                 microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
                 recompute: str = "none", *, virtual: int = 1, stage: int = 0,
-                cp: int = 1, ep: int = 1) -> dict[str, dict[str, dict[str, int]]]:
+                cp: int = 1, ep: int = 1, fp8: str | None = None
+                ) -> dict[str, dict[str, dict[str, int]]]:
     """Predicted ``CommLog.summary()`` of one rank of pipeline stage ``stage`` for one
     training step (``microbatches`` micro-batches of ``microbatch_size`` sequences).
     ``schedule`` does not change the bytes, only when they move. With ``ep`` a rank
     reduces E/ep experts (over dp / ep replicas: counted here with the dense part); the
-    all-to-all is ``theory.moe.all_to_all_bytes``."""
+    all-to-all is ``theory.moe.all_to_all_bytes``. ``fp8``: the ``--fp8`` recipe
+    (tensorwise: ZeRO-3's float8 gathers)."""
     cfg = get_model(cfg)
     check_divisible(cfg, tp)
     if sp and tp == 1:
@@ -116,8 +148,9 @@ def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
     first, last = stage == 0, stage == pp - 1
 
     # data parallel, for the parameters this rank holds
+    float8 = float8_gathered(cfg, pp, tp, stage, virtual) if fp8 == "tensorwise" else (0, 0)
     out = dp_volume(stage_params(cfg, pp, tp, stage, virtual, ep=ep), dp * cp, zero, dtype, m,
-                    "dp_cp" if cp > 1 else "dp")
+                    "dp_cp" if cp > 1 else "dp", float8)
 
     # tensor parallel, per micro-batch: collectives of b*s*h activations
     layers = stage_layers(cfg.n_layer, pp, stage, virtual)

@@ -10,7 +10,8 @@ of the optimizer state, gradients and weights; ZeRO-Offload (Ren et al. 2021, ar
 3. ``offload.py``: where the fp32 masters live and step, ``OnDevice`` or ``OnHost``;
 4. ``optimizer.py``: ``ZeroOptimizer``, stages 0 (data parallelism itself), 1 and 2
    (``param_gather.py``: its weight gathers hidden behind the next forward);
-5. ``units.py`` and ``stage3.py``: ``Zero3``, the weights sharded too;
+5. ``units.py`` and ``stage3.py``: ``Zero3``, the weights sharded too (``gather.py``:
+   what its all-gathers carry, the compute dtype or float8);
 6. ``protocol.py``: ``GradientSync``, what the training step asks of any of them.
 
 The names below are the package's public interface, imported from here.

@@ -29,6 +29,8 @@ device. Every rank runs the same units in the same order, through ``__call__``. 
 zero-bubble schedule's deferred W pass is refused (``config.validate``). ``place``
 (``offload.py``): the fp32 masters on the device, or on the host (ZeRO-Offload; the
 gathers then read a 16-bit device copy of the shard, refreshed after each step).
+``gather`` (``gather.py``): what the all-gathers carry, the compute dtype (default) or,
+for the weights of float8 linears, float8 bytes.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from torch.utils._pytree import tree_leaves
 from minipar.comm import Comm
 from minipar.meter import storage_bytes
 from minipar.parallel.zero.buckets import broadcast_module
+from minipar.parallel.zero.gather import Float8Weights, InComputeDtype
 from minipar.parallel.zero.offload import OnDevice, OnHost
 from minipar.parallel.zero.shards import FlatParams, Shards
 from minipar.parallel.zero.units import Unit, default_units, group_weights, who_gathers
@@ -67,7 +70,7 @@ class Zero3(nn.Module):
     broadcast, every rank computes the same values. ``place``: see above. ``only``: the
     names of the weights this wrapper shards over ``comm`` (default: every trainable
     one); the others are left to another wrapper of the same module over its own group
-    (``parallel/ep.py``: the experts over their replicas).
+    (``parallel/ep.py``: the experts over their replicas). ``gather``: see above.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, *,
@@ -78,10 +81,12 @@ class Zero3(nn.Module):
                  replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
                  max_inflight: int = 1, materialize=None,
-                 place: OnDevice | OnHost | None = None, only: Iterable[str] | None = None):
+                 place: OnDevice | OnHost | None = None, only: Iterable[str] | None = None,
+                 gather: InComputeDtype | Float8Weights | None = None):
         super().__init__()
         self.shards = Shards(comm or Comm(), place or OnDevice())
         self.comm, self.place = self.shards.comm, self.shards.place
+        self.gather = gather or InComputeDtype()
         self.module = module
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
         self.prefetch, self.average, self.max_inflight = prefetch, average, max_inflight
@@ -130,7 +135,9 @@ class Zero3(nn.Module):
         leaves: dict[int, torch.Tensor] = {}
         parts, rank = self.comm.size, self.comm.rank
         for (_, replicated), params in by_set.items():
-            groups = [[p for p in params if self._name_of[id(p)] not in shared]]
+            kinds = [self.gather.kind(self._name_of[id(p)]) for p in params]
+            groups = [[p for p, k in zip(params, kinds) if k == kind
+                       and self._name_of[id(p)] not in shared] for kind in dict.fromkeys(kinds)]
             groups += [[p] for p in params if self._name_of[id(p)] in shared]
             flats = []
             for group in filter(None, groups):
@@ -155,6 +162,7 @@ class Zero3(nn.Module):
                 f.master = self.place.keep(f.master)
                 if not replicated:
                     f.full.untyped_storage().resize_(0)  # gathered when used
+                    self.gather.adopt(f)
                 flats.append(f)
             self.units.append(Unit(triggers[id(params[0])], flats, replicated))
         for m, local, p in owners:  # swap each registered weight for its leaf
@@ -167,16 +175,7 @@ class Zero3(nn.Module):
     # --- gather just in time, free right after ------------------------------------------
     def _gather(self, u: Unit, async_op: bool = False) -> None:
         if u.state == "free":
-            u.pending = []
-            for f in u.flats:
-                f.full.untyped_storage().resize_(f.padded * f.full.element_size())
-                # this rank's slot of the gathered buffer is its shard in the compute
-                # dtype: cast it there and gather in place (OnDevice: no 16-bit shard
-                # kept; OnHost: the master is on the host, this reads its device copy)
-                own = f.full[f.lo:f.hi]
-                with torch.no_grad():
-                    own.copy_(f.shard)
-                u.pending.append(self.comm.all_gather_into(f.full, own, async_op=True))
+            u.pending = [self.gather.start(f, self.comm) for f in u.flats]
             u.state = "gathering"
             self.shards.held("params", 0, self._params_held)
         if u.state == "gathering" and not async_op:
@@ -188,14 +187,14 @@ class Zero3(nn.Module):
         if u.state != "free" and not u.replicated:
             self._gather(u)  # an in-flight gather must land before its buffer goes
             for f in u.flats:
-                f.full.untyped_storage().resize_(0)
+                self.gather.free(f)
             u.state = "free"
 
     def _params_held(self) -> list[torch.Tensor]:
         """Gathered buffers, and the shards the gathers read when they are in the compute
         dtype (an fp32 master of 16-bit weights counts as optimizer state)."""
-        return [f.full for f in self.flats] + [f.shard for f in self.flats
-                                               if f.shard.dtype == f.full.dtype]
+        return [t for f in self.flats for t in self.gather.held(f)] + [
+            f.shard for f in self.flats if f.shard.dtype == f.full.dtype]
 
     def _neighbour(self, module: nn.Module, step: int) -> list[Unit]:
         """Units of the next (step=1) or previous (-1) module in registration order."""
@@ -352,8 +351,10 @@ class Zero3(nn.Module):
     def publish(self) -> None:
         """The updated fp32 masters -> what the gathers read (``f.shard``): a replicated
         unit's weights; a sharded unit's master itself (OnDevice: nothing to do, cast
-        when next gathered) or its 16-bit device copy (OnHost)."""
+        when next gathered) or its 16-bit device copy (OnHost); float8 gathers take new
+        scales at their next gather."""
         self.place.publish([f.master for f in self.flats], [f.shard for f in self.flats])
+        self.gather.publish()
 
     def publish_after(self, optimizer: torch.optim.Optimizer):
         """Call ``publish`` after every ``optimizer.step()`` (torch step hooks; before
