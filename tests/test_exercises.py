@@ -229,8 +229,8 @@ def test_syllabus_map_cells_point_into_their_sections() -> None:
     text = tool.MAP.read_text()
     assert len(tool.references(text)) > 80
     assert tool.check(text) == []
-    ref = re.search(r"02 § 3 \(cells (\d+)–", text)  # a reference, moved out of § 3
-    assert ref and tool.check(text.replace(ref.group(0), "02 § 3 (cells 7–")) != []
+    ref = re.search(r"03 § 3 \(cells (\d+)–", text)  # a reference, moved out of § 3
+    assert ref and tool.check(text.replace(ref.group(0), "03 § 3 (cells 7–")) != []
 
 
 # --- the checker catches typical mistakes (mutants of the solution) ----------------

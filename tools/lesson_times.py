@@ -31,7 +31,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +80,8 @@ def _said(code: str) -> str:
 
 def activities(path: Path) -> dict:
     """What a learner meets in a lesson: words to read, questions, exercises."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from solutions.check import EXERCISES
 
     cells = _cells(path)
@@ -131,6 +132,14 @@ def _hours(total_min: int) -> str:
     return f"{total_min / 60:.1f}"
 
 
+def method() -> list[str]:
+    """The phrases by which the index states the rates above (checked there)."""
+    return [f"{PROSE_WPM} words a minute", f"its code at {CODE_WPM}",
+            f"{PREDICT_MIN} minutes per prediction", f"{FUNCTION_MIN} per function",
+            f"{LAB_MIN} per debugging lab", f"{DESIGN_MIN} per design puzzle",
+            f"rounded up to {ROUND_MIN} minutes"]
+
+
 def check(text: str | None = None) -> list[str]:
     """What the index states that the computation does not give (empty: all true)."""
     text = "".join(_cells(INDEX)[0]["source"]) if text is None else text
@@ -140,6 +149,9 @@ def check(text: str | None = None) -> list[str]:
                 for name, want in per.items() if stated.get(name) != want]
     problems += [f"{name}: in the index's table, not a lesson" for name in stated
                  if name not in per]
+    flat = " ".join(text.split())
+    problems += [f"the index does not say the method: {phrase!r}" for phrase in method()
+                 if phrase not in flat]
     m = TOTAL.search(text)
     if not m or m["h"] != _hours(total):
         problems.append(f"the total: the index states {m and m['h']} hours, "
@@ -158,15 +170,31 @@ def write() -> None:
     INDEX.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
 
 
+def cell_seconds(executed: dict) -> float:
+    """The seconds a notebook's cells ran, from the timings nbclient records in each
+    executed cell (``metadata.execution``): the kernel's start is not the learner's."""
+    from datetime import datetime
+
+    total = 0.0
+    for c in executed["cells"]:
+        times = c.get("metadata", {}).get("execution", {})
+        if "iopub.execute_input" in times and "shell.execute_reply" in times:
+            start, end = (datetime.fromisoformat(times[k].replace("Z", "+00:00"))
+                          for k in ("iopub.execute_input", "shell.execute_reply"))
+            total += (end - start).total_seconds()
+    return total
+
+
 def measure() -> None:
-    """Execute every notebook (the index too) one after another; keep the seconds."""
+    """Execute every notebook (the index too) one after another; keep each one's cell
+    seconds in ``notebooks/lesson_times.json``."""
     seconds = {}
     with tempfile.TemporaryDirectory() as out:
         for path in [*lessons(), INDEX]:
-            start = time.monotonic()
             subprocess.run([sys.executable, str(ROOT / "tools" / "execute_notebook.py"),
                             "--timeout", "180", "--output-dir", out, str(path)], check=True)
-            seconds[path.name] = round(time.monotonic() - start)
+            executed = json.loads((Path(out) / path.name).read_text())
+            seconds[path.name] = round(cell_seconds(executed))
             print(f"{path.name}: {seconds[path.name]} s", flush=True)
     data = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
     data["seconds"] = seconds
@@ -180,8 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 if the index is stale")
     mode.add_argument("--measure", action="store_true", help="re-time every notebook")
     args = parser.parse_args(argv)
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     if args.measure:
         measure()
     if args.write:
