@@ -19,6 +19,7 @@ Each lesson is rounded up to 5 minutes; the index page's own time joins the tota
     python tools/lesson_times.py --write    # put them into notebooks/index.ipynb
     python tools/lesson_times.py --check    # exit 1 if the index states other times
     python tools/lesson_times.py --measure  # re-time every notebook (minutes, 2 cores)
+    python tools/lesson_times.py --measure notebooks/03_zero_3.ipynb  # or only some
 """
 
 from __future__ import annotations
@@ -185,20 +186,20 @@ def cell_seconds(executed: dict) -> float:
     return total
 
 
-def measure() -> None:
-    """Execute every notebook (the index too) one after another; keep each one's cell
-    seconds in ``notebooks/lesson_times.json``."""
-    seconds = {}
+def measure(paths: list[Path] | None = None) -> None:
+    """Execute notebooks (default: every lesson and the index) one after another; keep
+    each one's cell seconds in ``notebooks/lesson_times.json`` as soon as it is timed."""
+    data = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
+    seconds = data.setdefault("seconds", {})
     with tempfile.TemporaryDirectory() as out:
-        for path in [*lessons(), INDEX]:
+        for path in paths or [*lessons(), INDEX]:
             subprocess.run([sys.executable, str(ROOT / "tools" / "execute_notebook.py"),
                             "--timeout", "180", "--output-dir", out, str(path)], check=True)
             executed = json.loads((Path(out) / path.name).read_text())
             seconds[path.name] = round(cell_seconds(executed))
+            data["seconds"] = dict(sorted(seconds.items()))
+            MEASURED.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
             print(f"{path.name}: {seconds[path.name]} s", flush=True)
-    data = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
-    data["seconds"] = seconds
-    MEASURED.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="update notebooks/index.ipynb")
     mode.add_argument("--check", action="store_true", help="exit 1 if the index is stale")
-    mode.add_argument("--measure", action="store_true", help="re-time every notebook")
+    mode.add_argument("--measure", nargs="*", metavar="NOTEBOOK",
+                      help="re-time these notebooks (none named: every one)")
     args = parser.parse_args(argv)
-    if args.measure:
-        measure()
+    if args.measure is not None:
+        measure([Path(p).resolve() for p in args.measure])
     if args.write:
         write()
     if args.check:
