@@ -1,7 +1,7 @@
 # Your copy of this exercise, generated from solutions/attention_merge.py by tools/make_exercises.py.
 # Fill in the blanks (each raises NotImplementedError), then check your work with
 #     from exercises.check import check; check("attention_merge")
-"""Lesson 07 exercise: merge two partial attention results into one.
+"""Lesson 08 exercise: merge two partial attention results into one.
 
 Ring attention (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889) never holds a whole
 sequence's keys: a rank computes its queries against one block of keys at a time, as the

@@ -4,7 +4,7 @@
 # fix it, then check your work with
 #     from exercises.check import check; check("debug_pipeline")
 # Bug 1 of 4: another_bug("debug_pipeline") (from exercises.course) plants the next.
-"""Lesson 04 debugging lab: a pipeline step whose loss is right.
+"""Lesson 05 debugging lab: a pipeline step whose loss is right.
 
 Two ranks run one step of the tiny GPT (4 layers) as a 2-stage 1F1B pipeline over ``m``
 micro-batches, the way the engine does it: build this rank's stage, make the schedule,

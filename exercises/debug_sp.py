@@ -4,7 +4,7 @@
 # fix it, then check your work with
 #     from exercises.check import check; check("debug_sp")
 # Bug 1 of 4: another_bug("debug_sp") (from exercises.course) plants the next.
-"""Lesson 03 debugging lab: one step of tensor and sequence parallelism, beside one process.
+"""Lesson 04 debugging lab: one step of tensor and sequence parallelism, beside one process.
 
 Two ranks run one forward and backward of the tiny GPT (2 layers) with tensor
 parallelism over both (tp = 2) and sequence parallelism on; one process runs the same

@@ -1,7 +1,7 @@
 # Your copy of this exercise, generated from solutions/memory_formula.py by tools/make_exercises.py.
 # Fill in the blanks (each raises NotImplementedError), then check your work with
 #     from exercises.check import check; check("memory_formula")
-"""Lesson 06 exercise: the memory of one device, with the pipeline term.
+"""Lesson 07 exercise: the memory of one device, with the pipeline term.
 
 Everything a training step keeps on a GPU falls in two families.
 
@@ -14,7 +14,7 @@ stage (lesson 02 says which stage splits what; a split state is ceil(n / dp) ele
 fixed number of bytes per micro-batch for its backward (``layer_activations``, given),
 and the first and last stages keep a little more (``edge_bytes``, given). A pipeline
 stage keeps them for every micro-batch it holds at its peak, and how many that is
-depends on the schedule and on the stage (lesson 04: what your ``peak_in_flight``
+depends on the schedule and on the stage (lesson 05: what your ``peak_in_flight``
 counted).
 
 You write ``model_state_bytes``, ``in_flight``, ``stage_memory`` and

@@ -1,7 +1,7 @@
 # Your copy of this exercise, generated from solutions/mesh_coords.py by tools/make_exercises.py.
 # Fill in the blanks (each raises NotImplementedError), then check your work with
 #     from exercises.check import check; check("mesh_coords")
-"""Lesson 05 exercise: number the GPUs of a 3-D mesh, both ways.
+"""Lesson 06 exercise: number the GPUs of a 3-D mesh, both ways.
 
 A job of ``dp * pp * tp`` ranks is a grid: each rank has coordinates (dp, pp, tp). The
 rank number is those coordinates read as the digits of a mixed-radix number, and the

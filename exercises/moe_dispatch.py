@@ -1,7 +1,7 @@
 # Your copy of this exercise, generated from solutions/moe_dispatch.py by tools/make_exercises.py.
 # Fill in the blanks (each raises NotImplementedError), then check your work with
 #     from exercises.check import check; check("moe_dispatch")
-"""Lesson 08 exercise: dispatch tokens to the ranks that hold their experts, and combine.
+"""Lesson 09 exercise: dispatch tokens to the ranks that hold their experts, and combine.
 
 Expert parallelism (GShard, Lepikhin et al. 2020, arXiv 2006.16668) splits each MoE
 layer's E experts over the ep ranks of a group: rank j holds experts

@@ -1,4 +1,4 @@
-"""Lesson 07 exercise: merge two partial attention results into one.
+"""Lesson 08 exercise: merge two partial attention results into one.
 
 Ring attention (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889) never holds a whole
 sequence's keys: a rank computes its queries against one block of keys at a time, as the

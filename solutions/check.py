@@ -56,24 +56,24 @@ EXERCISES: dict[str, Exercise] = {
     "zero1": Exercise(
         "02", "a ZeRO-1 optimizer step", ("shard_range", "Zero1")),
     "tp_linear": Exercise(
-        "03", "column- and row-parallel linear layers",
+        "04", "column- and row-parallel linear layers",
         ("CopyToTP", "ReduceFromTP", "ColumnParallelLinear", "RowParallelLinear")),
     "debug_sp": Exercise(
-        "03", "debugging lab: sequence parallelism with partial gradients",
+        "04", "debugging lab: sequence parallelism with partial gradients",
         ("finish_gradients",)),
     "pipeline_1f1b": Exercise(
-        "04", "the 1F1B schedule as data", ("one_f_one_b_compute", "peak_in_flight")),
+        "05", "the 1F1B schedule as data", ("one_f_one_b_compute", "peak_in_flight")),
     "debug_pipeline": Exercise(
-        "04", "debugging lab: a pipeline step that does not train like one process",
+        "05", "debugging lab: a pipeline step that does not train like one process",
         ("pipeline_step", "grad_norm")),
-    "mesh_coords": Exercise("05", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
+    "mesh_coords": Exercise("06", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
     "memory_formula": Exercise(
-        "06", "memory per device with the pipeline term", ("in_flight", "device_memory")),
+        "07", "memory per device with the pipeline term", ("in_flight", "device_memory")),
     "attention_merge": Exercise(
-        "07", "merge partial attention by log-sum-exp (ring attention)",
+        "08", "merge partial attention by log-sum-exp (ring attention)",
         ("merge_attention",)),
     "moe_dispatch": Exercise(
-        "08", "dispatch and combine by all-to-all (expert parallelism)",
+        "09", "dispatch and combine by all-to-all (expert parallelism)",
         ("dispatch", "combine"), timeout=60.0),
 }
 

@@ -97,7 +97,7 @@ HINTS: dict[str, dict[int, str]] = {
            "last rank. Count how many forwards rank r can run before its first backward "
            "can arrive; after that, keep the count of held micro-batches constant (one in, "
            "the oldest out); at the end only backwards are left. Check it against the "
-           "timeline of lesson 04 § 2. For the idle share, count the step's slots and the "
+           "timeline of lesson 05 § 2. For the idle share, count the step's slots and the "
            "busy ones on any rank.",
     },
     "mesh_coords": {
@@ -114,7 +114,7 @@ HINTS: dict[str, dict[int, str]] = {
         2: "Build it term by term and compare each with minipar.theory.memory: first the "
            "three model states for each ZeRO stage (which of them does each stage divide "
            "by dp?), then the micro-batches a stage holds, read off the schedules' "
-           "timelines of lesson 04 (or your peak_in_flight), then activations as the "
+           "timelines of lesson 05 (or your peak_in_flight), then activations as the "
            "per-layer bytes times what the stage holds, then the edges.",
     },
     "attention_merge": {
@@ -486,7 +486,7 @@ def score_layout(layout: dict | None, model: str, cluster: str, global_batch: in
     return {"passed": ok, "memory": mem, "step_time": step}
 
 
-# Lesson 06's design puzzle: 13B on 64 A100s under a memory cap and a step target. Its
+# Lesson 07's design puzzle: 13B on 64 A100s under a memory cap and a step target. Its
 # premise (the balanced layout fits but is too slow, the planner's favourite is fast but
 # too big) is computed by ``layout_puzzle`` and tested, never typed into the page.
 LAYOUT_PUZZLE = dict(model="gpt-13b", cluster="a100x64", global_batch=1024,
@@ -495,7 +495,7 @@ BALANCED = dict(tp=4, pp=4, dp=4)
 
 
 def layout_puzzle() -> dict:
-    """The two layouts lesson 06's puzzle starts from, priced by the planner:
+    """The two layouts lesson 07's puzzle starts from, priced by the planner:
     ``balanced`` (tp = pp = dp = 4, the planner's defaults otherwise) and ``favourite``
     (the planner's first choice without a cap), with ``text``: the premise as markdown."""
     from minipar.theory.planner import evaluate, plan
@@ -511,7 +511,7 @@ def layout_puzzle() -> dict:
     return {"balanced": balanced, "favourite": favourite, "text": text}
 
 
-# Lesson 08's puzzle: an MoE model of 13.8B parameters (moe-1.3b with 64 experts per MoE
+# Lesson 09's puzzle: an MoE model of 13.8B parameters (moe-1.3b with 64 experts per MoE
 # layer; 1.3B active) on 64 A100s under a memory cap and a step target. Its premise (the
 # planner's favourite is over the cap; no layout that keeps every expert on every rank,
 # ep = 1, meets both) is computed by ``moe_puzzle`` and tested.
@@ -520,7 +520,7 @@ MOE_PUZZLE = dict(model=None, cluster="a100x64", global_batch=512, memory_cap=20
 
 
 def moe_puzzle() -> dict:
-    """Lesson 08's puzzle, priced by the planner: ``puzzle`` (``score_layout``'s
+    """Lesson 09's puzzle, priced by the planner: ``puzzle`` (``score_layout``'s
     arguments, the model included), ``favourite`` (the planner's first choice without a
     cap), ``replicated`` (the fastest layout with ep = 1 under the cap, or None) and
     ``solvable`` (some layout meets both)."""
@@ -538,7 +538,7 @@ def moe_puzzle() -> dict:
 
 def router_demo(aux_coef: float, n_expert: int = 8, tokens: int = 512, steps: int = 300,
                 seed: int = 0) -> dict:
-    """A router trained on 2-D tokens (lesson 08 § 1): ``tokens`` points from ``n_expert``
+    """A router trained on 2-D tokens (lesson 09 § 1): ``tokens`` points from ``n_expert``
     clusters of unequal sizes; the "task" wants each token at its own cluster's expert
     (a cross-entropy on the router's logits, standing in for how well an expert serves
     a token), plus ``aux_coef`` times ``minipar.model.load_balancing_loss``. Returns
@@ -606,8 +606,9 @@ def check_dp_run(run: dict, model_cfg, steps: int) -> None:
 
 
 def check_zero_memory(runs: dict[int, dict], n_params: int) -> None:
-    """Lesson 02 § 2: what rank 0 of each ZeRO stage (dp = 2, fp32) held at its peak,
-    against ``model_states``: the table's shards plus what the implementation keeps."""
+    """Lessons 02 § 2 and 03 § 1: what rank 0 of each ZeRO stage in ``runs`` (dp = 2,
+    fp32) held at its peak, against ``model_states``: the table's shards plus what the
+    implementation keeps. ``runs`` holds stage 1 (stages 2 and 3 are compared with it)."""
     from minipar.theory.memory import model_states
 
     for z, run in runs.items():
@@ -625,7 +626,7 @@ def check_zero_memory(runs: dict[int, dict], n_params: int) -> None:
 
 
 def measure_builds(stages: tuple[int, ...] = (0, 3), dp: int = 4, **model) -> dict:
-    """Lesson 02 § 3: one step of ``train`` per ZeRO stage on ``dp`` ranks; per stage the
+    """Lesson 03 § 3: one step of ``train`` per ZeRO stage on ``dp`` ranks; per stage the
     ranks' ``host_peak_bytes`` and ``build_seconds`` (what each rank's build of its part
     cost), and ``model_bytes``: the whole model in fp32."""
     from minipar.config import TrainConfig
@@ -643,7 +644,7 @@ def measure_builds(stages: tuple[int, ...] = (0, 3), dp: int = 4, **model) -> di
 
 
 def check_sharded_build(builds: dict) -> list[str]:
-    """Lesson 02 § 3: under ZeRO-0 every rank makes the whole model (its host peak is at
+    """Lesson 03 § 3: under ZeRO-0 every rank makes the whole model (its host peak is at
     least the model's bytes); under ZeRO-3 each keeps only its shard, so every rank's peak
     is at least half the model's bytes below the smallest ZeRO-0 peak (the shard is a
     quarter at dp 4; the rest of the gap absorbs the process's own noise, a few MB).
@@ -658,7 +659,7 @@ def check_sharded_build(builds: dict) -> list[str]:
 
 
 def check_tp_run(run: dict, reference: list[float], cfg) -> None:
-    """Lesson 03 § 3: tp = 2 trains like one process; each rank holds ``stage_params``
+    """Lesson 04 § 3: tp = 2 trains like one process; each rank holds ``stage_params``
     (half the split matrices, the replicated norms and row biases whole); per step the tp
     all-reduces are ``comm_volume``'s plus one fp32, the gradient norm's partial sum."""
     from minipar.theory import comm_volume, stage_params
@@ -674,7 +675,7 @@ def check_tp_run(run: dict, reference: list[float], cfg) -> None:
 
 
 def check_sp_run(sp_run: dict, tp_run: dict, reference: list[float]) -> float:
-    """Lesson 03 § 4: tp = 2 with sequence parallelism trains like one process, keeps
+    """Lesson 04 § 4: tp = 2 with sequence parallelism trains like one process, keeps
     fewer activations than tp alone, near the per-layer formula's 1 - 17/22 = 23 % and
     nowhere near 1 - 1/t = 50 %, and its tp traffic has reduce-scatters and all-gathers.
     Returns the share of rank 0's peak saved activations that sp removed."""
@@ -688,7 +689,7 @@ def check_sp_run(sp_run: dict, tp_run: dict, reference: list[float]) -> float:
 
 
 def check_spanning(spanning) -> None:
-    """Lesson 05 § 1: ``spanning(mesh, dim)`` ("crossing/groups" over servers of 8). In
+    """Lesson 06 § 1: ``spanning(mesh, dim)`` ("crossing/groups" over servers of 8). In
     Megatron order the tp groups of 2 x 4 x 8 stay inside servers and those of tp = 16
     cannot; the dp pairs of 2 x 8 x 4 sit 4 ranks apart (one server) in Megatron order and
     32 apart (across servers) with pp inside dp."""
@@ -700,7 +701,7 @@ def check_spanning(spanning) -> None:
     assert spanning(Mesh(2, 8, 4, "pp-inside-dp"), "dp") == "32/32"
 
 
-# --- lesson 05 § 6: four H100s (measured files under notebooks/data/) -----------------------
+# --- lesson 06 § 6: four H100s (measured files under notebooks/data/) -----------------------
 DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
 
 
@@ -720,7 +721,7 @@ def _coords(trace: dict) -> dict[int, dict[str, int]]:
 
 
 def check_h100_trace(trace: dict, schedule: str = "1f1b", tp_skew_ms: float = 2.0) -> dict:
-    """Lesson 05 § 6: one step of a pp x tp run on GPUs (``minipar.trace`` format).
+    """Lesson 06 § 6: one step of a pp x tp run on GPUs (``minipar.trace`` format).
     Every rank ran its stage's part of ``schedule`` in order; the tp ranks of a stage
     started every action within ``tp_skew_ms`` of each other; every forward and backward
     contains tp collectives on the rank's comm track. Returns, per rank, the action
@@ -772,7 +773,7 @@ def _covered(xs, ys) -> float:
 
 
 def overlap_of_picture(picture: dict, tol: float = 0.02) -> dict:
-    """Lesson 05 § 6: NCCL time and the share under compute, from the picture's merged
+    """Lesson 06 § 6: NCCL time and the share under compute, from the picture's merged
     lanes; asserted within ``tol`` of the same arithmetic on the raw kernels
     (``picture["stats"]``, written with the lanes by tools/h100_artifacts.py)."""
     nccl, compute = picture["lanes"]["NCCL"], picture["lanes"]["compute"]
@@ -788,7 +789,7 @@ def overlap_of_picture(picture: dict, tol: float = 0.02) -> dict:
 
 
 def h100_overlap_table(data: dict) -> dict[str, dict]:
-    """Lesson 05 § 6: print the measured overlap rows of ``data["overlap"]`` (with their
+    """Lesson 06 § 6: print the measured overlap rows of ``data["overlap"]`` (with their
     provenance); assert they hold together (hidden share in [0, 1], exposed at most the
     NCCL time, the exposed share equal to exposed / step) and what the page says: tensor
     parallelism hides none of its communication, ZeRO-2 exposes under 5 % of its step.
@@ -811,7 +812,7 @@ def h100_overlap_table(data: dict) -> dict[str, dict]:
 
 
 def h100_headline_table(data: dict) -> list[dict]:
-    """Lesson 05 § 6: the headline 4-GPU rows of ``data["headline"]`` beside their
+    """Lesson 06 § 6: the headline 4-GPU rows of ``data["headline"]`` beside their
     PyTorch peers, with the ratios minipar / peer (below 1: minipar is faster or
     smaller); returns the rows with ``step_ratio`` (and ``memory_ratio``) added."""
     head = data["headline"]
@@ -835,7 +836,7 @@ def h100_headline_table(data: dict) -> list[dict]:
     return out
 
 
-# --- the capstone (lesson 09) ---------------------------------------------------------
+# --- the capstone (lesson 10) ---------------------------------------------------------
 # A model, a cluster of CPU ranks, a memory cap per rank and a target validation loss.
 # The learner plans with minipar.theory, predicts, runs, and reconciles; these helpers
 # enumerate the layouts, build the run's config and grade the gap. The brief's cap is
@@ -1022,7 +1023,7 @@ def trace_breakdown(trace: dict) -> dict[int, dict[str, float]]:
     return out
 
 
-# --- lesson 07: ring attention measured, and the merge inside a layer -----------------
+# --- lesson 08: ring attention measured, and the merge inside a layer -----------------
 def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 8192, 64),
                 repeats: int = 3) -> dict:
     """Run on each rank of a cp group: this rank's CPU seconds inside the attention blocks
@@ -1227,7 +1228,7 @@ def _mlp():
 
 
 def train_with_zero1(impl: str = "solutions", steps: int = 5) -> dict:
-    """Lesson 02 § 5, on each rank: a small MLP on this rank's batches, stepped by
+    """Lesson 02 § 4, on each rank: a small MLP on this rank's batches, stepped by
     ``<impl>.zero1.Zero1``. Returns the losses, the optimizer state bytes it holds and
     the collectives it used."""
     from minipar.comm import Comm
@@ -1247,7 +1248,7 @@ def train_with_zero1(impl: str = "solutions", steps: int = 5) -> dict:
 
 
 def adamw_on_both_batches(steps: int = 5, ranks: int = 2) -> dict:
-    """Lesson 02 § 5's reference: the same MLP in one process, AdamW on the mean gradient
+    """Lesson 02 § 4's reference: the same MLP in one process, AdamW on the mean gradient
     of every rank's batch. Returns each step's per-rank losses and the Adam state bytes."""
     import torch
 
@@ -1266,7 +1267,7 @@ def adamw_on_both_batches(steps: int = 5, ranks: int = 2) -> dict:
 
 def run_schedule(impl: str = "solutions", microbatches: int = 4,
                  sleep_per_unit: float = 0.03) -> dict:
-    """Lesson 04 § 7, on each rank of a pipeline: one step of the tiny GPT driven by
+    """Lesson 05 § 7, on each rank of a pipeline: one step of the tiny GPT driven by
     ``<impl>.pipeline_1f1b.one_f_one_b``'s lists, each action padded by
     ``sleep_per_unit`` seconds per unit of work (a stand-in for a bigger model). Returns
     the loss and the rank's timeline."""

@@ -1,4 +1,4 @@
-"""Lesson 03 debugging lab: one step of tensor and sequence parallelism, beside one process.
+"""Lesson 04 debugging lab: one step of tensor and sequence parallelism, beside one process.
 
 Two ranks run one forward and backward of the tiny GPT (2 layers) with tensor
 parallelism over both (tp = 2) and sequence parallelism on; one process runs the same

@@ -1,4 +1,4 @@
-"""Lesson 05 exercise: number the GPUs of a 3-D mesh, both ways.
+"""Lesson 06 exercise: number the GPUs of a 3-D mesh, both ways.
 
 A job of ``dp * pp * tp`` ranks is a grid: each rank has coordinates (dp, pp, tp). The
 rank number is those coordinates read as the digits of a mixed-radix number, and the

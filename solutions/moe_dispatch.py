@@ -1,4 +1,4 @@
-"""Lesson 08 exercise: dispatch tokens to the ranks that hold their experts, and combine.
+"""Lesson 09 exercise: dispatch tokens to the ranks that hold their experts, and combine.
 
 Expert parallelism (GShard, Lepikhin et al. 2020, arXiv 2006.16668) splits each MoE
 layer's E experts over the ep ranks of a group: rank j holds experts

@@ -1,4 +1,4 @@
-"""Lesson 04 exercise: write the 1F1B pipeline schedule as data.
+"""Lesson 05 exercise: write the 1F1B pipeline schedule as data.
 
 A pipeline of ``pp`` ranks holds one stage of the model each. A *schedule* says, for
 every rank, in which order to run the forward (``F``) and backward (``B``) of each of
@@ -10,7 +10,7 @@ rank 0 keeps the activations of all m micro-batches at once. 1F1B (PipeDream-Flu
 Narayanan et al., arXiv 2006.09503 and 2104.04473) keeps the same step time but starts
 each micro-batch's backward as early as the pipeline allows, so that a rank holds far
 fewer micro-batches. Working out when "as early as possible" is, rank by rank, is the
-exercise: lesson 04's timelines and ``hint("pipeline_1f1b", 1)`` help.
+exercise: lesson 05's timelines and ``hint("pipeline_1f1b", 1)`` help.
 
 You write the compute order (``one_f_one_b_compute``), the peak count of micro-batches
 a rank holds (``peak_in_flight``) and the idle share of the step (``bubble_fraction``,

@@ -1,4 +1,4 @@
-"""Lesson 03 exercise: column- and row-parallel linear layers (Megatron-LM).
+"""Lesson 04 exercise: column- and row-parallel linear layers (Megatron-LM).
 
 A linear layer y = x W^T + b with W of shape [out, in] can be cut across ranks in two
 ways (Shoeybi et al., "Megatron-LM", 2019, arXiv 1909.08053, section 3):
@@ -13,7 +13,7 @@ Where a tensor-parallel region begins and ends, two autograd functions make the 
 agree: f (``CopyToTP``) before a column-parallel layer, g (``ReduceFromTP``) after a
 row-parallel one. What each must do in forward and in backward, so that every rank's
 values *and gradients* are the single device's, is the heart of the exercise: work it
-out from what each rank holds on each side of the boundary (lesson 03 § 2,
+out from what each rank holds on each side of the boundary (lesson 04 § 2,
 ``hint("tp_linear", 1)``).
 
 You write ``CopyToTP`` and ``ReduceFromTP`` (forward and backward) and the two layers

@@ -229,8 +229,8 @@ def test_syllabus_map_cells_point_into_their_sections() -> None:
     text = tool.MAP.read_text()
     assert len(tool.references(text)) > 80
     assert tool.check(text) == []
-    ref = re.search(r"02 § 3 \(cells (\d+)–", text)  # a reference, moved out of § 3
-    assert ref and tool.check(text.replace(ref.group(0), "02 § 3 (cells 7–")) != []
+    ref = re.search(r"03 § 3 \(cells (\d+)–", text)  # a reference, moved out of § 3
+    assert ref and tool.check(text.replace(ref.group(0), "03 § 3 (cells 7–")) != []
 
 
 # --- the checker catches typical mistakes (mutants of the solution) ----------------
@@ -473,7 +473,7 @@ def test_layout_puzzle_has_a_solution(capsys) -> None:
 
 
 def test_h100_section_helpers_read_the_committed_data(capsys) -> None:
-    """Lesson 05 § 6: the measured files load, hold together and say what the page says."""
+    """Lesson 06 § 6: the measured files load, hold together and say what the page says."""
     import copy
 
     from solutions.course import (
@@ -523,7 +523,7 @@ def test_h100_artifacts_tool_trims_and_merges() -> None:
     assert merge([(0, 1), (1.004, 2), (3, 4)], gap=0.005) == [[0, 2], [3, 4]]
 
 
-# --- the capstone (lesson 09): its brief decides, its instruments read a trace ----------
+# --- the capstone (lesson 10): its brief decides, its instruments read a trace ----------
 def test_capstone_brief_rules_layouts_out_and_leaves_a_choice() -> None:
     from solutions.course import CAPSTONE, capstone_layouts, capstone_plan
     layouts = capstone_layouts()

@@ -19,7 +19,7 @@ or a ``34`` somewhere in the code.
 The mutation test below feeds sentences that once contradicted their outputs and requires
 every stale figure to be flagged.
 
-The lesson 06 layout puzzle is checked against the planner itself: its premise holds
+The lesson 07 layout puzzle is checked against the planner itself: its premise holds
 (the balanced layout fits the cap but is too slow, the planner's favourite is fast but
 over the cap) and the answer ``docs/instructor.md`` gives passes the budget.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = sorted((ROOT / "notebooks").glob("0*.ipynb"))
+LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 DECLARED = ROOT / "notebooks" / "prose_numbers.json"
 
 NUMBER = re.compile(r"(?<![\w.\-/+])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?![\w])(?!\.\d)")
@@ -178,9 +178,9 @@ def test_the_check_flags_figures_that_once_contradicted_their_outputs() -> None:
         ["the best is   GB, about 12 % slower"]
 
 
-# --- lesson 06's layout puzzle ---------------------------------------------------------
+# --- lesson 07's layout puzzle ---------------------------------------------------------
 
-def _instructor_answer(lesson: str = "06") -> dict:
+def _instructor_answer(lesson: str = "07") -> dict:
     """The layout docs/instructor.md gives for a lesson's puzzle (its ``dict(...)``)."""
     text = (ROOT / "docs" / "instructor.md").read_text()
     m = re.search(rf"lesson {lesson} puzzle answer:\s*`(dict\([^`]*\))`", text)
@@ -203,7 +203,7 @@ def test_layout_puzzle_premise_holds_and_the_instructor_answer_passes(capsys) ->
 
 
 def test_moe_puzzle_premise_holds_and_the_instructor_answer_passes(capsys) -> None:
-    """Lesson 08: the planner's favourite is over the cap, every layout that keeps all
+    """Lesson 09: the planner's favourite is over the cap, every layout that keeps all
     experts on each rank (ep = 1) within the cap is too slow, and the answer passes."""
     from solutions.course import moe_puzzle, score_layout
 
@@ -211,7 +211,7 @@ def test_moe_puzzle_premise_holds_and_the_instructor_answer_passes(capsys) -> No
     cap, target = p["puzzle"]["memory_cap"], p["puzzle"]["step_target"]
     assert p["favourite"].memory["total"] > cap
     assert p["replicated"] is not None and p["replicated"].step_time > target
-    result = score_layout(_instructor_answer("08"), **p["puzzle"])
+    result = score_layout(_instructor_answer("09"), **p["puzzle"])
     assert result["passed"], result
     assert "PASS" in capsys.readouterr().out
 

@@ -229,7 +229,7 @@ def test_tp_shard_figure_colours_one_slice_per_weight_and_rank():
         assert fig.to_json() == tp_shard_figure(t).to_json()
 
 
-# --- context parallelism (lesson 07) ------------------------------------------------
+# --- context parallelism (lesson 08) ------------------------------------------------
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_figure_draws_every_block_once_at_its_step(cp, layout):
@@ -318,7 +318,7 @@ def test_collective_tables_and_the_ring_steps() -> None:
     assert len(fig.layout.sliders[0].steps) == len(history)
 
 
-# --- mixture of experts (lesson 08) -----------------------------------------------------
+# --- mixture of experts (lesson 09) -----------------------------------------------------
 
 def test_router_figure_shows_every_token_and_the_loads() -> None:
     from minipar.viz.moe import router_figure

@@ -90,20 +90,20 @@ BROKEN = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"broke
 
 # Which notebook shows which dashboards, and the dropdown the test changes in each. The
 # dashboards driven only by sliders (lesson 00's all-reduce cost, 01's overlap, 02's ZeRO
-# bars, 03's tp traffic) are not moved here: their figure functions are tested in
+# bars, 04's tp traffic) are not moved here: their figure functions are tested in
 # tests/test_viz.py and the notebooks' own cells.
 DASHBOARDS = {
     "01_data_parallel.ipynb": [("traffic", "bytes", "4")],
-    "04_pipeline_parallel.ipynb": [("timeline", "schedule", "gpipe")],
-    "05_3d.ipynb": [("mesh", "dp", "4")],
-    "06_planning_at_scale.ipynb": [("memory", "ZeRO", "3"), ("plan", "batch", "512")],
+    "05_pipeline_parallel.ipynb": [("timeline", "schedule", "gpipe")],
+    "06_3d.ipynb": [("mesh", "dp", "4")],
+    "07_planning_at_scale.ipynb": [("memory", "ZeRO", "3"), ("plan", "batch", "512")],
 }
 
 # Figures whose slider lives in the plotly layout (no kernel needed): the test drags the
 # slider to its last step; the figure's title must name that step and the visible
-# traces must change. Lesson 07's ring attention, step by step.
+# traces must change. Lesson 08's ring attention, step by step.
 PLOTLY_SLIDERS = {
-    "07_long_context_and_offload.ipynb": [("ring", "ring step 3 of 3")],
+    "08_long_context_and_offload.ipynb": [("ring", "ring step 3 of 3")],
 }
 
 
@@ -459,7 +459,7 @@ def check_plotly_slider(page: Page, kind: str, title_after: str) -> str:
 # plotly layout (07). Every lesson draws its figures and widgets with the same renderers,
 # and nbval runs every lesson's cells in make test, so the rest (each 15-45 s on 2 cores)
 # run in make test-full.
-SMOKE = ("index.ipynb", "01_data_parallel.ipynb", "07_long_context_and_offload.ipynb")
+SMOKE = ("index.ipynb", "01_data_parallel.ipynb", "08_long_context_and_offload.ipynb")
 
 
 def selected_notebooks(request: pytest.FixtureRequest) -> list[str]:

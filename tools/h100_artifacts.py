@@ -1,4 +1,4 @@
-"""Cut the multi-GPU artifacts down to what lesson 05 § 6 draws (files under notebooks/data/).
+"""Cut the multi-GPU artifacts down to what lesson 06 § 6 draws (files under notebooks/data/).
 
     python tools/h100_artifacts.py trim TRACE.json notebooks/data/h100x4_pp2_tp2_sp_step.json
     python tools/h100_artifacts.py overlap PROFILE.json.gz notebooks/data/h100x4.json

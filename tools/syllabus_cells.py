@@ -31,7 +31,7 @@ MAP = ROOT / "docs" / "syllabus_map.md"
 # "introduction"), the word "exercise" (its cells need no section), or cells ("cell 4",
 # "cells 4–6")
 TOKEN = re.compile(
-    r"(?P<lesson>\b(?:0\d|index)\b)(?=\s*(?:§|Summary|introduction|\(|,|cells?\b))"
+    r"(?P<lesson>\b(?:0\d|10|index)\b)(?=\s*(?:§|Summary|introduction|\(|,|cells?\b))"
     r"|§\s*(?P<s1>\d+)(?:\s*[–-]\s*(?P<s2>\d+))?"
     r"|\b(?P<named>Summary|introduction)\b|\b(?P<exercise>exercise)\b"
     r"|\bcells?\s+(?P<a>\d+)(?:\s*[–-]\s*(?P<b>\d+))?")
@@ -118,14 +118,15 @@ def check(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("lesson", nargs="?", default="all", help="00..07, index or all")
+    parser.add_argument("lesson", nargs="?", default="all", help="00..10, index or all")
     parser.add_argument("--check", action="store_true", help="check the map's references")
     args = parser.parse_args(argv)
     if args.check:
         problems = check(MAP.read_text())
         print("\n".join(problems) or f"{MAP.relative_to(ROOT)}: every reference in place")
         return 1 if problems else 0
-    lessons = ([p.name[:2] for p in sorted((ROOT / "notebooks").glob("0*.ipynb"))] + ["index"]
+    numbered = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    lessons = ([p.name[:2] for p in numbered] + ["index"]
                if args.lesson == "all" else [args.lesson])
     print("\n\n".join(outline(lesson) for lesson in lessons))
     return 0

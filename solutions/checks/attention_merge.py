@@ -1,4 +1,4 @@
-"""Cases for the attention-merge exercise (lesson 07).
+"""Cases for the attention-merge exercise (lesson 08).
 
 In one process: two partial results (``minipar.parallel.cp.block_forward`` over two
 disjoint key sets) merged by the learner's function, against attention over the union,

@@ -1,4 +1,4 @@
-"""Cases for the pipeline debugging lab (lesson 04): the learner's 2-stage 1F1B run must
+"""Cases for the pipeline debugging lab (lesson 05): the learner's 2-stage 1F1B run must
 have the loss *and the gradient norm* of one process, at two micro-batch counts (a fix
 that only works for one m, such as a constant 0.25, fails the other). A failure gives the
 ratio and the size of the layout that explains it (the symptom), not the line."""

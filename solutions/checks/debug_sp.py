@@ -1,4 +1,4 @@
-"""Cases for the sequence-parallel debugging lab (lesson 03): at tp = 2 with sp, every
+"""Cases for the sequence-parallel debugging lab (lesson 04): at tp = 2 with sp, every
 parameter's gradient (gathered from its shards) must equal one process's, not only the
 loss and the norm. A failure lists the parameters that differ and by how much (the
 symptom), never what they have in common or where the fix goes."""

@@ -1,4 +1,4 @@
-"""Cases for the memory formula exercise (lesson 06): model states by ZeRO stage, the
+"""Cases for the memory formula exercise (lesson 07): model states by ZeRO stage, the
 micro-batches in flight per schedule, and whole devices on layouts of the worked-example
 models, each against ``minipar.theory.memory``."""
 

@@ -1,4 +1,4 @@
-"""Cases for the mesh coordinates exercise (lesson 05): every (dp, pp, tp) with at
+"""Cases for the mesh coordinates exercise (lesson 06): every (dp, pp, tp) with at
 most 16 ranks, both orders, every rank, against ``minipar.mesh.Mesh``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cases for the dispatch-and-combine exercise (lesson 08).
+"""Cases for the dispatch-and-combine exercise (lesson 09).
 
 On 2 and 4 ranks (8 experts: 4 or 2 on each), every rank makes random rows sorted by
 expert, with random counts and one expert left empty; each row carries its source rank

@@ -1,4 +1,4 @@
-"""Cases for the 1F1B exercise (lesson 04).
+"""Cases for the 1F1B exercise (lesson 05).
 
 Pure cases first (pp 1..4, m 1..7): the compute order holds each F and B once on the
 right rank, the runnable lists pass ``schedules.validate``, the simulated bubble equals

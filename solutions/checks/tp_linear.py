@@ -1,4 +1,4 @@
-"""Cases for the column- and row-parallel linear exercise (lesson 03).
+"""Cases for the column- and row-parallel linear exercise (lesson 04).
 
 On 2 and 4 ranks every rank builds the same full ``nn.Linear`` layers and input from a
 seed, so it computes the single-device answer itself and compares its part of it:
