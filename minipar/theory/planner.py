@@ -370,14 +370,15 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                    f"zero=3 with zb, pp={pp}")
                             continue
                         for rc, ep in ((r, e) for r in recomputes for e in _eps(cfg, dp)):
+                            # pp: stages balanced for the head
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
                             lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=zero,
                                          microbatch_size=b, microbatches=m,
                                          schedule=schedule, virtual=v, head_layers=k,
                                          sp=sp and tp > 1, recompute=rc, dtype=dtype,
                                          optimizer=optimizer, order=order)
-                            est = evaluate(cfg, cluster, lay, **settings)  # (pp: stages
-                            if not est.fits and offload:  # balanced for the head)
+                            est = evaluate(cfg, cluster, lay, **settings)
+                            if not est.fits and offload:
                                 est = evaluate(cfg, cluster, lay.with_(offload=True),
                                                **settings)
                             if est.fits:
