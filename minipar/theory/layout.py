@@ -53,6 +53,13 @@ class Layout:
     def with_(self, **changes) -> Layout:
         return replace(self, **changes)
 
+    def with_batch(self, global_batch: int) -> Layout:
+        """This layout with as many micro-batches as make ``global_batch`` sequences."""
+        if global_batch % (self.dp * self.microbatch_size):
+            raise ValueError(f"global batch {global_batch} is not divisible by dp*b = "
+                             f"{self.dp}*{self.microbatch_size}")
+        return self.with_(microbatches=global_batch // (self.dp * self.microbatch_size))
+
     def label(self) -> str:
         """One line: the sizes, the ZeRO stage, the batch split, and what is not default."""
         sched = "" if self.pp == 1 else (
