@@ -138,8 +138,8 @@ def main() -> int:
         batch = MODELS.get(model, 4 * args.gpus)
         if "planner" in args.sections:
             for name, cl in where.items():
-                for rank, lay in enumerate(plan(model, cl, batch).layouts[: args.top]):
-                    todo.append((model, f"{name} #{rank + 1}", batch, lay, {}))
+                for rank, est in enumerate(plan(model, cl, batch).layouts[: args.top]):
+                    todo.append((model, f"{name} #{rank + 1}", batch, est, {}))
         if "covering" in args.sections:
             for spec in covering(model, args.gpus):
                 try:
