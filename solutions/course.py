@@ -597,13 +597,13 @@ def check_dp_run(run: dict, model_cfg, steps: int) -> None:
     parameter, and each step all-reduces every gradient once (plus the 8-byte loss and the
     4-byte squared gradient norm), sending the ring's 2 (N-1)/N of it."""
     from minipar.comm import wire_bytes
-    from minipar.theory import comm_volume, param_count
+    from minipar.theory import Layout, comm_volume, param_count
 
     n, rank0 = param_count(model_cfg), run["ranks"][0]
     mem = rank0["memory"]
     assert mem["params"] == mem["grads"] == 4 * n, mem
     assert mem["optimizer"] == 8 * n, mem  # two fp32 Adam moments
-    theory = comm_volume(model_cfg, dp=2, dtype="fp32")["dp"]["all_reduce"]
+    theory = comm_volume(model_cfg, Layout(dp=2, dtype="fp32"))["dp"]["all_reduce"]
     grad_bytes = (rank0["comm"]["dp"]["all_reduce"]["bytes"] - 12 * steps) // steps
     assert grad_bytes == theory["bytes"] == 4 * n, (grad_bytes, theory)
     assert theory["wire_bytes"] == wire_bytes("all_reduce", 4 * n, 2), theory
@@ -670,8 +670,7 @@ def check_tp_run(run: dict, reference: list[float], cfg) -> None:
     _same_losses(reference, run["losses"])
     mc, rank0, steps = cfg.model_config(), run["ranks"][0], cfg.steps
     assert rank0["memory"]["params"] == 4 * stage_params(mc, tp=2), rank0["memory"]
-    theory = comm_volume(mc, tp=2, dtype="fp32",
-                         microbatch_size=cfg.batch_size)["tp"]["all_reduce"]
+    theory = comm_volume(mc, cfg.layout())["tp"]["all_reduce"]  # the run's own layout
     measured = rank0["comm"]["tp"]["all_reduce"]
     assert measured["calls"] == steps * (theory["calls"] + 1), (measured, theory)
     assert measured["bytes"] == steps * (theory["bytes"] + 4), (measured, theory)

@@ -8,11 +8,13 @@ exactly with what a real (tiny) model and optimizer hold.
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
 
 from minipar.comm import Comm
+from minipar.config import TrainConfig
 from minipar.data import MarkovData
 from minipar.launch import launch
 from minipar.model import GPT, PRESETS, GPTConfig
@@ -325,6 +327,25 @@ def test_fused_accounting_matches_tensor_parallel_count(tp, sp):
     """tp.py derives (and measures) the saved tensors of its layers; same total."""
     got = sum(layer_activations(TINY, 3, tp, sp, "none", "fp32", "fused").values())
     assert got == activation_elements_per_layer(TINY, 3, tp, sp) * 4
+
+
+def test_a_run_and_the_theory_describe_it_with_one_layout():
+    """``TrainConfig.layout`` passes on every field the two share: a field added to both
+    and not passed on keeps the ``Layout`` default, which no value below has. A
+    micro-batch is batch / (dp x micro-batches); ``with_batch`` goes the other way."""
+    shared = {f.name for f in fields(Layout)} & {f.name for f in fields(TrainConfig)}
+    assert shared == {f.name for f in fields(Layout)} - {"microbatch_size"}
+    run = dict(dp=2, pp=2, tp=2, cp=2, ep=2, zero=3, microbatches=4, schedule="interleaved",
+               virtual=2, head_layers=1, sp=True, recompute="full", recompute_layers=3,
+               offload=True, dtype="fp32", optimizer="sgd", grad_dtype="bf16",
+               order="pp-inside-dp")
+    assert set(run) == shared and all(v != getattr(Layout(), k) for k, v in run.items())
+    layout = TrainConfig(batch_size=64, **run).layout()
+    assert layout == Layout(microbatch_size=8, **run) and layout.global_batch == 64
+    assert {layout: 1}[Layout(microbatch_size=8, **run)] == 1  # frozen: a cache key
+    assert Layout(dp=2, microbatch_size=2).with_batch(16).microbatches == 4
+    with pytest.raises(ValueError, match="not divisible"):
+        Layout(dp=3).with_batch(16)
 
 
 def test_memory_breakdown_keys_and_most_loaded_stage():
