@@ -5,8 +5,8 @@ The memory model (``memory.memory_per_stage``), the traffic model
 planner's search all describe a run by the same settings: the parallel sizes (data,
 pipeline, tensor, context, expert), the ZeRO stage, the batch split (micro-batch size
 and count), the pipeline schedule, sequence parallelism, recomputation, offload and the
-precision. ``Layout`` names them once, with the engine's defaults, so a lesson reads
-``memory_per_stage("gpt-13b", Layout(dp=4, zero=3))``. It is frozen: a plain value
+precision. ``Layout`` names them once (by default one GPU, bf16 mixed-precision Adam),
+so a lesson reads ``memory_per_stage("gpt-13b", Layout(dp=4, zero=3))``. It is frozen: a plain value
 that is hashable (a cached function may take it) and is changed by copying
 (``with_``). A run's own is ``TrainConfig.layout()`` (``minipar.config``).
 """
