@@ -6,9 +6,9 @@ planner's search all describe a run by the same settings: the parallel sizes (da
 pipeline, tensor, context, expert), the ZeRO stage, the batch split (micro-batch size
 and count), the pipeline schedule, sequence parallelism, recomputation, offload and the
 precision. ``Layout`` names them once (by default one GPU, bf16 mixed-precision Adam),
-so a lesson reads ``memory_per_stage("gpt-13b", Layout(dp=4, zero=3))``. It is frozen: a plain value
-that is hashable (a cached function may take it) and is changed by copying
-(``with_``). A run's own is ``TrainConfig.layout()`` (``minipar.config``).
+so a lesson reads ``memory_per_stage("gpt-13b", Layout(dp=4, zero=3))``. It is frozen:
+a plain value that is hashable (a cached function may take it) and is changed by
+copying (``with_``). A run's own is ``TrainConfig.layout()`` (``minipar.config``).
 """
 
 from __future__ import annotations
