@@ -33,7 +33,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from minipar.theory import clusters  # noqa: E402
-from minipar.theory.planner import Layout, evaluate, plan  # noqa: E402
+from minipar.theory.layout import Layout  # noqa: E402
+from minipar.theory.planner import Estimate, evaluate, plan  # noqa: E402
 
 MODELS = {"gpt-1.3b": 32, "gpt-6.7b": 32, "gpt-13b": 16}  # global batch (sequences)
 
@@ -132,33 +133,32 @@ def main() -> int:
                 with open(os.path.join(results, name)) as f:
                     seen |= {(r["model"], tuple(r["command"].split()[4:-2]))
                              for r in json.load(f)["rows"] if r.get("status") == "ok"}
-    todo: list[tuple[str, str, int, Layout, dict]] = []
+    todo: list[tuple[str, str, int, Estimate, dict]] = []
     for model in args.models.split(","):
         batch = MODELS.get(model, 4 * args.gpus)
         if "planner" in args.sections:
             for name, cl in where.items():
-                for rank, lay in enumerate(plan(model, cl, batch).layouts[: args.top]):
-                    todo.append((model, f"{name} #{rank + 1}", batch, lay, {}))
+                for rank, est in enumerate(plan(model, cl, batch).layouts[: args.top]):
+                    todo.append((model, f"{name} #{rank + 1}", batch, est, {}))
         if "covering" in args.sections:
             for spec in covering(model, args.gpus):
                 try:
-                    lay = layout_of(spec, args.gpus, batch)
-                    lay = evaluate(model, preset, lay.tp, lay.pp, lay.dp, lay.zero,
-                                   lay.microbatch_size, batch, lay.schedule, lay.virtual,
-                                   lay.sp, lay.recompute, cp=lay.cp, offload=lay.offload)
+                    est = evaluate(model, preset, layout_of(spec, args.gpus, batch)
+                                   .with_batch(batch))
                 except ValueError as e:
                     report["rows"].append({"model": model, "source": "covering",
                                            "status": "invalid", "error": str(e)})
                     continue
-                if re.search(args.match, lay.label()):
-                    todo.append((model, "covering", batch, lay, spec))
-    for model, source, batch, lay, _ in todo:
-        flags = lay.train_flags(model, batch)
+                if re.search(args.match, est.layout.label()):
+                    todo.append((model, "covering", batch, est, spec))
+    for model, source, _, est, _ in todo:
+        lay = est.layout
+        flags = lay.train_flags(model)
         key = (model, tuple(flags))
         dup = key in seen
         seen.add(key)
         rec = {"model": model, "source": source, "label": lay.label(),
-               "planned_bytes": lay.memory.get("total"), "planned_step_s": lay.step_time}
+               "planned_bytes": est.memory.get("total"), "planned_step_s": est.step_time}
         if dup:
             rec["status"] = "duplicate"
         elif time.monotonic() - t0 > args.budget_s - 20:

@@ -61,6 +61,7 @@ from gpu import DATASHEET_TFLOPS, RandomTokens, _timed  # noqa: E402
 
 from minipar.model import get_config  # noqa: E402
 from minipar.theory.comm_volume import comm_volume  # noqa: E402
+from minipar.theory.layout import Layout  # noqa: E402
 from minipar.theory.params import model_flops_per_token  # noqa: E402
 
 SECTIONS = ("kernel", "speed", "loss", "peer", "speed1")
@@ -195,9 +196,9 @@ def _measure(run: multigpu.Run, spec: dict, cap: float) -> dict:
 
 def _predicted_dp(model: str, recipe: str | None, layout: dict) -> tuple[int, int]:
     """theory.comm_volume's wire bytes per step under dp: (all-gathers, all-reduces)."""
-    vol = comm_volume(model, dp=layout.get("dp", 1), zero=layout.get("zero", 0),
-                      dtype="bf16", microbatches=layout.get("microbatches", 1),
-                      fp8=recipe).get("dp", {})
+    vol = comm_volume(model, Layout(dp=layout.get("dp", 1), zero=layout.get("zero", 0),
+                                    dtype="bf16", microbatches=layout.get("microbatches", 1),
+                                    fp8=recipe)).get("dp", {})
     return tuple(vol.get(op, {}).get("wire_bytes", 0) for op in ("all_gather", "all_reduce"))
 
 

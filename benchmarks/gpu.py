@@ -45,6 +45,7 @@ from minipar.config import TrainConfig, learning_rate
 from minipar.engine import build, train_step
 from minipar.mesh import Mesh
 from minipar.model import GPT, get_config
+from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_breakdown
 from minipar.theory.params import model_flops_per_token
 
@@ -350,8 +351,8 @@ def measure(preset: str, micro: int, args, ceiling: float) -> dict:
     row["overhead"] = row["minipar"]["step_ms"] / row["plain"]["step_ms"] - 1
     row["loss_diff_last"] = abs(out["minipar"]["losses"][-1] - out["plain"]["losses"][-1])
     for acc in ("korthikanti", "fused"):
-        mem = memory_breakdown(preset, microbatch_size=micro, dtype="bf16",
-                               recompute=args.recompute, accounting=acc)
+        mem = memory_breakdown(preset, Layout(microbatch_size=micro, dtype="bf16",
+                                              recompute=args.recompute), accounting=acc)
         row[f"predicted_gib_{acc}"] = mem["total"] / GiB
     return row
 

@@ -200,9 +200,10 @@ def _measure(run, spec: dict, cap: float) -> dict:
 
 
 def _predicted_gib(mc, **layout) -> float:
+    from minipar.theory.layout import Layout
     from minipar.theory.memory import memory_breakdown
 
-    return memory_breakdown(mc, dtype="bf16", accounting="fused", **layout)["total"] / GiB
+    return memory_breakdown(mc, Layout(dtype="bf16", **layout), accounting="fused")["total"] / GiB
 
 
 def memory_predictions(report: dict) -> list[dict]:

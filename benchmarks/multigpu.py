@@ -995,8 +995,9 @@ def section_big(run: Run) -> None:
     batch = s.big_per_gpu * n
     accepted, refused = [], []
     if run.wanted("speed", f"minipar {model} planner"):
-        for lay in plan(model, _cluster(run, n), batch, max_microbatch_size=8,
+        for est in plan(model, _cluster(run, n), batch, max_microbatch_size=8,
                         accounting="fused").layouts:
+            lay = est.layout
             layout = dict(dp=lay.dp, pp=lay.pp, tp=lay.tp, zero=lay.zero, sp=lay.sp,
                           microbatches=lay.microbatches, recompute=lay.recompute,
                           schedule=lay.schedule if lay.pp > 1 else "1f1b",
@@ -1009,20 +1010,20 @@ def section_big(run: Run) -> None:
                 continue
             if any({**a, "zero": 0} == {**layout, "zero": 0} for _, a in accepted):
                 continue  # another ZeRO stage of a layout tried: it fails the same way
-            accepted.append((lay, layout))
+            accepted.append((est, layout))
             if len(accepted) == BIG_TRIES:
                 break
     big_rows: list = []
-    for rank_in_plan, (lay, layout) in enumerate(accepted):
+    for rank_in_plan, (est, layout) in enumerate(accepted):
         # the planner's best layout minipar accepts; if it fails on the machine (out of
         # memory, say), the next one, so that one 13B figure comes back
         spec = minipar_spec(run, model, n, batch, **layout)
         rec = speed_row(run, "speed", f"minipar {model} planner #{rank_in_plan + 1} "
-                        f"({lay.label()})", spec, "big", cap=s.big_cap_s)
+                        f"({est.layout.label()})", spec, "big", cap=s.big_cap_s)
         big_rows.append(rec)
         if rec is not None:
             rec["planner_refused_before"] = refused[:10]
-            rec["planner_predicted_step_s"] = lay.step_time
+            rec["planner_predicted_step_s"] = est.step_time
         if rec is None or rec["status"] == "ok":
             break
     if not accepted and refused:
@@ -1155,6 +1156,7 @@ def _iqr(xs: list[float]) -> float:
 
 def predict(run: Run) -> None:
     """The calibrated planner's step time and memory beside every measured row."""
+    from minipar.theory.layout import Layout
     from minipar.theory.planner import evaluate, plan
 
     if run.calibration is None:
@@ -1186,15 +1188,15 @@ def predict(run: Run) -> None:
                          head_layers=spec.get("head_layers", 0))
         mc = get_config(r["model"]).with_(**r.get("spec", {}).get("overrides", {}))
         try:
-            est = evaluate(mc, _cluster(run, world), tp, pp, dp,
-                           microbatch_size=batch // (dp * m), global_batch=batch,
-                           accounting="fused", **knobs)
+            layout = Layout(tp=tp, pp=pp, dp=dp, microbatch_size=batch // (dp * m), **knobs)
+            est = evaluate(mc, _cluster(run, world), layout.with_batch(batch),
+                           accounting="fused")
         except ValueError as e:
             out.append({"name": r["name"], "error": str(e)})
             continue
         pred_mem = est.memory["total"] / GiB
         out.append({"name": r["name"], "impl": r["impl"], "model": r["model"],
-                    "world": world, "layout": est.label(),
+                    "world": world, "layout": est.layout.label(),
                     "predicted_step_s": est.step_time, "measured_step_s": r["step_s"],
                     "step_error": est.step_time / r["step_s"] - 1,
                     "predicted_time": est.time, "predicted_gib": pred_mem,
@@ -1228,7 +1230,7 @@ def predict(run: Run) -> None:
         try:
             best = plan(run.sizes.speed_model, _cluster(run, run.n),
                         run.sizes.per_gpu_batch * run.n, accounting="fused").best
-            sec["planner_best_overall"] = best.label() if best else None
+            sec["planner_best_overall"] = best.layout.label() if best else None
         except ValueError as e:
             sec["planner_best_overall"] = f"error: {e}"
     run.report["sections"]["predict"] = sec

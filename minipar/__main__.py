@@ -27,6 +27,7 @@ from minipar.model import get_config
 from minipar.parity import check_run
 from minipar.sample import sample
 from minipar.theory import bubble, clusters
+from minipar.theory.layout import Layout
 from minipar.theory.memory import MEMORY_MARGIN, memory_breakdown
 from minipar.theory.params import mfu
 from minipar.theory.planner import plan
@@ -263,11 +264,12 @@ def _cmd_memory(args) -> int:
     checks.positive("microbatch-size", args.microbatch_size)
     checks.positive("microbatches", args.microbatches)
     checks.layout(cfg, args.dp, args.pp, args.tp, args.virtual, args.sp)
-    mem = memory_breakdown(cfg, args.dp, args.pp, args.tp, args.zero, args.dtype,
-                           args.optimizer, args.microbatch_size, args.microbatches,
-                           args.schedule, args.sp, args.recompute, params=args.params,
-                           virtual=args.virtual, accounting=args.accounting, cp=args.cp,
-                           offload=args.offload, ep=args.ep)
+    layout = Layout(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep,
+                    zero=args.zero, microbatch_size=args.microbatch_size,
+                    microbatches=args.microbatches, schedule=args.schedule,
+                    virtual=args.virtual, sp=args.sp, recompute=args.recompute,
+                    offload=args.offload, dtype=args.dtype, optimizer=args.optimizer)
+    mem = memory_breakdown(cfg, layout, params=args.params, accounting=args.accounting)
     what = _model_label(args) if cfg is not None else f"{args.params:,} parameters"
     cp = f" cp={args.cp}" if args.cp > 1 else ""
     cp += f" ep={args.ep}" if args.ep > 1 else ""
@@ -327,20 +329,19 @@ def _cmd_plan(args) -> int:
               f"; {rates}")
     result = plan(cfg, where, args.batch, offload=args.offload,
                   memory_margin=args.memory_margin)
-    batch = result.global_batch
     model_flags = _model_flags(args)
     print(f"{'#':>3}  {'layout':<60} {'step s':>9} {'MFU':>6} {'GiB/GPU':>8}")
-    for i, lay in enumerate(result.layouts[: args.top]):
-        print(f"{i + 1:>3}  {lay.label():<60} {lay.step_time:>9.3g} {lay.mfu:>6.1%} "
-              f"{lay.memory['process'] / 2**30:>8.1f}")
-        print(f"     {lay.command(args.model, batch)}{model_flags}")
+    for i, est in enumerate(result.layouts[: args.top]):
+        print(f"{i + 1:>3}  {est.layout.label():<60} {est.step_time:>9.3g} {est.mfu:>6.1%} "
+              f"{est.memory['process'] / 2**30:>8.1f}")
+        print(f"     {est.layout.command(args.model)}{model_flags}")
     print(f"(GiB/GPU: what the card holds, the allocator's reserve and the runtime included; "
           f"a layout fits within {1 - args.memory_margin:.0%} of the card's "
           f"{where.gpu_memory / 2**30:.1f} GiB: --memory-margin {args.memory_margin})")
     print()
     print(result.why())
     _write_json(args.json, {"best": result.best.to_dict() if result.best else None,
-                            "layouts": [{**x.to_dict(), "command": x.command(args.model, batch)
+                            "layouts": [{**x.to_dict(), "command": x.layout.command(args.model)
                                          + model_flags} for x in result.layouts[: args.top]],
                             "rejected": dict(result.rejected), "why": result.why()})
     return 0

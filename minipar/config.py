@@ -30,6 +30,7 @@ from minipar.parallel.fp8 import check_fp8
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
+from minipar.theory.layout import Layout
 from minipar.theory.memory import card_bytes, memory_per_stage
 from minipar.theory.planner import plan
 
@@ -171,6 +172,19 @@ class TrainConfig:
         """``dp=2 x pp=2 x tp=2`` (and ``x cp=C`` when cp > 1)."""
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
         return f"dp={self.dp} x pp={self.pp} x tp={self.tp}{cp}"
+
+    def layout(self) -> Layout:
+        """What the theory prices of this run (``theory.layout.Layout``): its sizes, ZeRO
+        stage, batch split (a micro-batch is batch / (dp x microbatches) sequences),
+        schedule, recomputation, offload and precision."""
+        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep,
+                      zero=self.zero, microbatch_size=max(1, self.batch_size
+                                                          // (self.dp * self.microbatches)),
+                      microbatches=self.microbatches, schedule=self.schedule,
+                      virtual=self.virtual, head_layers=self.head_layers, sp=self.sp,
+                      recompute=self.recompute, recompute_layers=self.recompute_layers,
+                      offload=self.offload, dtype=self.dtype, optimizer=self.optimizer,
+                      grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order)
 
     def model_config(self) -> GPTConfig:
         """The preset (``init_from``: the directory's sizes), with ``overrides``, the size
@@ -364,29 +378,20 @@ def _check_files(cfg: TrainConfig) -> None:
 
 
 def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None,
-                    device: str | None = None, **layout) -> int:
-    """Bytes a rank of ``cfg`` (with ``layout``'s fields changed) holds on its device, on
+                    device: str | None = None, **changes) -> int:
+    """Bytes a rank of ``cfg`` (with ``changes`` to its fields) holds on its device, on
     pipeline stage ``stage`` or the most loaded one: the live tensors
-    (``theory.memory.memory_per_stage``: model states by ZeRO stage, activations by
-    recompute and sp, the pipeline's micro-batches in flight, the loss workspace, the
-    optimizer's temporary; experts split by ep, the all-to-all's buffers) and what the
-    device holds beyond them (``card_bytes``: the
-    caching allocator's reserve and the runtime). The planner prices layouts with the
-    same two functions."""
-    c = {k: getattr(cfg, k) for k in ("dp", "pp", "tp", "cp", "zero", "microbatches", "sp",
-                                      "recompute", "schedule", "virtual", "offload",
-                                      "head_layers", "ep", "recompute_layers")} | layout
-    rows = memory_per_stage(model, c["dp"], c["pp"], c["tp"], c["zero"], cfg.dtype,
-                            "sgd" if cfg.optimizer == "sgd" else "adam",
-                            max(1, cfg.batch_size // (c["dp"] * c["microbatches"])),
-                            c["microbatches"], c["schedule"], c["sp"], c["recompute"],
-                            virtual=c["virtual"], accounting="fused", cp=c["cp"],
-                            offload=c["offload"], head_layers=c["head_layers"],
-                            grad_dtype=cfg.grad_dtype, ep=c["ep"],
-                            recompute_layers=c["recompute_layers"],
+    (``theory.memory.memory_per_stage`` of ``TrainConfig.layout``: model states by ZeRO
+    stage, activations by recompute and sp, the pipeline's micro-batches in flight, the
+    loss workspace, the optimizer's temporary; experts split by ep, the all-to-all's
+    buffers) and what the device holds beyond them (``card_bytes``: the caching
+    allocator's reserve and the runtime). The planner prices layouts with the same two
+    functions."""
+    layout = replace(cfg, **changes).layout()
+    rows = memory_per_stage(model, layout, accounting="fused",
                             stages=None if stage is None else [stage])
     device = device or device_for(cfg).type
-    return max(card_bytes(r, c["zero"], device, c["pp"])["process"] for r in rows)
+    return max(card_bytes(r, layout.zero, device, layout.pp)["process"] for r in rows)
 
 
 def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:
@@ -435,7 +440,7 @@ def _planned_layout(cfg: TrainConfig, model: GPTConfig, capacity: int) -> tuple 
     best = plan(model, where, cfg.batch_size, dtype=cfg.dtype).best
     if best is None:
         return None
-    flags = " ".join(best.train_flags(cfg.model, cfg.batch_size, cfg.dtype)[2:])
+    flags = " ".join(best.layout.train_flags(cfg.model)[2:])
     return flags, best.memory["process"]
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from minipar.launch import launch
 from minipar.model import get_config
+from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_breakdown
 
 
@@ -123,7 +124,8 @@ def fits_report(model: str, dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0
     allocator slack, temporary buffers: a fit with under 20% to spare is called tight.
     """
     cfg = get_config(model)
-    mem = memory_breakdown(cfg, dp, pp, tp, zero, dtype, "adamw", microbatch_size,
+    mem = memory_breakdown(cfg, Layout(dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype,
+                                       optimizer="adamw", microbatch_size=microbatch_size),
                            accounting="fused")
     ranks = dp * pp * tp
     need = mem["total"]

@@ -461,9 +461,11 @@ def score_layout(layout: dict | None, model: str, cluster: str, global_batch: in
     """Price a layout with the planner's ``evaluate``; pass when it fits ``memory_cap``
     bytes per GPU and its estimated step takes at most ``step_target`` seconds.
 
-    ``layout``: keyword arguments of ``minipar.theory.planner.evaluate`` (tp, pp, dp,
-    zero, microbatch_size, schedule, virtual, sp, recompute). ``None``: not answered yet.
+    ``layout``: fields of ``minipar.theory.layout.Layout`` (tp, pp, dp, zero,
+    microbatch_size, schedule, virtual, sp, recompute; the micro-batches follow from the
+    global batch). ``None``: not answered yet.
     """
+    from minipar.theory.layout import Layout
     from minipar.theory.planner import evaluate
 
     if layout is None:
@@ -471,15 +473,15 @@ def score_layout(layout: dict | None, model: str, cluster: str, global_batch: in
               f"a step of at most {step_target:.2f} s)")
         return None
     try:
-        lay = evaluate(model, cluster, global_batch=global_batch, **layout)
+        est = evaluate(model, cluster, Layout(**layout).with_batch(global_batch))
     except (ValueError, TypeError) as exc:
         print(f"not a layout the planner can build: {exc}")
         return {"passed": False, "error": str(exc)}
-    mem, step = lay.memory["total"], lay.step_time
+    mem, step, lay = est.memory["total"], est.step_time, est.layout
     keys = ("compute", "bubble", "tp") + (("ep",) if lay.ep > 1 else ()) + ("pp", "dp")
-    parts = ", ".join(f"{k} {lay.time[k]:.2f}" for k in keys)
+    parts = ", ".join(f"{k} {est.time[k]:.2f}" for k in keys)
     print(f"{lay.label()}\n  memory {mem / 1e9:.1f} GB per GPU (cap {memory_cap / 1e9:.0f}); "
-          f"step {step:.2f} s (target {step_target:.2f}): {parts}; MFU {lay.mfu:.0%}")
+          f"step {step:.2f} s (target {step_target:.2f}): {parts}; MFU {est.mfu:.0%}")
     ok = mem <= memory_cap and step <= step_target
     print("PASS" if ok else "not yet: " + ("over the memory cap" if mem > memory_cap
                                            else "too slow"))
@@ -498,16 +500,18 @@ def layout_puzzle() -> dict:
     """The two layouts lesson 07's puzzle starts from, priced by the planner:
     ``balanced`` (tp = pp = dp = 4, the planner's defaults otherwise) and ``favourite``
     (the planner's first choice without a cap), with ``text``: the premise as markdown."""
+    from minipar.theory.layout import Layout
     from minipar.theory.planner import evaluate, plan
 
     p = LAYOUT_PUZZLE
-    balanced = evaluate(p["model"], p["cluster"], global_batch=p["global_batch"], **BALANCED)
+    balanced = evaluate(p["model"], p["cluster"],
+                        Layout(**BALANCED).with_batch(p["global_batch"]))
     favourite = plan(p["model"], p["cluster"], p["global_batch"]).best
 
     def priced(lay) -> str:
         return f"{lay.memory['total'] / 1e9:.1f} GB and {lay.step_time:.2f} s"
-    text = (f"The balanced `{balanced.label()}` needs {priced(balanced)}; the planner's "
-            f"favourite, `{favourite.label()}`, needs {priced(favourite)}.")
+    text = (f"The balanced `{balanced.layout.label()}` needs {priced(balanced)}; the "
+            f"planner's favourite, `{favourite.layout.label()}`, needs {priced(favourite)}.")
     return {"balanced": balanced, "favourite": favourite, "text": text}
 
 
@@ -531,7 +535,7 @@ def moe_puzzle() -> dict:
     layouts = plan(p["model"], p["cluster"], p["global_batch"],
                    recomputes=("none", "selective"), schedules=("1f1b",))
     under = [lay for lay in layouts if lay.memory["total"] <= p["memory_cap"]]
-    replicated = next((lay for lay in under if lay.ep == 1), None)
+    replicated = next((lay for lay in under if lay.layout.ep == 1), None)
     return {"puzzle": p, "favourite": layouts.best, "replicated": replicated,
             "solvable": any(lay.step_time <= p["step_target"] for lay in under)}
 
@@ -593,13 +597,13 @@ def check_dp_run(run: dict, model_cfg, steps: int) -> None:
     parameter, and each step all-reduces every gradient once (plus the 8-byte loss and the
     4-byte squared gradient norm), sending the ring's 2 (N-1)/N of it."""
     from minipar.comm import wire_bytes
-    from minipar.theory import comm_volume, param_count
+    from minipar.theory import Layout, comm_volume, param_count
 
     n, rank0 = param_count(model_cfg), run["ranks"][0]
     mem = rank0["memory"]
     assert mem["params"] == mem["grads"] == 4 * n, mem
     assert mem["optimizer"] == 8 * n, mem  # two fp32 Adam moments
-    theory = comm_volume(model_cfg, dp=2, dtype="fp32")["dp"]["all_reduce"]
+    theory = comm_volume(model_cfg, Layout(dp=2, dtype="fp32"))["dp"]["all_reduce"]
     grad_bytes = (rank0["comm"]["dp"]["all_reduce"]["bytes"] - 12 * steps) // steps
     assert grad_bytes == theory["bytes"] == 4 * n, (grad_bytes, theory)
     assert theory["wire_bytes"] == wire_bytes("all_reduce", 4 * n, 2), theory
@@ -667,8 +671,7 @@ def check_tp_run(run: dict, reference: list[float], cfg) -> None:
     _same_losses(reference, run["losses"])
     mc, rank0, steps = cfg.model_config(), run["ranks"][0], cfg.steps
     assert rank0["memory"]["params"] == 4 * stage_params(mc, tp=2), rank0["memory"]
-    theory = comm_volume(mc, tp=2, dtype="fp32",
-                         microbatch_size=cfg.batch_size)["tp"]["all_reduce"]
+    theory = comm_volume(mc, cfg.layout())["tp"]["all_reduce"]  # the run's own layout
     measured = rank0["comm"]["tp"]["all_reduce"]
     assert measured["calls"] == steps * (theory["calls"] + 1), (measured, theory)
     assert measured["bytes"] == steps * (theory["bytes"] + 4), (measured, theory)
@@ -865,10 +868,9 @@ def capstone_layouts(brief: dict | None = None) -> list[dict]:
             m = 4 if pp > 1 else 1
             for zero in range(4) if dp > 1 else (0,):
                 lay = dict(dp=dp, pp=pp, tp=tp, zero=zero, sp=tp > 1, microbatches=m)
-                size = b["batch_size"] // (dp * m)
-                rows = memory_per_stage(mc, dp, pp, tp, zero, "fp32", "adam", size, m,
-                                        "1f1b", tp > 1, "none", accounting="fused")
-                vol = comm_volume(mc, dp, pp, tp, zero, "fp32", size, m, sp=tp > 1)
+                theory = capstone_config(lay, b).layout()  # what the theory prices
+                rows = memory_per_stage(mc, theory, accounting="fused")
+                vol = comm_volume(mc, theory)
                 wire = {g: sum(v["wire_bytes"] for v in ops.values()) for g, ops in vol.items()}
                 out.append({"layout": lay, "memory": max(r["total"] for r in rows),
                             "wire": wire, "bubble": bubble_fraction_formula("1f1b", pp, m)})
@@ -945,13 +947,10 @@ def reconcile(run: dict, predicted: dict, trace: dict) -> list[dict]:
     from minipar.theory.memory import memory_per_stage
 
     lay = predicted["layout"]
-    mc = capstone_config(lay).model_config()
-    size = run["config"]["batch_size"] // (lay["dp"] * lay["microbatches"])
-    stages = memory_per_stage(mc, lay["dp"], lay["pp"], lay["tp"], lay["zero"], "fp32", "adam",
-                              size, lay["microbatches"], "1f1b", lay["sp"], "none",
-                              accounting="fused")
-    vol = comm_volume(mc, lay["dp"], lay["pp"], lay["tp"], lay["zero"], "fp32", size,
-                      lay["microbatches"], sp=lay["sp"])
+    cfg = capstone_config(lay)
+    mc, theory = cfg.model_config(), cfg.layout()
+    stages = memory_per_stage(mc, theory, accounting="fused")
+    vol = comm_volume(mc, theory)
     sent = step_wire_bytes(trace, {"dp": lay["dp"], "pp": lay["pp"], "tp": lay["tp"]})
     rank0 = run["ranks"][0]
     rows = [{"what": f"rank 0 {part}", "predicted": stages[0][part],

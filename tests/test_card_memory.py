@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 
 from minipar.theory.clusters import cluster
+from minipar.theory.layout import Layout
 from minipar.theory.memory import MEMORY_MARGIN
 from minipar.theory.planner import evaluate, plan
 
@@ -51,11 +52,12 @@ def _rows(pattern: str = "card-memory-4xH100-*.json",
             f = _flags(row["command"])
             dp, pp, tp, cp = (int(f.get(k, 1)) for k in ("dp", "pp", "tp", "cp"))
             m, batch = int(f["microbatches"]), int(f["batch-size"])
-            lay = evaluate(f["model"], H100, tp, pp, dp, int(f["zero"]), batch // (dp * m),
-                           batch, f.get("schedule", "1f1b"), int(f.get("virtual", 1)),
-                           bool(f.get("sp")), f.get("recompute", "none"), cp=cp,
-                           offload=bool(f.get("offload")),
-                           head_layers=int(f.get("head-layers", 0)))
+            lay = evaluate(f["model"], H100, Layout(
+                dp=dp, pp=pp, tp=tp, cp=cp, zero=int(f["zero"]), microbatch_size=batch // (dp * m),
+                microbatches=m, schedule=f.get("schedule", "1f1b"),
+                virtual=int(f.get("virtual", 1)), head_layers=int(f.get("head-layers", 0)),
+                sp=bool(f.get("sp")), recompute=f.get("recompute", "none"),
+                offload=bool(f.get("offload"))))
             rows.append((row, lay.memory, lay.step_time))
     return rows
 
@@ -99,7 +101,7 @@ def test_the_planners_top_five_ran_at_the_predicted_step() -> None:
            if r["status"] == "ok"}
     for model, batch in (("gpt-1.3b", 32), ("gpt-6.7b", 32), ("gpt-13b", 16)):
         for lay in plan(model, H100, batch).layouts[:5]:
-            key = (model, lay.command(model, batch))
+            key = (model, lay.layout.command(model))
             assert key in ran, key  # (benchmarks/card_memory.py --skip-recorded runs it)
             row, predicted = ran[key]
             assert abs(predicted / row["step_median"] - 1) < 0.12, (key, predicted)

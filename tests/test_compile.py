@@ -25,6 +25,7 @@ from minipar.parallel.compile import CompiledBlock, apply_compile
 from minipar.parallel.pp import build_stage
 from minipar.parallel.recompute import RecomputedBlock, apply_recompute
 from minipar.parity import TOLERANCES, compare, final_parameters
+from minipar.theory.layout import Layout
 from minipar.theory.memory import stage_activations
 
 STEPS = 3
@@ -96,7 +97,7 @@ def test_recompute_layers_in_the_memory_model_and_a_run() -> None:
     """Predicted: N of 8 blocks recomputed lies linearly between none and all. Measured
     (one rank, tiny): the activations a run holds fall in the same order."""
     def predicted(**kw) -> float:
-        return stage_activations("tiny", microbatch_size=4, accounting="fused", **kw)
+        return stage_activations("tiny", Layout(microbatch_size=4, **kw), accounting="fused")
     none, full = predicted(), predicted(recompute="full")
     half = predicted(recompute="full", recompute_layers=4)
     assert predicted(recompute="full", recompute_layers=8) == full

@@ -57,6 +57,7 @@ from minipar.parallel.fp8 import (
 from minipar.parallel.zero import Zero3, gather
 from minipar.parity import Tolerance, compare, final_parameters
 from minipar.theory.comm_volume import comm_volume, float8_gathered
+from minipar.theory.layout import Layout
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = Tolerance(loss=2e-3, grad_rel=3e-2, param=1.3e-2)
@@ -320,7 +321,7 @@ def test_zero3_float8_gathers_move_the_predicted_bytes() -> None:
                                 fp8_emulate=recipe is not None, timeout=240))
         counted[recipe] = {op: {k: v // steps for k, v in x.items() if k != "seconds"}
                            for op, x in run["ranks"][0]["comm"]["dp"].items()}
-        want = comm_volume("tiny", dp=dp, zero=3, dtype="bf16", fp8=recipe)["dp"]
+        want = comm_volume("tiny", Layout(dp=dp, zero=3, dtype="bf16", fp8=recipe))["dp"]
         assert counted[recipe]["all_gather"]["bytes"] == want["all_gather"]["bytes"], recipe
     bf16, f8 = counted[None], counted["tensorwise"]
     elements, matrices = float8_gathered("tiny")

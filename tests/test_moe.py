@@ -32,6 +32,7 @@ from minipar.mesh import Mesh
 from minipar.model import GPT, MoE, get_config, load_balancing_loss, route
 from minipar.parity import TOLERANCES, compare, final_parameters, run_grad_norms
 from minipar.theory.clusters import get_cluster
+from minipar.theory.layout import Layout
 from minipar.theory.memory import RESERVE_FIT, RESERVE_GRAD_SHARE, memory_per_stage
 from minipar.theory.moe import all_to_all_bytes, dropped_share, moe_flops_per_token, moe_params
 from minipar.theory.params import (
@@ -111,8 +112,8 @@ def test_zero3_shards_experts_over_their_replicas() -> None:
     assert parity.ok(FP32), parity.describe()
     model = TrainConfig(model="moe-tiny").model_config()
     got = run["ranks"][0]["memory"]["optimizer"]
-    want = memory_per_stage(model, 4, zero=3, dtype="fp32", accounting="fused",
-                            ep=2)[0]["optimizer"]
+    want = memory_per_stage(model, Layout(dp=4, zero=3, dtype="fp32", ep=2),
+                            accounting="fused")[0]["optimizer"]
     experts = 2 * 4 * stage_expert_params(model, ep=2)  # Adam: 2 fp32 moments
     assert abs(got - want) < 0.01 * experts, (got, want, experts)
 
@@ -281,9 +282,8 @@ def test_memory_prediction_holds_for_an_ep_run(capacity: float, tp: int) -> None
                       capacity_factor=capacity, measure_activations=True)
     got = train(cfg)["ranks"][0]["memory"]
     model = cfg.model_config()
-    want, whole = (memory_per_stage(model, 2, tp=tp, zero=0, dtype=cfg.dtype,
-                                    microbatch_size=cfg.batch_size // 2,
-                                    accounting="fused", ep=ep)[0] for ep in (2, 1))
+    want, whole = (memory_per_stage(model, cfg.layout().with_(ep=ep), accounting="fused")[0]
+                   for ep in (2, 1))
     for key in ("params", "grads", "optimizer"):
         assert got[key] == want[key], (key, got[key], want[key])
         assert got[key] < whole[key], key
@@ -315,18 +315,17 @@ def test_planner_enumerates_ep_and_prices_the_all_to_all() -> None:
     the theory's all-to-all bytes at the cluster's link: a calibrated all-to-all when
     given, else the all-gather's."""
     result = plan("moe-1.3b", "dgx-a100", 64, recomputes=("none",), schedules=("1f1b",))
-    eps = {(lay.ep, lay.zero) for lay in result}
+    eps = {(x.layout.ep, x.layout.zero) for x in result}
     assert {e for e, _ in eps} == {1, 2, 4, 8} and {z for e, z in eps if e > 1} == {0, 1, 2, 3}
-    assert {lay.ep for lay in plan("gpt-1.3b", "dgx-a100", 64, recomputes=("none",))} == {1}
+    assert {x.layout.ep for x in plan("gpt-1.3b", "dgx-a100", 64, recomputes=("none",))} == {1}
     where = get_cluster("dgx-a100")
-    lay = evaluate("moe-1.3b", where, 1, 1, 8, zero=1, microbatch_size=8, global_batch=64,
-                   ep=8)
+    layout = Layout(dp=8, ep=8, zero=1, microbatch_size=8)  # batch 64
+    lay = evaluate("moe-1.3b", where, layout)
     a2a = all_to_all_bytes("moe-1.3b", 8 * 2048, 8, "bf16")
     assert lay.traffic["ep"] == pytest.approx(a2a["wire_bytes"])
     assert lay.time["ep"] == pytest.approx(a2a["wire_bytes"] / where.intra_bw
                                            + a2a["calls"] * where.latency)
     slow = where.with_(links=(("all_gather", 1e-5, where.intra_bw),
                               ("all_to_all", 1e-5, where.intra_bw / 4)))
-    assert evaluate("moe-1.3b", slow, 1, 1, 8, zero=1, microbatch_size=8, global_batch=64,
-                    ep=8).time["ep"] > 3.9 * lay.time["ep"]
-    assert "--ep 8" in " ".join(lay.train_flags("moe-1.3b", 64))
+    assert evaluate("moe-1.3b", slow, layout).time["ep"] > 3.9 * lay.time["ep"]
+    assert "--ep 8" in " ".join(layout.train_flags("moe-1.3b"))

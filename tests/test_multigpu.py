@@ -226,6 +226,7 @@ def test_report_recomputes_the_memory_theory_of_the_cp_rows(monkeypatch) -> None
     from mg_cp import memory_predictions
 
     from minipar.model import get_config
+    from minipar.theory.layout import Layout
     from minipar.theory.memory import memory_breakdown
 
     gib, longer = 2 ** 30, get_config("tiny").with_(seq_len=64)
@@ -233,9 +234,9 @@ def test_report_recomputes_the_memory_theory_of_the_cp_rows(monkeypatch) -> None
                "dp2 zero3 offload": dict(dp=2, zero=3, offload=True)}
     rows = [{"name": name, "impl": "minipar", "status": "ok", "model": "tiny",
              "batch": 4, "layout": lay, "spec": {"overrides": {"seq_len": 64}},
-             "peak_gib": memory_breakdown(longer, dtype="bf16", accounting="fused",
-                                          microbatch_size=4 // lay.get("dp", 1),
-                                          **lay)["total"] / gib}
+             "peak_gib": memory_breakdown(longer, Layout(microbatch_size=4 // lay.get("dp", 1),
+                                                         **lay), accounting="fused")["total"]
+             / gib}
             for name, lay in layouts.items()]
     rows.append({"name": "torch cp2", "impl": "torch-cp", "status": "ok", "peak_gib": 1.0})
     out = {r["name"]: r for r in memory_predictions({"sections": {"cp": {"rows": rows}}})}

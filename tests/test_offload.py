@@ -296,10 +296,12 @@ def test_zero3_offload_saves_the_states_less_the_16_bit_shard_it_adds():
     """Without offload ZeRO-3's gathers cast from the fp32 master shard; with it the
     master leaves and a 16-bit device shard takes its place: the weights and optimizer
     bytes ``Zero3.memory_bytes`` reports fall by what ``theory.memory`` says."""
+    from minipar.theory.layout import Layout
     from minipar.theory.memory import memory_breakdown
 
     n = GPT(CFG).num_params()
-    theory = [memory_breakdown(params=n, dp=2, zero=3, offload=o) for o in (False, True)]
+    theory = [memory_breakdown(params=n, layout=Layout(dp=2, zero=3, offload=o))
+              for o in (False, True)]
     saved = theory[0]["total"] - theory[1]["total"]
     for base, off in launch(_zero3_both, 2, args=(torch.bfloat16, MICRO), timeout=120):
         held = [r["memory"]["params"] + r["memory"]["optimizer"] for r in (base, off)]

@@ -24,6 +24,7 @@ from minipar.engine import train, train_reference
 from minipar.parallel.pp import PipelineExecutor
 from minipar.parity import TOLERANCES, compare, run_grad_norms
 from minipar.theory.comm_volume import comm_volume
+from minipar.theory.layout import Layout
 
 STEPS = 4
 LOSS_TOL, GRAD_RTOL = TOLERANCES["fp32"].loss, TOLERANCES["fp32"].grad_rel
@@ -113,8 +114,9 @@ def test_dropout_really_drops() -> None:
 def test_tied_embeddings_across_stages_with_tp_and_recompute() -> None:
     run = assert_parity(pp=2, tp=2, schedule="interleaved", virtual=2, microbatches=2,
                         recompute="full", overrides=TIED)
-    predicted = comm_volume(TrainConfig(overrides=TIED).model_config(), pp=2, tp=2,
-                            stage=0, microbatches=2, virtual=2, dtype="fp32")["embed"]
+    predicted = comm_volume(TrainConfig(overrides=TIED).model_config(),
+                            Layout(pp=2, tp=2, microbatches=2, virtual=2, dtype="fp32"),
+                            stage=0)["embed"]
     for r in run["ranks"]:  # pp = 2: every rank is on the first or the last stage
         measured = r["comm"]["embed"]["all_reduce"]
         assert measured["calls"] == STEPS * predicted["all_reduce"]["calls"]

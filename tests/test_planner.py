@@ -12,6 +12,7 @@ import pytest
 
 from minipar.theory.clusters import CLUSTERS, cluster, get_cluster
 from minipar.theory.examples import EXAMPLES, get_model
+from minipar.theory.layout import Layout
 from minipar.theory.memory import card_bytes, memory_breakdown
 from minipar.theory.planner import TIE_SHARE, TIME_KEYS, evaluate, plan
 from minipar.theory.rates import chunk_seconds
@@ -27,14 +28,15 @@ def gpt3_plan():
 def test_every_kept_layout_is_possible(gpt3_plan):
     cfg, cl = gpt3_plan.model, gpt3_plan.cluster
     assert len(gpt3_plan) > 10
-    for lay in gpt3_plan:
-        assert lay.tp * lay.pp * lay.dp * lay.cp == cl.gpus
+    for est in gpt3_plan:
+        lay = est.layout
+        assert lay.tp * lay.pp * lay.dp * lay.cp == lay.gpus == cl.gpus
         assert lay.tp <= cl.gpus_per_node
         assert cfg.n_head % lay.tp == 0 and cfg.n_layer % lay.pp == 0
         assert lay.dp * lay.microbatch_size * lay.microbatches == gpt3_plan.global_batch
-        assert lay.memory["total"] <= 0.9 * cl.gpu_memory
-        assert lay.time["step"] == pytest.approx(sum(lay.time[k] for k in TIME_KEYS))
-        assert 0 < lay.mfu <= 0.7 + 1e-9  # cannot beat the assumed matmul efficiency
+        assert est.memory["total"] <= 0.9 * cl.gpu_memory
+        assert est.time["step"] == pytest.approx(sum(est.time[k] for k in TIME_KEYS))
+        assert 0 < est.mfu <= 0.7 + 1e-9  # cannot beat the assumed matmul efficiency
     times = [lay.step_time for lay in gpt3_plan]  # sorted, but for ties (next test)
     assert all(later >= t / (1 + TIE_SHARE) for i, t in enumerate(times)
                for later in times[i + 1:])
@@ -42,28 +44,27 @@ def test_every_kept_layout_is_possible(gpt3_plan):
 
 def test_ties_within_the_error_go_to_the_layout_that_holds_less(gpt3_plan):
     best = gpt3_plan.best
-    same_shape = [x for x in gpt3_plan if (x.tp, x.pp, x.dp, x.microbatch_size, x.schedule,
-                                           x.virtual) == (best.tp, best.pp, best.dp,
-                                                          best.microbatch_size, best.schedule,
-                                                          best.virtual)]
+
+    def shape(x: Layout) -> tuple:
+        return x.tp, x.pp, x.dp, x.microbatch_size, x.schedule, x.virtual
+    same_shape = [x for x in gpt3_plan if shape(x.layout) == shape(best.layout)]
     tied = [x for x in same_shape if x.step_time <= best.step_time * (1 + TIE_SHARE)]
     assert best.memory["process"] == min(x.memory["process"] for x in tied)
 
 
 def test_memory_is_the_theory(gpt3_plan):
-    lay = gpt3_plan.best
-    again = memory_breakdown(gpt3_plan.model, lay.dp, lay.pp, lay.tp, lay.zero, "bf16", "adam",
-                             lay.microbatch_size, lay.microbatches, lay.schedule, lay.sp,
-                             lay.recompute, virtual=lay.virtual, accounting="fused")
+    best = gpt3_plan.best
+    lay = best.layout
+    again = memory_breakdown(gpt3_plan.model, lay, accounting="fused")
     again.update(card_bytes(again, lay.zero, "cuda", lay.pp))  # the card beyond the tensors
-    assert again == lay.memory
+    assert again == best.memory
 
 
 def test_rejections_are_counted_with_reasons(gpt3_plan):
     assert gpt3_plan.rejected["does not fit in memory"] > 0
     assert gpt3_plan.rejected["tp larger than a node"] > 0
     why = gpt3_plan.why()
-    assert gpt3_plan.best.label() in why and "does not fit in memory" in why
+    assert gpt3_plan.best.layout.label() in why and "does not fit in memory" in why
     assert "mostly" in why  # names the term that makes the runner-up slower
 
 
@@ -72,10 +73,10 @@ def test_plain_tp8_pp16_without_recompute_does_not_fit():
     recomputation the first stage's activations alone (~56 GB, Korthikanti's formula)
     plus 16 bytes/param of model states overflow 80 GB."""
     ex = EXAMPLES["175b-on-1024"]
-    bare = evaluate(ex.model, ex.cluster, 8, 16, 8, 0, 1, ex.global_batch,
-                    accounting="korthikanti")
-    helped = evaluate(ex.model, ex.cluster, 8, 16, 8, 1, 1, ex.global_batch, sp=True,
-                      recompute="selective", accounting="korthikanti")
+    bare = ex.layout.with_(microbatches=ex.global_batch // ex.layout.dp)
+    helped = bare.with_(zero=1, sp=True, recompute="selective")
+    bare = evaluate(ex.model, ex.cluster, bare, accounting="korthikanti")
+    helped = evaluate(ex.model, ex.cluster, helped, accounting="korthikanti")
     assert not bare.fits and helped.fits
 
 
@@ -83,16 +84,16 @@ def test_one_point_three_b_on_8_gpus_is_data_parallel():
     # the syllabus's answer: the model fits on one GPU, so use all 8 for data
     ex = EXAMPLES["1.3b-on-8"]
     best = plan(ex.model, ex.cluster, ex.global_batch).best
-    assert (best.tp, best.pp, best.dp) == (1, 1, 8)
+    assert (best.layout.tp, best.layout.pp, best.layout.dp) == (1, 1, 8)
 
 
 def test_syllabus_1t_layout_is_rejected():
     ex = EXAMPLES["1t-on-4096"]
-    assert ex.layout["tp"] > ex.cluster.gpus_per_node
+    assert ex.layout.tp > ex.cluster.gpus_per_node
     result = plan(ex.model, ex.cluster, ex.global_batch, zero_stages=(1,),
                   recomputes=("selective",), schedules=("1f1b",))
     assert "tp=16 > 8" in result.examples["tp larger than a node"]
-    assert result.best.tp <= 8
+    assert result.best.layout.tp <= 8
 
 
 def test_nothing_fits_is_explained():
@@ -103,9 +104,10 @@ def test_nothing_fits_is_explained():
 
 def test_faster_network_never_slows_a_layout():
     ex = EXAMPLES["13b-on-64"]
-    slow = evaluate(ex.model, ex.cluster, 2, 4, 8, 1, 1, ex.global_batch)
+    lay = Layout(tp=2, pp=4, dp=8, zero=1, microbatches=ex.global_batch // 8)
+    slow = evaluate(ex.model, ex.cluster, lay)
     gpu = ex.cluster.gpu.__class__(**{**ex.cluster.gpu.__dict__, "network": 100e9})
-    fast = evaluate(ex.model, ex.cluster.with_(gpu=gpu), 2, 4, 8, 1, 1, ex.global_batch)
+    fast = evaluate(ex.model, ex.cluster.with_(gpu=gpu), lay)
     assert fast.step_time < slow.step_time
     assert fast.time["compute"] == slow.time["compute"]
 
@@ -116,10 +118,11 @@ def test_more_microbatches_shrink_the_bubble():
     their forward + backward. The closed form's compute x (p-1)/m charged those at the
     last stage's pace, the head twice (4 x H200, gpt-1.3b pp 4: +15% over measured)."""
     ex = EXAMPLES["13b-on-64"]
-    few = evaluate(ex.model, ex.cluster, 4, 4, 4, 1, 8, ex.global_batch)   # m = 32
-    many = evaluate(ex.model, ex.cluster, 4, 4, 4, 1, 1, ex.global_batch)  # m = 256
+    few = Layout(tp=4, pp=4, dp=4, zero=1, microbatch_size=8, microbatches=32)
+    many = few.with_(microbatch_size=1, microbatches=256)
+    few, many = (evaluate(ex.model, ex.cluster, lay) for lay in (few, many))
     assert many.time["bubble"] < few.time["bubble"]
-    chunks = chunk_seconds(get_model(ex.model), get_cluster(ex.cluster), 4, 4, 1, 8, "none", 0.7)
+    chunks = chunk_seconds(get_model(ex.model), get_cluster(ex.cluster), few.layout, 0.7)
     assert chunks[0] == chunks[1] == chunks[2] < chunks[3]  # 10 layers each, + the head
     assert few.time["compute"] == pytest.approx(32 * chunks[3])
     assert few.time["bubble"] == pytest.approx(3 * chunks[0])
@@ -144,9 +147,12 @@ def test_a_pipeline_is_priced_as_its_schedule_runs(schedule: str, virtual: int) 
 
     base, cl = get_model("gpt-1.3b"), cluster(4, "H100-80GB", gpus_per_node=4)
 
+    layout = Layout(pp=4, microbatch_size=2, microbatches=16, schedule=schedule,
+                    virtual=virtual)
+
     def priced(cfg, head_layers: int = 0) -> tuple[float, float]:
-        lay = evaluate(cfg, cl, 1, 4, 1, 0, 2, 32, schedule, virtual, head_layers=head_layers)
-        chunks = chunk_seconds(cfg, cl, 1, 4, 1, 2, "none", 0.7, virtual, head_layers)
+        lay = evaluate(cfg, cl, layout.with_(head_layers=head_layers))
+        chunks = chunk_seconds(cfg, cl, lay.layout, 0.7)
         timeline = simulate(make_schedule(schedule, 4, 16, virtual),
                             chunk_weight=[c / 3 for c in chunks])  # F + B = 3 units
         return lay.time["compute"] + lay.time["bubble"], bubble_stats(timeline)["step_time"]
@@ -166,21 +172,19 @@ def test_a_pipeline_is_priced_as_its_schedule_runs(schedule: str, virtual: int) 
     assert pipeline_seconds(schedule, 4, 64, virtual, odd)[1] == pytest.approx(
         bubble_stats(timeline)["step_time"])
     # memory: the split's stages (the first holds 7 layers of 24, the last 4)
-    lay = evaluate(base, cl, 1, 4, 1, 0, 2, 32, schedule, virtual, head_layers=2)
-    rows = memory_per_stage(base, pp=4, microbatch_size=2, microbatches=16,
-                            schedule=schedule, virtual=virtual, head_layers=2,
-                            accounting="fused")
-    assert lay.head_layers == 2 and "head-layers=2" in lay.label()
+    lay = evaluate(base, cl, layout.with_(head_layers=2))
+    rows = memory_per_stage(base, layout.with_(head_layers=2), accounting="fused")
+    assert "head-layers=2" in lay.layout.label()
     assert lay.memory["total"] == max(rows[0]["total"], rows[3]["total"])
 
 
 def test_tensor_parallel_inside_a_node_uses_nvlink():
     cl = CLUSTERS["a100x64"]
-    inside = evaluate("gpt-13b", cl, 8, 1, 8, 3, 1, 64)
+    inside = evaluate("gpt-13b", cl, Layout(tp=8, dp=8, zero=3, microbatches=8))
     assert inside.traffic["tp"] > 0
     assert inside.time["tp"] < inside.traffic["tp"] / cl.inter_bw  # NVLink, not network
     with pytest.raises(ValueError, match="GPUs"):
-        evaluate("gpt-13b", cl, 8, 1, 4, 0, 1, 64)
+        evaluate("gpt-13b", cl, Layout(tp=8, dp=4))
 
 
 @pytest.mark.parametrize("name", ["llama3-8b-on-8", "llama3-70b-on-64", "13b-on-64"])
@@ -191,7 +195,7 @@ def test_modern_and_syllabus_examples_plan_quickly(name):
     assert time.process_time() - t0 < 5
     assert result.best is not None
     table = render_plan(result, top=3)
-    assert result.best.label() in table and "Best:" in table
+    assert result.best.layout.label() in table and "Best:" in table
 
 
 # --- a calibrated machine: measured rates replace the data sheet's -------------------
@@ -219,9 +223,9 @@ def test_calibration_replaces_the_presets_rates(tmp_path) -> None:
     assert cal.link("all_reduce", False) == (100e9, 40e-6)
     assert cal.link("recv", False) == (50e9, 20e-6)
     assert cal.link("all_reduce", True) == (base.inter_bw, base.latency)  # not measured
-    layout = dict(tp=4, pp=1, dp=1, microbatch_size=8, global_batch=8, sp=True)
-    before = evaluate("gpt-1.3b", base, **layout)
-    after = evaluate("gpt-1.3b", cal, **layout)
+    layout = Layout(tp=4, microbatch_size=8, sp=True)
+    before = evaluate("gpt-1.3b", base, layout)
+    after = evaluate("gpt-1.3b", cal, layout)
     # compute scales with the rate; tp collectives are slower on the measured links
     assert after.time["compute"] == pytest.approx(before.time["compute"] * 989 / 500)
     assert after.time["tp"] > before.time["tp"]
@@ -249,8 +253,8 @@ def test_a_measured_block_pace_and_per_size_times_replace_the_fits() -> None:
                                  "bus_bandwidth_per_size": flat}
                             for op, row in CALIBRATION["collectives"].items()}
     cal = calibrated(cluster(4, "H100-80GB", gpus_per_node=4, measured=False), calib)
-    plain = evaluate("gpt-1.3b", cal, 4, 1, 1, microbatch_size=8, global_batch=8)
-    sp = evaluate("gpt-1.3b", cal, 4, 1, 1, microbatch_size=8, global_batch=8, sp=True)
+    plain = evaluate("gpt-1.3b", cal, Layout(tp=4, microbatch_size=8))
+    sp = evaluate("gpt-1.3b", cal, Layout(tp=4, microbatch_size=8, sp=True))
     layers = layer_flops_per_token("gpt-1.3b") * 24 * 16384 / 4 / 200e12
     head = 6 * 50304 * 2048 * 16384 / 4 / (500e12 * 0.7)
     assert plain.time["compute"] == pytest.approx(layers + head)
@@ -278,7 +282,7 @@ def test_one_slow_size_in_a_measured_curve_does_not_price_the_calls_near_it() ->
             **CALIBRATION["collectives"]["all_reduce"], "bytes": sizes,
             "bus_bandwidth_per_size": [b * 1e9 for b in bandwidths]}}}
         cal = calibrated(cluster(4, "H200-141GB", gpus_per_node=4), calib)
-        return evaluate("gpt-1.3b", cal, 4, 1, 1, microbatch_size=8, global_batch=8).time["tp"]
+        return evaluate("gpt-1.3b", cal, Layout(tp=4, microbatch_size=8)).time["tp"]
 
     noisy, clean = tp4([1.0, 258.0, 49.0, 326.0]), tp4([1.0, 258.0, 258.0, 326.0])
     assert noisy == pytest.approx(clean)
@@ -311,7 +315,8 @@ def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
     base = cluster(4, "H100-80GB", gpus_per_node=4)
     cal, old = calibrated(base, calib), calibrated(base, CALIBRATION)
     assert (old.step_s_per_param, old.accumulate_s_per_param, old.head_rates) == (0, 0, ())
-    lay = evaluate("gpt-1.3b", cal, 1, 1, 4, 0, microbatch_size=4, global_batch=32)
+    dp4 = Layout(dp=4, microbatch_size=4, microbatches=2)  # batch 32
+    lay = evaluate("gpt-1.3b", cal, dp4)
     n = lay.memory["n_params"]
     assert 1.3e9 < n < 1.35e9  # the whole model on each dp rank (tp = pp = 1)
     tokens = 4 * 2048  # per micro-batch: the head's pace halfway (in log) 100 -> 300
@@ -323,17 +328,16 @@ def test_a_measured_head_optimizer_and_accumulation_join_the_step() -> None:
     assert lay.time["compute"] == pytest.approx(2 * (blocks + hooked * 4e-12))  # m = 2
     assert lay.time["update"] == pytest.approx(n * 20e-12)
     for zero in (1, 2, 3):
-        z = evaluate("gpt-1.3b", cal, 1, 1, 4, zero, microbatch_size=4, global_batch=32)
+        z = evaluate("gpt-1.3b", cal, dp4.with_(zero=zero))
         assert z.time["update"] == pytest.approx(math.ceil(n / 4) * 20e-12)
         # (the head is the tied embedding here: hooked at every stage)
         assert z.time["compute"] == pytest.approx(2 * (blocks + hooked * 4e-12))
     untied = get_config("gpt-1.3b").with_(tie_embeddings=False)
     assert hook_params(untied, zero=3) - hook_params(untied) == 50304 * 2048  # ZeRO-3's
     # head gathers its own weight in its call: left unfused
-    off = evaluate("gpt-1.3b", cal, 1, 1, 4, 1, microbatch_size=4, global_batch=32,
-                   offload=True)
+    off = evaluate("gpt-1.3b", cal, dp4.with_(zero=1, offload=True))
     assert off.time["update"] == 0 and off.time["offload"] > 0
-    before = evaluate("gpt-1.3b", old, 1, 1, 4, 0, microbatch_size=4, global_batch=32)
+    before = evaluate("gpt-1.3b", old, dp4)
     assert before.time["update"] == 0
 
 
@@ -365,12 +369,12 @@ def test_planner_considers_context_parallelism_for_long_sequences():
 
     long = get_model("gpt-1.3b").with_(seq_len=32768)
     result = plan(long, "dgx-a100", schedules=("1f1b",), zero_stages=(1, 3))
-    cps = {lay.cp for lay in result}
+    cps = {x.layout.cp for x in result}
     assert max(cps) > 1 and all(32768 // c >= 4096 for c in cps)
     short = plan("gpt-1.3b", "dgx-a100", schedules=("1f1b",), zero_stages=(1, 3))
-    assert {lay.cp for lay in short} == {1}
-    one = memory_breakdown(long, dp=2, tp=4, zero=1)
-    two = memory_breakdown(long, dp=1, tp=4, cp=2, zero=1)
+    assert {x.layout.cp for x in short} == {1}
+    one = memory_breakdown(long, Layout(dp=2, tp=4, zero=1))
+    two = memory_breakdown(long, Layout(dp=1, tp=4, cp=2, zero=1))
     from minipar.theory.context import ring_kept_bytes
     from minipar.theory.params import stage_layers
 
@@ -378,18 +382,18 @@ def test_planner_considers_context_parallelism_for_long_sequences():
     # half the activations, plus the k|v block each layer's ring keeps for its backward
     assert two["activations"] == pytest.approx(one["activations"] / 2 + kept, rel=1e-6)
     assert two["optimizer"] == one["optimizer"]  # ZeRO shards over dp x cp = 2 either way
-    lay = evaluate(long, "dgx-a100", tp=4, pp=1, dp=1, cp=2, zero=1)
-    assert lay.traffic["cp"] > 0 and "cp=2" in lay.label()
+    lay = evaluate(long, "dgx-a100", Layout(tp=4, cp=2, zero=1, microbatches=8))
+    assert lay.traffic["cp"] > 0 and "cp=2" in lay.layout.label()
 
 
 def test_memory_model_with_offload_moves_the_states_to_the_host():
     from minipar.theory.memory import memory_breakdown
 
-    on = memory_breakdown("gpt-1.3b", dp=8, zero=2, offload=True)
-    off = memory_breakdown("gpt-1.3b", dp=8, zero=2)
+    on = memory_breakdown("gpt-1.3b", Layout(dp=8, zero=2, offload=True))
+    off = memory_breakdown("gpt-1.3b", Layout(dp=8, zero=2))
     assert on["optimizer"] == 0 < off["optimizer"] and on["host"] > 0  # all 12 B moved
     assert on["total"] < off["total"]
-    fp32 = memory_breakdown("tiny", dtype="fp32", offload=True)
+    fp32 = memory_breakdown("tiny", Layout(dtype="fp32", offload=True))
     assert fp32["optimizer"] == 0  # fp32, stage 0: the master is the weights
 
 
@@ -423,12 +427,14 @@ def test_the_planner_against_gpt_13b_on_four_h100s():
     1.23 s: it hid all of ZeRO-3's traffic), with full recomputation and 1 micro-batch
     1.59-1.66 s (1.653 in h7); pp 4 ZB-H1 with 16 micro-batches ran out of 80 GB."""
     h100 = cluster(4, "H100-80GB", gpus_per_node=4)  # the card's shipped paces
-    common = dict(global_batch=16, accounting="fused")
-    m4 = evaluate("gpt-13b", h100, 1, 1, 4, 3, microbatch_size=1, **common)
-    full = evaluate("gpt-13b", h100, 1, 1, 4, 3, microbatch_size=4, recompute="full", **common)
+    dp4 = Layout(dp=4, zero=3, microbatches=4)  # batch 16
+    m4 = evaluate("gpt-13b", h100, dp4, accounting="fused")
+    full = evaluate("gpt-13b", h100, dp4.with_(microbatch_size=4, microbatches=1,
+                                               recompute="full"), accounting="fused")
     assert m4.step_time == pytest.approx(1.93, rel=0.10)
     assert full.step_time == pytest.approx(1.66, rel=0.10)
-    zb = evaluate("gpt-13b", h100, 1, 4, 1, 0, microbatch_size=1, schedule="zb", **common)
+    zb = evaluate("gpt-13b", h100, Layout(pp=4, microbatches=16, schedule="zb"),
+                  accounting="fused")
     assert not zb.fits
 
 
@@ -447,17 +453,17 @@ def test_the_planner_against_the_fused_engine_on_four_h100s():
     path = (pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
             / "calibration-4xH100-2026-11-27f2.json")
     h100 = calibrated(cluster(4, "H100-80GB", gpus_per_node=4), load_calibration(str(path)))
-    common = dict(global_batch=32, accounting="fused")
     for (schedule, v), step, gib in ((("1f1b", 1), 0.4640, 13.1),
                                      (("interleaved", 2), 0.4509, 15.6),
                                      (("zb", 1), 0.4300, 18.2)):
-        lay = evaluate("gpt-1.3b", h100, 1, 4, 1, 0, microbatch_size=2, schedule=schedule,
-                       virtual=v, **common)
+        lay = evaluate("gpt-1.3b", h100, Layout(pp=4, microbatch_size=2, microbatches=16,
+                                                schedule=schedule, virtual=v), accounting="fused")
         assert lay.step_time == pytest.approx(step, rel=0.05), schedule
         assert lay.memory["total"] / 2**30 == pytest.approx(gib, rel=0.05), schedule
     for zero, step, gib in ((0, 0.3351, 50.6), (1, 0.3242, 44.5), (2, 0.3125, 39.6),
                             (3, 0.3240, 37.1)):
-        lay = evaluate("gpt-1.3b", h100, 1, 1, 4, zero, microbatch_size=8, **common)
+        lay = evaluate("gpt-1.3b", h100, Layout(dp=4, zero=zero, microbatch_size=8),
+                       accounting="fused")
         assert lay.step_time == pytest.approx(step, rel=0.15), zero
         assert lay.memory["total"] / 2**30 == pytest.approx(gib, rel=0.05), zero
 
@@ -472,8 +478,8 @@ def test_zero_bubble_stages_hold_the_deferred_weight_gradients_inputs():
     from minipar.theory.memory import memory_per_stage
 
     for k, measured in ((0, [14.9, 13.2, 13.4, 18.2]), (2, [17.1, 15.4, 13.4, 14.1])):
-        rows = memory_per_stage("gpt-1.3b", 1, 4, 1, 0, "bf16", "adam", 2, 16, "zb",
-                                accounting="fused", head_layers=k)
+        layout = Layout(pp=4, microbatch_size=2, microbatches=16, schedule="zb", head_layers=k)
+        rows = memory_per_stage("gpt-1.3b", layout, accounting="fused")
         for row, gib in zip(rows, measured):
             assert row["total"] / 2**30 == pytest.approx(gib, rel=0.1)
 
@@ -486,12 +492,12 @@ def test_the_planner_offloads_only_what_does_not_fit_and_prices_it():
     h100 = _h100x4()
     plain = plan("gpt-13b", h100, 16, accounting="fused")
     both = plan("gpt-13b", h100, 16, accounting="fused", offload=True)
-    offloaded = [lay for lay in both if lay.offload]
-    assert offloaded and not any(lay.offload for lay in plain)
-    assert {lay.label() for lay in plain} <= {lay.label() for lay in both}
-    assert all(lay.time["offload"] > 0 and lay.fits for lay in offloaded)
-    lay = evaluate("gpt-1.3b", _h100x2(), 1, 1, 2, 1, microbatch_size=8, global_batch=16,
-                   accounting="fused", offload=True)
+    offloaded = [x for x in both if x.layout.offload]
+    assert offloaded and not any(x.layout.offload for x in plain)
+    assert {x.layout for x in plain} <= {x.layout for x in both}
+    assert all(x.time["offload"] > 0 and x.fits for x in offloaded)
+    lay = evaluate("gpt-1.3b", _h100x2(), Layout(dp=2, zero=1, microbatch_size=8,
+                                                 offload=True), accounting="fused")
     assert lay.step_time == pytest.approx(0.876, rel=0.15)
     assert lay.memory["optimizer"] == 0 and lay.memory["host"] > 0
 

@@ -8,11 +8,13 @@ exactly with what a real (tiny) model and optimizer hold.
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
 
 from minipar.comm import Comm
+from minipar.config import TrainConfig
 from minipar.data import MarkovData
 from minipar.launch import launch
 from minipar.model import GPT, PRESETS, GPTConfig
@@ -29,6 +31,7 @@ from minipar.theory.bubble import bubble_fraction_formula, peak_in_flight
 from minipar.theory.clusters import GPUS
 from minipar.theory.comm_volume import comm_volume, dp_volume, total_wire_bytes
 from minipar.theory.examples import gpt3_memory_claims
+from minipar.theory.layout import Layout
 from minipar.theory.memory import (
     edge_activations,
     inflight,
@@ -170,7 +173,7 @@ def test_zero_paper_figure_1():
     # Rajbhandari et al. 2019, Fig. 1: 7.5B parameters, N_d = 64, K = 12.
     published = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
     for zero, gb in published.items():
-        mem = memory_breakdown(params=int(7.5e9), dp=64, zero=zero, dtype="bf16")
+        mem = memory_breakdown(params=int(7.5e9), layout=Layout(dp=64, zero=zero))
         assert round(mem["total"] / GB, 1) == gb
         assert mem["activations"] == 0  # --params alone: model states only
 
@@ -181,11 +184,12 @@ def test_zero_paper_formulas_and_trillion_example():
     # GPUs with all three stages need about 16 GB of model states per GPU (16 TB / 1024).
     psi, k = 10**9, 12
     for nd in (1, 4, 16, 256):
-        got = [memory_breakdown(params=psi, dp=nd, zero=z)["total"] for z in range(4)]
+        got = [memory_breakdown(params=psi, layout=Layout(dp=nd, zero=z))["total"]
+               for z in range(4)]
         assert got == [(4 + k) * psi, 4 * psi + k * psi // nd,
                        2 * psi + (2 + k) * psi // nd, (4 + k) * psi // nd]
-    assert memory_breakdown(params=10**12, dp=1024, zero=3)["total"] / GB == pytest.approx(
-        16, rel=0.03)
+    trillion = memory_breakdown(params=10**12, layout=Layout(dp=1024, zero=3))
+    assert trillion["total"] / GB == pytest.approx(16, rel=0.03)
 
 
 def test_bytes_per_parameter():
@@ -216,7 +220,7 @@ def test_model_states_equal_a_real_run():
         "optimizer": sum(v.numel() * v.element_size() for s in opt.state.values()
                          for v in s.values() if v.dim() > 0),
     }
-    mem = memory_breakdown(TINY, dtype="fp32", optimizer="adamw")
+    mem = memory_breakdown(TINY, Layout(dtype="fp32", optimizer="adamw"))
     assert {k: mem[k] for k in held} == held
 
 
@@ -287,7 +291,8 @@ def test_pipeline_first_stage_holds_all_layers(pp):
     first = sum(edge_activations(cfg, "first", 1, 8, True).values())
 
     def layers_part(schedule, v=1):
-        total = stage_activations(cfg, pp, 8, 0, 1, m, schedule, v, True, "selective")
+        total = stage_activations(cfg, Layout(pp=pp, tp=8, microbatches=m, schedule=schedule,
+                                              virtual=v, sp=True, recompute="selective"))
         return total - first * math.ceil(inflight(schedule, pp, m, 0, v) / v)
 
     assert layers_part("1f1b") == pytest.approx(per_layer * cfg.n_layer)
@@ -324,16 +329,35 @@ def test_fused_accounting_matches_tensor_parallel_count(tp, sp):
     assert got == activation_elements_per_layer(TINY, 3, tp, sp) * 4
 
 
+def test_a_run_and_the_theory_describe_it_with_one_layout():
+    """``TrainConfig.layout`` passes on every field the two share: a field added to both
+    and not passed on keeps the ``Layout`` default, which no value below has. A
+    micro-batch is batch / (dp x micro-batches); ``with_batch`` goes the other way."""
+    shared = {f.name for f in fields(Layout)} & {f.name for f in fields(TrainConfig)}
+    assert shared == {f.name for f in fields(Layout)} - {"microbatch_size"}
+    run = dict(dp=2, pp=2, tp=2, cp=2, ep=2, zero=3, microbatches=4, schedule="interleaved",
+               virtual=2, head_layers=1, sp=True, recompute="full", recompute_layers=3,
+               offload=True, dtype="fp32", optimizer="sgd", grad_dtype="bf16",
+               order="pp-inside-dp")
+    assert set(run) == shared and all(v != getattr(Layout(), k) for k, v in run.items())
+    layout = TrainConfig(batch_size=64, **run).layout()
+    assert layout == Layout(microbatch_size=8, **run) and layout.global_batch == 64
+    assert {layout: 1}[Layout(microbatch_size=8, **run)] == 1  # frozen: a cache key
+    assert Layout(dp=2, microbatch_size=2).with_batch(16).microbatches == 4
+    with pytest.raises(ValueError, match="not divisible"):
+        Layout(dp=3).with_batch(16)
+
+
 def test_memory_breakdown_keys_and_most_loaded_stage():
-    kw = dict(dp=2, pp=4, tp=2, zero=1, microbatches=8, sp=True)
-    mem = memory_breakdown("tiny", **kw)
-    stages = memory_per_stage("tiny", **kw)
+    layout = Layout(dp=2, pp=4, tp=2, zero=1, microbatches=8, sp=True)
+    mem = memory_breakdown("tiny", layout)
+    stages = memory_per_stage("tiny", layout)
     assert mem["total"] == max(s["total"] for s in stages)
     for row in stages:
         assert row["total"] == sum(row[k] for k in ("params", "grads", "optimizer",
                                                     "activations"))
     with pytest.raises(ValueError, match="tp=3"):
-        memory_breakdown("tiny", tp=3)
+        memory_breakdown("tiny", Layout(tp=3))
 
 
 # --- communication volume ----------------------------------------------------------------
@@ -349,11 +373,12 @@ def test_zero_traffic_relative_to_data_parallel():
 
 
 def test_pipeline_traffic():
-    vol = comm_volume("tiny", pp=4, microbatch_size=2, microbatches=8, stage=1, dtype="fp32")
+    vol = comm_volume("tiny", Layout(pp=4, microbatch_size=2, microbatches=8, dtype="fp32"),
+                      stage=1)
     act = 2 * TINY.seq_len * TINY.d_model * 4
     assert vol["pp"]["send"] == {"calls": 16, "bytes": 16 * act, "wire_bytes": 16 * act}
-    first = comm_volume("tiny", pp=4, microbatches=8, stage=0, virtual=2,
-                        schedule="interleaved")
+    first = comm_volume("tiny", Layout(pp=4, microbatches=8, virtual=2, schedule="interleaved"),
+                        stage=0)
     assert first["pp"]["send"]["calls"] == 8 * (2 + 1)  # two chunks forward, one back
 
 
@@ -372,8 +397,8 @@ def _tp_comm_rank(sp, b):
 def test_tensor_parallel_traffic_equals_a_real_run(sp):
     b = 2
     measured = launch(_tp_comm_rank, 2, args=(sp, b), timeout=60)[0]
-    predicted = comm_volume(TINY.with_(n_layer=2), tp=2, dtype="fp32", microbatch_size=b,
-                            sp=sp)
+    predicted = comm_volume(TINY.with_(n_layer=2), Layout(tp=2, dtype="fp32",
+                                                          microbatch_size=b, sp=sp))
     strip = {d: {op: {k: x[k] for k in ("calls", "bytes", "wire_bytes")}
                  for op, x in ops.items()} for d, ops in measured.items()}
     assert strip == predicted
@@ -420,14 +445,14 @@ def test_fused_accounting_adds_the_loss_backward_workspace_on_the_last_stage():
     """Cross-entropy's backward holds two fp32 s x b x V gradients beside the stored
     log-softmax; the fused accounting counts them in the total, the paper's does not."""
     cfg = PRESETS["tiny"]
-    rows = memory_per_stage("tiny", pp=2, microbatch_size=3, microbatches=2,
+    rows = memory_per_stage("tiny", Layout(pp=2, microbatch_size=3, microbatches=2),
                             accounting="fused")
     assert rows[0]["loss_workspace"] == 0
     assert rows[1]["loss_workspace"] == 2 * 4 * cfg.seq_len * 3 * cfg.vocab_size
     for r in rows:
         assert r["total"] == sum(r[k] for k in ("params", "grads", "optimizer",
                                                 "activations", "loss_workspace"))
-    assert "loss_workspace" not in memory_breakdown("tiny", microbatch_size=3)
+    assert "loss_workspace" not in memory_breakdown("tiny", Layout(microbatch_size=3))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -439,9 +464,10 @@ def test_loss_workspace_of_a_cp_rank_covers_its_own_tokens(cp):
     cfg, b = PRESETS["tiny"], 3
     y = torch.zeros(b, cfg.seq_len, dtype=torch.long)
     tokens = max(shard_sequence(y, r, cp).numel() for r in range(cp))
-    row = memory_breakdown("tiny", microbatch_size=b, microbatches=2, accounting="fused",
-                           cp=cp, optimizer="sgd")  # (2: the gradients wait beside the
-    # activations; sgd: no optimizer temporary, so the backward holds the peak)
+    # (2 micro-batches: the gradients wait beside the activations; sgd: no optimizer
+    # temporary, so the backward holds the peak)
+    row = memory_breakdown("tiny", Layout(microbatch_size=b, microbatches=2, cp=cp,
+                                          optimizer="sgd"), accounting="fused")
     assert row["loss_workspace"] == 2 * 4 * tokens * cfg.vocab_size
     assert row["total"] == sum(row[k] for k in ("params", "grads", "optimizer",
                                                 "activations", "loss_workspace"))
@@ -453,9 +479,9 @@ def test_zero3_one_microbatch_holds_activations_or_gradients_not_both():
     micro-batch 4: 102.7 GiB predicted when both were counted, 90.7 now, 90.8 measured;
     dp 2 gpt-1.3b: 43.2 -> 40.7, 40.8 measured). With two micro-batches the first's
     shards are held through the second's forward: both count."""
-    kw = dict(dp=4, zero=3, microbatch_size=4, accounting="fused")
-    one = memory_per_stage("gpt-13b", microbatches=1, **kw)[0]
-    two = memory_per_stage("gpt-13b", microbatches=2, **kw)[0]
+    layout = Layout(dp=4, zero=3, microbatch_size=4)
+    one = memory_per_stage("gpt-13b", layout, accounting="fused")[0]
+    two = memory_per_stage("gpt-13b", layout.with_(microbatches=2), accounting="fused")[0]
     parts = ("params", "optimizer", "loss_workspace")
     assert one["total"] == sum(one[k] for k in parts) + max(one["grads"], one["activations"])
     assert two["total"] == sum(two[k] for k in parts) + two["grads"] + two["activations"]
@@ -469,17 +495,20 @@ def test_minipar_gradient_buffers_in_the_fused_accounting():
     Measured on 2 x H100, gpt-1.3b dp 2, 8 x 2048 a GPU: ZeRO-1 48.2 GiB (was predicted
     45.6, now 48.1); one GPU 50.6 (was 53.0, now 50.6)."""
     n = stage_params("gpt-1.3b")
-    kw = dict(microbatch_size=8, accounting="fused")
-    z1 = memory_per_stage("gpt-1.3b", dp=2, zero=1, **kw)[0]
+    one = Layout(microbatch_size=8)
+
+    def fused(layout: Layout) -> dict:
+        return memory_per_stage("gpt-1.3b", layout, accounting="fused")[0]
+    z1 = fused(one.with_(dp=2, zero=1))
     assert z1["grads"] == 4 * n
     parts = ("params", "optimizer", "loss_workspace")
     assert z1["total"] == sum(z1[k] for k in parts) + z1["grads"] + z1["activations"]
-    z0 = memory_per_stage("gpt-1.3b", **kw)[0]
+    z0 = fused(one)
     assert z0["total"] == sum(z0[k] for k in parts) + max(z0["grads"], z0["activations"])
-    z0m2 = memory_per_stage("gpt-1.3b", microbatches=2, **kw)[0]
+    z0m2 = fused(one.with_(microbatches=2))
     assert z0m2["total"] == sum(z0m2[k] for k in parts) + z0m2["grads"] + z0m2["activations"]
-    half = memory_per_stage("gpt-1.3b", dp=2, zero=1, grad_dtype="bf16", **kw)[0]
+    half = fused(one.with_(dp=2, zero=1, grad_dtype="bf16"))
     assert half["grads"] == 2 * n and half["total"] == z1["total"] - 2 * n
-    paper = memory_per_stage("gpt-1.3b", dp=2, zero=1, microbatch_size=8)[0]
+    paper = memory_per_stage("gpt-1.3b", one.with_(dp=2, zero=1))[0]
     assert paper["grads"] == 2 * n  # the paper's accounting keeps its 2 bytes
     assert abs(z1["total"] / 2**30 - 48.2) < 0.2  # the measured peak

@@ -11,6 +11,7 @@ from minipar.mesh import Mesh
 from minipar.theory.bubble import bubble_fraction_formula
 from minipar.theory.comm_volume import comm_volume, total_wire_bytes
 from minipar.theory.examples import EXAMPLES, gpt3_memory_claims
+from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_per_rank
 from minipar.theory.planner import TIME_KEYS, plan
 from minipar.viz import (
@@ -108,7 +109,7 @@ def _stacks(fig):
 
 
 def test_memory_bars_equal_the_theory():
-    rows = memory_per_rank("tiny", 2, 2, 2, zero=1, microbatches=4, sp=True)
+    rows = memory_per_rank("tiny", Layout(dp=2, pp=2, tp=2, zero=1, microbatches=4, sp=True))
     measured = [{**r, "activations": r["activations"] * 1.1} for r in rows]
     fig = memory_figure(rows, measured, unit="B", capacity=3e6)
     stacks = _stacks(fig)
@@ -129,9 +130,8 @@ def test_memory_figure_of_the_gpt3_claims():
 
 
 def test_comm_bars_equal_the_summaries():
-    kw = dict(cfg="tiny", dp=2, pp=2, tp=2, zero=1, microbatches=4, sp=True, dtype="fp32")
-    per_rank = [comm_volume(stage=s, **{k: v for k, v in kw.items() if k != "cfg"},
-                            cfg=kw["cfg"]) for s in (0, 1)]
+    layout = Layout(dp=2, pp=2, tp=2, zero=1, microbatches=4, sp=True, dtype="fp32")
+    per_rank = [comm_volume("tiny", layout, stage=s) for s in (0, 1)]
     fig = comm_figure({0: per_rank[0], 1: per_rank[1]}, theory=per_rank, unit="B")
     measured = next(t for t in fig.data if t.name == "measured")
     theory = next(t for t in fig.data if t.name == "theory")
@@ -156,8 +156,8 @@ def test_plan_figure_bars_equal_the_layouts():
 def test_figures_are_deterministic():
     builders = [lambda: mesh_figure(2, 2, 2),
                 lambda: timeline_figure(schedule_timeline("interleaved", 2, 4, 2), 2),
-                lambda: memory_figure(memory_per_rank("tiny", 2, 2, 1)),
-                lambda: comm_figure([comm_volume("tiny", dp=2)] * 2),
+                lambda: memory_figure(memory_per_rank("tiny", Layout(dp=2, pp=2))),
+                lambda: comm_figure([comm_volume("tiny", Layout(dp=2))] * 2),
                 lambda: bubble_curve_figure(4, 8)]
     for build in builders:
         a, b = build().to_json(), build().to_json()

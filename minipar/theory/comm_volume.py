@@ -58,6 +58,7 @@ from collections import defaultdict
 from minipar.comm import wire_bytes
 from minipar.model import GPTConfig
 from minipar.theory.context import ring_bytes
+from minipar.theory.layout import Layout
 from minipar.theory.memory import _ALIASES, state_bytes
 from minipar.theory.models import get_model
 from minipar.theory.params import (
@@ -125,32 +126,31 @@ def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
     return out
 
 
-def comm_volume(cfg: GPTConfig | str, dp: int = 1, pp: int = 1, tp: int = 1,
-                zero: int = 0, dtype: str = "bf16", microbatch_size: int = 1,
-                microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
-                recompute: str = "none", *, virtual: int = 1, stage: int = 0,
-                cp: int = 1, ep: int = 1, fp8: str | None = None
-                ) -> dict[str, dict[str, dict[str, int]]]:
+def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
+                stage: int = 0) -> dict[str, dict[str, dict[str, int]]]:
     """Predicted ``CommLog.summary()`` of one rank of pipeline stage ``stage`` for one
-    training step (``microbatches`` micro-batches of ``microbatch_size`` sequences).
-    ``schedule`` does not change the bytes, only when they move. With ``ep`` a rank
-    reduces E/ep experts (over dp / ep replicas: counted here with the dense part); the
-    all-to-all is ``theory.moe.all_to_all_bytes``. ``fp8``: the ``--fp8`` recipe
-    (tensorwise: ZeRO-3's float8 gathers)."""
+    training step of ``layout`` (``microbatches`` micro-batches of ``microbatch_size``
+    sequences). The schedule does not change the bytes, only when they move. With ``ep`` a
+    rank reduces E/ep experts (over dp / ep replicas: counted here with the dense part);
+    the all-to-all is ``theory.moe.all_to_all_bytes``. With ``fp8`` tensorwise, ZeRO-3
+    gathers the blocks' linear weights in float8."""
     cfg = get_model(cfg)
+    dp, pp, tp, cp, zero, dtype = (layout.dp, layout.pp, layout.tp, layout.cp, layout.zero,
+                                   layout.dtype)
+    virtual, recompute = layout.virtual, layout.recompute
     check_divisible(cfg, tp)
-    if sp and tp == 1:
-        sp = False
-    m = microbatches
+    sp = layout.sp and tp > 1  # sequence parallelism splits over the tp group
+    m = layout.microbatches
     # a cp rank holds s / cp tokens of each sequence: everything per token shrinks
-    s, b, h, v = cfg.seq_len // cp, microbatch_size, cfg.d_model, cfg.vocab_size
+    s, b, h, v = cfg.seq_len // cp, layout.microbatch_size, cfg.d_model, cfg.vocab_size
     e = 2 if _ALIASES.get(dtype, dtype) == "bf16" else 4
     first, last = stage == 0, stage == pp - 1
 
     # data parallel, for the parameters this rank holds
-    float8 = float8_gathered(cfg, pp, tp, stage, virtual) if fp8 == "tensorwise" else (0, 0)
-    out = dp_volume(stage_params(cfg, pp, tp, stage, virtual, ep=ep), dp * cp, zero, dtype, m,
-                    "dp_cp" if cp > 1 else "dp", float8)
+    float8 = (float8_gathered(cfg, pp, tp, stage, virtual) if layout.fp8 == "tensorwise"
+              else (0, 0))
+    out = dp_volume(stage_params(cfg, pp, tp, stage, virtual, ep=layout.ep), dp * cp, zero,
+                    dtype, m, "dp_cp" if cp > 1 else "dp", float8)
 
     # tensor parallel, per micro-batch: collectives of b*s*h activations
     layers = stage_layers(cfg.n_layer, pp, stage, virtual)

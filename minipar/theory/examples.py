@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minipar.theory.clusters import Cluster, cluster
+from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_breakdown
 from minipar.theory.models import MODELS, get_model
 
@@ -32,7 +33,7 @@ class Example:
     model: str
     cluster: Cluster
     global_batch: int
-    layout: dict = field(default_factory=dict)  # dp, pp, tp: the layout often proposed
+    layout: Layout | None = None  # dp, pp, tp: the layout often proposed
     source: str = ""  # the public source that settles whether that layout is a good one
     settings: dict = field(default_factory=dict)  # extra keywords for plan / evaluate
 
@@ -41,20 +42,20 @@ EXAMPLES: dict[str, Example] = {
     # Batches: GPT-3's (Brown et al. 2020, Table 2.1: 0.5M, 2M and 3.2M tokens of 2048)
     # and Narayanan et al. 2021's 3072 sequences for the 1T model.
     "1.3b-on-8": Example("gpt-1.3b", cluster(8, "A100-80GB"), 512,
-                         {"dp": 8, "pp": 1, "tp": 1},
+                         Layout(dp=8, pp=1, tp=1),
                          "data parallel only: 16 B/param x 1.3B = 21 GB of model states "
                          "(ZeRO, arXiv 1910.02054 §3.1) fits an 80 GB A100 (NVIDIA data "
                          "sheet)"),
     "13b-on-64": Example("gpt-13b", cluster(64, "A100-80GB"), 1024,
-                         {"dp": 4, "pp": 4, "tp": 4},
+                         Layout(dp=4, pp=4, tp=4),
                          "balanced 3D; Narayanan et al. 2021 (arXiv 2104.04473) §3, "
                          "takeaway 2: the smallest tp x pp that fits, dp for the rest"),
     "175b-on-1024": Example("gpt3-175b", cluster(1024, "A100-80GB"), 1536,
-                            {"dp": 8, "pp": 16, "tp": 8},
+                            Layout(dp=8, pp=16, tp=8),
                             "Narayanan et al. 2021 §3, takeaway 1: tp up to the 8 GPUs "
                             "of a server, pp across servers"),
     "1t-on-4096": Example("gpt-1t", cluster(4096, "A100-80GB"), 3072,
-                          {"dp": 8, "pp": 32, "tp": 16},
+                          Layout(dp=8, pp=32, tp=16),
                           "tp=16 crosses the 8-GPU server; Narayanan et al. 2021, Table 1: "
                           "1T trained with tp=8, pp=64 on 3072 GPUs"),
     # Current models train with fused (flash) attention: no s x s score matrices stored.
@@ -113,9 +114,9 @@ def gpt3_memory_claims() -> list[dict]:
     for label, zero, sp, rc in (("sp + selective", 0, True, "selective"),
                                 ("tp only, no recompute", 0, False, "none"),
                                 ("sp + selective, ZeRO-1", 1, True, "selective")):
-        mem = memory_breakdown(cfg, dp=8, pp=16, tp=8, zero=zero, dtype="bf16",
-                               microbatch_size=1, microbatches=1536 // 8, schedule="1f1b",
-                               sp=sp, recompute=rc)
+        mem = memory_breakdown(cfg, Layout(dp=8, pp=16, tp=8, zero=zero, dtype="bf16",
+                                           microbatch_size=1, microbatches=1536 // 8,
+                                           schedule="1f1b", sp=sp, recompute=rc))
         r = {"source": f"minipar ({label})", **{k: mem[k] for k in
              ("params", "grads", "optimizer", "activations", "total")}, "other": 0.0,
              "settled_by": "computed: minipar.theory.memory (Korthikanti et al., "

@@ -44,6 +44,7 @@ from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-expo
     loss_workspace,
 )
 from minipar.theory.context import ring_kept_bytes
+from minipar.theory.layout import Layout
 from minipar.theory.models import get_model
 from minipar.theory.offload import zero_offload_memory
 from minipar.theory.params import (
@@ -295,13 +296,8 @@ def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
     return min(m, pp - stage)
 
 
-def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
-                      microbatch_size: int = 1, microbatches: int = 1,
-                      schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
-                      recompute: str = "none", dtype: str = "bf16",
-                      accounting: str = "korthikanti", cp: int = 1,
-                      head_layers: int = 0, ep: int = 1,
-                      recompute_layers: int | None = None) -> float:
+def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: int = 0,
+                      accounting: str = "korthikanti") -> float:
     """Peak activation bytes on one rank of pipeline stage ``stage``: per-layer bytes x
     layers per chunk x chunks in flight (interleaved: chunks in flight / v, as Megatron's
     estimator; uneven chunks: their mean size), plus the embedding terms on the first
@@ -310,29 +306,30 @@ def stage_activations(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int
     buffers are ``memory_per_stage``'s). ``recompute_layers`` N: only the first N blocks
     of each chunk recompute, the rest keep everything (Megatron's partial recomputation)."""
     cfg = get_model(cfg)
-    check_divisible(cfg, tp)
+    check_divisible(cfg, layout.tp)
+    b, tp, sp, cp, dtype = (layout.microbatch_size, layout.tp, layout.sp, layout.cp,
+                            layout.dtype)
+    pp, virtual, head, schedule = layout.pp, layout.virtual, layout.head_layers, layout.schedule
 
     def per_layer(mode: str) -> float:
-        return sum(layer_activations(cfg, microbatch_size, tp, sp, mode, dtype,
-                                     accounting, cp).values())
-    chunks = inflight(schedule, pp, microbatches, stage, virtual)
-    layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers) / virtual
-    redone = layers if recompute_layers is None else min(layers, recompute_layers)
-    total = (per_layer(recompute) * redone + per_layer("none") * (layers - redone)) * chunks
-    moe = moe_layer_activations(cfg, microbatch_size, recompute, dtype, ep, tp)
+        return sum(layer_activations(cfg, b, tp, sp, mode, dtype, accounting, cp).values())
+    chunks = inflight(schedule, pp, layout.microbatches, stage, virtual)
+    layers = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
+    redone = layers if layout.recompute_layers is None else min(layers, layout.recompute_layers)
+    total = (per_layer(layout.recompute) * redone + per_layer("none") * (layers - redone)) * chunks
+    moe = moe_layer_activations(cfg, b, layout.recompute, dtype, layout.ep, tp)
     moe.pop("dispatch", None)
-    total += (sum(moe.values()) * stage_moe_layers(cfg, pp, stage, virtual, head_layers)
-              / virtual * chunks)
+    total += sum(moe.values()) * stage_moe_layers(cfg, pp, stage, virtual, head) / virtual * chunks
     fused = accounting == "fused"  # minipar's ZB-H1: s + 1 W passes pending on stage s,
     if schedule == "zb":  # each keeping its output gradients; the paper's: all in flight
-        pending = min(microbatches, stage + 1) if fused else chunks
-        total += deferred_weight_grad_bytes(cfg, microbatch_size, tp, sp, dtype) * layers * pending
+        pending = min(layout.microbatches, stage + 1) if fused else chunks
+        total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * pending
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
-        total += whole * sum(edge_activations(cfg, "first", microbatch_size, tp, sp, dtype,
+        total += whole * sum(edge_activations(cfg, "first", b, tp, sp, dtype,
                                               accounting).values())
     if stage == pp - 1:  # minipar's ZB-H1 frees the fp32 logits with B (W needs only the
-        last = edge_activations(cfg, "last", microbatch_size, tp, sp, dtype, accounting)
+        last = edge_activations(cfg, "last", b, tp, sp, dtype, accounting)
         loss = last.pop("logits (fp32, for the loss)")  # head's input): 1F1B's one
         total += whole * sum(last.values()) + (1 if schedule == "zb" and fused else whole) * loss
     return total
@@ -399,19 +396,12 @@ def card_bytes(row: dict, zero: int, device: str = "cuda", pp: int = 1) -> dict[
     return {"reserved": reserved, "process": reserved + CUDA_RUNTIME_BYTES}
 
 
-def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
-                     tp: int = 1, zero: int = 0, dtype: str = "bf16",
-                     optimizer: str = "adam", microbatch_size: int = 1,
-                     microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
-                     recompute: str = "none", *, params: int | None = None,
-                     virtual: int = 1, accounting: str = "korthikanti",
-                     stages: list[int] | None = None, cp: int = 1,
-                     offload: bool = False, head_layers: int = 0,
-                     grad_dtype: str = "fp32", ep: int = 1,
-                     recompute_layers: int | None = None) -> list[dict]:
-    """``memory_breakdown`` for each pipeline stage (or the listed ``stages``); every
-    data-, tensor- and context-parallel rank of a stage holds the same (up to ZeRO
-    padding).
+def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout(), *,
+                     params: int | None = None, accounting: str = "korthikanti",
+                     stages: list[int] | None = None) -> list[dict]:
+    """``memory_breakdown`` for each pipeline stage (or the listed ``stages``) of
+    ``layout``; every data-, tensor- and context-parallel rank of a stage holds the same
+    (up to ZeRO padding). ``memory_per_stage("gpt-13b", Layout(dp=4, zero=3))``.
 
     Context parallelism (``cp``, ``minipar.theory.context``): a rank keeps s / cp tokens
     of every sequence, so its activations divide by cp (ring attention stores no s x s
@@ -424,17 +414,20 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     optimizer states leave the device (``optimizer`` is 0), the device keeps the
     compute-dtype weights (ZeRO-3: now a 16-bit shard, which the gathers read) and the
     gradient buffers, and ``host`` counts what the host holds (``zero_offload_memory``:
-    master, its gradient, states, landing buffers). ``head_layers``: ``partition_layers``.
+    master, its gradient, states, landing buffers).
     Expert parallelism (``ep``, dividing dp): a rank holds E/ep experts of each MoE
     block, whose states ZeRO shards over dp/ep (``n_experts`` of ``n_params``), and
     ``moe_dispatch`` counts the all-to-all's buffers, live in the backward.
     """
     if cfg is None and params is None:
         raise ValueError("give a model config (or preset name) or params=N")
-    for flag, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp), ("virtual", virtual),
-                        ("ep", ep),
-                        ("microbatch-size", microbatch_size), ("microbatches", microbatches),
-                        ("params", params)):
+    dp, pp, tp, cp, ep, zero = (layout.dp, layout.pp, layout.tp, layout.cp, layout.ep,
+                                layout.zero)
+    b, m, dtype, optimizer = (layout.microbatch_size, layout.microbatches, layout.dtype,
+                              layout.optimizer)
+    for flag, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp),
+                        ("virtual", layout.virtual), ("ep", ep), ("microbatch-size", b),
+                        ("microbatches", m), ("params", params)):
         positive(flag, value)
     cfg = get_model(cfg) if cfg is not None else None
     if ep > 1 and (cfg is None or not cfg.n_expert):
@@ -452,11 +445,9 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             n, ne = math.ceil(params / (pp * tp)), 0
             act = 0.0
         else:
-            n = stage_params(cfg, pp, tp, s, virtual, head_layers, ep)
-            ne = stage_expert_params(cfg, pp, s, virtual, head_layers, ep, tp)
-            act = stage_activations(cfg, pp, tp, s, microbatch_size, microbatches, schedule,
-                                    virtual, sp, recompute, dtype, accounting, cp,
-                                    head_layers, ep, recompute_layers) / cp
+            n = stage_params(cfg, pp, tp, s, layout.virtual, layout.head_layers, ep)
+            ne = stage_expert_params(cfg, pp, s, layout.virtual, layout.head_layers, ep, tp)
+            act = stage_activations(cfg, layout, s, accounting) / cp
         shard = sharded(n, dp * cp, ne, ep)
         row = {"stage": s, "n_params": n,
                **model_states(n, dp * cp, zero, dtype, optimizer, ne, ep),
@@ -465,45 +456,40 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
             row["n_experts"] = ne
         pw = state_bytes(dtype, optimizer)[0]
         if zero == 3 and pw < 4:  # a 16-bit shard only where offload took the master away
-            row["params"], row["grads"] = (shard * pw if offload else 0), shard * 4
-        if offload:
+            row["params"], row["grads"] = (shard * pw if layout.offload else 0), shard * 4
+        if layout.offload:
             states = state_bytes("fp32", optimizer)[2]  # the moments, fp32, on the host
             row["host"] = zero_offload_memory(n, pw, states, dp * cp, zero)["host"]
             row["optimizer"] = 0  # master shard, states and step on the host
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
-            ws = loss_workspace(cfg, microbatch_size, tp, accounting, cp) if s == pp - 1 else 0
+            ws = loss_workspace(cfg, b, tp, accounting, cp) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
-            row["grads"] = _minipar_grads(row["grads"], n, shard, zero, dtype, grad_dtype,
-                                          microbatches)
+            row["grads"] = _minipar_grads(row["grads"], n, shard, zero, dtype,
+                                          layout.grad_dtype, m)
             # only ZeRO-1's full buffer lives across steps; the others are
             # made in the backward as it frees activations: one micro-batch holds the
             # larger of the two, with more the first's gradients wait through the next
             # forwards (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved within 3%)
             both = (row["grads"], row["activations"])
-            held = max(both) if zero != 1 and microbatches == 1 else sum(both)
-            moe = moe_layer_activations(cfg, microbatch_size, recompute, dtype, ep, tp)
+            held = max(both) if zero != 1 and m == 1 else sum(both)
+            moe = moe_layer_activations(cfg, b, layout.recompute, dtype, ep, tp)
             row["moe_dispatch"] = int(moe.get("dispatch", 0))
             backward = (row["params"] + row["optimizer"] + held + row["loss_workspace"]
                         + row["moe_dispatch"])
             # the step: states, the reduced gradients and the optimizer's temporary
-            row["optimizer_step"] = 0 if offload else optimizer_step_bytes(
+            row["optimizer_step"] = 0 if layout.offload else optimizer_step_bytes(
                 n, dp * cp, zero, dtype, optimizer, ne, ep)
             step = (row["params"] + row["optimizer"] + row["optimizer_step"]
-                    + (row["grads"] if zero != 2 or microbatches == 1 else shard * 4))
+                    + (row["grads"] if zero != 2 or m == 1 else shard * 4))
             row["total"] = max(backward, step)
         out.append(row)
     return out
 
 
-def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
-                     tp: int = 1, zero: int = 0, dtype: str = "bf16",
-                     optimizer: str = "adam", microbatch_size: int = 1,
-                     microbatches: int = 1, schedule: str = "1f1b", sp: bool = False,
-                     recompute: str = "none", *, params: int | None = None,
-                     virtual: int = 1, accounting: str = "korthikanti",
-                     stage: int | None = None, cp: int = 1, offload: bool = False,
-                     ep: int = 1) -> dict:
+def memory_breakdown(cfg: GPTConfig | str | None = None, layout: Layout = Layout(), *,
+                     params: int | None = None, accounting: str = "korthikanti",
+                     stage: int | None = None) -> dict:
     """Bytes on the most loaded device (or on ``stage``): keys ``params``, ``grads``,
     ``optimizer``, ``activations``, ``total``, plus ``stage`` and ``n_params``
     (and ``host`` with ``offload``: bytes in host memory, not in ``total``)
@@ -515,21 +501,18 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 
     Not counted: temporary buffers (ZeRO-3's gathered layer, communication buckets),
     the CUDA context and allocator fragmentation; keep a margin for them.
     """
-    rows = memory_per_stage(cfg, dp, pp, tp, zero, dtype, optimizer, microbatch_size,
-                            microbatches, schedule, sp, recompute, params=params,
-                            virtual=virtual, accounting=accounting, cp=cp, offload=offload,
-                            ep=ep, stages=sorted({0, pp - 1}) if stage is None else [stage])
+    stages = sorted({0, layout.pp - 1}) if stage is None else [stage]
+    rows = memory_per_stage(cfg, layout, params=params, accounting=accounting, stages=stages)
     return max(rows, key=lambda r: r["total"])
 
 
-def memory_per_rank(cfg: GPTConfig | str | None = None, dp: int = 1, pp: int = 1,
-                    tp: int = 1, *, order: str = "megatron", cp: int = 1,
-                    **kw) -> list[dict]:
-    """``memory_per_stage`` laid out over the ranks of a ``Mesh(dp, pp, tp, order)``:
-    one row per global rank, with its ``rank`` and mesh coordinates added (the shape
-    the memory figure takes, beside what each rank of a run measures)."""
-    mesh = Mesh(dp, pp, tp, order, cp=cp)
-    stages = memory_per_stage(cfg, dp, pp, tp, cp=cp, **kw)
+def memory_per_rank(cfg: GPTConfig | str | None = None, layout: Layout = Layout(), *,
+                    params: int | None = None, accounting: str = "korthikanti") -> list[dict]:
+    """``memory_per_stage`` laid out over the ranks of the layout's ``Mesh`` (its sizes
+    and rank ``order``): one row per global rank, with its ``rank`` and mesh coordinates
+    added (the shape the memory figure takes, beside what each rank of a run measures)."""
+    mesh = Mesh(layout.dp, layout.pp, layout.tp, layout.order, cp=layout.cp)
+    stages = memory_per_stage(cfg, layout, params=params, accounting=accounting)
     rows = []
     for r in range(mesh.world_size):
         c = mesh.coords(r)

@@ -1,11 +1,12 @@
 """The planner: every layout of a model on a cluster, filtered, timed, ranked, explained.
 
-A layout is a choice of tensor (tp), pipeline (pp), data (dp) and context (cp)
-parallel sizes with tp * pp * dp * cp = GPUs (cp > 1 only for sequences long enough that
-each rank keeps ``min_cp_tokens`` or more), a ZeRO stage, a micro-batch size (which
-fixes the number of micro-batches m = global batch / (dp * b)), a pipeline schedule,
-sequence parallelism and activation recomputation. The planner enumerates them, drops
-the impossible ones (with the reason), estimates the step time of the rest, sorts them.
+A layout (``theory.layout.Layout``) is a choice of tensor (tp), pipeline (pp), data (dp)
+and context (cp) parallel sizes with tp * pp * dp * cp = GPUs (cp > 1 only for sequences
+long enough that each rank keeps ``min_cp_tokens`` or more), a ZeRO stage, a micro-batch
+size (which fixes the number of micro-batches m = global batch / (dp * b)), a pipeline
+schedule, sequence parallelism and activation recomputation. The planner enumerates
+them, drops the impossible ones (with the reason), estimates (``evaluate``: an
+``Estimate``) the step time of the rest, sorts them.
 
 The step-time model is deliberately simple, so that every term can be read and argued
 with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from functools import cache, lru_cache, partial
+from functools import cache, lru_cache
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
@@ -61,6 +62,7 @@ from minipar.theory.bubble import pipeline_seconds
 from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
+from minipar.theory.layout import Layout
 from minipar.theory.memory import MEMORY_MARGIN, card_bytes, memory_per_stage
 from minipar.theory.models import get_model
 from minipar.theory.moe import all_to_all_bytes
@@ -93,70 +95,25 @@ TIE_SHARE = 0.05
 
 
 @dataclass
-class Layout:
-    """One candidate layout with its memory (bytes) and step-time estimate (seconds)."""
+class Estimate:
+    """One layout with its memory (bytes), step time (seconds) and traffic (wire bytes
+    per step, per dimension): what ``evaluate`` predicts."""
 
-    tp: int
-    pp: int
-    dp: int
-    zero: int
-    microbatch_size: int
-    microbatches: int
-    schedule: str = "1f1b"
-    virtual: int = 1
-    sp: bool = False
-    recompute: str = "none"
+    layout: Layout
     memory: dict = field(default_factory=dict)
     time: dict = field(default_factory=dict)
-    traffic: dict = field(default_factory=dict)  # wire bytes per step, per dimension
+    traffic: dict = field(default_factory=dict)
     mfu: float = 0.0
     fits: bool = True
-    cp: int = 1
-    offload: bool = False
-    head_layers: int = 0  # the last pipeline chunk's layers fewer (``partition_layers``)
-    ep: int = 1  # expert parallel: each MoE layer's experts over ep ranks of dp
 
     @property
     def step_time(self) -> float:
         return self.time.get("step", float("inf"))
 
-    def label(self) -> str:
-        sched = "" if self.pp == 1 else (
-            f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else ""))
-        extras = (" sp" if self.sp else "") + (
-            f" recompute={self.recompute}" if self.recompute != "none" else "") + (
-            f" head-layers={self.head_layers}" if self.head_layers else "")
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
-        cp += f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero} "
-                f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}"
-                + (" offload" if self.offload else ""))
-
-    def train_flags(self, model: str, global_batch: int, dtype: str = "bf16") -> list[str]:
-        """The ``python -m minipar train`` flags that run this layout, every setting the
-        planner priced (schedule, virtual stages, head layers, recompute, micro-batches)."""
-        flags = ["--model", model, "--dp", str(self.dp), "--pp", str(self.pp),
-                 "--tp", str(self.tp)]
-        flags += ["--cp", str(self.cp)] if self.cp > 1 else []
-        flags += ["--ep", str(self.ep)] if self.ep > 1 else []
-        flags += ["--zero", str(self.zero), "--microbatches", str(self.microbatches),
-                  "--batch-size", str(global_batch)]
-        if self.pp > 1:
-            flags += ["--schedule", self.schedule]
-            flags += ["--virtual", str(self.virtual)] if self.virtual > 1 else []
-            flags += ["--head-layers", str(self.head_layers)] if self.head_layers else []
-        flags += ["--sp"] if self.sp else []
-        flags += ["--recompute", self.recompute] if self.recompute != "none" else []
-        flags += ["--offload"] if self.offload else []
-        return flags + ["--dtype", dtype]
-
-    def command(self, model: str, global_batch: int, backend: str = "nccl") -> str:
-        """The command line that trains this layout on its GPUs (one rank per GPU)."""
-        return " ".join(["python -m minipar train", *self.train_flags(model, global_batch),
-                         "--backend", backend])
-
     def to_dict(self) -> dict:
-        return {**asdict(self), "step_time": self.step_time, "label": self.label()}
+        return {**asdict(self.layout), "memory": self.memory, "time": self.time,
+                "traffic": self.traffic, "mfu": self.mfu, "fits": self.fits,
+                "step_time": self.step_time, "label": self.layout.label()}
 
 
 @lru_cache(maxsize=4096)
@@ -189,64 +146,55 @@ def _comm_seconds(volume: dict, dim: str, cluster: Cluster, spans_nodes: bool,
                for op, x in volume.get(dim, {}).items())
 
 
-def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp: int,
-             zero: int = 0, microbatch_size: int = 1, global_batch: int | None = None,
-             schedule: str = "1f1b", virtual: int = 1, sp: bool = False,
-             recompute: str = "none", *, dtype: str = "bf16", optimizer: str = "adam",
+def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
              matmul_efficiency: float = 0.7, memory_margin: float = MEMORY_MARGIN,
-             accounting: str = "fused", order: str = "megatron",
-             overlap: bool = True, cp: int = 1, offload: bool = False,
-             head_layers: int = 0, ep: int = 1) -> Layout:
-    """Memory and step-time estimate of one layout (raises ValueError if it cannot be
-    built at all: sizes that do not divide). ``memory`` is the busiest stage's
+             accounting: str = "fused", overlap: bool = True) -> Estimate:
+    """Memory and step-time estimate of ``layout`` on ``cluster`` (raises ValueError if
+    it cannot be built at all: sizes that do not divide). Its global batch is dp x
+    micro-batch size x micro-batches. ``memory`` is the busiest stage's
     ``memory_per_stage`` row plus what the card holds beyond the tensors
     (``memory.card_bytes``: ``reserved``, ``process``); ``fits`` says whether ``process``
-    stays under the GPU's memory less ``memory_margin`` of it. ``head_layers``: the last
-    chunk's layers fewer (``partition_layers``); ``ep``: experts split over ep ranks of
-    dp, their all-to-all priced as the ``ep`` term."""
+    stays under the GPU's memory less ``memory_margin`` of it. Experts split over ep
+    ranks of dp have their all-to-all priced as the ``ep`` term."""
     cfg, cluster = get_model(cfg), get_cluster(cluster)
-    if tp * pp * dp * cp != cluster.gpus:
-        raise ValueError(f"tp*pp*dp*cp = {tp * pp * dp * cp} is not the cluster's "
+    if layout.gpus != cluster.gpus:
+        raise ValueError(f"tp*pp*dp*cp = {layout.gpus} is not the cluster's "
                          f"{cluster.gpus} GPUs")
-    global_batch = cluster.gpus if global_batch is None else global_batch
-    if global_batch % (dp * microbatch_size):
-        raise ValueError(f"global batch {global_batch} is not divisible by dp*b = "
-                         f"{dp}*{microbatch_size}")
-    m = global_batch // (dp * microbatch_size)
-    sp = sp and tp > 1
-    common = dict(dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype, microbatch_size=microbatch_size,
-                  microbatches=m, schedule=schedule, sp=sp, recompute=recompute)
-    mem = max(memory_per_stage(cfg, optimizer=optimizer, virtual=virtual, cp=cp,
-                               accounting=accounting, offload=offload, head_layers=head_layers,
-                               ep=ep, stages=sorted({0, pp - 1}), **common),
+    if layout.sp and layout.tp == 1:
+        layout = layout.with_(sp=False)  # sequence parallelism splits over the tp group
+    tp, pp, dp, cp, ep, zero = (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep,
+                                layout.zero)
+    m, virtual, recompute, dtype = (layout.microbatches, layout.virtual, layout.recompute,
+                                    layout.dtype)
+    global_batch = layout.global_batch
+    mem = max(memory_per_stage(cfg, layout, accounting=accounting, stages=sorted({0, pp - 1})),
               key=lambda r: r["total"])
     mem.update(card_bytes(mem, zero, "cuda", pp))
     # the busiest rank for communication: a stage with both neighbours when pp > 2
-    vol = comm_volume(cfg, virtual=virtual, stage=min(1, pp - 1), cp=cp, ep=ep, **common)
+    vol = comm_volume(cfg, layout, stage=min(1, pp - 1))
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
     if ep > 1:  # the busiest stage's MoE layers, each rank's tokens of the step
-        moe = max(stage_moe_layers(cfg, pp, s, virtual, head_layers) for s in range(pp))
+        moe = max(stage_moe_layers(cfg, pp, s, virtual, layout.head_layers) for s in range(pp))
         a2a = all_to_all_bytes(cfg, global_batch // dp * cfg.seq_len, ep, dtype,
                                recompute=recompute == "full", microbatches=m)
         share = moe / cfg.n_moe_layers
         vol["ep"] = {"all_to_all": {k: v * share for k, v in a2a.items()}}
 
-    chunks = chunk_seconds(cfg, cluster, tp, pp, cp, microbatch_size, recompute,
-                           matmul_efficiency, virtual, head_layers, zero)
-    compute, step = pipeline_seconds(schedule, pp, m, virtual, tuple(chunks))
+    chunks = chunk_seconds(cfg, cluster, layout, matmul_efficiency)
+    compute, step = pipeline_seconds(layout.schedule, pp, m, virtual, tuple(chunks))
     bubble = step - compute  # the busiest rank's idle time in the simulated schedule
     group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp, "ep": ep}  # pp: a send-recv pair
 
     def spans(dim: str) -> bool:
         n = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp, "ep": ep}[dim]
-        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, order, cluster.gpus_per_node,
-                                            cp, ep)
+        return n > 1 and _group_spans_nodes(dp, pp, tp, dim, layout.order,
+                                            cluster.gpus_per_node, cp, ep)
 
     t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d])
          * (cluster.host_bound_slowdown if d in ("tp", "cp") else 1.0)
          for d in ("tp", "ep", "cp", "pp")}
-    if sp:  # the host's cost of sp's extra launches, measured per layer
-        t["tp"] += sp_seconds(cfg, cluster, tp, pp, cp, microbatch_size, m, recompute)
+    if layout.sp:  # the host's cost of sp's extra launches, measured per layer
+        t["tp"] += sp_seconds(cfg, cluster, layout)
     fp32_grads = 2.0 if dtype == "bf16" else 1.0  # the volume counts 16-bit gradients
     dp_ops = {op: _op_seconds(op, x, cluster, spans("dp"), group["dp"], fp32_grads if op
                               in ("all_reduce", "reduce_scatter") else 1.0)
@@ -259,32 +207,31 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, tp: int, pp: int, dp:
             t["cp"] = 0.0
     n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
     t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute,
-                                   cluster.host_adam_params_per_s) if offload else 0.0
-    t["update"] = 0.0 if offload else optimizer_seconds(cluster, n, shards, zero)
+                                   cluster.host_adam_params_per_s) if layout.offload else 0.0
+    t["update"] = 0.0 if layout.offload else optimizer_seconds(cluster, n, shards, zero)
     time = {"compute": compute, "bubble": bubble, **t, "host": 0.0}
     busy = sum(time[k] for k in TIME_KEYS)
-    time["host"] = max(0.0, host_seconds(cfg, cluster, tp, pp, sp, m, virtual) - busy)
+    time["host"] = max(0.0, host_seconds(cfg, cluster, layout) - busy)
     time["step"] = busy + time["host"]
     mfu = (model_flops_per_token(cfg) * global_batch * cfg.seq_len / time["step"]
            / (cluster.gpus * cluster.peak_flops))
     traffic = {d: sum(x["wire_bytes"] for x in vol.get(d, {}).values())
                for d in ("tp", "ep", "cp", "pp", "dp")}
-    return Layout(tp, pp, dp, zero, microbatch_size, m, schedule, virtual, sp, recompute,
-                  memory=mem, time=time, traffic=traffic, mfu=mfu, cp=cp, offload=offload,
-                  fits=mem["process"] <= (1 - memory_margin) * cluster.gpu_memory,
-                  head_layers=head_layers, ep=ep)
+    return Estimate(layout, memory=mem, time=time, traffic=traffic, mfu=mfu,
+                    fits=mem["process"] <= (1 - memory_margin) * cluster.gpu_memory)
 
 
-def host_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, sp: bool, m: int,
-                 virtual: int = 1) -> float:
+def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
     """The least a step takes when the host launches every kernel: the busiest stage's
     layers times the micro-batches at the host's measured seconds per layer (twice that
     with tensor parallelism's extra kernels and collectives, 2.4 times with sp's: gpt-1.3b
     tp 4 at 8 micro-batches, docs/benchmarks.md); 0 where the host was not measured."""
     if not cluster.host_s_per_layer:
         return 0.0
+    tp, sp = layout.tp, layout.sp
     per_layer = cluster.host_s_per_layer * (1.0 if tp == 1 else 2.4 if sp else 2.0)
-    return _busiest_stage_layers(cfg.n_layer, pp, virtual) * m * per_layer
+    layers = _busiest_stage_layers(cfg.n_layer, layout.pp, layout.virtual)
+    return layers * layout.microbatches * per_layer
 
 
 @cache
@@ -318,10 +265,10 @@ class Plan:
     model: GPTConfig
     cluster: Cluster
     global_batch: int
-    layouts: list[Layout]
+    layouts: list[Estimate]
     rejected: Counter
     examples: dict[str, str]
-    smallest_misfit: Layout | None = None
+    smallest_misfit: Estimate | None = None
 
     def __len__(self) -> int:
         return len(self.layouts)
@@ -333,13 +280,13 @@ class Plan:
         return self.layouts[i]
 
     @property
-    def best(self) -> Layout | None:
+    def best(self) -> Estimate | None:
         return self.layouts[0] if self.layouts else None
 
     @property
     def time_keys(self) -> tuple[str, ...]:
         """The step-time terms to show: ``TIME_KEYS``, ``ep`` only when a layout has it."""
-        return tuple(k for k in TIME_KEYS if k != "ep" or any(x.ep > 1 for x in self))
+        return tuple(k for k in TIME_KEYS if k != "ep" or any(x.layout.ep > 1 for x in self))
 
     def why(self) -> str:
         """A short text: the winner, its time budget, and why the alternatives lose."""
@@ -355,7 +302,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
          recomputes: tuple[str, ...] = ("none", "selective", "full"),
          schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb"),
          max_microbatch_size: int = 8, sp: bool = True, min_cp_tokens: int = 4096,
-         offload: bool = False, **settings) -> Plan:
+         offload: bool = False, dtype: str = "bf16", optimizer: str = "adam",
+         order: str = "megatron", **settings) -> Plan:
     """Enumerate, filter and rank the layouts of ``cfg`` on ``cluster``.
 
     Rejected (and counted by reason): tp above the GPUs of one node (its collectives
@@ -368,8 +316,9 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     ``offload=True``: a layout that does not fit is tried again with ZeRO-Offload.
     A mixture-of-experts model: every ep (a power of two dividing dp and the experts),
     no sp or cp.
-    ``settings`` go to ``evaluate`` (dtype, optimizer, matmul_efficiency,
-    memory_margin, accounting, order, overlap).
+    Every layout trains in ``dtype`` with ``optimizer``, its ranks in ``order``;
+    ``settings`` go to ``evaluate`` (matmul_efficiency, memory_margin, accounting,
+    overlap).
     """
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     gpus = cluster.gpus
@@ -377,8 +326,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     sp = sp and not cfg.n_expert  # routing is per sequence: MoE runs take no sp or cp
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
-    layouts: list[Layout] = []
-    smallest: Layout | None = None
+    layouts: list[Estimate] = []
+    smallest: Estimate | None = None
 
     def reject(reason: str, example: str) -> None:
         rejected[reason] += 1
@@ -421,31 +370,35 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                    f"zero=3 with zb, pp={pp}")
                             continue
                         for rc, ep in ((r, e) for r in recomputes for e in _eps(cfg, dp)):
+                            # pp: stages balanced for the head
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
-                            price = partial(evaluate, cfg, cluster, tp, pp, dp, zero, b,
-                                            global_batch, schedule, v, sp and tp > 1, rc,
-                                            cp=cp, head_layers=k, ep=ep, **settings)
-                            lay = price()  # (pp: stages balanced for the head)
-                            if not lay.fits and offload:
-                                lay = price(offload=True)
-                            if lay.fits:
-                                layouts.append(lay)
+                            lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=zero,
+                                         microbatch_size=b, microbatches=m,
+                                         schedule=schedule, virtual=v, head_layers=k,
+                                         sp=sp and tp > 1, recompute=rc, dtype=dtype,
+                                         optimizer=optimizer, order=order)
+                            est = evaluate(cfg, cluster, lay, **settings)
+                            if not est.fits and offload:
+                                est = evaluate(cfg, cluster, lay.with_(offload=True),
+                                               **settings)
+                            if est.fits:
+                                layouts.append(est)
                             else:
-                                reject("does not fit in memory", lay.label())
+                                reject("does not fit in memory", est.layout.label())
                                 if (smallest is None
-                                        or lay.memory["process"] < smallest.memory["process"]):
-                                    smallest = lay
+                                        or est.memory["process"] < smallest.memory["process"]):
+                                    smallest = est
     layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["process"]))
     return Plan(cfg, cluster, global_batch, _ties_by_memory(layouts), rejected, examples,
                 smallest)
 
 
-def _ties_by_memory(layouts: list[Layout]) -> list[Layout]:
+def _ties_by_memory(layouts: list[Estimate]) -> list[Estimate]:
     """Layouts sorted by time, but a layout of the same shape as a faster one (the same
     sizes, schedule and micro-batches; ZeRO stage, recomputation or sp apart) that holds
     less memory and lies within ``TIE_SHARE`` of its time goes first: a prediction cannot
     tell them apart, and the one with room to spare is the safer answer."""
-    by_shape: dict[tuple, list[Layout]] = {}
+    by_shape: dict[tuple, list[Estimate]] = {}
     for lay in layouts:
         by_shape.setdefault(_shape(lay), []).append(lay)
     out, placed = [], set()
@@ -461,7 +414,8 @@ def _ties_by_memory(layouts: list[Layout]) -> list[Layout]:
     return out
 
 
-def _shape(lay: Layout) -> tuple:
+def _shape(est: Estimate) -> tuple:
+    lay = est.layout
     return (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.microbatch_size, lay.schedule,
             lay.virtual, lay.head_layers, lay.offload)
 
@@ -499,14 +453,14 @@ def explain(result: Plan) -> str:
         if result.smallest_misfit is not None:
             s = result.smallest_misfit
             lines.append(f"The smallest needs {_gib(s.memory['process'])} per GPU "
-                         f"({s.label()}).")
+                         f"({s.layout.label()}).")
         lines += [f"  rejected, {r}: {n} (e.g. {result.examples[r]})"
                   for r, n in result.rejected.most_common()]
         return "\n".join(lines)
     best = result.best
     t = best.time
     lines = [
-        f"Best: {best.label()}",
+        f"Best: {best.layout.label()}",
         f"  {t['step']:.3g} s per step, estimated MFU {best.mfu:.0%}, "
         f"{_gib(best.memory['process'])} of {_gib(result.cluster.gpu_memory)} per GPU.",
         "  step = " + " + ".join(f"{k} {t[k]:.3g}" for k in result.time_keys) + " s",
@@ -514,20 +468,25 @@ def explain(result: Plan) -> str:
     for reason, n in result.rejected.most_common():
         lines.append(f"  Rejected {n} layout{'s' if n != 1 else ''}: {reason} "
                      f"(e.g. {result.examples[reason]}).")
+
+    def shape(x: Estimate) -> tuple[int, int]:
+        return x.layout.tp, x.layout.pp
+
     # the best layout of each other (tp, pp) shape, and what makes it slower
-    seen = {(best.tp, best.pp)}
-    for lay in result.layouts[1:]:
-        if (lay.tp, lay.pp) in seen:
+    seen = {shape(best)}
+    for est in result.layouts[1:]:
+        if shape(est) in seen:
             continue
-        seen.add((lay.tp, lay.pp))
-        worst = max(result.time_keys, key=lambda k: lay.time[k] - best.time[k])
-        lines.append(f"  vs {lay.label()}: {lay.step_time / best.step_time - 1:+.1%} time, "
-                     f"mostly {worst} ({lay.time[worst]:.3g} s vs {best.time[worst]:.3g} s).")
+        seen.add(shape(est))
+        worst = max(result.time_keys, key=lambda k: est.time[k] - best.time[k])
+        lines.append(f"  vs {est.layout.label()}: {est.step_time / best.step_time - 1:+.1%} "
+                     f"time, mostly {worst} ({est.time[worst]:.3g} s vs "
+                     f"{best.time[worst]:.3g} s).")
         if len(seen) > 3:
             break
-    same = [x for x in result.layouts[1:] if (x.tp, x.pp) == (best.tp, best.pp)]
+    same = [x for x in result.layouts[1:] if shape(x) == shape(best)]
     if same:
         nxt = same[0]
-        lines.append(f"  Same shape, next best: {nxt.label()} "
+        lines.append(f"  Same shape, next best: {nxt.layout.label()} "
                      f"({nxt.step_time / best.step_time - 1:+.1%}).")
     return "\n".join(lines)

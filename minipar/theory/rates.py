@@ -35,6 +35,7 @@ from minipar.comm import wire_bytes
 from minipar.model import GPTConfig
 from minipar.theory.bubble import chunk_costs
 from minipar.theory.clusters import Cluster
+from minipar.theory.layout import Layout
 from minipar.theory.params import (
     head_flops_per_token,
     hook_params,
@@ -98,9 +99,8 @@ def call_seconds(curves: tuple, op: str, payload: float, group: int) -> float | 
     return wire_bytes(op, int(payload), group) / bandwidth
 
 
-def chunk_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
-                  microbatch_size: int, recompute: str, efficiency: float,
-                  virtual: int = 1, head_layers: int = 0, zero: int = 0) -> list[float]:
+def chunk_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout,
+                  efficiency: float) -> list[float]:
     """Seconds of one micro-batch's forward + backward on each of the ``pp * virtual``
     pipeline chunks (one with pp = 1): its layers (``partition_layers``) at the measured
     block pace of this micro-batch's tokens and tp share (recomputation adds its FLOPs at
@@ -110,14 +110,16 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
     the measured pace (0 without): the linear weights' are added in their GEMM, as the
     calibrated block adds its bf16 ``.grad``, so only the rest count (``hook_params``,
     which takes the ZeRO stage). ``bubble.pipeline_seconds`` runs the schedule on them."""
-    tokens = microbatch_size * cfg.seq_len // cp  # a rank's tokens per micro-batch
+    tp, pp, virtual, head = layout.tp, layout.pp, layout.virtual, layout.head_layers
+    tokens = layout.microbatch_size * cfg.seq_len // layout.cp  # a rank's tokens per micro-batch
     slow = cluster.matmul_rate * efficiency
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
     head_rate = block_flops(cluster.head_rates, cfg.d_model, tokens, tp) or slow
-    per_token = chunk_costs(cfg.n_layer, pp * virtual, layer_flops_per_token(cfg, recompute)
-                            / rate, head_flops_per_token(cfg) / head_rate, head_layers)
+    per_token = chunk_costs(cfg.n_layer, pp * virtual,
+                            layer_flops_per_token(cfg, layout.recompute) / rate,
+                            head_flops_per_token(cfg) / head_rate, head)
     acc = cluster.accumulate_s_per_param / virtual  # 0 unmeasured: skip the counting
-    accumulate = [acc and acc * hook_params(cfg, pp, tp, s, virtual, head_layers, zero)
+    accumulate = [acc and acc * hook_params(cfg, pp, tp, s, virtual, head, layout.zero)
                   for s in range(pp)]
     return [tokens / tp * t + accumulate[c % pp] for c, t in enumerate(per_token)]
 
@@ -135,11 +137,10 @@ def optimizer_seconds(cluster: Cluster, n_params: int, shards: int, zero: int) -
     return stepped_params(n_params, shards, zero) * cluster.step_s_per_param
 
 
-def sp_seconds(cfg: GPTConfig, cluster: Cluster, tp: int, pp: int, cp: int,
-               microbatch_size: int, m: int, recompute: str) -> float:
+def sp_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
     """Sequence parallelism's measured extra per layer, times the busiest stage's layers
     and micro-batches (a recomputed forward repeats its share, in FLOPs' proportion)."""
-    tokens = microbatch_size * cfg.seq_len // cp
-    extra = sp_extra_seconds(cluster.sp_extra, cfg.d_model, tokens, tp)
-    again = layer_flops_per_token(cfg, recompute) / layer_flops_per_token(cfg)
-    return extra * again * cfg.n_layer / pp * m
+    tokens = layout.microbatch_size * cfg.seq_len // layout.cp
+    extra = sp_extra_seconds(cluster.sp_extra, cfg.d_model, tokens, layout.tp)
+    again = layer_flops_per_token(cfg, layout.recompute) / layer_flops_per_token(cfg)
+    return extra * again * cfg.n_layer / layout.pp * layout.microbatches

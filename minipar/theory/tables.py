@@ -51,9 +51,9 @@ def render_plan(result: Plan, top: int = 10) -> str:
             + " ".join(f"{k:>7}" for k in result.time_keys))
     lines = [f"{result.model.n_layer}-layer model on {result.cluster.describe()}, "
              f"global batch {result.global_batch}", head]
-    for i, lay in enumerate(result.layouts[:top], 1):
-        lines.append(f"{i:>3} {lay.label():<58} {lay.step_time:>8.3g} {lay.mfu:>5.0%} "
-                     f"{fmt_bytes(lay.memory['process']):>10}  "
-                     + " ".join(f"{lay.time[k]:>7.3g}" for k in result.time_keys))
+    for i, est in enumerate(result.layouts[:top], 1):
+        lines.append(f"{i:>3} {est.layout.label():<58} {est.step_time:>8.3g} {est.mfu:>5.0%} "
+                     f"{fmt_bytes(est.memory['process']):>10}  "
+                     + " ".join(f"{est.time[k]:>7.3g}" for k in result.time_keys))
     lines += ["", result.why()]
     return "\n".join(lines)

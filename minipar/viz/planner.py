@@ -3,7 +3,7 @@
 Left: for the ``top`` layouts (fastest at the top), the estimated step time split into
 compute, bubble and the exposed communication of each dimension. Right: the memory per
 GPU of the same layouts against the GPU's capacity. Both come straight from the
-``Layout`` objects of ``minipar.theory.planner.plan``.
+``Estimate`` objects of ``minipar.theory.planner.plan``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MEMORY = {"params": "#9ECAE9", "grads": "#72B7B2", "optimizer": "#FFBF79",
 def plan_figure(result: Plan, top: int = 12) -> go.Figure:
     """Stacked step-time bars and memory bars of the ``top`` layouts of a plan."""
     lays = result.layouts[:top]
-    labels = [f"{i}. {lay.label()}" for i, lay in enumerate(lays, 1)]
+    labels = [f"{i}. {lay.layout.label()}" for i, lay in enumerate(lays, 1)]
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.62, 0.38],
                         horizontal_spacing=0.02,
                         subplot_titles=["estimated step time (s)", "memory per GPU (GB)"])

@@ -25,6 +25,7 @@ import plotly.graph_objects as go
 from minipar.parallel.schedules import make_schedule
 from minipar.theory.bubble import bubble_stats, peak_in_flight
 from minipar.theory.clusters import CLUSTERS
+from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_per_rank
 from minipar.theory.models import MODELS, get_model
 from minipar.theory.planner import plan
@@ -137,8 +138,9 @@ def pipeline_dashboard() -> Dashboard:
 
 def memory_text(model, dp, pp, tp, zero, dtype, recompute, sp, microbatches) -> str:
     """The numbers behind the memory dashboard: each term on the busiest rank."""
-    rows = memory_per_rank(get_model(model), dp, pp, tp, zero=zero, dtype=dtype,
-                           microbatches=microbatches, sp=sp, recompute=recompute)
+    rows = memory_per_rank(get_model(model), Layout(
+        dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype, microbatches=microbatches, sp=sp,
+        recompute=recompute))
     top = max(rows, key=lambda r: r["total"])
     big = top["total"] > 1e8
     scale, unit = (1e9, "GB") if big else (1e6, "MB")
@@ -151,8 +153,9 @@ def memory_text(model, dp, pp, tp, zero, dtype, recompute, sp, microbatches) -> 
 def memory_dashboard(model: str = "tiny") -> Dashboard:
     """Per-rank memory of a model under a layout, by the theory."""
     def make(model, dp, pp, tp, zero, dtype, recompute, sp, microbatches):
-        rows = memory_per_rank(get_model(model), dp, pp, tp, zero=zero, dtype=dtype,
-                               microbatches=microbatches, sp=sp, recompute=recompute)
+        rows = memory_per_rank(get_model(model), Layout(
+            dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype, microbatches=microbatches, sp=sp,
+            recompute=recompute))
         return memory_figure(rows, unit="GB" if rows[0]["total"] > 1e8 else "MB",
                              title=f"{model}: memory per rank")
     return Dashboard({"model": _pick("model", sorted(MODELS), model),

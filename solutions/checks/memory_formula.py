@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 
 from minipar.theory import memory
+from minipar.theory.layout import Layout
 
 from ..check import expect
 
@@ -48,7 +49,7 @@ def run(impl: str, timeout: float) -> str:
                            f"{got}; expected {want}",
                            "gpipe m; 1f1b min(m, p - s); zb min(m, p)")
     for model, lay in LAYOUTS:
-        want = memory.memory_breakdown(model, microbatch_size=1, **lay)
+        want = memory.memory_breakdown(model, Layout(microbatch_size=1, **lay))
         got = mod.device_memory(model, **lay)
         keys = ("stage", "params", "grads", "optimizer", "activations", "total")
         for k in keys:
