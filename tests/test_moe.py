@@ -19,17 +19,21 @@ from __future__ import annotations
 import json
 import tempfile
 from functools import cache
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import minipar.mesh as mesh_module
+import minipar.parallel.cp_plan as cp_plan
+import minipar.parallel.tp as tp_module
 import minipar.step as step_module
 from minipar.__main__ import main
 from minipar.config import TrainConfig, predicted_bytes
 from minipar.engine import train, train_reference
 from minipar.mesh import Mesh
-from minipar.model import GPT, MoE, get_config, load_balancing_loss, route
+from minipar.model import GPT, ExpertQueues, MoE, get_config, load_balancing_loss, route
+from minipar.parallel.cp import shard_sequence
 from minipar.parity import TOLERANCES, compare, final_parameters, run_grad_norms
 from minipar.theory.clusters import get_cluster
 from minipar.theory.memory import RESERVE_FIT, RESERVE_GRAD_SHARE, memory_per_stage
@@ -92,6 +96,29 @@ def test_plain_sgd_no_clipping(layout: dict) -> None:
                              f"{ref['losses']}; norms {run_grad_norms(run)} vs "
                              f"{ref['grad_norms']}")
     assert run["losses"][-1] < run["losses"][0] - 0.02, "the loss must move"
+
+
+# a sequence split over ranks: cp (zig-zag chunks) and sp (tp ranks' slices), with and
+# without ep, each with a capacity that drops tokens (decided over the whole sequence)
+SPLIT_LAYOUTS = [
+    dict(cp=2, capacity_factor=1.0, microbatches=2, **SGD),
+    dict(dp=2, ep=2, cp=2, capacity_factor=1.25, moe_top_k=1, zero=1, z_loss_coef=1e-3),
+    dict(tp=2, sp=True, capacity_factor=1.0, **SGD),
+    dict(dp=2, ep=2, tp=2, sp=True, capacity_factor=1.0, zero=3),
+    dict(cp=2, tp=2, sp=True, capacity_factor=1.0, **SGD),
+    dict(cp=2, pp=2, capacity_factor=1.0, schedule="zb", microbatches=2),
+]
+
+
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS, ids=lambda d: " ".join(
+    f"{k}={v}" for k, v in d.items() if k not in SGD))
+def test_a_sequence_split_over_ranks_routes_as_one_device(layout: dict) -> None:
+    run, parity, ref = run_and_compare(**layout)
+    assert parity.ok(FP32), (f"{layout}: {parity.describe()}; losses {run['losses']} vs "
+                             f"{ref['losses']}")
+    assert run["losses"][-1] < run["losses"][0] - 0.02, "the loss must move"
+    if layout.get("cp", 1) > 1:  # the expert ids travel over cp: k integers a token
+        assert all(r["comm"]["cp"]["all_gather"]["calls"] > 0 for r in run["ranks"])
 
 
 def test_adamw_clipped_zero1_with_z_loss_and_replicated_experts() -> None:
@@ -174,6 +201,43 @@ def test_expert_gradients_over_the_wrong_group_fail(monkeypatch, zero: int) -> N
                         property(lambda self: self.comms["dp_cp"]))
     _, broken, _ = run_and_compare(dp=2, ep=2, zero=zero, **SGD)
     assert not broken.ok(FP32), f"expert gradients summed over dp passed: {broken}"
+
+
+@pytest.mark.parametrize("split", ["cp", "sp"])
+def test_routing_by_the_rank_s_tokens_fails(monkeypatch, split: str) -> None:
+    """Each rank deciding the capacity over its own tokens (cp: its two chunks as if they
+    were the sequence; sp: the layer run on its slice alone) drops other tokens than one
+    device does: the check fails."""
+    if split == "cp":
+        monkeypatch.setattr(cp_plan.ShardQueues, "forward", ExpertQueues.forward)
+        layout = dict(cp=2, capacity_factor=1.0, **SGD)
+    else:
+        monkeypatch.setattr(tp_module.SequenceParallelMoE, "forward", MoE.forward)
+        layout = dict(tp=2, sp=True, capacity_factor=1.0, **SGD)
+    _, broken, _ = run_and_compare(**layout)
+    assert not broken.ok(FP32), f"routing per rank under {split} passed: {broken}"
+
+
+def test_shard_queues_decide_over_the_whole_sequence() -> None:
+    """``ShardQueues`` on each cp rank's zig-zag shard (the all-gather played by a stub)
+    keeps exactly the reference's assignments at that rank's positions, and returns the
+    whole sequence's ids; the rule run on the shard alone would not."""
+    torch.manual_seed(3)
+    b, s, k, n = 3, 32, 2, 8
+    expert = torch.randint(0, n, (b, s, k))
+    queues = ExpertQueues(n, k, capacity_factor=1.0)
+    want = queues(expert)[0]
+    for cp in (2, 4):
+        shards = [shard_sequence(expert, r, cp) for r in range(cp)]
+        local_rule_differs = False
+        for r in range(cp):
+            comm = SimpleNamespace(rank=r, size=cp,
+                                   all_gather=lambda x, dim, shards=shards: torch.cat(shards, dim))
+            keep, whole = cp_plan.ShardQueues(queues, comm)(shards[r])
+            assert torch.equal(keep, shard_sequence(want, r, cp))
+            assert torch.equal(whole, expert)
+            local_rule_differs |= not torch.equal(keep, queues(shards[r])[0])
+        assert local_rule_differs
 
 
 # --- the layer and the theory, in one process -------------------------------------------
