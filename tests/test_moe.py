@@ -1,17 +1,22 @@
 """Mixture of experts and expert parallelism at parity with one process, on gradients.
 
-The MoE layer (``minipar.model.MoE``) routes per sequence, so every layout routes and
-drops exactly the tokens one device does; with ``--ep`` the experts live on different
-ranks and tokens travel by all-to-all (``minipar.parallel.ep``). Each layout below is
-compared with ``train_reference`` on losses, per-step gradient norms before clipping and
-final parameters (through a checkpoint), including plain SGD without clipping; two
-mutations (the auxiliary loss not divided by the micro-batch count; expert gradients
-summed over the wrong group) must fail the check. Tolerances: ``TOLERANCES["fp32"]``.
+The MoE layer (``minipar.model.MoE``) routes per whole sequence, so every layout routes
+and drops exactly the tokens one device does: dp, pp and ep never split a sequence; cp
+decides the capacity over the gathered expert ids (``cp_plan.ShardQueues``) and sp runs
+the layer on the gathered sequence (``tp.SequenceParallelMoE``). With ``--ep`` the
+experts live on different ranks and tokens travel by all-to-all (``minipar.parallel.ep``).
+Each layout below is compared with ``train_reference`` on losses, per-step gradient
+norms before clipping and final parameters (through a checkpoint), including plain SGD
+without clipping; mutations (the auxiliary loss not divided by the micro-batch count;
+expert gradients summed over the wrong group; cp ranks routing their own chunks; the sp
+gather's gradient summed over tp) must fail the check. Tolerances: ``TOLERANCES["fp32"]``.
 Measured drift over this file's layouts (3 steps of moe-tiny, CPU/gloo): loss 9.5e-7,
-gradient norm 2.3e-7 relative, parameters 6.0e-8 (SGD) and 2.2e-6 (AdamW): inside the
-engine's bounds (2e-6, 2.5e-5, 8e-5), which are set from its own covering set. The
-auxiliary loss 2x moves the first step's gradient norm by 1.4e-3 relative, 56x the
-bound; summing expert gradients over the ep group (dp 4, ep 2) moved it by 1.7e-2.
+gradient norm 2.9e-6 relative (dp 2 ep 2 cp 2, AdamW), parameters 1.2e-7 (SGD) and
+1.4e-5 (AdamW, the same layout): inside the engine's bounds (2e-6, 2.5e-5, 8e-5), which
+are set from its own covering set. The auxiliary loss 2x moves the first step's gradient
+norm by 1.4e-3 relative, 56x the bound; summing expert gradients over the ep group (dp 4,
+ep 2) moved it by 1.7e-2; cp ranks routing their own chunks by 1.6e-2 (loss 2.9e-3); the
+sp gather's gradient summed over tp by 1.1e-1.
 """
 
 from __future__ import annotations
@@ -344,9 +349,9 @@ def test_memory_prediction_holds_for_an_ep_run(capacity: float, tp: int, sp: boo
     as measured, byte for byte (each rank holds half the experts, with tp 2 half of
     each expert's MLP); the stored activations within 15%: measured over predicted
     1.072 dropless (routing is not balanced: a rank's experts receive more than k s
-    rows), 0.988 with capacity 1; with sp (the MoE layer keeps the gathered sequence)
-    SP_RATIO, with cp 2 (a rank's half of each sequence) CP_RATIO. The prediction that
-    ignores ep (every rank with all the experts) must miss."""
+    rows), 0.988 with capacity 1; with tp 2 sp (the MoE layer keeps the gathered
+    sequence) 1.020, with cp 2 (a rank's half of each sequence) 1.022. The prediction
+    that ignores ep (every rank with all the experts) must miss."""
     cfg = TrainConfig(model="moe-tiny", dp=2, ep=2, tp=tp, sp=sp, cp=cp, steps=1,
                       timeout=240, capacity_factor=capacity, measure_activations=True)
     got = train(cfg)["ranks"][0]["memory"]
