@@ -65,6 +65,8 @@ LAYOUTS = [
                                             capacity_factor=1.0), BOTH),
     ("cp2 tp2 sp capacity1 sgd", dict(cp=2, tp=2, sp=True, capacity_factor=1.0, **SGD),
      BOTH),
+    ("pp2 tp2 sp zb capacity1", dict(pp=2, tp=2, sp=True, schedule="zb", microbatches=2,
+                                     capacity_factor=1.0), BOTH),
 ]
 
 

@@ -104,7 +104,8 @@ def test_plain_sgd_no_clipping(layout: dict) -> None:
 
 
 # a sequence split over ranks: cp (zig-zag chunks) and sp (tp ranks' slices), with and
-# without ep, each with a capacity that drops tokens (decided over the whole sequence)
+# without ep, ZeRO 1 and 3, the zero-bubble schedule (its backward in two passes), each
+# with a capacity that drops tokens (decided over the whole sequence)
 SPLIT_LAYOUTS = [
     dict(cp=2, capacity_factor=1.0, microbatches=2, **SGD),
     dict(dp=2, ep=2, cp=2, capacity_factor=1.25, moe_top_k=1, zero=1, z_loss_coef=1e-3),
@@ -112,6 +113,7 @@ SPLIT_LAYOUTS = [
     dict(dp=2, ep=2, tp=2, sp=True, capacity_factor=1.0, zero=3),
     dict(cp=2, tp=2, sp=True, capacity_factor=1.0, **SGD),
     dict(cp=2, pp=2, capacity_factor=1.0, schedule="zb", microbatches=2),
+    dict(pp=2, tp=2, sp=True, capacity_factor=1.0, schedule="zb", microbatches=2, **SGD),
 ]
 
 
