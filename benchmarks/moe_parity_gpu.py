@@ -6,10 +6,13 @@ tolerances were measured on) by ``minipar.parity.compare``: losses, per-step gra
 norms before clipping and final parameters (from a ``--save`` checkpoint), against
 ``parity.TOLERANCES``; ``audit`` names a simple factor when the gradient norm is one off.
 The layouts: expert parallelism over dp (ep 2 and 4, experts with replicas), with pp, tp
-(the experts' MLPs split too), ZeRO 0-3 and offload; dropless and with a capacity factor,
-top-1 and top-2, plain SGD without clipping among them. bf16 rows run the experts as one
-grouped GEMM (``torch._grouped_mm``), fp32 rows as a loop over experts. A row that fails
-records its error and the rest go on; the JSON is rewritten after every row.
+(the experts' MLPs split too), ZeRO 0-3 and offload; a sequence split over ranks (cp,
+tp with sp), with and without ep, where a capacity must drop the reference's tokens;
+dropless and with a capacity factor, top-1 and top-2, plain SGD without clipping among
+them. ``minipar.parity.parity_row`` runs each row as ``benchmarks/multigpu.py`` does.
+bf16 rows run the experts as one grouped GEMM (``torch._grouped_mm``), fp32 rows as a
+loop over experts. A row that fails records its error and the rest go on; the JSON is
+rewritten after every row.
 
     PYTHONPATH=. python benchmarks/moe_parity_gpu.py --out $OUT/moe_parity.json   # 2-4 GPUs
     PYTHONPATH=. python benchmarks/moe_parity_gpu.py --device cpu --out /tmp/p.json  # dry run
@@ -19,9 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import shutil
-import tempfile
 import time
 import traceback
 
@@ -31,9 +33,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 import torch  # noqa: E402
 
-from minipar.config import TrainConfig, validate  # noqa: E402
-from minipar.engine import train, train_reference  # noqa: E402
-from minipar.parity import TOLERANCES, audit, compare, final_parameters  # noqa: E402
+from minipar.config import TrainConfig  # noqa: E402
+from minipar.parity import parity_row, reference_record  # noqa: E402
 
 STEPS = 3
 SGD = dict(optimizer="sgd", grad_clip=0.0, lr=0.5, warmup=1)
@@ -41,7 +42,7 @@ MODEL_KNOBS = ("optimizer", "grad_clip", "lr", "warmup", "capacity_factor", "moe
                "z_loss_coef")
 BOTH, FP32 = ("fp32", "bf16"), ("fp32",)
 
-# (name, layout, dtypes); the world size is dp * pp * tp
+# (name, layout, dtypes); the world size is dp * pp * tp * cp
 LAYOUTS = [
     ("dp2 ep2 sgd", dict(dp=2, ep=2, microbatches=2, **SGD), BOTH),
     ("dp2 ep2 capacity1 top1 zero1", dict(dp=2, ep=2, zero=1, capacity_factor=1.0,
@@ -56,11 +57,21 @@ LAYOUTS = [
     ("dp2 ep2 tp2 zero2 sgd", dict(dp=2, ep=2, tp=2, zero=2, **SGD), BOTH),
     ("dp2 ep2 pp2 zero3 offload", dict(dp=2, ep=2, pp=2, zero=3, offload=True,
                                        microbatches=2), FP32),
+    ("cp2 capacity1 sgd", dict(cp=2, capacity_factor=1.0, microbatches=2, **SGD), BOTH),
+    ("tp2 sp capacity1 sgd", dict(tp=2, sp=True, capacity_factor=1.0, **SGD), BOTH),
+    ("dp2 ep2 cp2 capacity1.25 top1 zero1", dict(dp=2, ep=2, cp=2, capacity_factor=1.25,
+                                                 moe_top_k=1, zero=1), BOTH),
+    ("dp2 ep2 tp2 sp capacity1 zero3", dict(dp=2, ep=2, tp=2, sp=True, zero=3,
+                                            capacity_factor=1.0), BOTH),
+    ("cp2 tp2 sp capacity1 sgd", dict(cp=2, tp=2, sp=True, capacity_factor=1.0, **SGD),
+     BOTH),
+    ("pp2 tp2 sp zb capacity1", dict(pp=2, tp=2, sp=True, schedule="zb", microbatches=2,
+                                     capacity_factor=1.0), BOTH),
 ]
 
 
 def world(layout: dict) -> int:
-    return layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
+    return math.prod(layout.get(k, 1) for k in ("dp", "pp", "tp", "cp"))
 
 
 def main() -> None:
@@ -109,35 +120,19 @@ def main() -> None:
 def run_row(layout: dict, dtype: str, cuda: bool, references: dict) -> dict:
     knobs = {k: v for k, v in layout.items() if k in MODEL_KNOBS}
     key = json.dumps(knobs, sort_keys=True)
-    if key not in references:
-        ref = train_reference(TrainConfig(model="moe-tiny", steps=STEPS, **knobs))
-        references[key] = {"losses": ref["losses"], "grad_norms": ref["grad_norms"],
-                           "params": {k: v.detach().float().clone()
-                                      for k, v in ref["model"].state_dict().items()}}
-    ref = references[key]
+
+    def reference() -> dict:
+        if key not in references:
+            references[key] = reference_record(TrainConfig(model="moe-tiny", steps=STEPS,
+                                                           **knobs))
+        return references[key]
     cfg = TrainConfig(model="moe-tiny", steps=STEPS, dtype=dtype, timeout=180,
                       backend="nccl" if cuda else "gloo", **layout)
-    try:
-        validate(cfg)
-    except ValueError as e:
-        return {"status": "refused", "reason": str(e)}
-    save = tempfile.mkdtemp(prefix="minipar-moe-parity-")
-    try:
-        cfg.save = save
-        rec = train(cfg)
-        params = {k: v.cpu() for k, v in final_parameters(save).items()}
-    finally:
-        shutil.rmtree(save, ignore_errors=True)
-    p = compare(rec, ref, params, ref["params"])
-    tol = TOLERANCES[dtype]
-    sizes = {"dp": cfg.dp, "microbatches": cfg.microbatches, "pp": cfg.pp, "tp": cfg.tp}
-    a2a = [r["comm"].get("ep", {}).get("all_to_all", {}) for r in rec["ranks"]]
-    return {"status": "ok" if p.ok(tol) else "drift", "loss_diff": p.loss_diff,
-            "grad_norm_rel": p.grad_norm_rel, "param_diff": p.param_diff,
-            "grad_ratios": p.grad_ratios, "tolerance": vars(tol),
-            "audit": audit(p.grad_ratios, sizes), "losses": rec["losses"],
-            "reference_losses": ref["losses"], "brief": p.describe(),
-            "all_to_all_bytes": [a.get("bytes", 0) for a in a2a]}
+    row, rec = parity_row(cfg, reference)
+    if rec is not None:  # what each rank sent by all-to-all (ep)
+        row["all_to_all_bytes"] = [r["comm"].get("ep", {}).get("all_to_all", {})
+                                   .get("bytes", 0) for r in rec["ranks"]]
+    return row
 
 
 if __name__ == "__main__":

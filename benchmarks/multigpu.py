@@ -77,11 +77,9 @@ os.environ.update(MULTICAST_OFF)
 import argparse  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -579,8 +577,7 @@ def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
 
 
 def section_parity(run: Run) -> None:
-    from minipar.engine import train, train_reference
-    from minipar.parity import TOLERANCES, audit, compare, final_parameters
+    from minipar.parity import parity_row, reference_record
 
     s = run.sizes
     run.section("parity")["reference"] = ("engine.train_reference: one process, fp32, "
@@ -592,40 +589,17 @@ def section_parity(run: Run) -> None:
                                         "overrides") if k in fields}
         key = json.dumps(knobs, sort_keys=True)
         if key not in references:
-            ref = train_reference(TrainConfig(model=s.parity_model, steps=s.parity_steps,
-                                              batch_size=16, **knobs))
-            references[key] = {"losses": ref["losses"], "grad_norms": ref["grad_norms"],
-                               "params": {k: v.detach().float().clone() for k, v in
-                                          ref["model"].state_dict().items()}}
+            references[key] = reference_record(TrainConfig(
+                model=s.parity_model, steps=s.parity_steps, batch_size=16, **knobs))
         return references[key]
 
     for name, fields, dtypes in parity_layouts(run.n):
         for dtype in dtypes:
             def go(fields=fields, dtype=dtype) -> dict:
                 cfg = TrainConfig(model=s.parity_model, steps=s.parity_steps, batch_size=16,
-                                  dtype=dtype, backend=run.backend, **fields)
-                try:
-                    validate(cfg)
-                except ValueError as e:
-                    return {"status": "refused", "reason": str(e)}
-                ref = reference(fields)
-                save = tempfile.mkdtemp(prefix="minipar-parity-")
-                try:
-                    cfg.save, cfg.timeout = save, run.timeout(180)
-                    rec = train(cfg)
-                    params = {k: v.cpu() for k, v in final_parameters(save).items()}
-                finally:
-                    shutil.rmtree(save, ignore_errors=True)
-                p = compare(rec, ref, params, ref["params"])
-                tol = TOLERANCES[dtype]
-                layout = {"dp": cfg.dp, "microbatches": cfg.microbatches, "pp": cfg.pp,
-                          "tp": cfg.tp}
-                return {"status": "ok" if p.ok(tol) else "drift",
-                        "loss_diff": p.loss_diff, "grad_norm_rel": p.grad_norm_rel,
-                        "param_diff": p.param_diff, "grad_ratios": p.grad_ratios,
-                        "tolerance": vars(tol), "audit": audit(p.grad_ratios, layout),
-                        "losses": rec["losses"], "reference_losses": ref["losses"],
-                        "brief": p.describe()}
+                                  dtype=dtype, backend=run.backend, timeout=run.timeout(180),
+                                  **fields)
+                return parity_row(cfg, lambda: reference(fields))[0]
 
             run.row("parity", f"{name} {dtype}", go, layout=fields, dtype=dtype)
 

@@ -316,61 +316,55 @@ def route(logits: torch.Tensor, k: int, capacity: int) -> tuple[torch.Tensor, ..
     Returns (gate [b, s, k], expert [b, s, k], keep [b, s, k] bool, probs [b, s, E] fp32).
     Gates are the softmax probabilities of the chosen experts, renormalised over the k
     for k > 1 (GShard). ``capacity`` > 0: an expert takes at most that many of one
-    sequence's assignments, first choices before second ones, earlier positions first
-    (GShard's order); the rest are dropped (their tokens pass by the residual only).
+    sequence's assignments (``keep_under_capacity``); the rest are dropped (their tokens
+    pass by the residual only).
     """
     probs = logits.float().softmax(-1)
     gate, expert = probs.topk(k, dim=-1)
     if k > 1:
         gate = gate / gate.sum(-1, keepdim=True)
+    return gate, expert, keep_under_capacity(expert, logits.shape[-1], capacity), probs
+
+
+def keep_under_capacity(expert: torch.Tensor, n_expert: int, capacity: int) -> torch.Tensor:
+    """Which of a sequence's assignments ([b, s, k] expert ids) their expert keeps: each
+    expert takes at most ``capacity`` of them (0: all), first choices before second ones,
+    earlier positions first (GShard's order). [b, s, k] bool."""
     if capacity <= 0:
-        return gate, expert, torch.ones_like(expert, dtype=torch.bool), probs
-    b, s, _ = expert.shape
+        return torch.ones_like(expert, dtype=torch.bool)
+    b, s, k = expert.shape
     order = expert.transpose(1, 2).reshape(b, k * s)  # choice-major: all 1st choices first
-    onehot = F.one_hot(order, logits.shape[-1])
+    onehot = F.one_hot(order, n_expert)
     slot = (onehot.cumsum(1) * onehot).sum(-1) - 1  # place in its expert's queue
-    keep = (slot < capacity).view(b, k, s).transpose(1, 2)
-    return gate, expert, keep, probs
+    return (slot < capacity).view(b, k, s).transpose(1, 2)
 
 
 def load_balancing_loss(probs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """E * sum_i f_i P_i per sequence, averaged over sequences (Switch Transformer, Fedus
     et al. 2021, eq. 4; per sequence as DeepSeek-V3's sequence-wise balance loss, arXiv
-    2412.19437): f_i the share of the sequence's k*s assignments routed to expert i
-    (before dropping), P_i its mean router probability. 1 when perfectly balanced."""
+    2412.19437): f_i the share of the sequence's k*s assignments (``expert``) routed to
+    expert i (before dropping), P_i the mean router probability over the tokens of
+    ``probs``. 1 when perfectly balanced. ``probs`` may hold part of the sequence's
+    tokens (a context-parallel rank's): each part's loss is then the whole's f with its
+    own tokens' P, and the mean of the parts' losses is the whole's."""
     n_expert = probs.shape[-1]
     f = F.one_hot(expert.flatten(1), n_expert).float().mean(1)  # [b, E]
     return n_expert * (f * probs.mean(1)).sum(-1).mean()
 
 
-class MoE(nn.Module):
-    """A mixture-of-experts MLP (GShard, Lepikhin et al. 2020, arXiv 2006.16668; Switch
-    Transformer, Fedus et al. 2021, arXiv 2101.03961): a router (a linear map to E
-    logits) sends each token to its top-k experts; the output is the gate-weighted sum
-    of theirs.
+class ExpertQueues(nn.Module):
+    """Which assignments each expert keeps under its capacity, decided over a sequence.
 
-    Routing is decided per *sequence* (``route``): capacity, dropping and the load-
-    balancing loss look at one sequence only, and a sequence is never split over data
-    parallelism or micro-batches, so every layout routes and drops exactly as one device
-    does. Capacity per expert per sequence: ceil(capacity_factor * k * s / E), at most s; 0 is
-    dropless. The auxiliary loss (``aux_loss_coef`` x load balance + ``z_loss_coef`` x
-    the router z-loss, ST-MoE, Zoph et al. 2022, arXiv 2202.08906) is a mean over the
-    layer's sequences and tokens; it enters the gradients, not the reported loss, with
-    ``loss_scale`` as its weight (1 here; ``set_moe_loss_scale``: the micro-batch's).
-    ``last_counts`` / ``last_dropped``: the last forward's assignments per expert and
-    the dropped ones (detached, for the lessons).
+    ``forward(expert)``: the [b, s, k] expert ids of the layer's tokens -> (keep [b, s, k]
+    bool, the expert ids of the whole sequences [b, S, k], for the balance loss). Here
+    the tokens are the whole sequences. A module (without weights) so that context
+    parallelism, which gives a rank two pieces of every sequence, can put in its place
+    one that decides over the whole sequence (``parallel/cp_plan.py``).
     """
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, n_expert: int, k: int, capacity_factor: float) -> None:
         super().__init__()
-        self.n_expert, self.k = cfg.n_expert, cfg.moe_top_k
-        self.capacity_factor = cfg.capacity_factor
-        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
-        self.router = nn.Linear(cfg.d_model, cfg.n_expert, bias=False)
-        self.experts = Experts(cfg.n_expert, cfg.d_model, cfg.expert_d_ff)
-        self.loss_scale = 1.0
-        self.last_counts: torch.Tensor | None = None
-        self.last_dropped: torch.Tensor | None = None
+        self.n_expert, self.k, self.capacity_factor = n_expert, k, capacity_factor
 
     def capacity(self, seq_len: int) -> int:
         """Slots per expert for one sequence (0: dropless)."""
@@ -379,13 +373,51 @@ class MoE(nn.Module):
         # an expert takes each token of a sequence at most once: seq_len slots are all
         return min(seq_len, math.ceil(self.capacity_factor * self.k * seq_len / self.n_expert))
 
+    def forward(self, expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return keep_under_capacity(expert, self.n_expert, self.capacity(expert.shape[1])), expert
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (GShard, Lepikhin et al. 2020, arXiv 2006.16668; Switch
+    Transformer, Fedus et al. 2021, arXiv 2101.03961): a router (a linear map to E
+    logits) sends each token to its top-k experts; the output is the gate-weighted sum
+    of theirs.
+
+    Routing is decided per *sequence* (``route``, ``ExpertQueues``): capacity, dropping
+    and the load-balancing loss look at one whole sequence only, so every layout routes
+    and drops exactly as one device does. Capacity per expert per sequence:
+    ceil(capacity_factor * k * s / E), at most s; 0 is dropless. The auxiliary loss
+    (``aux_loss_coef`` x load balance + ``z_loss_coef`` x the router z-loss, ST-MoE, Zoph
+    et al. 2022, arXiv 2202.08906) is a mean over the layer's sequences and tokens; it
+    enters the gradients, not the reported loss, with ``loss_scale`` as its weight (1
+    here; ``set_moe_loss_scale``: the micro-batch's). ``last_counts`` / ``last_dropped``:
+    the last forward's assignments per expert and the dropped ones (detached, for the
+    lessons).
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg, self.n_expert, self.k = cfg, cfg.n_expert, cfg.moe_top_k
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.router = nn.Linear(cfg.d_model, cfg.n_expert, bias=False)
+        self.queues = ExpertQueues(cfg.n_expert, cfg.moe_top_k, cfg.capacity_factor)
+        self.experts = Experts(cfg.n_expert, cfg.d_model, cfg.expert_d_ff)
+        self.loss_scale = 1.0
+        self.last_counts: torch.Tensor | None = None
+        self.last_dropped: torch.Tensor | None = None
+
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert for one sequence (0: dropless)."""
+        return self.queues.capacity(seq_len)
+
     # The kept tokens per expert are data: every step a new shape. A compiled block
     # (``parallel/compile.py``) would recompile for each, so this layer stays eager.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         logits = self.router(x)
-        gate, expert, keep, probs = route(logits, self.k, self.capacity(s))
+        gate, expert, _, probs = route(logits, self.k, 0)  # the choices; then the capacity
+        keep, whole = self.queues(expert)
         # the kept assignments, sorted by expert (stable: token order inside each)
         token = torch.arange(b * s, device=x.device).repeat_interleave(self.k)
         expert, gate, keep = expert.flatten(), gate.flatten(), keep.flatten()
@@ -398,7 +430,7 @@ class MoE(nn.Module):
         self.last_counts = torch.bincount(expert, minlength=self.n_expert).detach()
         self.last_dropped = (~keep).sum().detach()
         if torch.is_grad_enabled():
-            aux = self.aux_loss_coef * load_balancing_loss(probs, expert.view(b, s, -1))
+            aux = self.aux_loss_coef * load_balancing_loss(probs, whole)
             if self.z_loss_coef:
                 aux = aux + self.z_loss_coef * logits.float().logsumexp(-1).square().mean()
             out = _AuxLossGrad.apply(out, aux, self.loss_scale)

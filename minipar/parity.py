@@ -10,16 +10,22 @@ such a factor shows in full; plain SGD without clipping shows it in the weights 
 
 ``compare`` measures the three differences; ``audit`` turns a constant gradient ratio
 into one line a user can act on ("gradients are 4.0x the reference: 4 = microbatches").
+``reference_record`` and ``parity_row`` are one row of a parity matrix, as the GPU
+benchmarks run it (``benchmarks/multigpu.py``, ``benchmarks/moe_parity_gpu.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minipar import checkpoint
-from minipar.engine import train_reference
+from minipar.config import TrainConfig, validate
+from minipar.engine import train, train_reference
 
 
 @dataclass
@@ -149,6 +155,47 @@ def final_parameters(checkpoint_dir: str) -> dict:
     return {k: v.float() for k, v in state["model"].items()}
 
 
+def audit_sizes(cfg: TrainConfig) -> dict[str, int]:
+    """The sizes ``audit`` matches a gradient ratio against, from a run's config."""
+    return {"dp": cfg.dp, "microbatches": cfg.microbatches, "pp": cfg.pp, "tp": cfg.tp}
+
+
+def reference_record(cfg: TrainConfig) -> dict:
+    """What a run is held against: ``train_reference(cfg)``'s losses and gradient norms,
+    and its final parameters (fp32 copies, by name)."""
+    ref = train_reference(cfg)
+    return {"losses": ref["losses"], "grad_norms": ref["grad_norms"],
+            "params": {k: v.detach().float().clone()
+                       for k, v in ref["model"].state_dict().items()}}
+
+
+def parity_row(cfg: TrainConfig, reference: Callable[[], dict]) -> tuple[dict, dict | None]:
+    """One row of a parity matrix: train ``cfg`` (its final parameters saved to a
+    temporary directory, removed after) and compare it with ``reference()`` (a
+    ``reference_record``, asked for only once ``config.validate`` accepts ``cfg``)
+    against ``TOLERANCES[cfg.dtype]``. Returns (the row, the run's record); a layout
+    ``validate`` refuses is ``{"status": "refused", "reason": ...}`` and no record."""
+    try:
+        validate(cfg)
+    except ValueError as e:
+        return {"status": "refused", "reason": str(e)}, None
+    ref = reference()
+    save = tempfile.mkdtemp(prefix="minipar-parity-")
+    try:
+        cfg.save = save
+        record = train(cfg)
+        params = {k: v.cpu() for k, v in final_parameters(save).items()}
+    finally:
+        shutil.rmtree(save, ignore_errors=True)
+    p = compare(record, ref, params, ref["params"])
+    tol = TOLERANCES[cfg.dtype]
+    return {"status": "ok" if p.ok(tol) else "drift", "loss_diff": p.loss_diff,
+            "grad_norm_rel": p.grad_norm_rel, "param_diff": p.param_diff,
+            "grad_ratios": p.grad_ratios, "tolerance": vars(tol),
+            "audit": audit(p.grad_ratios, audit_sizes(cfg)), "losses": record["losses"],
+            "reference_losses": ref["losses"], "brief": p.describe()}, record
+
+
 def check_run(cfg, record: dict) -> dict:
     """Train the single-device reference for ``cfg`` and compare ``record`` with it.
 
@@ -167,10 +214,9 @@ def check_run(cfg, record: dict) -> dict:
         ref_params = {k: v.detach().float() for k, v in ref["model"].state_dict().items()}
     parity = compare(record, ref, params, ref_params)
     tol = TOLERANCES[cfg.dtype]
-    layout = {"dp": cfg.dp, "microbatches": cfg.microbatches, "pp": cfg.pp, "tp": cfg.tp}
     return {"reference_losses": ref["losses"], "reference_grad_norms": ref["grad_norms"],
             "parity": {"loss_diff": parity.loss_diff, "grad_norm_rel": parity.grad_norm_rel,
                        "param_diff": parity.param_diff, "ok": parity.ok(tol),
                        "tolerance": {"loss": tol.loss, "grad_rel": tol.grad_rel,
                                      "param": tol.param}},
-            "audit": audit(parity.grad_ratios, layout)}
+            "audit": audit(parity.grad_ratios, audit_sizes(cfg))}

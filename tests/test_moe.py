@@ -1,17 +1,22 @@
 """Mixture of experts and expert parallelism at parity with one process, on gradients.
 
-The MoE layer (``minipar.model.MoE``) routes per sequence, so every layout routes and
-drops exactly the tokens one device does; with ``--ep`` the experts live on different
-ranks and tokens travel by all-to-all (``minipar.parallel.ep``). Each layout below is
-compared with ``train_reference`` on losses, per-step gradient norms before clipping and
-final parameters (through a checkpoint), including plain SGD without clipping; two
-mutations (the auxiliary loss not divided by the micro-batch count; expert gradients
-summed over the wrong group) must fail the check. Tolerances: ``TOLERANCES["fp32"]``.
+The MoE layer (``minipar.model.MoE``) routes per whole sequence, so every layout routes
+and drops exactly the tokens one device does: dp, pp and ep never split a sequence; cp
+decides the capacity over the gathered expert ids (``cp_plan.ShardQueues``) and sp runs
+the layer on the gathered sequence (``tp.SequenceParallelMoE``). With ``--ep`` the
+experts live on different ranks and tokens travel by all-to-all (``minipar.parallel.ep``).
+Each layout below is compared with ``train_reference`` on losses, per-step gradient
+norms before clipping and final parameters (through a checkpoint), including plain SGD
+without clipping; mutations (the auxiliary loss not divided by the micro-batch count;
+expert gradients summed over the wrong group; cp ranks routing their own chunks; the sp
+gather's gradient summed over tp) must fail the check. Tolerances: ``TOLERANCES["fp32"]``.
 Measured drift over this file's layouts (3 steps of moe-tiny, CPU/gloo): loss 9.5e-7,
-gradient norm 2.3e-7 relative, parameters 6.0e-8 (SGD) and 2.2e-6 (AdamW): inside the
-engine's bounds (2e-6, 2.5e-5, 8e-5), which are set from its own covering set. The
-auxiliary loss 2x moves the first step's gradient norm by 1.4e-3 relative, 56x the
-bound; summing expert gradients over the ep group (dp 4, ep 2) moved it by 1.7e-2.
+gradient norm 2.9e-6 relative (dp 2 ep 2 cp 2, AdamW), parameters 1.2e-7 (SGD) and
+1.4e-5 (AdamW, the same layout): inside the engine's bounds (2e-6, 2.5e-5, 8e-5), which
+are set from its own covering set. The auxiliary loss 2x moves the first step's gradient
+norm by 1.4e-3 relative, 56x the bound; summing expert gradients over the ep group (dp 4,
+ep 2) moved it by 1.7e-2; cp ranks routing their own chunks by 1.6e-2 (loss 2.9e-3); the
+sp gather's gradient summed over tp by 1.1e-1.
 """
 
 from __future__ import annotations
@@ -19,17 +24,21 @@ from __future__ import annotations
 import json
 import tempfile
 from functools import cache
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import minipar.mesh as mesh_module
+import minipar.parallel.cp_plan as cp_plan
+import minipar.parallel.tp as tp_module
 import minipar.step as step_module
 from minipar.__main__ import main
 from minipar.config import TrainConfig, predicted_bytes
 from minipar.engine import train, train_reference
 from minipar.mesh import Mesh
-from minipar.model import GPT, MoE, get_config, load_balancing_loss, route
+from minipar.model import GPT, ExpertQueues, MoE, get_config, load_balancing_loss, route
+from minipar.parallel.cp import shard_sequence
 from minipar.parity import TOLERANCES, compare, final_parameters, run_grad_norms
 from minipar.theory.clusters import get_cluster
 from minipar.theory.layout import Layout
@@ -93,6 +102,31 @@ def test_plain_sgd_no_clipping(layout: dict) -> None:
                              f"{ref['losses']}; norms {run_grad_norms(run)} vs "
                              f"{ref['grad_norms']}")
     assert run["losses"][-1] < run["losses"][0] - 0.02, "the loss must move"
+
+
+# a sequence split over ranks: cp (zig-zag chunks) and sp (tp ranks' slices), with and
+# without ep, ZeRO 1 and 3, the zero-bubble schedule (its backward in two passes), each
+# with a capacity that drops tokens (decided over the whole sequence)
+SPLIT_LAYOUTS = [
+    dict(cp=2, capacity_factor=1.0, microbatches=2, **SGD),
+    dict(dp=2, ep=2, cp=2, capacity_factor=1.25, moe_top_k=1, zero=1, z_loss_coef=1e-3),
+    dict(tp=2, sp=True, capacity_factor=1.0, **SGD),
+    dict(dp=2, ep=2, tp=2, sp=True, capacity_factor=1.0, zero=3),
+    dict(cp=2, tp=2, sp=True, capacity_factor=1.0, **SGD),
+    dict(cp=2, pp=2, capacity_factor=1.0, schedule="zb", microbatches=2),
+    dict(pp=2, tp=2, sp=True, capacity_factor=1.0, schedule="zb", microbatches=2, **SGD),
+]
+
+
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS, ids=lambda d: " ".join(
+    f"{k}={v}" for k, v in d.items() if k not in SGD))
+def test_a_sequence_split_over_ranks_routes_as_one_device(layout: dict) -> None:
+    run, parity, ref = run_and_compare(**layout)
+    assert parity.ok(FP32), (f"{layout}: {parity.describe()}; losses {run['losses']} vs "
+                             f"{ref['losses']}")
+    assert run["losses"][-1] < run["losses"][0] - 0.02, "the loss must move"
+    if layout.get("cp", 1) > 1:  # the expert ids travel over cp: k integers a token
+        assert all(r["comm"]["cp"]["all_gather"]["calls"] > 0 for r in run["ranks"])
 
 
 def test_adamw_clipped_zero1_with_z_loss_and_replicated_experts() -> None:
@@ -175,6 +209,45 @@ def test_expert_gradients_over_the_wrong_group_fail(monkeypatch, zero: int) -> N
                         property(lambda self: self.comms["dp_cp"]))
     _, broken, _ = run_and_compare(dp=2, ep=2, zero=zero, **SGD)
     assert not broken.ok(FP32), f"expert gradients summed over dp passed: {broken}"
+
+
+@pytest.mark.parametrize("split", ["cp", "sp"])
+def test_a_wrong_sequence_split_fails(monkeypatch, split: str) -> None:
+    """cp: each rank deciding the capacity over its own two chunks, as if they were the
+    sequence, drops other tokens than one device does. sp: the gathered sequence's
+    gradient summed over tp (SP's usual f) though what consumed it ran replicated
+    counts it tp times. The check fails on both."""
+    if split == "cp":
+        monkeypatch.setattr(cp_plan.ShardQueues, "forward", ExpertQueues.forward)
+        layout = dict(cp=2, capacity_factor=1.0, **SGD)
+    else:
+        monkeypatch.setattr(tp_module._GatherWholeSequence, "backward", staticmethod(
+            lambda ctx, grad: (ctx.comm.reduce_scatter(grad.contiguous(), dim=1), None)))
+        layout = dict(tp=2, sp=True, capacity_factor=1.0, **SGD)
+    _, broken, _ = run_and_compare(**layout)
+    assert not broken.ok(FP32), f"the mutation under {split} passed: {broken}"
+
+
+def test_shard_queues_decide_over_the_whole_sequence() -> None:
+    """``ShardQueues`` on each cp rank's zig-zag shard (the all-gather played by a stub)
+    keeps exactly the reference's assignments at that rank's positions, and returns the
+    whole sequence's ids; the rule run on the shard alone would not."""
+    torch.manual_seed(3)
+    b, s, k, n = 3, 32, 2, 8
+    expert = torch.randint(0, n, (b, s, k))
+    queues = ExpertQueues(n, k, capacity_factor=1.0)
+    want = queues(expert)[0]
+    for cp in (2, 4):
+        shards = [shard_sequence(expert, r, cp) for r in range(cp)]
+        local_rule_differs = False
+        for r in range(cp):
+            comm = SimpleNamespace(rank=r, size=cp,
+                                   all_gather=lambda x, dim, shards=shards: torch.cat(shards, dim))
+            keep, whole = cp_plan.ShardQueues(queues, comm)(shards[r])
+            assert torch.equal(keep, shard_sequence(want, r, cp))
+            assert torch.equal(whole, expert)
+            local_rule_differs |= not torch.equal(keep, queues(shards[r])[0])
+        assert local_rule_differs
 
 
 # --- the layer and the theory, in one process -------------------------------------------
@@ -270,16 +343,20 @@ def test_stage_parameters_and_flops_count_the_experts(name: str) -> None:
     assert model_flops_per_token(cfg) == pytest.approx(moe_flops_per_token(cfg))
 
 
-@pytest.mark.parametrize("capacity,tp", [(0.0, 1), (1.0, 1), (1.0, 2)])
-def test_memory_prediction_holds_for_an_ep_run(capacity: float, tp: int) -> None:
+@pytest.mark.parametrize("capacity,tp,sp,cp", [(0.0, 1, False, 1), (1.0, 1, False, 1),
+                                              (1.0, 2, False, 1), (1.0, 2, True, 1),
+                                              (1.0, 1, False, 2)])
+def test_memory_prediction_holds_for_an_ep_run(capacity: float, tp: int, sp: bool,
+                                               cp: int) -> None:
     """dp 2, ep 2 (fp32 AdamW, ZeRO-0, 1 step): weights, gradients and optimizer states
     as measured, byte for byte (each rank holds half the experts, with tp 2 half of
     each expert's MLP); the stored activations within 15%: measured over predicted
     1.072 dropless (routing is not balanced: a rank's experts receive more than k s
-    rows), 0.988 with capacity 1. The prediction that ignores ep (every rank with all
-    the experts) must miss."""
-    cfg = TrainConfig(model="moe-tiny", dp=2, ep=2, tp=tp, steps=1, timeout=240,
-                      capacity_factor=capacity, measure_activations=True)
+    rows), 0.988 with capacity 1; with tp 2 sp (the MoE layer keeps the gathered
+    sequence) 1.020, with cp 2 (a rank's half of each sequence) 1.022. The prediction
+    that ignores ep (every rank with all the experts) must miss."""
+    cfg = TrainConfig(model="moe-tiny", dp=2, ep=2, tp=tp, sp=sp, cp=cp, steps=1,
+                      timeout=240, capacity_factor=capacity, measure_activations=True)
     got = train(cfg)["ranks"][0]["memory"]
     model = cfg.model_config()
     want, whole = (memory_per_stage(model, cfg.layout().with_(ep=ep), accounting="fused")[0]
@@ -287,7 +364,8 @@ def test_memory_prediction_holds_for_an_ep_run(capacity: float, tp: int) -> None
     for key in ("params", "grads", "optimizer"):
         assert got[key] == want[key], (key, got[key], want[key])
         assert got[key] < whole[key], key
-    assert 0.85 < got["activations"] / want["activations"] < 1.15, (got, want)
+    assert 0.85 < got["activations"] / want["activations"] < 1.15, (
+        got["activations"] / want["activations"], got, want)
     assert want["moe_dispatch"] > 0 and whole["moe_dispatch"] == 0
 
 

@@ -10,7 +10,9 @@ parallelism (heads by tp, sequence by cp) and with sequence parallelism (the cp-
 sequence is further cut by tp: the styles see the SP module they replace and look up
 that slice). A shard's loss is the mean over its tokens; all shards have as many, so
 the engine scales each micro-batch loss by 1/(dp * cp * m) and the data-parallel layer
-sums the gradients over the dp x cp group (the weights are replicated over cp).
+sums the gradients over the dp x cp group (the weights are replicated over cp). An MoE
+layer routes the rank's tokens, but decides what each expert keeps over the whole
+sequence (``ShardQueues``), so a capacity drops the tokens one device drops.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.model import KeyedDropout
-from minipar.parallel.cp import RingAttention, check_cp, positions, shard_sequence
+from minipar.model import ExpertQueues, KeyedDropout
+from minipar.parallel.cp import (
+    RingAttention,
+    check_cp,
+    gather_sequence,
+    positions,
+    shard_sequence,
+)
 from minipar.parallel.tp import (
     ParallelStyle,
     SequenceParallelDropout,
@@ -87,6 +95,25 @@ class ShardDropout(KeyedDropout):
         return f"p={self.p}, site={self.site}, runs={self.runs}"
 
 
+class ShardQueues(ExpertQueues):
+    """An MoE layer's ``queues`` on a cp rank: what each expert keeps is decided over the
+    whole sequence, as on one device. The ranks' expert ids (k small integers a token,
+    no activations) are all-gathered over the cp group and put back in sequence order
+    (``gather_sequence``); every rank runs the reference's rule (``keep_under_capacity``)
+    on them and keeps its own tokens' answers. The whole sequence's ids also give the
+    balance loss its f (``model.load_balancing_loss``): each rank's loss is then the
+    whole's f with its own tokens' P, and the engine's 1/cp weight averages them."""
+
+    def __init__(self, queues: ExpertQueues, comm: Comm, layout: str = "zigzag") -> None:
+        super().__init__(queues.n_expert, queues.k, queues.capacity_factor)
+        self.comm, self.layout = comm, layout
+
+    def forward(self, expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        whole = gather_sequence(expert.contiguous(), self.comm, self.layout)
+        keep, _ = super().forward(whole)
+        return shard_sequence(keep, self.comm.rank, self.comm.size, self.layout), whole
+
+
 def _sp_slice(pos: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """The part of the cp shard's positions that a sequence-parallel module sees."""
     comm = module.comm
@@ -130,6 +157,16 @@ class ShardedDropout(ParallelStyle):
         return ShardDropout(module.p, module.site, pos)
 
 
+@dataclass(frozen=True)
+class SequenceQueues(ParallelStyle):
+    """An MoE layer's ``ExpertQueues`` -> ``ShardQueues`` over the cp group."""
+
+    layout: str = "zigzag"
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        return ShardQueues(module, comm, self.layout)
+
+
 def context_parallel_plan(seq_len: int, layout: str = "zigzag") -> dict[str, ParallelStyle]:
     """The cp plan of a ``GPT``, as module-name pattern -> style (``describe_plan``).
 
@@ -139,13 +176,16 @@ def context_parallel_plan(seq_len: int, layout: str = "zigzag") -> dict[str, Par
     * each dropout (``drop``, ``blocks.*.resid_drop*``) draws the single device's mask
       for those global positions (``ShardDropout``): the mask is a hash of the position,
       so a shard of two separate chunks is masked chunk by chunk.
+    * an MoE layer's ``queues`` decide the capacity over the whole sequence
+      (``ShardQueues``): a token is dropped or kept as on one device.
 
     Everything else is token-wise and runs unchanged on the local tokens.
     """
     return {"pos_emb": ShardedPositions(seq_len, layout),
             "drop": ShardedDropout(seq_len, layout),
             "blocks.*.resid_drop*": ShardedDropout(seq_len, layout),
-            "blocks.*.attn.core": RingAttentionCore(layout)}
+            "blocks.*.attn.core": RingAttentionCore(layout),
+            "blocks.*.mlp.queues": SequenceQueues(layout)}
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, layout: str = "zigzag") -> nn.Module:

@@ -56,9 +56,6 @@ def check_ep(cfg, model: GPTConfig) -> None:
     if model.n_expert and model.n_moe_layers == 0:
         raise ValueError(f"--moe-every {model.moe_every} leaves no MoE block in "
                          f"{model.n_layer} layers")
-    if model.n_expert and (cfg.cp > 1 or cfg.sp):
-        raise ValueError("MoE layers with --cp or --sp are not supported: routing is decided "
-                         "per sequence, and those split a sequence over ranks")
     if cfg.ep == 1:
         return
     if not model.n_expert:

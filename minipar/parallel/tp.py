@@ -9,7 +9,8 @@ every expert on every tp rank (Megatron-Core's default, expert tp = tp; with exp
 parallelism the rows arrive by all-to-all first, ``ep.py``). Sequence parallelism
 (Korthikanti et al. 2022, arXiv 2205.05198, 4.2.2) is the same layers with g a
 reduce-scatter and f an all-gather along the sequence: outside the tp regions a rank
-keeps positions [r*s/tp, (r+1)*s/tp).
+keeps positions [r*s/tp, (r+1)*s/tp). An MoE layer under it gathers the sequence first
+and routes it whole (``SequenceParallelMoE``).
 
 The plan (``tensor_parallel_plan``) maps module-name patterns to styles named and meant
 as torch's; ``parallelize_module`` swaps each matching submodule of a single-device
@@ -32,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from minipar.comm import Comm
-from minipar.model import GPT, GPTConfig, GroupedLinear, KeyedDropout, grouped_matmul
+from minipar.model import GPT, GPTConfig, GroupedLinear, KeyedDropout, MoE, grouped_matmul
 
 __all__ = [
     "check_tp", "wanted", "ColumnParallelLinear", "RowParallelLinear",
@@ -42,7 +43,8 @@ __all__ = [
     "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
     "sync_sequence_parallel_grads", "Split", "ParallelStyle", "ColwiseParallel",
     "RowwiseParallel", "SequenceParallel", "Stacked", "SequenceShardedPositions",
-    "VocabParallelLoss", "tensor_parallel_plan", "describe_plan", "parallelize_module",
+    "VocabParallelLoss", "SequenceParallelMoE", "GatheredSequence", "tensor_parallel_plan",
+    "describe_plan", "parallelize_module",
     "apply_tensor_parallel", "param_splits", "tp_split", "tp_shard_dim", "shard_tensor",
     "unshard", "gather_tensor",
 ]
@@ -203,6 +205,36 @@ class _LinearReduceScatter(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+class _GatherWholeSequence(torch.autograd.Function):
+    """All-gather the sequence shards; backward: this rank's slice of the gradient, which
+    is the same on every tp rank (what consumes the whole sequence is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather(x.contiguous(), dim=SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.comm.size, dim=SEQ)[ctx.comm.rank].contiguous(), None
+
+
+class _SliceSequence(torch.autograd.Function):
+    """This rank's slice of a whole (replicated) sequence; backward: all-gather the
+    slices' gradients, so what made the whole sequence sees all of it on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.chunk(comm.size, dim=SEQ)[comm.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not wanted(ctx, 0):  # B of a split backward, below a module output it keeps
+            return None, None
+        return ctx.comm.all_gather(grad.contiguous(), dim=SEQ), None
+
+
 # --- layers --------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
@@ -259,6 +291,28 @@ class RowParallelGroupedLinear(ColumnParallelGroupedLinear):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         y = _ReduceFromTP.apply(grouped_matmul(x, self.weight, counts), self.comm)
         return y + self.bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+
+
+class SequenceParallelMoE(MoE):
+    """An MoE layer under sequence parallelism: all-gather the sequence shards, run the
+    tensor-parallel layer on the whole sequence (every tp rank routes it alike, so the
+    capacity counts the reference's tokens; the experts' MLPs are split as without SP),
+    then keep this rank's slice. Takes over the layer's router, queues and experts
+    (names kept); its replicated weights see the whole sequence, so their gradients are
+    already whole (not marked ``sequence_parallel``). The layer moves an all-gather each
+    way besides plain TP's all-reduces; Megatron-Core and torchtitan reduce-scatter a
+    partial output instead, which needs the experts' output unreduced.
+    """
+
+    def __init__(self, moe: MoE, comm: Comm) -> None:
+        with torch.device("meta"):  # its parts are the layer's own, not made anew
+            super().__init__(moe.cfg)
+        self.router, self.queues, self.experts = moe.router, moe.queues, moe.experts
+        self.loss_scale, self.comm = moe.loss_scale, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole = super().forward(_GatherWholeSequence.apply(x, self.comm))
+        return _SliceSequence.apply(whole, self.comm)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -555,6 +609,16 @@ class SequenceShardedPositions(ParallelStyle):
 
 
 @dataclass(frozen=True)
+class GatheredSequence(ParallelStyle):
+    """Under SP, an ``MoE`` -> ``SequenceParallelMoE`` (the whole sequence in, this rank's
+    slice out; torchtitan writes it ``PrepareModuleInputOutput``). A dense MLP, whose fc
+    and proj carry SP themselves, is left as it is. minipar's own style."""
+
+    def apply(self, module: nn.Module, comm: Comm) -> nn.Module:
+        return SequenceParallelMoE(module, comm) if isinstance(module, MoE) else module
+
+
+@dataclass(frozen=True)
 class VocabParallelLoss(ParallelStyle):
     """The model's loss -> ``VocabParallelCrossEntropy``, for logits split by vocabulary
     (torch does this with the ``loss_parallel()`` context manager)."""
@@ -576,7 +640,7 @@ def tensor_parallel_plan(sequence_parallel: bool = False) -> Plan:
     plan: Plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)}
     if sequence_parallel:
         plan |= {"pos_emb": SequenceShardedPositions(), "drop": SequenceParallel(),
-                 "blocks.*.resid_drop*": SequenceParallel()}
+                 "blocks.*.resid_drop*": SequenceParallel(), "blocks.*.mlp": GatheredSequence()}
     return plan | {
         "blocks.*.attn.qkv": Stacked(ColwiseParallel(input_layouts=seq), parts=3),
         "blocks.*.attn.proj": RowwiseParallel(output_layouts=seq),
@@ -636,13 +700,15 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sequence_parallel: bool = Fals
     ``comm``, in place, with ``tensor_parallel_plan``. With SP the parameters the plan
     leaves whole (norms, position embedding, row biases) see only part of the sequence:
     they are marked ``p.sequence_parallel = True``; call ``sync_sequence_parallel_grads``
-    after backward."""
+    after backward. (Not an MoE layer's: it sees the whole sequence, ``SequenceParallelMoE``.)"""
     check_tp(model.cfg, comm.size, sequence_parallel)
     plan = tensor_parallel_plan(sequence_parallel)
     split = param_splits(model, plan)
     parallelize_module(model, comm, plan)  # names unchanged
+    whole = {f"{name}.{leaf}" for name, m in model.named_modules()
+             if isinstance(m, SequenceParallelMoE) for leaf, _ in m.named_parameters()}
     for name, p in model.named_parameters():
-        if sequence_parallel and name not in split:
+        if sequence_parallel and name not in split and name not in whole:
             p.sequence_parallel = True
     return model
 

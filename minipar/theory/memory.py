@@ -195,7 +195,8 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
 
 def moe_layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1,
                           recompute: str = "none", dtype: str = "bf16",
-                          ep: int = 1, tp: int = 1) -> dict[str, float]:
+                          ep: int = 1, tp: int = 1, sp: bool = False,
+                          cp: int = 1) -> dict[str, float]:
     """Bytes an MoE block stores for backward per micro-batch beyond a dense block's
     (``layer_activations`` less its MLP's two wide tensors), and ``dispatch``: the
     all-to-all buffers live while it runs (not stored). tp splits the experts' hidden
@@ -208,17 +209,20 @@ def moe_layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1,
     (``moe.capacity``). Under ep a rank's experts serve every ep rank's rows: balanced
     routing gives k s again, and a capacity bounds them at E C a sequence (dropless has
     no bound: all tokens may pick this rank's experts). ``dispatch``: under ep, the rows
-    sent and the rows received (2 x rows x h), beside the stored ones.
+    sent and the rows received (2 x rows x h), beside the stored ones. cp: a rank's
+    s / cp tokens (the capacity still counts the whole sequence's); sp: the layer runs
+    on the whole sequence gathered over tp, and its router keeps that input.
     """
     cfg = get_model(cfg)
     if not cfg.n_expert or recompute == "full":
         return {}
-    s, b, h, e = cfg.seq_len, microbatch_size, cfg.d_model, _act_bytes(dtype)
+    s, b, h, e = cfg.seq_len // cp, microbatch_size, cfg.d_model, _act_bytes(dtype)
     g, k, n = cfg.expert_d_ff, cfg.moe_top_k, cfg.n_expert
-    slots = n * math.ceil(cfg.capacity_factor * k * s / n) if cfg.capacity_factor > 0 else 0
+    slots = (n * math.ceil(cfg.capacity_factor * k * cfg.seq_len / n)
+             if cfg.capacity_factor > 0 else 0)
     per_seq = k * s if not slots else (slots if ep > 1 else min(k * s, slots))
     rows = b * per_seq
-    dense = layer_activations(cfg, microbatch_size, tp, False, recompute, dtype, "fused")
+    dense = layer_activations(cfg, microbatch_size, tp, False, recompute, dtype, "fused", cp)
     return {
         "expert input rows": rows * h * e,
         "expert hidden (GELU input and output)": 2 * rows * g * e / tp,
@@ -226,6 +230,7 @@ def moe_layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1,
         "router probabilities (fp32)": s * b * n * 4,
         "routing indices (int64)": 2 * rows * 8,
         "less the MLP's": -(dense["gelu input"] + dense["mlp proj input (gelu output)"]),
+        "the gathered sequence (sp)": s * b * h * e * (1 - 1 / tp) if sp else 0,
         "dispatch": 2 * rows * h * e if ep > 1 else 0,
     }
 
@@ -317,7 +322,7 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
     redone = layers if layout.recompute_layers is None else min(layers, layout.recompute_layers)
     total = (per_layer(layout.recompute) * redone + per_layer("none") * (layers - redone)) * chunks
-    moe = moe_layer_activations(cfg, b, layout.recompute, dtype, layout.ep, tp)
+    moe = moe_layer_activations(cfg, b, layout.recompute, dtype, layout.ep, tp, sp, cp)
     moe.pop("dispatch", None)
     total += sum(moe.values()) * stage_moe_layers(cfg, pp, stage, virtual, head) / virtual * chunks
     fused = accounting == "fused"  # minipar's ZB-H1: s + 1 W passes pending on stage s,
@@ -473,7 +478,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             # forwards (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved within 3%)
             both = (row["grads"], row["activations"])
             held = max(both) if zero != 1 and m == 1 else sum(both)
-            moe = moe_layer_activations(cfg, b, layout.recompute, dtype, ep, tp)
+            moe = moe_layer_activations(cfg, b, layout.recompute, dtype, ep, tp, layout.sp, cp)
             row["moe_dispatch"] = int(moe.get("dispatch", 0))
             backward = (row["params"] + row["optimizer"] + held + row["loss_workspace"]
                         + row["moe_dispatch"])

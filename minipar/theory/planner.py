@@ -40,8 +40,9 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
     step     = compute + bubble + tp + ep + exposed cp + pp + exposed dp + update + host
 
 A mixture-of-experts model also enumerates ep (dividing dp and the experts; its
-compute counts the active weights, its memory E/ep experts per rank); no cp or sp
-(``parallel.ep.check_ep`` refuses them).
+compute counts the active weights, its memory E/ep experts per rank); no cp or sp for
+it (they run, but an MoE layer's gathers there, the sequence under sp and the expert ids
+over cp, are not priced).
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
 across nodes (network), read off the rank layout (``minipar.mesh.Mesh``). What it
@@ -323,7 +324,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     gpus = cluster.gpus
     global_batch = gpus if global_batch is None else global_batch
-    sp = sp and not cfg.n_expert  # routing is per sequence: MoE runs take no sp or cp
+    sp = sp and not cfg.n_expert  # an MoE layer's gathers under sp and cp: not priced
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
     layouts: list[Estimate] = []
