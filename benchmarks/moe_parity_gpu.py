@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--gpus", type=int, default=None, help="default: every visible GPU")
     ap.add_argument("--only", default=None, help="comma-separated row names")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: which dtypes")
     ap.add_argument("--budget-s", type=float, default=540.0)
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -94,7 +95,8 @@ def main() -> None:
     for name, layout, dtypes in LAYOUTS:
         for dtype in dtypes:
             row = {"name": f"{name} {dtype}", "layout": layout, "dtype": dtype}
-            if (only and name not in only) or world(layout) > gpus:
+            if ((only and name not in only) or world(layout) > gpus
+                    or dtype not in args.dtypes.split(",")):
                 continue
             if time.time() - t0 > args.budget_s:
                 row["status"] = "skipped (budget)"
