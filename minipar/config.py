@@ -69,8 +69,8 @@ class TrainConfig:
                                           "pipeline chunk (default: all); the others keep "
                                           "their activations")
     compile: bool | None = option(None, "torch.compile each transformer block (default: on "
-                                  "CUDA devices; --no-compile runs them eagerly; "
-                                  "parallel/compile.py)")
+                                  "CUDA devices without tp or cp; --no-compile runs them "
+                                  "eagerly; parallel/compile.py)")
     compile_backend: str = option("inductor", "aot_eager: the graphs without generated code "
                                   "(tests, CPUs)", choices=BACKENDS)
     dtype: str = option("fp32", "the blocks' compute dtype", choices=DTYPES)
@@ -336,10 +336,12 @@ def _check_recompute_layers(cfg: TrainConfig) -> None:
 def use_compile(cfg: TrainConfig) -> bool:
     """Whether the blocks run compiled: ``--compile`` / ``--no-compile``, else on CUDA
     devices where compilation applies (no dropout, whose per-step mask keys would
-    recompile every step; not the zero-bubble schedule)."""
+    recompile every step; not the zero-bubble schedule) and has run on a GPU: data and
+    pipeline parallelism; tp and cp blocks compile when asked."""
     if cfg.compile is not None:
         return cfg.compile
-    return device_for(cfg).type == "cuda" and not cfg.dropout and cfg.schedule != "zb"
+    return (device_for(cfg).type == "cuda" and not cfg.dropout and cfg.schedule != "zb"
+            and cfg.tp == 1 and cfg.cp == 1)
 
 
 def _check_compile(cfg: TrainConfig) -> None:

@@ -124,6 +124,8 @@ def wanted(ctx, i: int) -> bool:
     """
     if not ctx.needs_input_grad[i]:
         return False
+    if torch.compiler.is_compiling():  # traced backwards are whole (zb is not compiled),
+        return True  # and a traced ctx has no graph edges to ask
     node = ctx.next_functions[i][0]
     try:
         return node is None or torch._C._will_engine_execute_node(node)
@@ -310,6 +312,7 @@ class SequenceParallelMoE(MoE):
         self.router, self.queues, self.experts = moe.router, moe.queues, moe.experts
         self.loss_scale, self.comm = moe.loss_scale, comm
 
+    @torch.compiler.disable  # eager, as ``MoE.forward``: its shapes are data
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         whole = super().forward(_GatherWholeSequence.apply(x, self.comm))
         return _SliceSequence.apply(whole, self.comm)
