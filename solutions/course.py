@@ -966,20 +966,17 @@ def layout_label(lay: dict) -> str:
 
 
 def capstone_config(layout: dict, brief: dict | None = None, trace: str | None = None,
-                    steps: int | None = None):
-    """The ``TrainConfig`` of the capstone job for ``layout``: its first ``steps`` (the
-    rehearsal's, by default) with the whole job's learning-rate warm-up, so that they are
-    the job's own first steps, loss for loss; the whole job (``steps=brief["steps"]``)
-    evaluates every ``eval_every`` steps."""
-    from minipar.config import TrainConfig, warmup_steps
+                    whole: bool = False):
+    """The ``TrainConfig`` of the capstone job for ``layout``: the rehearsal (the job's
+    first ``rehearsal_steps``, stopped there with ``stop_at``: the job's own schedule,
+    loss for loss; with ``trace``, traced and its activations measured), or the
+    ``whole`` job, evaluated every ``eval_every`` steps."""
+    from minipar.config import TrainConfig
 
     b = brief or CAPSTONE
-    job = TrainConfig(model=b["model"], data=b["data"], steps=b["steps"],
-                      batch_size=b["batch_size"], eval_every=b["eval_every"], **layout)
-    steps = b["rehearsal_steps"] if steps is None else steps
-    return TrainConfig(model=b["model"], data=b["data"], steps=steps,
-                       batch_size=b["batch_size"], warmup=warmup_steps(job),
-                       eval_every=b["eval_every"] if steps == b["steps"] else 0, trace=trace,
+    return TrainConfig(model=b["model"], data=b["data"], steps=b["steps"],
+                       batch_size=b["batch_size"], eval_every=b["eval_every"] if whole else 0,
+                       stop_at=None if whole else b["rehearsal_steps"], trace=trace,
                        measure_activations=trace is not None, **layout)
 
 
@@ -990,13 +987,18 @@ def _layout_flags(lay: dict) -> str:
                     if lay.get("microbatches", 1) > 1 else "")
 
 
-def capstone_command(layout: dict, brief: dict | None = None, backend: str = "gloo") -> str:
-    """The whole job as one command line (``backend="nccl"``: on GPUs, one rank a GPU)."""
+def capstone_command(layout: dict, brief: dict | None = None, backend: str = "gloo",
+                     rehearsal: bool = False) -> str:
+    """The whole job as one command line (``backend="nccl"``: on GPUs, one rank a GPU), or
+    its traced ``rehearsal``."""
     b = brief or CAPSTONE
     gpu = " --backend nccl" if backend == "nccl" else ""
-    return (f"python -m minipar train --model {b['model']} --data {b['data']} "
-            f"{_layout_flags(layout)} --batch-size {b['batch_size']} --steps {b['steps']} "
-            f"--eval-every {b['eval_every']}{gpu} --save capstone --json run.json")
+    head = (f"python -m minipar train --model {b['model']} --data {b['data']} "
+            f"{_layout_flags(layout)} --batch-size {b['batch_size']} --steps {b['steps']}")
+    if rehearsal:
+        return (f"{head} --stop-at {b['rehearsal_steps']}{gpu} --trace trace.json "
+                "--measure-activations --json rehearsal.json")
+    return f"{head} --eval-every {b['eval_every']}{gpu} --save capstone --json run.json"
 
 
 def capstone_long_run(path: str | Path | None = None) -> dict:
