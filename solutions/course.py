@@ -41,7 +41,7 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "predictions_path", "record_prediction", "router_demo", "say", "score_layout",
            "score_schedule", "show_calibration", "CAPSTONE", "capstone_layouts",
            "capstone_config", "capstone_command", "capstone_plan", "capstone_pace",
-           "capstone_cluster", "capstone_long_run", "layout_label", "reconcile",
+           "capstone_cluster", "capstone_long_run", "run_extent", "layout_label", "reconcile",
            "score_capstone", "step_wire_bytes", "trace_breakdown", "ring_timing", "another_bug",
            "lab_variant", "train_with_ring", "train_with_ddp", "train_with_zero1",
            "adamw_on_both_batches", "run_schedule",
@@ -845,7 +845,7 @@ def h100_headline_table(data: dict) -> list[dict]:
 # peaks, so that it rules some out (tested). The job's full run is long (minutes to an
 # hour on a laptop): one is committed (``capstone_long_run``), with how it was made.
 CAPSTONE = dict(model="gpt-10m", data="pystdlib", ranks=8, batch_size=16, steps=500,
-                eval_every=50, rehearsal_steps=2, memory_cap=100e6, target_val_loss=1.6)
+                eval_every=50, rehearsal_steps=2, memory_cap=100e6, target_val_loss=1.5)
 LONG_RUN = "capstone_long_run.json"  # under notebooks/data
 
 
@@ -1003,12 +1003,30 @@ def capstone_command(layout: dict, brief: dict | None = None, backend: str = "gl
 
 def capstone_long_run(path: str | Path | None = None) -> dict:
     """A whole run of the job: yours (``path``: the ``--json`` of ``capstone_command``'s
-    run, with ``sample`` added if you like), else the one committed with the course
-    (``notebooks/data/capstone_long_run.json``: its command, machine, date and wall time
-    under ``provenance``)."""
+    run; a ``sample`` key, if you add one, is shown), else the one committed with the
+    course (``notebooks/data/capstone_long_run.json``: its command, machine, date and wall
+    time under ``provenance``). Adds ``tokens_seen`` and ``corpus_bytes`` (the training
+    text) where missing."""
     data = json.loads(Path(path or DATA / LONG_RUN).read_text())
     data.setdefault("provenance", {"command": "your own run", "source": str(path)})
+    data.setdefault("sample", "(no sample yet: see the sample command above)")
+    if "tokens_seen" not in data:
+        data.update(run_extent(data["config"], len(data["losses"])))
     return data
+
+
+def run_extent(config: dict, steps: int) -> dict:
+    """``tokens_seen`` by a run of ``steps`` steps of ``config`` (a run JSON's), and the
+    bytes of its training text, ``corpus_bytes`` (the held-out share left out)."""
+    import os
+
+    from minipar.config import TrainConfig
+    from minipar.corpus import VAL_FRACTION, text_files
+
+    seq = TrainConfig(model=config["model"], data=config["data"]).model_config().seq_len
+    size = sum(os.path.getsize(f) for f in text_files(config["data"]))
+    return {"tokens_seen": steps * config["batch_size"] * seq,
+            "corpus_bytes": int(size * (1 - VAL_FRACTION))}
 
 
 def step_wire_bytes(trace: dict, sizes: dict[str, int]) -> dict[str, int]:

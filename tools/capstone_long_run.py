@@ -52,20 +52,15 @@ def main() -> int:
     sample_cmd = [sys.executable, "-m", "minipar", "sample", "--resume", a.resume, *SAMPLE]
     text = subprocess.run(sample_cmd, check=True, capture_output=True, text=True,
                           cwd=ROOT).stdout
-    cfg = run["config"]
     sys.path.insert(0, str(ROOT))
-    from minipar.config import TrainConfig
-    from minipar.corpus import VAL_FRACTION, pystdlib_files
+    from solutions.course import run_extent
 
-    seq = TrainConfig(model=cfg["model"], data=cfg["data"]).model_config().seq_len
-    corpus = sum(os.path.getsize(f) for f in pystdlib_files())
     t0, t1 = (datetime.fromisoformat(x.replace("Z", "+00:00")) for x in (a.started, a.ended))
     out = {
         "losses": [round(x, 4) for x in run["losses"]],
         "eval": [{"step": e["step"], "loss": round(e["loss"], 4)} for e in run["eval"]],
         "sample": text.rstrip("\n"),
-        "tokens_seen": len(run["losses"]) * cfg["batch_size"] * seq,
-        "corpus_bytes": int(corpus * (1 - VAL_FRACTION)),
+        **run_extent(run["config"], len(run["losses"])),
         "provenance": {
             "command": a.command,
             "sample_command": "python -m minipar sample --resume DIR " + " ".join(
