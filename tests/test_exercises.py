@@ -565,7 +565,7 @@ def test_capstone_model_allows_every_layout_and_takes_its_recipe() -> None:
 def test_capstone_pace_measures_this_machine() -> None:
     from solutions.course import capstone_pace
     pace = capstone_pace(dict(CAPSTONE_SMALL), seconds=0.05)
-    assert pace["matmul_flops"] > 1e8 and pace["bus_bandwidth"] > 1e5
+    assert pace["matmul_flops"] > 1e6 and pace["bus_bandwidth"] > 1e4  # even on a busy machine
     assert 0 < pace["latency"] < 1 and pace["ranks"] == 2
 
 
