@@ -568,9 +568,13 @@ def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
 # The published recipes the presets copy: peak learning rate and warm-up tokens. GPT-3
 # (Brown et al. 2020, arXiv 2005.14165, Table 2.1 and Appendix B: Adam, warm-up over the
 # first 375M tokens, cosine decay to 10%); the GPT-2 sizes take GPT-3's rate for the
-# same size (nanoGPT does the same). gpt-1t has no published run: 175B's rate. Presets
-# not listed (tiny, small, the MoE ones) keep the small models' 3e-3 and 5 steps.
+# same size (nanoGPT does the same). gpt-1t has no published run: 175B's rate. gpt-10m
+# takes nanoGPT's recipe for its character-level baby GPT of the same size
+# (config/train_shakespeare_char.py: 1e-3, 100 warm-up iterations of 64 x 256 tokens,
+# decay to a tenth). Presets not listed (tiny, small, the MoE ones) keep the small
+# models' 3e-3 and 5 steps.
 RECIPES: dict[str, tuple[float, float]] = {
+    "gpt-10m": (1.0e-3, 100 * 64 * 256),
     "gpt2-125m": (6.0e-4, 375e6), "gpt2-350m": (3.0e-4, 375e6),
     "gpt-1.3b": (2.0e-4, 375e6), "gpt-6.7b": (1.2e-4, 375e6), "gpt-13b": (1.0e-4, 375e6),
     "gpt3-175b": (0.6e-4, 375e6), "gpt-1t": (0.6e-4, 375e6),

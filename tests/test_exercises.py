@@ -524,17 +524,85 @@ def test_h100_artifacts_tool_trims_and_merges() -> None:
 
 
 # --- the capstone (lesson 10): its brief decides, its instruments read a trace ----------
+CAPSTONE_SMALL = {"model": "tiny", "data": "markov", "ranks": 2, "batch_size": 4,
+                  "steps": 4, "eval_every": 4, "rehearsal_steps": 2, "memory_cap": 1e6,
+                  "target_val_loss": 9.0}
+PACE = {"matmul_flops": 10e9, "bus_bandwidth": 200e6, "latency": 5e-3, "ranks": 8}
+
+
 def test_capstone_brief_rules_layouts_out_and_leaves_a_choice() -> None:
-    from solutions.course import CAPSTONE, capstone_layouts, capstone_plan
-    layouts = capstone_layouts()
-    cap, idle = CAPSTONE["memory_cap"], CAPSTONE["max_bubble"]
-    assert any(c["memory"] > cap for c in layouts) and any(c["bubble"] > idle for c in layouts)
-    least = min(sum(c["wire"].values()) for c in layouts)
-    assert any(sum(c["wire"].values()) == least and c["bubble"] > idle for c in layouts)
+    from solutions.course import CAPSTONE, capstone_cluster, capstone_layouts, capstone_plan
+    layouts = capstone_layouts(cluster=capstone_cluster(PACE))
+    cap = CAPSTONE["memory_cap"]
+    fastest = min(layouts, key=lambda c: c["time"]["step"])
+    assert fastest["memory"] > cap  # the cap decides
     choice = capstone_plan(layouts)
-    fits = [c for c in layouts if c["memory"] <= cap and c["bubble"] <= idle]
+    fits = [c for c in layouts if c["memory"] <= cap]
     assert choice in fits and len(fits) > 1
-    assert sum(choice["wire"].values()) == min(sum(c["wire"].values()) for c in fits)
+    assert choice["time"]["step"] == min(c["time"]["step"] for c in fits)
+    assert all(set(c["time"]) >= {"compute", "bubble", "tp", "dp", "step"} for c in layouts)
+    assert any(c["time"]["bubble"] > 0 for c in layouts) and any(
+        c["time"]["tp"] > 0 for c in layouts)
+
+
+def test_capstone_model_allows_every_layout_and_takes_its_recipe() -> None:
+    from minipar.config import TrainConfig, learning_rate, warmup_steps
+    from minipar.model import PRESETS
+    from minipar.theory.params import param_count
+    from solutions.course import CAPSTONE, capstone_config
+    mc = PRESETS["gpt-10m"]
+    assert 9.5e6 < param_count(mc) < 10.5e6
+    assert all(x % 8 == 0 for x in (mc.n_layer, mc.n_head, mc.d_model, mc.d_ff, mc.vocab_size))
+    job = capstone_config(dict(dp=8, pp=1, tp=1, zero=0, sp=False, microbatches=1), whole=True)
+    assert job.model_config() == mc  # byte-level text keeps the preset's vocabulary
+    assert learning_rate(job) == 1e-3 and warmup_steps(job) == CAPSTONE["steps"] // 10
+    rehearsal = capstone_config(dict(dp=8, pp=1, tp=1, zero=0, sp=False, microbatches=1))
+    assert (rehearsal.steps, rehearsal.stop_at) == (job.steps, CAPSTONE["rehearsal_steps"])
+    assert warmup_steps(rehearsal) == warmup_steps(job)  # the job's own first steps
+    assert isinstance(job, TrainConfig)
+
+
+def test_capstone_pace_measures_this_machine() -> None:
+    from solutions.course import capstone_pace
+    pace = capstone_pace(dict(CAPSTONE_SMALL), seconds=0.05)
+    assert pace["matmul_flops"] > 1e6 and pace["bus_bandwidth"] > 1e4  # even on a busy machine
+    assert 0 < pace["latency"] < 1 and pace["ranks"] == 2
+
+
+def test_capstone_committed_run_meets_the_brief() -> None:
+    from solutions.course import CAPSTONE, DATA, LONG_RUN, capstone_long_run
+    path = DATA / LONG_RUN
+    assert path.stat().st_size < 200_000
+    run = capstone_long_run()
+    b = CAPSTONE
+    assert len(run["losses"]) == b["steps"] and run["eval"][-1]["step"] == b["steps"]
+    assert run["eval"][-1]["loss"] <= b["target_val_loss"]
+    assert run["losses"][-1] < run["losses"][0] / 2
+    assert len(run["sample"]) > 200
+    prov = run["provenance"]
+    for flag in (f"--model {b['model']}", f"--data {b['data']}", f"--steps {b['steps']}",
+                 f"--batch-size {b['batch_size']}", f"--eval-every {b['eval_every']}"):
+        assert flag in prov["command"]
+    assert prov["wall_time_s"] > 0 and prov["machine"] and prov["date"]
+
+
+def test_capstone_grade_holds_the_rehearsal_to_the_job(capsys) -> None:
+    from solutions.course import score_capstone
+    run = {"losses": [5.6, 5.1], "ranks": [{"memory": {"total": 90e6}}]}
+    long_run = {"losses": [5.6, 5.1, 4.0], "eval": [{"step": 3, "loss": 1.0}]}
+    rows = [{"what": "peak of any rank (rank 0)", "predicted": 60e6, "measured": 90e6,
+             "gap": 0.5},
+            {"what": "rank 0 dp bytes in a step", "predicted": 100, "measured": 100, "gap": 0},
+            {"what": "busiest rank: step, ms", "predicted": 1000, "measured": 1500,
+             "gap": 0.5}]
+    g = score_capstone(run, long_run, rows)
+    assert g["parity"] and g["loss"] and g["memory"] and g["time_prediction"]
+    assert not g["memory_prediction"] and not g["passed"]  # the planner's peak: 50 % off
+    g = score_capstone(run, long_run, rows, mine={"peak_mb": 88, "step_ms": 400})
+    assert g["memory_prediction"] and not g["time_prediction"]  # 1500 / 400 > 2
+    assert "your peak memory" in capsys.readouterr().out
+    g = score_capstone({**run, "losses": [5.6, 5.2]}, long_run, rows)
+    assert not g["parity"]  # not the job's own second step
 
 
 def test_capstone_reads_a_step_of_the_trace() -> None:
@@ -557,6 +625,7 @@ def test_capstone_reads_a_step_of_the_trace() -> None:
     assert parts["step_ms"] == pytest.approx(40.0) and parts["compute_ms"] == pytest.approx(30)
     assert parts["collective_ms"] == pytest.approx(4.0)  # the reduce-scatter, not the send
     assert parts["waiting_ms"] == pytest.approx(6.0)
+    assert parts["dp_ms"] == pytest.approx(4.0) and parts["tp_ms"] == 0
 
 
 # --- every lab holds several bugs, each found from its symptom -----------------------

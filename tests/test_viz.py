@@ -394,3 +394,13 @@ def test_lesson_figures_draw_their_models():
     ends = {m: r[2] for m, r in zero3_prefetch(4, 0.6, 1.0).items()}
     assert ends == pytest.approx({"no prefetch": 6.4, "prefetch": 4.6})
     assert "6.4 without prefetch, 4.6 with it" in zero3_prefetch_figure().layout.title.text
+
+
+def test_training_curve_shows_every_step_the_evaluations_and_the_target():
+    from minipar.viz.dp import training_curve_figure
+    evals = [{"step": 2, "loss": 3.0}, {"step": 4, "loss": 2.5}]
+    fig = training_curve_figure([4.0, 3.5, 3.1, 2.9], evals, target=2.6)
+    train, val = fig.data
+    assert list(train.y) == [4.0, 3.5, 3.1, 2.9]
+    assert list(val.x) == [2, 4] and list(val.y) == [3.0, 2.5]
+    assert [s.y0 for s in fig.layout.shapes] == [2.6]

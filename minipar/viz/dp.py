@@ -115,6 +115,21 @@ def zero3_prefetch_figure(blocks: int = 4, gather: float = 0.6,
                               f"{ends['prefetch']:.1f} with it")
 
 
+def training_curve_figure(losses, evals, target: float | None = None,
+                          title: str = "") -> go.Figure:
+    """A whole run: the training loss per step (a line), the validation loss where it was
+    measured (``evals``: ``{step, loss}`` dicts, markers), and a ``target`` (dashed)."""
+    fig = go.Figure([go.Scatter(y=list(losses), name="training loss", mode="lines"),
+                     go.Scatter(x=[e["step"] for e in evals], y=[e["loss"] for e in evals],
+                                name="validation loss", mode="markers+lines",
+                                marker=dict(size=8))])
+    if target is not None:
+        fig.add_hline(y=target, line_dash="dash", annotation_text="target")
+    fig.update_layout(xaxis_title="step", yaxis_title="loss (nats per byte)", width=620,
+                      height=340, title=title)
+    return fig
+
+
 def loss_curves_figure(reference, run, run_name: str, title: str) -> go.Figure:
     """One process's losses (a line) and a parallel run's (crosses) per step: on top of
     each other when the run is at parity."""
