@@ -13,23 +13,16 @@ a test that skips there would check nothing. What these tests pin down on the CP
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import torch
+from _scripts import load_script
 
 from minipar import engine
 from minipar.config import TrainConfig
 from minipar.launch import launch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu.py", "gpu_bench")
 
 
 def _both_loops(steps: int) -> dict:

@@ -12,7 +12,6 @@ demanding they equal the generated blanks, which your answers no longer do).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import math
 import re
 import sys
@@ -24,15 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `pytest tests/...` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
+from _scripts import load_script  # noqa: E402
+
 from solutions.check import EXERCISES, check, run_one  # noqa: E402
 
 
 def _load_generator():
-    spec = importlib.util.spec_from_file_location("make_exercises",
-                                                  ROOT / "tools" / "make_exercises.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/make_exercises.py")
 
 
 gen = _load_generator()
@@ -222,10 +219,7 @@ def test_lesson_checks_are_exported_and_fail_on_what_the_page_denies() -> None:
 
 
 def test_syllabus_map_cells_point_into_their_sections() -> None:
-    path = ROOT / "tools" / "syllabus_cells.py"
-    spec = importlib.util.spec_from_file_location("syllabus_cells", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("tools/syllabus_cells.py")
     text = tool.MAP.read_text()
     assert len(tool.references(text)) > 80
     assert tool.check(text) == []

@@ -9,19 +9,13 @@ tests fail when a lesson changes and the index was not rewritten
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _scripts import load_script
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("lesson_times",
-                                                  ROOT / "tools" / "lesson_times.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_script("tools/lesson_times.py")
 
 
 def _index_text(tool) -> str:
