@@ -92,11 +92,12 @@ def main() -> None:
     references: dict = {}
     t0 = time.time()
     only = set(args.only.split(",")) if args.only else None
+    dtypes_asked = set(args.dtypes.split(","))
     for name, layout, dtypes in LAYOUTS:
         for dtype in dtypes:
             row = {"name": f"{name} {dtype}", "layout": layout, "dtype": dtype}
             if ((only and name not in only) or world(layout) > gpus
-                    or dtype not in args.dtypes.split(",")):
+                    or dtype not in dtypes_asked):
                 continue
             if time.time() - t0 > args.budget_s:
                 row["status"] = "skipped (budget)"

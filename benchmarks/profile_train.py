@@ -84,12 +84,12 @@ def summarise(trace: dict) -> dict:
     comm = union([s for s, e in zip(spans, kernels) if kind_of(e["name"]) == "nccl"])
     work = union([s for s, e in zip(spans, kernels) if kind_of(e["name"]) != "nccl"])
     busy = union(spans)
-    exposed_by_collective = {}
-    for coll in sorted({collective_of(e["name"]) for e in kernels
-                        if kind_of(e["name"]) == "nccl"}):
-        mine = union([s for s, e in zip(spans, kernels)
-                      if kind_of(e["name"]) == "nccl" and collective_of(e["name"]) == coll])
-        exposed_by_collective[coll] = (length(mine) * 1e-3, minus(mine, work) * 1e-3)
+    by_collective: dict[str, list] = {}
+    for s, e in zip(spans, kernels):
+        if kind_of(e["name"]) == "nccl":
+            by_collective.setdefault(collective_of(e["name"]), []).append(s)
+    exposed_by_collective = {c: (length(union(v)) * 1e-3, minus(union(v), work) * 1e-3)
+                             for c, v in sorted(by_collective.items())}
     by_kind: dict[str, float] = {}
     by_name: dict[str, list] = {}
     for e in kernels:
