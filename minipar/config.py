@@ -98,8 +98,8 @@ class TrainConfig:
     grad_clip: float = option(1.0, "global norm (0: off)")
     ddp: str = option("overlapped", "ZeRO 0's gradient sync",
                       choices=("naive", "bucketed", "overlapped"))
-    fused: bool | None = option(None, "torch's fused optimizer kernel (default: on CUDA "
-                                "devices)")
+    fused: bool | None = option(None, "torch's fused optimizer kernel (default: AdamW "
+                                "everywhere, SGD on CUDA devices)")
     optimizer: str = option("adamw", "sgd: plain SGD, no momentum (parity checks see a "
                             "gradient's scale)", choices=OPTIMIZERS)
     order: str = option("megatron", "how ranks map to mesh coordinates (minipar.mesh)",
@@ -555,13 +555,18 @@ def optimizer_class(cfg: TrainConfig) -> type:
 def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
     """Keyword arguments for ``optimizer_class(cfg)`` (the learning rate is set per step).
 
-    ``host`` (ZeRO-Offload's CPU step): AdamW is torch's fused CPU kernel, 4-6x its
-    per-tensor loop (``benchmarks/offload_host.py``), at times 1 ulp apart from it
-    (within the parity tolerances). On CUDA the fused kernel (one launch for every
-    parameter) unless ``--no-fused``; elsewhere torch's default unless ``--fused``."""
+    AdamW steps with torch's fused kernel unless ``--no-fused``: one pass over each
+    tensor, where torch's default per-tensor loop makes about eight (a new tensor for the
+    denominator among them). ZeRO steps flat buffers, each larger than a CPU's cache, so
+    on the CPU the loop's passes stream from memory where a per-parameter optimizer's
+    stay in cache (``benchmarks/bench_dp.py`` measures both kernels against DDP); on CUDA
+    the fused kernel is one launch for every parameter. ``host`` (ZeRO-Offload's CPU
+    step) keeps it even under ``--no-fused`` (``benchmarks/offload_host.py``). Plain SGD
+    is one pass already: the fused kernel only on CUDA, or when ``--fused`` asks."""
     kwargs = {"lr": learning_rate(cfg), "weight_decay": cfg.weight_decay}
     on_cuda = not host and device_for(cfg).type == "cuda"
-    if cfg.fused or (cfg.fused is None and on_cuda) or (host and cfg.optimizer != "sgd"):
+    adamw = cfg.optimizer != "sgd"
+    if cfg.fused or (cfg.fused is None and (on_cuda or adamw)) or (host and adamw):
         kwargs["fused"] = True
     return kwargs
 

@@ -327,12 +327,15 @@ def test_zero3_offload_is_bit_identical_to_zero3(dtype, per_step):
 
 
 def test_host_optimizer_is_the_fused_adamw():
-    """The engine's host optimizer (``--offload``) is torch's fused CPU AdamW; the
-    reference and the layouts without offload keep the default (unless ``--fused``)."""
+    """AdamW is torch's fused kernel on the host (``--offload``) and everywhere else by
+    default, so the reference and every layout step with the same kernel; the host keeps
+    it under ``--no-fused``; plain SGD (one pass already) stays torch's default on CPUs."""
     from minipar.config import TrainConfig, optimizer_kwargs
 
     cfg = TrainConfig(offload=True)
     assert optimizer_kwargs(cfg, host=True)["fused"] is True
-    assert "fused" not in optimizer_kwargs(cfg)
+    assert optimizer_kwargs(cfg)["fused"] is True
+    assert "fused" not in optimizer_kwargs(TrainConfig(fused=False))
+    assert optimizer_kwargs(TrainConfig(offload=True, fused=False), host=True)["fused"]
     assert "fused" not in optimizer_kwargs(TrainConfig(offload=True, optimizer="sgd"),
                                            host=True)
