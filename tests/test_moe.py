@@ -461,3 +461,48 @@ def test_planner_enumerates_ep_and_prices_the_all_to_all() -> None:
                               ("all_to_all", 1e-5, where.intra_bw / 4)))
     assert evaluate("moe-1.3b", slow, layout).time["ep"] > 3.9 * lay.time["ep"]
     assert "--ep 8" in " ".join(layout.train_flags("moe-1.3b"))
+
+
+def test_planner_places_a_long_moe_sequence_with_cp_and_sp(tmp_path, monkeypatch) -> None:
+    """At 32k tokens a sequence, moe-1.3b (top-1) on 4 x H100: the planner's candidates
+    include cp > 1 and tp sp layouts, with and without ep, and cp wins (each rank keeps
+    16k tokens: the ring hides); each is priced with ``comm_volume``'s MoE traffic (the
+    expert ids over cp, the sequence under sp). Every layout ``plan`` prints validates on
+    the planned card and its command parses back to it."""
+    from minipar.__main__ import build_parser, train_config
+    from minipar.config import validate
+    from minipar.theory.clusters import cluster
+    from minipar.theory.comm_volume import total_wire_bytes
+    from minipar.theory.models import get_model
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "moe-1.3b", "--seq-len", "32768", "--moe-top-k", "1",
+                 "--gpus", "4", "--gpu", "H100-80GB", "--gpus-per-node", "4", "--batch", "4",
+                 "--top", "1000", "--json", str(out)]) == 0
+    printed = json.loads(out.read_text())["layouts"]
+    assert printed[0]["cp"] > 1
+    kinds = {(x["cp"] > 1, x["sp"] and x["tp"] > 1, x["ep"] > 1) for x in printed}
+    assert {(True, False, True), (True, True, False), (False, True, True)} <= kinds
+
+    long = get_model("moe-1.3b").with_(seq_len=32768, moe_top_k=1)
+    where = cluster(4, "H100-80GB", 4)
+    fields = set(Layout.__dataclass_fields__)
+    layouts = [Layout(**{k: v for k, v in x.items() if k in fields}) for x in printed]
+    both = next(lay for lay in layouts if lay.cp > 1 and lay.sp)
+    est, vol = evaluate(long, where, both), comm_volume(long, both)
+    assert vol["cp"]["all_gather"]["calls"] == long.n_moe_layers * both.microbatches
+    assert vol["tp"]["all_gather"]["calls"] > 0
+    for dim in ("tp", "cp"):
+        assert est.traffic[dim] == total_wire_bytes(vol, dim), dim
+    assert est.time["cp"] > 0  # the ring hides; the gather of the ids does not
+
+    monkeypatch.setattr("minipar.config.machine_memory",  # validate as on the planned card
+                        lambda cfg: ("memory per GPU", where.gpu_memory, 1))
+    for x, want in zip(printed, layouts):
+        argv = x["command"].replace("--backend nccl", "--backend gloo").split()[3:]
+        cfg = train_config(build_parser().parse_args(argv))
+        validate(cfg)
+        # the planner's Adam is the train default AdamW: the same states
+        assert (want.optimizer, cfg.optimizer) == ("adam", "adamw")
+        assert cfg.layout() == want.with_(optimizer="adamw")
+        assert cfg.model_config() == long
