@@ -348,8 +348,10 @@ def _cmd_plan(args) -> int:
 
 
 def _model_flags(args) -> str:
-    """The model size flags given to ``plan``, for the ``train`` commands it prints."""
-    sizes = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len")
+    """The model flags given to ``plan`` (sizes, experts), for the ``train`` commands it
+    prints."""
+    sizes = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len", "moe_experts",
+             "moe_top_k", "capacity_factor")
     return "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in sizes
                    if getattr(args, k, None) is not None)
 

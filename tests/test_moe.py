@@ -41,6 +41,7 @@ from minipar.model import GPT, ExpertQueues, MoE, get_config, load_balancing_los
 from minipar.parallel.cp import shard_sequence
 from minipar.parity import TOLERANCES, compare, final_parameters, run_grad_norms
 from minipar.theory.clusters import get_cluster
+from minipar.theory.comm_volume import comm_volume
 from minipar.theory.layout import Layout
 from minipar.theory.memory import RESERVE_FIT, RESERVE_GRAD_SHARE, memory_per_stage
 from minipar.theory.moe import all_to_all_bytes, dropped_share, moe_flops_per_token, moe_params
@@ -186,6 +187,59 @@ def test_all_to_all_bytes_equal_the_theory() -> None:
         a2a = r["comm"]["ep"]["all_to_all"]  # what a rank sends itself never leaves it
         assert sum(a2a["sent_to"]) == a2a["bytes"]
         assert a2a["wire_bytes"] == a2a["bytes"] - a2a["sent_to"][r["coords"]["dp"] % cfg.ep]
+
+
+def _engine_scalars(volume: dict, layout: Layout, stage: int) -> dict:
+    """``volume`` plus the engine's own small all-reduces, which the theory leaves out:
+    the gradient norm's fp32 squared sum over dp x cp, tp and pp (``step.clip_gradients``)
+    and the last stage's fp64 loss over dp x cp (``step.train_step``)."""
+    out = {d: {op: dict(x) for op, x in ops.items()} for d, ops in volume.items()}
+    dp = "dp_cp" if layout.cp > 1 else "dp"
+    last = stage == layout.pp - 1
+    for dim, n, nbytes in ((dp, layout.dp * layout.cp, 4 + (8 if last else 0)),
+                           ("tp", layout.tp, 4), ("pp", layout.pp, 4)):
+        if n > 1:
+            x = out.setdefault(dim, {}).setdefault("all_reduce", {"calls": 0, "bytes": 0})
+            x["calls"] += 2 if dim == dp and last else 1
+            x["bytes"] += nbytes
+    return out
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, sp=True), dict(cp=2, microbatches=2,
+                                                               recompute="full"),
+                                    dict(dp=2, ep=2, tp=2, sp=True),
+                                    dict(dp=2, ep=2, cp=2),
+                                    dict(pp=2, tp=2, sp=True, head_layers=2)],
+                         ids=lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
+def test_counted_bytes_equal_the_theory(layout: dict) -> None:
+    """Every byte a real run counts (dropless, one step) is ``theory.comm_volume``'s: the
+    experts' tp all-reduces of the routed rows, sp's gathers around the layer, cp's
+    gather of the expert ids (full recomputation: again), the all-to-all, the experts'
+    gradients over ``edp``, and with ``head_layers`` each stage's own layers. Summed over
+    the ranks (a rank's all-to-all and the tp traffic of its experts depend on what the
+    router sent it); calls per rank, except the dp reductions' (bucketed by the engine).
+    Not compared: pp's sends, which carry a shape header the first time (a few bytes)."""
+    cfg = TrainConfig(model="moe-tiny", steps=1, timeout=240, **layout)
+    run = train(cfg)
+    lay = cfg.layout()
+    measured: dict = {}
+    predicted: dict = {}
+    for r in run["ranks"]:
+        stage = r["coords"]["pp"]
+        want = _engine_scalars(comm_volume(cfg.model_config(), lay, stage=stage), lay, stage)
+        assert set(r["comm"]) == set(want), (set(r["comm"]), set(want))
+        for dim, ops in want.items():
+            assert set(r["comm"][dim]) == set(ops), dim
+            for op, x in ops.items():
+                if dim == "pp" and op in ("send", "recv"):
+                    continue
+                got = r["comm"][dim][op]
+                if dim not in ("dp", "dp_cp", "edp"):
+                    assert got["calls"] == x["calls"], (r["coords"], dim, op, got, x)
+                measured[dim, op] = measured.get((dim, op), 0) + got["bytes"]
+                predicted[dim, op] = predicted.get((dim, op), 0) + x["bytes"]
+    assert measured == predicted
+    assert ("cp", "all_gather") in measured or lay.cp == 1
 
 
 # --- mutations: the check must fail ----------------------------------------------------
@@ -407,3 +461,48 @@ def test_planner_enumerates_ep_and_prices_the_all_to_all() -> None:
                               ("all_to_all", 1e-5, where.intra_bw / 4)))
     assert evaluate("moe-1.3b", slow, layout).time["ep"] > 3.9 * lay.time["ep"]
     assert "--ep 8" in " ".join(layout.train_flags("moe-1.3b"))
+
+
+def test_planner_places_a_long_moe_sequence_with_cp_and_sp(tmp_path, monkeypatch) -> None:
+    """At 32k tokens a sequence, moe-1.3b (top-1) on 4 x H100: the planner's candidates
+    include cp > 1 and tp sp layouts, with and without ep, and cp wins (each rank keeps
+    16k tokens: the ring hides); each is priced with ``comm_volume``'s MoE traffic (the
+    expert ids over cp, the sequence under sp). Every layout ``plan`` prints validates on
+    the planned card and its command parses back to it."""
+    from minipar.__main__ import build_parser, train_config
+    from minipar.config import validate
+    from minipar.theory.clusters import cluster
+    from minipar.theory.comm_volume import total_wire_bytes
+    from minipar.theory.models import get_model
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "moe-1.3b", "--seq-len", "32768", "--moe-top-k", "1",
+                 "--gpus", "4", "--gpu", "H100-80GB", "--gpus-per-node", "4", "--batch", "4",
+                 "--top", "1000", "--json", str(out)]) == 0
+    printed = json.loads(out.read_text())["layouts"]
+    assert printed[0]["cp"] > 1
+    kinds = {(x["cp"] > 1, x["sp"] and x["tp"] > 1, x["ep"] > 1) for x in printed}
+    assert {(True, False, True), (True, True, False), (False, True, True)} <= kinds
+
+    long = get_model("moe-1.3b").with_(seq_len=32768, moe_top_k=1)
+    where = cluster(4, "H100-80GB", 4)
+    fields = set(Layout.__dataclass_fields__)
+    layouts = [Layout(**{k: v for k, v in x.items() if k in fields}) for x in printed]
+    both = next(lay for lay in layouts if lay.cp > 1 and lay.sp)
+    est, vol = evaluate(long, where, both), comm_volume(long, both)
+    assert vol["cp"]["all_gather"]["calls"] == long.n_moe_layers * both.microbatches
+    assert vol["tp"]["all_gather"]["calls"] > 0
+    for dim in ("tp", "cp"):
+        assert est.traffic[dim] == total_wire_bytes(vol, dim), dim
+    assert est.time["cp"] > 0  # the ring hides; the gather of the ids does not
+
+    monkeypatch.setattr("minipar.config.machine_memory",  # validate as on the planned card
+                        lambda cfg: ("memory per GPU", where.gpu_memory, 1))
+    for x, want in zip(printed, layouts):
+        argv = x["command"].replace("--backend nccl", "--backend gloo").split()[3:]
+        cfg = train_config(build_parser().parse_args(argv))
+        validate(cfg)
+        # the planner's Adam is the train default AdamW: the same states
+        assert (want.optimizer, cfg.optimizer) == ("adam", "adamw")
+        assert cfg.layout() == want.with_(optimizer="adamw")
+        assert cfg.model_config() == long

@@ -48,6 +48,13 @@ micro-batches, e bytes per activation element):
   selective) runs the forward ring again. The weights are replicated over cp as over
   dp: the data-parallel traffic is that of a dp*cp group, booked under ``dp_cp`` (the
   comm log's name for it) when C > 1.
+* a mixture of experts (``_moe``; GShard, arXiv 2006.16668): the experts' tp all-reduces
+  carry the routed rows (k a token), sp all-gathers the sequence around the layer, cp
+  all-gathers the expert ids, ep moves the rows by all-to-all (``theory.moe``) and
+  reduces the experts' gradients over their own replicas, ``edp``.
+Not predicted: the engine's one fp32 all-reduce of the gradient norm per group, its
+fp64 all-reduce of the loss over dp x cp, and how it buckets the dp reductions (one
+call here).
 """
 
 from __future__ import annotations
@@ -61,10 +68,12 @@ from minipar.theory.context import ring_bytes
 from minipar.theory.layout import Layout
 from minipar.theory.memory import _ALIASES, state_bytes
 from minipar.theory.models import get_model
+from minipar.theory.moe import COUNT_BYTES, all_to_all_bytes, kept_share
 from minipar.theory.params import (
     check_divisible,
     layer_matmul_params,
     param_table,
+    stage_expert_params,
     stage_layers,
     stage_moe_layers,
     stage_params,
@@ -82,14 +91,14 @@ def _add(out: dict, dim: str, op: str, calls: int, nbytes: int, n: int) -> None:
 
 
 def float8_gathered(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
-                    virtual: int = 1) -> tuple[int, int]:
+                    virtual: int = 1, head_layers: int = 0) -> tuple[int, int]:
     """(elements, weight matrices) of one rank's weights that ``--fp8`` multiplies in
     float8: every block's linear weights (a dense block's four, tp-split; an MoE block's
     attention two and its router, replicated over tp)."""
     cfg = get_model(cfg)
     h = cfg.d_model
-    layers = stage_layers(cfg.n_layer, pp, stage, virtual)
-    moe = stage_moe_layers(cfg, pp, stage, virtual) if cfg.n_expert else 0
+    layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers)
+    moe = stage_moe_layers(cfg, pp, stage, virtual, head_layers) if cfg.n_expert else 0
     dense = layers - moe
     numel = dense * layer_matmul_params(cfg) // tp + moe * (4 * h * h // tp + h * cfg.n_expert)
     return numel, 4 * dense + 3 * moe
@@ -130,14 +139,13 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
                 stage: int = 0) -> dict[str, dict[str, dict[str, int]]]:
     """Predicted ``CommLog.summary()`` of one rank of pipeline stage ``stage`` for one
     training step of ``layout`` (``microbatches`` micro-batches of ``microbatch_size``
-    sequences). The schedule does not change the bytes, only when they move. With ``ep`` a
-    rank reduces E/ep experts (over dp / ep replicas: counted here with the dense part);
-    the all-to-all is ``theory.moe.all_to_all_bytes``. With ``fp8`` tensorwise, ZeRO-3
-    gathers the blocks' linear weights in float8."""
+    sequences). The schedule does not change the bytes, only when they move. With
+    ``fp8`` tensorwise, ZeRO-3 gathers the blocks' linear weights in float8. A
+    mixture-of-experts model adds what ``_moe`` books."""
     cfg = get_model(cfg)
-    dp, pp, tp, cp, zero, dtype = (layout.dp, layout.pp, layout.tp, layout.cp, layout.zero,
-                                   layout.dtype)
-    virtual, recompute = layout.virtual, layout.recompute
+    dp, pp, tp, cp, ep, zero, dtype = (layout.dp, layout.pp, layout.tp, layout.cp, layout.ep,
+                                       layout.zero, layout.dtype)
+    virtual, recompute, head = layout.virtual, layout.recompute, layout.head_layers
     check_divisible(cfg, tp)
     sp = layout.sp and tp > 1  # sequence parallelism splits over the tp group
     m = layout.microbatches
@@ -145,32 +153,43 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
     s, b, h, v = cfg.seq_len // cp, layout.microbatch_size, cfg.d_model, cfg.vocab_size
     e = 2 if _ALIASES.get(dtype, dtype) == "bf16" else 4
     first, last = stage == 0, stage == pp - 1
+    layers = stage_layers(cfg.n_layer, pp, stage, virtual, head)
+    moe = stage_moe_layers(cfg, pp, stage, virtual, head) if cfg.n_expert else 0
 
-    # data parallel, for the parameters this rank holds
-    float8 = (float8_gathered(cfg, pp, tp, stage, virtual) if layout.fp8 == "tensorwise"
-              else (0, 0))
-    out = dp_volume(stage_params(cfg, pp, tp, stage, virtual, ep=layout.ep), dp * cp, zero,
-                    dtype, m, "dp_cp" if cp > 1 else "dp", float8)
+    # data parallel, for the parameters this rank holds; split experts over their replicas
+    float8 = (float8_gathered(cfg, pp, tp, stage, virtual, head)
+              if layout.fp8 == "tensorwise" else (0, 0))
+    n = stage_params(cfg, pp, tp, stage, virtual, head, ep=ep)
+    experts = stage_expert_params(cfg, pp, stage, virtual, head, ep, tp) if ep > 1 else 0
+    out = dp_volume(n - experts, dp * cp, zero, dtype, m, "dp_cp" if cp > 1 else "dp", float8)
+    if experts and dp * cp > ep:
+        out["edp"] = dp_volume(experts, dp * cp // ep, zero, dtype, m, "edp")["edp"]
 
-    # tensor parallel, per micro-batch: collectives of b*s*h activations
-    layers = stage_layers(cfg.n_layer, pp, stage, virtual)
+    # tensor parallel, per micro-batch: collectives of b*s*h activations (an MoE layer's
+    # MLP collectives: ``_moe``)
+    dense = layers - moe
     act = s * b * h * e
     redo = 1 if recompute == "full" else 0  # the forward runs twice
     if sp:
         # per layer: 2 column linears (AG fwd, AG + RS bwd), 2 row linears (RS fwd, AG bwd)
-        gathers = layers * (6 + 2 * redo) + (1 if first else 0) + (2 if last else 0)
-        scatters = layers * (4 + 2 * redo) + (1 if first else 0) + (1 if last else 0)
+        gathers = (dense * (6 + 2 * redo) + moe * (3 + redo) + (1 if first else 0)
+                   + (2 if last else 0))
+        scatters = dense * (4 + 2 * redo) + moe * (2 + redo) + (1 if first else 0) + (
+            1 if last else 0)
         _add(out, "tp", "all_gather", m * gathers, act, tp)
         _add(out, "tp", "reduce_scatter", m * scatters, act, tp)
     else:
-        n_coll = layers * (4 + 2 * redo) + (1 if first else 0) + (1 if last else 0)
+        n_coll = dense * (4 + 2 * redo) + moe * (2 + redo) + (1 if first else 0) + (
+            1 if last else 0)
         _add(out, "tp", "all_reduce", m * n_coll, act, tp)
     if last:  # vocabulary-parallel cross-entropy: max, sum-exp, target logit (fp32)
         _add(out, "tp", "all_reduce", 3 * m, s * b * 4, tp)
     if sp:  # gradients of the replicated parameters, summed over the sequence shards
-        replicated = layers * sum(p.numel for p in param_table(cfg)
+        table = param_table(cfg)
+        replicated = layers * sum(p.numel for p in table
                                   if p.where == "layer" and not p.tp_split)
-        replicated += sum(p.numel for p in param_table(cfg) if not p.tp_split and (
+        replicated -= moe * h  # an MoE layer has no mlp.proj.bias, its own are whole
+        replicated += sum(p.numel for p in table if not p.tp_split and (
             (p.where == "first" and first) or (p.where == "last" and last)))
         _add(out, "tp", "all_reduce", 1, replicated * state_bytes(dtype)[1], tp)
 
@@ -186,6 +205,8 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
             st["calls"] += calls
             st["bytes"] += nbytes
             st["wire_bytes"] += nbytes if op == "send" else 0
+    if moe:
+        _moe(out, cfg, layout, moe, s, e)
 
     # pipeline: sends to the next chunk and gradients back, per micro-batch
     boundary = act // (tp if sp else 1)
@@ -196,6 +217,35 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
     if cfg.tie_embeddings and pp > 1 and (first or last):  # the embedding group
         _add(out, "embed", "all_reduce", 1, v * h // tp * state_bytes(dtype)[1], 2)
     return {d: {op: dict(x) for op, x in ops.items()} for d, ops in out.items()}
+
+
+def _moe(out: dict, cfg: GPTConfig, layout: Layout, moe: int, s: int, e: int) -> None:
+    """Book the traffic of this rank's ``moe`` MoE layers, each on ``s`` tokens of a
+    sequence (the cp shard), per micro-batch:
+
+    * tp: the experts' MLPs are split as the MLP is, but their two all-reduces (the
+      output's in the forward, the input gradient's in the backward) carry the routed
+      rows, k a token times the share the capacity keeps (``moe.kept_share``); under sp
+      the layer (``tp.SequenceParallelMoE``) all-gathers the sequence before them and
+      all-gathers the output's gradient slices after them in the backward;
+    * cp: the expert ids (k int64 a token) all-gathered over cp in the forward
+      (``cp_plan.ShardQueues``; integers: no gradient, nothing in the backward);
+    * ep: the all-to-all (``moe.all_to_all_bytes``), and the experts' gradients reduced
+      over their dp * cp / ep replicas (booked by ``comm_volume`` under ``edp``).
+
+    Full recomputation runs each forward collective again."""
+    tp, cp, ep, m, b = layout.tp, layout.cp, layout.ep, layout.microbatches, layout.microbatch_size
+    h, k, kept = cfg.d_model, cfg.moe_top_k, kept_share(cfg)
+    fwd = 2 if layout.recompute == "full" else 1
+    routed = round(b * s * k * kept) * h * e  # the rows of one layer and micro-batch
+    _add(out, "tp", "all_reduce", m * moe * (fwd + 1), routed, tp)
+    if layout.sp:
+        _add(out, "tp", "all_gather", m * moe * (fwd + 1), b * s * h * e, tp)
+    _add(out, "cp", "all_gather", m * moe * fwd, b * s * cp * k * COUNT_BYTES, cp)
+    if ep > 1:
+        a2a = all_to_all_bytes(cfg, m * b * s, ep, "bf16" if e == 2 else "fp32", kept,
+                               layout.recompute == "full", m, moe)
+        out["ep"]["all_to_all"] = {key: a2a[key] for key in ("calls", "bytes", "wire_bytes")}
 
 
 def total_wire_bytes(volume: dict, dim: str | None = None) -> int:

@@ -17,6 +17,7 @@ the assignments), and what exceeds C is dropped.
 from __future__ import annotations
 
 import math
+from functools import cache
 
 from minipar.model import GPTConfig
 from minipar.theory.memory import model_states
@@ -71,9 +72,9 @@ def moe_model_states(cfg: GPTConfig | str, dp: int = 1, ep: int = 1, zero: int =
 
 def all_to_all_bytes(cfg: GPTConfig | str, tokens: int, ep: int, dtype: str = "bf16",
                      kept: float = 1.0, recompute: bool = False,
-                     microbatches: int = 1) -> dict[str, float]:
+                     microbatches: int = 1, layers: int | None = None) -> dict[str, float]:
     """All-to-all bytes one rank sends in a step that routes ``tokens`` of its own, in
-    ``microbatches`` forwards.
+    ``microbatches`` forwards, through ``layers`` MoE layers (None: all the model's).
 
     Per MoE layer and micro-batch: the row counts (E integers), then four exchanges of
     the routed rows
@@ -90,10 +91,18 @@ def all_to_all_bytes(cfg: GPTConfig | str, tokens: int, ep: int, dtype: str = "b
     forwards = 2 if recompute else 1
     exchanges = 2 * forwards + 2
     counts = microbatches * forwards * cfg.n_expert * COUNT_BYTES
-    payload = cfg.n_moe_layers * (exchanges * rows * cfg.d_model * width + counts)
-    calls = cfg.n_moe_layers * microbatches * (exchanges + forwards)
+    layers = cfg.n_moe_layers if layers is None else layers
+    payload = layers * (exchanges * rows * cfg.d_model * width + counts)
+    calls = layers * microbatches * (exchanges + forwards)
     return {"calls": calls, "bytes": payload,
             "wire_bytes": payload * (ep - 1) / ep}
+
+
+@cache
+def kept_share(cfg: GPTConfig) -> float:
+    """The expected share of the k s assignments an expert keeps under uniform routing,
+    1 - ``dropped_share`` (cached: the planner asks once per layout)."""
+    return 1.0 - dropped_share(cfg)
 
 
 def capacity(cfg: GPTConfig | str) -> int:

@@ -30,9 +30,11 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                leaves at least ``ZERO3_EXPOSED_SHARE`` of its seconds exposed
     ep       = a mixture of experts' all-to-all (dispatch and combine, forward and
                backward; ``theory.moe.all_to_all_bytes``), every call exposed, at the
-               calibrated all-to-all pace, else the all-gather's link
+               calibrated all-to-all pace, else the all-gather's link (the experts'
+               gradients, reduced over their replicas, count with dp)
     cp       = the ring's time, exposed only when a rank's s / cp tokens are too few to
-               hide a ring step (``theory.context.min_local_tokens_to_hide_ring``)
+               hide a ring step (``theory.context.min_local_tokens_to_hide_ring``); an
+               MoE layer's gather of the expert ids, always
     update   = the optimizer step over this rank's (ZeRO: sharded) parameters, when measured
     host     = what the host's kernel launches add where they take longer than the rest
                (``host_seconds``; on a cluster whose host was measured with this engine,
@@ -40,9 +42,9 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
     step     = compute + bubble + tp + ep + exposed cp + pp + exposed dp + update + host
 
 A mixture-of-experts model also enumerates ep (dividing dp and the experts; its
-compute counts the active weights, its memory E/ep experts per rank); no cp or sp for
-it (they run, but an MoE layer's gathers there, the sequence under sp and the expert ids
-over cp, are not priced).
+compute counts the active weights, its memory E/ep experts per rank and, under sp, the
+gathered sequence), and cp and sp as a dense one: ``comm_volume`` prices an MoE layer's
+gathers there (the sequence under sp, in tp; the expert ids over cp, in cp).
 
 Bandwidth per dimension comes from where its group lives: inside one node (NVLink) or
 across nodes (network), read off the rank layout (``minipar.mesh.Mesh``). What it
@@ -66,13 +68,11 @@ from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.layout import Layout
 from minipar.theory.memory import MEMORY_MARGIN, card_bytes, memory_per_stage
 from minipar.theory.models import get_model
-from minipar.theory.moe import all_to_all_bytes
 from minipar.theory.offload import offload_seconds
 from minipar.theory.params import (
     head_layers_for,
     model_flops_per_token,
     stage_layers,
-    stage_moe_layers,
 )
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds, sp_seconds
 
@@ -123,8 +123,9 @@ def _group_spans_nodes(dp: int, pp: int, tp: int, dim: str, order: str,
     """Does rank 0's group along ``dim`` cross a node boundary? (All groups of one
     dimension have the same shape, so rank 0's answers for all.)"""
     mesh = Mesh(dp, pp, tp, order, cp=cp, ep=ep)
-    ranks = (mesh.dp_cp_ranks(0) if dim == "dp" and cp > 1 else mesh.ep_ranks(0)
-             if dim == "ep" else mesh.group_ranks(dim, 0))
+    special = {"ep": mesh.ep_ranks, "edp": mesh.edp_ranks}
+    ranks = (mesh.dp_cp_ranks(0) if dim == "dp" and cp > 1 else special[dim](0)
+             if dim in special else mesh.group_ranks(dim, 0))
     return len({r // gpus_per_node for r in ranks}) > 1
 
 
@@ -156,7 +157,8 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     ``memory_per_stage`` row plus what the card holds beyond the tensors
     (``memory.card_bytes``: ``reserved``, ``process``); ``fits`` says whether ``process``
     stays under the GPU's memory less ``memory_margin`` of it. Experts split over ep
-    ranks of dp have their all-to-all priced as the ``ep`` term."""
+    ranks of dp have their all-to-all priced as the ``ep`` term, their gradients'
+    reduction over their replicas (``edp``) with the data-parallel one."""
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     if layout.gpus != cluster.gpus:
         raise ValueError(f"tp*pp*dp*cp = {layout.gpus} is not the cluster's "
@@ -174,20 +176,15 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, layout, stage=min(1, pp - 1))
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
-    if ep > 1:  # the busiest stage's MoE layers, each rank's tokens of the step
-        moe = max(stage_moe_layers(cfg, pp, s, virtual, layout.head_layers) for s in range(pp))
-        a2a = all_to_all_bytes(cfg, global_batch // dp * cfg.seq_len, ep, dtype,
-                               recompute=recompute == "full", microbatches=m)
-        share = moe / cfg.n_moe_layers
-        vol["ep"] = {"all_to_all": {k: v * share for k, v in a2a.items()}}
 
     chunks = chunk_seconds(cfg, cluster, layout, matmul_efficiency)
     compute, step = pipeline_seconds(layout.schedule, pp, m, virtual, tuple(chunks))
     bubble = step - compute  # the busiest rank's idle time in the simulated schedule
-    group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp, "ep": ep}  # pp: a send-recv pair
+    # pp: a send-recv pair; edp: an expert's replicas
+    group = {"dp": dp * cp, "pp": 2, "tp": tp, "cp": cp, "ep": ep, "edp": dp * cp // ep}
 
     def spans(dim: str) -> bool:
-        n = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp, "ep": ep}[dim]
+        n = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "edp": dp * cp // ep}[dim]
         return n > 1 and _group_spans_nodes(dp, pp, tp, dim, layout.order,
                                             cluster.gpus_per_node, cp, ep)
 
@@ -197,15 +194,21 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     if layout.sp:  # the host's cost of sp's extra launches, measured per layer
         t["tp"] += sp_seconds(cfg, cluster, layout)
     fp32_grads = 2.0 if dtype == "bf16" else 1.0  # the volume counts 16-bit gradients
-    dp_ops = {op: _op_seconds(op, x, cluster, spans("dp"), group["dp"], fp32_grads if op
-                              in ("all_reduce", "reduce_scatter") else 1.0)
-              for op, x in vol.get("dp", {}).items()}
+    dp_ops: dict[str, float] = {}  # the dense weights' over dp x cp, the experts' over edp
+    for d in ("dp", "edp"):
+        for op, x in vol.get(d, {}).items():
+            dp_ops[op] = dp_ops.get(op, 0.0) + _op_seconds(
+                op, x, cluster, spans(d), group[d],
+                fp32_grads if op in ("all_reduce", "reduce_scatter") else 1.0)
     t["dp"] = _exposed_dp(dp_ops, compute, m, zero, recompute) if overlap else sum(dp_ops.values())
     if cp > 1:  # the ring hides behind the block compute once the local shard is long
         bw = cluster.link("send", spans("cp"))[0]
         e = 2 if dtype == "bf16" else 4
         if cfg.seq_len // cp >= min_local_tokens_to_hide_ring(cluster.matmul_rate, bw, e):
-            t["cp"] = 0.0
+            # (an MoE layer's gather of the expert ids waits before its routing)
+            ids = {"cp": {op: x for op, x in vol.get("cp", {}).items() if op == "all_gather"}}
+            t["cp"] = _comm_seconds(ids, "cp", cluster, spans("cp"), cp) * (
+                cluster.host_bound_slowdown)
     n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
     t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute,
                                    cluster.host_adam_params_per_s) if layout.offload else 0.0
@@ -218,6 +221,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
            / (cluster.gpus * cluster.peak_flops))
     traffic = {d: sum(x["wire_bytes"] for x in vol.get(d, {}).values())
                for d in ("tp", "ep", "cp", "pp", "dp")}
+    traffic["dp"] += sum(x["wire_bytes"] for x in vol.get("edp", {}).values())
     return Estimate(layout, memory=mem, time=time, traffic=traffic, mfu=mfu,
                     fits=mem["process"] <= (1 - memory_margin) * cluster.gpu_memory)
 
@@ -315,8 +319,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     keeps at least ``min_cp_tokens`` tokens of a sequence (seq_len / cp; below that
     the ring cannot hide behind the blocks' compute), within a node with tp.
     ``offload=True``: a layout that does not fit is tried again with ZeRO-Offload.
-    A mixture-of-experts model: every ep (a power of two dividing dp and the experts),
-    no sp or cp.
+    A mixture-of-experts model: also every ep (a power of two dividing dp and the
+    experts).
     Every layout trains in ``dtype`` with ``optimizer``, its ranks in ``order``;
     ``settings`` go to ``evaluate`` (matmul_efficiency, memory_margin, accounting,
     overlap).
@@ -324,7 +328,6 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     gpus = cluster.gpus
     global_batch = gpus if global_batch is None else global_batch
-    sp = sp and not cfg.n_expert  # an MoE layer's gathers under sp and cp: not priced
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
     layouts: list[Estimate] = []
@@ -346,7 +349,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                    f"{getattr(cfg, bad[0])}")
             continue
         cps = [c for c in _powers_of_two(gpus // tp) if c == 1 or (
-            not cfg.n_expert and cfg.seq_len % (2 * c) == 0 and cfg.seq_len // c >= min_cp_tokens
+            cfg.seq_len % (2 * c) == 0 and cfg.seq_len // c >= min_cp_tokens
             and tp * c <= cluster.gpus_per_node)]
         for pp, cp in ((p, c) for c in cps for p in range(1, cfg.n_layer + 1)):
             if (gpus // (tp * cp)) % pp:
