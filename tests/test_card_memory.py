@@ -16,7 +16,10 @@ within 25%.
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 from minipar.__main__ import build_parser, train_config
@@ -26,7 +29,8 @@ from minipar.theory.layout import Layout
 from minipar.theory.memory import MEMORY_MARGIN
 from minipar.theory.planner import evaluate, plan
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 H100 = cluster(4, "H100-80GB", 4)
 
 
@@ -154,3 +158,59 @@ def test_data_and_pipeline_parallel_steps_within_a_quarter() -> None:
         if row["status"] == "ok" and " tp=1 " in f" {row['label']} " and "cp=" not in \
                 row["label"] and "zero=0 b=2" not in row["label"]:
             assert abs(predicted / row["step_median"] - 1) < 0.25, (row["label"], predicted)
+
+
+def _card_memory(*args: str, timeout: float = 120) -> str:
+    """``benchmarks/card_memory.py`` with ``args``, run as the lead runs it; its stdout."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "card_memory.py"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_the_covering_rows_are_listed_with_their_kernel_and_prediction(tmp_path) -> None:
+    """``--list`` (no GPU): the big models' covering rows, each with its predicted GiB,
+    the kernel and compilation its command runs with on CUDA; ``--skip-recorded`` leaves
+    out what ran with the same kernel and compilation only (the i2 row of gpt-13b's
+    planner top 5, fused and compiled), not what ran under another kernel."""
+    out = _card_memory("--out", str(tmp_path), "--sections", "covering", "--models",
+                       "gpt-6.7b,gpt-13b", "--steps", "10", "--skip-recorded", "--list")
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert len(rows) == 20 and {r[0] for r in rows} == {"gpt-6.7b", "gpt-13b"}
+    labels = [" ".join(r[2:r.index("GiB") - 3]) for r in rows]
+    for model in ("gpt-6.7b", "gpt-13b"):
+        mine = [label for r, label in zip(rows, labels) if r[0] == model]
+        assert sum(label.startswith("tp=4 ") for label in mine) == 2
+        assert any(label.startswith("tp=4 ") and label.endswith(" sp") for label in mine)
+        assert sum(" cp=2 " in label for label in mine) == 1
+        assert {s for label in mine for s in ("1f1b", "interleaved", "zb", "gpipe")
+                if label.startswith("tp=1 pp=4 ") and f" {s}" in label} == {
+            "1f1b", "interleaved", "zb", "gpipe"}
+        assert sum(label.endswith("offload") for label in mine) == 1
+    for r, label in zip(rows, labels):
+        kernel, compiled = r[r.index("GiB") + 3], r[r.index("GiB") + 4] == "compiled"
+        assert kernel == ("host" if "offload" in label else "fused"), r
+        assert compiled == (" tp=1 " in f" {label} " and "cp=" not in label
+                            and " zb" not in label), r
+        assert 0 < float(r[r.index("GiB") - 3]) < float(r[r.index("GiB") - 1]) < 100, r
+    planner = _card_memory("--out", str(tmp_path), "--sections", "planner", "--models",
+                           "gpt-13b", "--skip-recorded", "--list")
+    assert planner.startswith("4 rows to run (of 5)")
+    assert "zero=3 b=1 m=16 interleaved v=2 recompute=full" not in planner
+    assert "zero=3 b=4 m=1 recompute=full" in planner  # ran, but foreach and eager
+
+
+def test_a_dry_run_records_the_kernel_and_the_prediction(tmp_path) -> None:
+    """On CPU ranks (gloo, 2 ranks, tiny): one covering row runs, and its record says
+    the kernel torch stepped with (one tensor at a time, the CPU default), eager, and
+    each rank's predicted peak beside its measurements."""
+    _card_memory("--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--models",
+                 "tiny", "--sections", "covering", "--match", "pp=2 .*1f1b", "--steps", "2",
+                 "--budget-s", "200", timeout=260)
+    report = json.loads((tmp_path / "card_memory.json").read_text())
+    [row] = [r for r in report["rows"] if r["status"] != "invalid"]
+    assert row["status"] == "ok", row
+    assert (row["optimizer_kernel"], row["compiled"]) == ("forloop", False)
+    assert row["planned_reserved"] > 0 and len(row["step_seconds"]) == 2
+    assert all(r["predicted_peak_bytes"] > 0 for r in row["ranks"])
