@@ -3,6 +3,10 @@
 planner's own functions. A change that moves a prediction away from what the card held,
 or from the step it took, fails here.
 
+Each row is predicted with the optimizer kernel it ran (its ``optimizer_kernel``:
+torch's multi-tensor AdamW before 2026-11-28 i2, the fused kernel, the CUDA default,
+since), which decides the step's temporary.
+
 Bounds, from the recorded rows (2026-11-27, h1-h3 and h7): below 74 GiB of reserve (the
 fit's domain; nearer the card's capacity the allocator frees its cache) the predicted
 reserve is within 8.3% of the measured peak on every row and within 5% on the median
