@@ -9,12 +9,16 @@ step beyond its states, as a share of the fp32 parameters: AdamW foreach 1.000, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from _scripts import load_script
 
-from minipar.config import TrainConfig, optimizer_kernel, optimizer_kwargs
+from minipar.config import TrainConfig, optimizer_kernel, optimizer_kwargs, predicted_bytes
+from minipar.theory.clusters import cluster
 from minipar.theory.layout import Layout
 from minipar.theory.memory import OPTIMIZER_KERNELS, memory_per_stage, optimizer_step_bytes
+from minipar.theory.planner import evaluate
 
 SIZES = (400_000, 200_000, 1_000)
 
@@ -58,3 +62,19 @@ def test_only_the_multi_tensor_adamw_books_its_temporary() -> None:
         assert row["optimizer_step"] == ((n + 1) // 2 * 4 if kernel == "foreach" else 0)
     with pytest.raises(ValueError, match="optimizer kernel"):
         memory_per_stage("tiny", Layout(optimizer_kernel="apex"), accounting="fused")
+
+
+def test_the_fit_check_books_the_runs_kernel_as_the_planner_does() -> None:
+    """``train``'s prediction (``config.predicted_bytes``, also ``train --json``'s
+    ``predicted_peak_bytes``) for a run on CUDA equals the planner's for the same layout
+    with the same kernel: fused by default, foreach with ``--no-fused`` (gpt-13b dp 4
+    ZeRO-3, full recompute: 60.5 and 70.3 GiB; its peak is the step's with the temporary)."""
+    cfg = TrainConfig(model="gpt-13b", dp=4, zero=3, recompute="full", batch_size=16,
+                      backend="nccl")
+    h100 = cluster(4, "H100-80GB", 4)
+    got = {k: predicted_bytes(replace(cfg, fused=k == "fused"), cfg.model_config())
+           for k in ("fused", "foreach")}
+    for kernel, bytes_ in got.items():
+        lay = cfg.layout().with_(optimizer_kernel=kernel)
+        assert bytes_ == evaluate("gpt-13b", h100, lay).memory["process"], kernel
+    assert got["foreach"] - got["fused"] > 8 * 2**30
