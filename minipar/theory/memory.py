@@ -387,7 +387,8 @@ def optimizer_step_bytes(n: int, parts: int, zero: int, dtype: str = "bf16",
                          optimizer: str = "adam", experts: int = 0, ep: int = 1,
                          kernel: str = "fused") -> int:
     """The transient of the optimizer step itself on the device, as torch 2.13 allocates
-    it (``benchmarks/optimizer_memory.py``, measured on the CPU): the multi-tensor
+    it (``benchmarks/optimizer_memory.py``, measured on the CPU; on 4 x H100 with torch
+    2.11, gpt-13b dp 4 ZeRO-3 peaks in its multi-tensor step, as booked): the multi-tensor
     (``foreach``) AdamW allocates each list op's outputs whole, so it keeps one temporary
     the size of the fp32 parameters it updates (the shard under ZeRO 1-3; ``sharded``);
     the fused kernel makes none; the per-tensor loop two of one tensor at a time (a
