@@ -174,10 +174,12 @@ class TrainConfig:
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
         return f"dp={self.dp} x pp={self.pp} x tp={self.tp}{cp}"
 
-    def layout(self) -> Layout:
+    def layout(self, device: str | None = None) -> Layout:
         """What the theory prices of this run (``theory.layout.Layout``): its sizes, ZeRO
         stage, batch split (a micro-batch is batch / (dp x microbatches) sequences),
-        schedule, recomputation, offload and precision."""
+        schedule, recomputation, offload, precision and the optimizer's kernel on
+        ``device`` ("cuda" or "cpu"; default: the run's, ``optimizer_kernel``)."""
+        on_cuda = uses_cuda(self) if device is None else device == "cuda"
         return Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep,
                       zero=self.zero, microbatch_size=max(1, self.batch_size
                                                           // (self.dp * self.microbatches)),
@@ -185,7 +187,8 @@ class TrainConfig:
                       virtual=self.virtual, head_layers=self.head_layers, sp=self.sp,
                       recompute=self.recompute, recompute_layers=self.recompute_layers,
                       offload=self.offload, dtype=self.dtype, optimizer=self.optimizer,
-                      grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order)
+                      grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order,
+                      optimizer_kernel=optimizer_kernel(self, on_cuda))
 
     def model_config(self) -> GPTConfig:
         """The preset (``init_from``: the directory's sizes), with ``overrides``, the size
@@ -341,7 +344,7 @@ def use_compile(cfg: TrainConfig) -> bool:
     pipeline parallelism; tp and cp blocks compile when asked."""
     if cfg.compile is not None:
         return cfg.compile
-    return (device_for(cfg).type == "cuda" and not cfg.dropout and cfg.schedule != "zb"
+    return (uses_cuda(cfg) and not cfg.dropout and cfg.schedule != "zb"
             and cfg.tp == 1 and cfg.cp == 1)
 
 
@@ -386,14 +389,15 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
     pipeline stage ``stage`` or the most loaded one: the live tensors
     (``theory.memory.memory_per_stage`` of ``TrainConfig.layout``: model states by ZeRO
     stage, activations by recompute and sp, the pipeline's micro-batches in flight, the
-    loss workspace, the optimizer's temporary; experts split by ep, the all-to-all's
+    loss workspace, the temporary of the optimizer kernel it runs on ``device`` (default:
+    its own; ``optimizer_kernel``); experts split by ep, the all-to-all's
     buffers) and what the device holds beyond them (``card_bytes``: the caching
     allocator's reserve and the runtime). The planner prices layouts with the same two
     functions."""
-    layout = replace(cfg, **changes).layout()
+    device = device or ("cuda" if uses_cuda(cfg) else "cpu")
+    layout = replace(cfg, **changes).layout(device)
     rows = memory_per_stage(model, layout, accounting="fused",
                             stages=None if stage is None else [stage])
-    device = device or device_for(cfg).type
     return max(card_bytes(r, layout.zero, device, layout.pp)["process"] for r in rows)
 
 
@@ -440,7 +444,8 @@ def _planned_layout(cfg: TrainConfig, model: GPTConfig, capacity: int) -> tuple 
                                    if torch.cuda.is_available() else "")
     gpu = replace(clusters.GPUS[kind], memory=capacity)
     where = clusters.cluster(cfg.world_size, gpu, cfg.world_size)
-    best = plan(model, where, cfg.batch_size, dtype=cfg.dtype).best
+    best = plan(model, where, cfg.batch_size, dtype=cfg.dtype,
+                optimizer_kernel=optimizer_kernel(cfg, on_cuda=True, host=False)).best
     if best is None:
         return None
     flags = " ".join(best.layout.train_flags(cfg.model)[2:])
@@ -535,9 +540,14 @@ def _check_device(cfg: TrainConfig) -> None:
         raise ValueError("--backend nccl moves CUDA tensors only: drop --device cpu")
 
 
+def uses_cuda(cfg: TrainConfig) -> bool:
+    """Whether the ranks compute on CUDA devices: ``--device cuda``, or ``auto`` on NCCL."""
+    return cfg.device == "cuda" or (cfg.device == "auto" and cfg.backend == "nccl")
+
+
 def device_for(cfg: TrainConfig):
     """The torch device this rank computes on."""
-    if cfg.device == "cuda" or (cfg.device == "auto" and cfg.backend == "nccl"):
+    if uses_cuda(cfg):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local % torch.cuda.device_count())
     return torch.device("cpu")
@@ -552,8 +562,25 @@ def optimizer_class(cfg: TrainConfig) -> type:
     return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
 
 
+def optimizer_kernel(cfg: TrainConfig, on_cuda: bool | None = None,
+                     host: bool | None = None) -> str:
+    """Which torch kernel steps the optimizer (``theory.memory.OPTIMIZER_KERNELS``; the
+    memory model books its temporary): ``host`` where it steps on the CPU (``host``,
+    default ``--offload``), ``fused`` with ``--fused``, and unless ``--no-fused`` for
+    AdamW anywhere and SGD on CUDA (``on_cuda``, default the run's device), else torch's
+    own choice: ``foreach`` (multi-tensor) on CUDA, ``forloop`` (a tensor at a time) on
+    the CPU (``optimizer_kwargs`` says why AdamW is fused on the CPU too)."""
+    if cfg.offload if host is None else host:
+        return "host"
+    on_cuda = uses_cuda(cfg) if on_cuda is None else on_cuda
+    if cfg.fused or (cfg.fused is None and (on_cuda or cfg.optimizer != "sgd")):
+        return "fused"
+    return "foreach" if on_cuda else "forloop"
+
+
 def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
-    """Keyword arguments for ``optimizer_class(cfg)`` (the learning rate is set per step).
+    """Keyword arguments for ``optimizer_class(cfg)`` (the learning rate is set per step),
+    for ``optimizer_kernel(cfg, host=host)``.
 
     AdamW steps with torch's fused kernel unless ``--no-fused``: one pass over each
     tensor, where torch's default per-tensor loop makes about eight (a new tensor for the
@@ -564,9 +591,8 @@ def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
     step) keeps it even under ``--no-fused`` (``benchmarks/offload_host.py``). Plain SGD
     is one pass already: the fused kernel only on CUDA, or when ``--fused`` asks."""
     kwargs = {"lr": learning_rate(cfg), "weight_decay": cfg.weight_decay}
-    on_cuda = not host and device_for(cfg).type == "cuda"
-    adamw = cfg.optimizer != "sgd"
-    if cfg.fused or (cfg.fused is None and (on_cuda or adamw)) or (host and adamw):
+    kernel = optimizer_kernel(cfg, host=host)
+    if kernel == "fused" or (kernel == "host" and (cfg.fused or cfg.optimizer != "sgd")):
         kwargs["fused"] = True
     return kwargs
 

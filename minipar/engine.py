@@ -33,6 +33,7 @@ from minipar.config import (
     device_for,
     lr_at,
     optimizer_class,
+    optimizer_kernel,
     optimizer_kwargs,
     predicted_bytes,
     use_compile,
@@ -143,6 +144,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         "device_peak_bytes": _device_peak(device),
         "device_memory": _device_memory(device, after_build),
         "predicted_peak_bytes": predicted_bytes(cfg, parts.model.cfg, stage=rm.coords.pp),
+        "optimizer_kernel": optimizer_kernel(cfg),
         "compile": _compile_stats(parts) if use_compile(cfg) else None,
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}

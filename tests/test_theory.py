@@ -332,17 +332,21 @@ def test_fused_accounting_matches_tensor_parallel_count(tp, sp):
 def test_a_run_and_the_theory_describe_it_with_one_layout():
     """``TrainConfig.layout`` passes on every field the two share: a field added to both
     and not passed on keeps the ``Layout`` default, which no value below has. A
-    micro-batch is batch / (dp x micro-batches); ``with_batch`` goes the other way."""
+    micro-batch is batch / (dp x micro-batches); ``with_batch`` goes the other way. The
+    optimizer's kernel is the run's (``config.optimizer_kernel``): the host's under
+    offload."""
     shared = {f.name for f in fields(Layout)} & {f.name for f in fields(TrainConfig)}
-    assert shared == {f.name for f in fields(Layout)} - {"microbatch_size"}
+    derived = {"microbatch_size", "optimizer_kernel"}
+    assert shared == {f.name for f in fields(Layout)} - derived
     run = dict(dp=2, pp=2, tp=2, cp=2, ep=2, zero=3, microbatches=4, schedule="interleaved",
                virtual=2, head_layers=1, sp=True, recompute="full", recompute_layers=3,
                offload=True, dtype="fp32", optimizer="sgd", grad_dtype="bf16",
                fp8="tensorwise", order="pp-inside-dp")
     assert set(run) == shared and all(v != getattr(Layout(), k) for k, v in run.items())
     layout = TrainConfig(batch_size=64, **run).layout()
-    assert layout == Layout(microbatch_size=8, **run) and layout.global_batch == 64
-    assert {layout: 1}[Layout(microbatch_size=8, **run)] == 1  # frozen: a cache key
+    want = Layout(microbatch_size=8, optimizer_kernel="host", **run)
+    assert layout == want and layout.global_batch == 64
+    assert {layout: 1}[want] == 1  # frozen: a cache key
     assert Layout(dp=2, microbatch_size=2).with_batch(16).microbatches == 4
     with pytest.raises(ValueError, match="not divisible"):
         Layout(dp=3).with_batch(16)

@@ -9,6 +9,10 @@ machine, the date, the wall time and the command that trained it.
 
     python tools/capstone_long_run.py --run run.json --resume DIR --command "python -m ..." \
         --started 2026-01-01T00:00:00Z --ended 2026-01-01T00:45:00Z
+
+A run made on another machine (a GPU's, say) comes with its sample and its machine:
+``--sample-file`` (the sample command's output there) in place of ``--resume``, and
+``--machine`` (what ran it), ``--out`` the file to write.
 """
 
 from __future__ import annotations
@@ -42,16 +46,24 @@ def cpu_name() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="the train run's --json")
-    p.add_argument("--resume", required=True, help="the train run's --save directory")
+    p.add_argument("--resume", help="the train run's --save directory (sampled here)")
+    p.add_argument("--sample-file", help="the sample, made where the run was")
+    p.add_argument("--machine", help="what ran it (default: this machine)")
     p.add_argument("--command", required=True, help="the command that trained it")
     p.add_argument("--started", required=True, help="UTC start, ISO 8601")
     p.add_argument("--ended", required=True, help="UTC end, ISO 8601")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args()
+    if (a.resume is None) == (a.sample_file is None):
+        p.error("give one of --resume (sample here) and --sample-file")
     run = json.loads(Path(a.run).read_text())
-    sample_cmd = [sys.executable, "-m", "minipar", "sample", "--resume", a.resume, *SAMPLE]
-    text = subprocess.run(sample_cmd, check=True, capture_output=True, text=True,
-                          cwd=ROOT).stdout
+    if a.sample_file:
+        text = Path(a.sample_file).read_text()
+    else:
+        sample_cmd = [sys.executable, "-m", "minipar", "sample", "--resume", a.resume,
+                      *SAMPLE]
+        text = subprocess.run(sample_cmd, check=True, capture_output=True, text=True,
+                              cwd=ROOT).stdout
     sys.path.insert(0, str(ROOT))
     from solutions.course import run_extent
 
@@ -65,9 +77,9 @@ def main() -> int:
             "command": a.command,
             "sample_command": "python -m minipar sample --resume DIR " + " ".join(
                 f"'{x}'" if " " in x else x for x in SAMPLE),
-            "machine": f"{cpu_name()}, {os.cpu_count()} cores visible, shared with other "
-                       f"jobs; Python {platform.python_version()}, torch "
-                       f"{torch.__version__.split('+')[0]}",
+            "machine": a.machine or (
+                f"{cpu_name()}, {os.cpu_count()} cores visible, shared with other jobs; "
+                f"Python {platform.python_version()}, torch {torch.__version__.split('+')[0]}"),
             "date": a.started,
             "wall_time_s": round((t1 - t0).total_seconds()),
             "made_by": "tools/capstone_long_run.py",

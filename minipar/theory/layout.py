@@ -4,8 +4,9 @@ The memory model (``memory.memory_per_stage``), the traffic model
 (``comm_volume.comm_volume``), the step-time model (``planner.evaluate``) and the
 planner's search all describe a run by the same settings: the parallel sizes (data,
 pipeline, tensor, context, expert), the ZeRO stage, the batch split (micro-batch size
-and count), the pipeline schedule, sequence parallelism, recomputation, offload and the
-precision. ``Layout`` names them once (by default one GPU, bf16 mixed-precision Adam),
+and count), the pipeline schedule, sequence parallelism, recomputation, offload, the
+precision and the optimizer's kernel. ``Layout`` names them once (by default one GPU,
+bf16 mixed-precision Adam stepped by torch's fused kernel, the CUDA default),
 so a lesson reads ``memory_per_stage("gpt-13b", Layout(dp=4, zero=3))``. It is frozen:
 a plain value that is hashable (a cached function may take it) and is changed by
 copying (``with_``). A run's own is ``TrainConfig.layout()`` (``minipar.config``).
@@ -37,6 +38,9 @@ class Layout:
     offload: bool = False  # ZeRO-Offload: masters, optimizer states and step on the host
     dtype: str = "bf16"  # compute dtype: bf16 (mixed precision) or fp32
     optimizer: str = "adam"  # adam(w), sgd, sgd-momentum
+    # which torch kernel steps it (``memory.OPTIMIZER_KERNELS``): fused, foreach (multi-
+    # tensor), forloop (one tensor at a time), host (ZeRO-Offload's step on the CPU)
+    optimizer_kernel: str = "fused"
     grad_dtype: str = "fp32"  # where 16-bit gradients are summed and reduced
     fp8: str | None = None  # the blocks' linears in float8: rowwise or tensorwise
     order: str = "megatron"  # how ranks map to mesh coordinates (``minipar.mesh``)
@@ -70,9 +74,11 @@ class Layout:
             f" head-layers={self.head_layers}" if self.head_layers else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
+        kernel = self.optimizer_kernel not in ("fused", "host")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero} "
                 f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}"
-                + (" offload" if self.offload else ""))
+                + (" offload" if self.offload else "")
+                + (f" {self.optimizer_kernel}" if kernel else ""))
 
     def train_flags(self, model: str) -> list[str]:
         """The ``python -m minipar train`` flags that run this layout of ``model``."""
@@ -91,6 +97,7 @@ class Layout:
         if self.recompute_layers is not None:
             flags += ["--recompute-layers", str(self.recompute_layers)]
         flags += ["--offload"] if self.offload else []
+        flags += ["--no-fused"] if self.optimizer_kernel in ("foreach", "forloop") else []
         flags += ["--grad-dtype", self.grad_dtype] if self.grad_dtype != "fp32" else []
         flags += ["--order", self.order] if self.order != "megatron" else []
         flags += ["--fp8", self.fp8] if self.fp8 else []

@@ -375,12 +375,29 @@ RESERVE_GRAD_SHARE = {"zero1": 0.44, "pipeline": 0.42}
 MEMORY_MARGIN = 0.07
 
 
+# Which torch kernel steps the optimizer (``Layout.optimizer_kernel``; a run's is
+# ``config.optimizer_kernel``): ``fused`` (one kernel per tensor list, in place: torch's
+# ``fused=True``, minipar's default on CUDA), ``foreach`` (multi-tensor ``torch._foreach_*``
+# ops, torch's default on CUDA without it), ``forloop`` (one tensor at a time, torch's
+# default on the CPU) and ``host`` (ZeRO-Offload: the step runs on the CPU).
+OPTIMIZER_KERNELS = ("fused", "foreach", "forloop", "host")
+
+
 def optimizer_step_bytes(n: int, parts: int, zero: int, dtype: str = "bf16",
-                         optimizer: str = "adam", experts: int = 0, ep: int = 1) -> int:
-    """The transient of the optimizer step itself: torch's multi-tensor AdamW works on
-    whole lists at once and keeps one temporary the size of the fp32 parameters it
-    updates (the shard under ZeRO 1-3; ``sharded``). Plain SGD makes none."""
-    if _ALIASES.get(optimizer, optimizer) == "sgd":
+                         optimizer: str = "adam", experts: int = 0, ep: int = 1,
+                         kernel: str = "fused") -> int:
+    """The transient of the optimizer step itself on the device, as torch 2.13 allocates
+    it (``benchmarks/optimizer_memory.py``, measured on the CPU; on 4 x H100 with torch
+    2.11, gpt-13b dp 4 ZeRO-3 peaks in its multi-tensor step, as booked): the multi-tensor
+    (``foreach``) AdamW allocates each list op's outputs whole, so it keeps one temporary
+    the size of the fp32 parameters it updates (the shard under ZeRO 1-3; ``sharded``);
+    the fused kernel makes none; the per-tensor loop two of one tensor at a time (a
+    bucket or a unit's shard: not counted); SGD, with or without momentum, none (without
+    weight decay, the default; with it the foreach kernel makes one too); the host's step
+    (``host``) none on the device."""
+    if kernel not in OPTIMIZER_KERNELS:
+        raise ValueError(f"optimizer kernel must be one of {OPTIMIZER_KERNELS}, got {kernel!r}")
+    if kernel != "foreach" or _ALIASES.get(optimizer, optimizer) != "adam":
         return 0
     return (sharded(n, parts, experts, ep) if zero >= 1 else n) * 4
 
@@ -422,7 +439,9 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
     master, its gradient, states, landing buffers).
     Expert parallelism (``ep``, dividing dp): a rank holds E/ep experts of each MoE
     block, whose states ZeRO shards over dp/ep (``n_experts`` of ``n_params``), and
-    ``moe_dispatch`` counts the all-to-all's buffers, live in the backward.
+    ``moe_dispatch`` counts the all-to-all's buffers, live in the backward. The step's
+    own temporary (``optimizer_step``) is the layout's ``optimizer_kernel``'s
+    (``optimizer_step_bytes``: the multi-tensor AdamW's, none for the fused kernel).
     """
     if cfg is None and params is None:
         raise ValueError("give a model config (or preset name) or params=N")
@@ -484,7 +503,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
                         + row["moe_dispatch"])
             # the step: states, the reduced gradients and the optimizer's temporary
             row["optimizer_step"] = 0 if layout.offload else optimizer_step_bytes(
-                n, dp * cp, zero, dtype, optimizer, ne, ep)
+                n, dp * cp, zero, dtype, optimizer, ne, ep, layout.optimizer_kernel)
             step = (row["params"] + row["optimizer"] + row["optimizer_step"]
                     + (row["grads"] if zero != 2 or m == 1 else shard * 4))
             row["total"] = max(backward, step)

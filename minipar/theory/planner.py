@@ -308,7 +308,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
          schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb"),
          max_microbatch_size: int = 8, sp: bool = True, min_cp_tokens: int = 4096,
          offload: bool = False, dtype: str = "bf16", optimizer: str = "adam",
-         order: str = "megatron", **settings) -> Plan:
+         optimizer_kernel: str = "fused", order: str = "megatron", **settings) -> Plan:
     """Enumerate, filter and rank the layouts of ``cfg`` on ``cluster``.
 
     Rejected (and counted by reason): tp above the GPUs of one node (its collectives
@@ -321,7 +321,9 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     ``offload=True``: a layout that does not fit is tried again with ZeRO-Offload.
     A mixture-of-experts model: also every ep (a power of two dividing dp and the
     experts).
-    Every layout trains in ``dtype`` with ``optimizer``, its ranks in ``order``;
+    Every layout trains in ``dtype`` with ``optimizer`` stepped by ``optimizer_kernel``
+    (torch's fused kernel, the CUDA default; ZeRO-Offload's on the host), its ranks in
+    ``order``;
     ``settings`` go to ``evaluate`` (matmul_efficiency, memory_margin, accounting,
     overlap).
     """
@@ -380,11 +382,12 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                          microbatch_size=b, microbatches=m,
                                          schedule=schedule, virtual=v, head_layers=k,
                                          sp=sp and tp > 1, recompute=rc, dtype=dtype,
-                                         optimizer=optimizer, order=order)
+                                         optimizer=optimizer,
+                                         optimizer_kernel=optimizer_kernel, order=order)
                             est = evaluate(cfg, cluster, lay, **settings)
                             if not est.fits and offload:
-                                est = evaluate(cfg, cluster, lay.with_(offload=True),
-                                               **settings)
+                                est = evaluate(cfg, cluster, lay.with_(
+                                    offload=True, optimizer_kernel="host"), **settings)
                             if est.fits:
                                 layouts.append(est)
                             else:
