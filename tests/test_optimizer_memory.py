@@ -39,7 +39,8 @@ def test_the_booked_temporary_is_what_torch_allocates(optimizer) -> None:
 def test_the_kernel_follows_the_command_line() -> None:
     """``config.optimizer_kernel`` is the one decision: the optimizer's keyword arguments
     follow it, and ``TrainConfig.layout`` carries it to the memory model."""
-    cases = [(dict(), "forloop"), (dict(fused=True), "fused"),
+    cases = [(dict(), "fused"), (dict(fused=False), "forloop"),
+             (dict(optimizer="sgd"), "forloop"), (dict(fused=True), "fused"),
              (dict(backend="nccl"), "fused"), (dict(backend="nccl", fused=False), "foreach"),
              (dict(device="cuda", backend="gloo"), "fused"),
              (dict(dp=2, zero=2, offload=True), "host"),
