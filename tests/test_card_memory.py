@@ -26,8 +26,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from minipar.__main__ import build_parser, train_config
-from minipar.config import optimizer_kernel, use_compile
 from minipar.theory.clusters import cluster
 from minipar.theory.layout import Layout
 from minipar.theory.memory import MEMORY_MARGIN
