@@ -851,6 +851,7 @@ def h100_headline_table(data: dict) -> list[dict]:
 CAPSTONE = dict(model="gpt-10m", data="pystdlib", ranks=8, batch_size=16, steps=500,
                 eval_every=50, rehearsal_steps=2, memory_cap=100e6, target_val_loss=1.5)
 LONG_RUN = "capstone_long_run.json"  # under notebooks/data
+GPU_RUN = "capstone_gpu_run.json"  # the same job, longer, on GPUs (tools/capstone_long_run.py)
 
 
 def capstone_pace(brief: dict | None = None, seconds: float = 0.5) -> dict:
@@ -1003,13 +1004,14 @@ def capstone_command(layout: dict, brief: dict | None = None, backend: str = "gl
     return f"{head} --eval-every {b['eval_every']}{gpu} --save capstone --json run.json"
 
 
-def capstone_long_run(path: str | Path | None = None) -> dict:
+def capstone_long_run(path: str | Path | None = None, gpu: bool = False) -> dict:
     """A whole run of the job: yours (``path``: the ``--json`` of ``capstone_command``'s
     run; a ``sample`` key, if you add one, is shown), else the one committed with the
     course (``notebooks/data/capstone_long_run.json``: its command, machine, date and wall
-    time under ``provenance``). Adds ``tokens_seen`` and ``corpus_bytes`` (the training
+    time under ``provenance``; ``gpu``: the same job trained longer on GPUs,
+    ``capstone_gpu_run.json``). Adds ``tokens_seen`` and ``corpus_bytes`` (the training
     text) where missing."""
-    data = json.loads(Path(path or DATA / LONG_RUN).read_text())
+    data = json.loads(Path(path or DATA / (GPU_RUN if gpu else LONG_RUN)).read_text())
     data.setdefault("provenance", {"command": "your own run", "source": str(path)})
     data.setdefault("sample", "(no sample yet: see the sample command above)")
     if "tokens_seen" not in data:

@@ -580,6 +580,25 @@ def test_capstone_committed_run_meets_the_brief() -> None:
     assert prov["wall_time_s"] > 0 and prov["machine"] and prov["date"]
 
 
+def test_capstone_gpu_run_is_the_same_job_trained_longer() -> None:
+    """The committed GPU run trains the brief's model on the brief's text, several times
+    longer than the brief (the lesson reads its overfitting from it): its validation loss
+    falls below the brief's run's, then turns up while the training loss keeps falling."""
+    from solutions.course import CAPSTONE, DATA, GPU_RUN, capstone_long_run
+    assert (DATA / GPU_RUN).stat().st_size < 200_000
+    run, brief_run = capstone_long_run(gpu=True), capstone_long_run()
+    prov = run["provenance"]
+    for flag in (f"--model {CAPSTONE['model']}", f"--data {CAPSTONE['data']}",
+                 "--backend nccl"):
+        assert flag in prov["command"]
+    assert len(run["losses"]) > 2 * CAPSTONE["steps"]
+    best = min(run["eval"], key=lambda e: e["loss"])
+    assert best["loss"] < brief_run["eval"][-1]["loss"]
+    assert run["eval"][-1]["loss"] > best["loss"]  # what the lesson says: it turned up
+    assert run["losses"][-1] < best["loss"]  # while the training loss kept falling
+    assert "def " in run["sample"] and "self" in run["sample"]
+
+
 def test_capstone_grade_holds_the_rehearsal_to_the_job(capsys) -> None:
     from solutions.course import score_capstone
     run = {"losses": [5.6, 5.1], "ranks": [{"memory": {"total": 90e6}}]}
