@@ -45,7 +45,8 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "score_capstone", "step_wire_bytes", "trace_breakdown", "ring_timing", "another_bug",
            "lab_variant", "train_with_ring", "train_with_ddp", "train_with_zero1",
            "adamw_on_both_batches", "run_schedule",
-           "ring_layer_on_a_shard", "ring_layer_errors"]
+           "ring_layer_on_a_shard", "ring_layer_errors", "FP8_RUNS", "fp8_gpu_runs",
+           "fp8_gpu_table"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
 LEVELS = {1: "a nudge", 2: "the method", 3: "the answer"}
@@ -838,6 +839,87 @@ def h100_headline_table(data: dict) -> list[dict]:
     w = head["weak_scaling"]
     print(f"\nweak scaling, {w['run']}: {w['efficiency']:.1%} ({w['meaning']})")
     return out
+
+
+# --- lesson 07 § 6: float8 on GPUs (the benchmark's recorded JSON) -------------------------
+FP8_RUNS = ("benchmarks/results/fp8-2xH200-2026-11-28j2.json",     # kernel, speed, loss
+            "benchmarks/results/fp8-peer-1xH100-2026-11-28j3.json")  # torchao beside minipar
+
+
+def _fp8_run(r: dict, who: str, device: str) -> dict:
+    """One training run of the benchmark, labelled "model layout, who (GPUs)"."""
+    words = [w for w in r["name"].split() if w != "torchao"]
+    shown = {"dp": "dp {}", "zero": "ZeRO-{}", "recompute": "{} recompute"}
+    layout = [shown[k].format(v) for k, v in (w.split("=") for w in words if "=" in w)
+              if k in shown]
+    model = words[0]
+    row = {"model": model, "recipe": r["fp8"] or "bf16", "who": who, "device": device,
+           "label": " ".join([model, *layout]) + f", {who.split()[0]} ({device})",
+           "command": r.get("command", ""), "ok": r["status"] == "ok"}
+    if row["ok"]:
+        row.update(speedup=r.get("speedup_vs_bf16", 1.0), step_s=r["step_s"],
+                   tokens_per_s=r["tokens_per_s"], peak_gib=r["peak_gib"], mfu=r.get("mfu"),
+                   wire_saved=r.get("wire_bytes_saved_vs_bf16", 0.0),
+                   wire_saved_predicted=r.get("predicted_wire_bytes_saved_vs_bf16", 0))
+    else:
+        row["error"] = "out of memory" if "OutOfMemory" in r["error"] else "failed"
+        card = re.search(r"total capacity of ([\d.]+) GiB", r["error"])
+        row["card_gib"] = float(card.group(1)) if card else None
+    return row
+
+
+def fp8_gpu_runs(files: tuple[str, ...] = FP8_RUNS) -> dict:
+    """Lesson 07 § 6: what ``benchmarks/fp8_gpu.py`` recorded (JSON files under the
+    repository root): ``kernel`` (one 8192^3 matmul, and one linear layer's forward +
+    backward, bf16 against float8), ``runs`` (training steps in bf16, rowwise and
+    tensorwise, minipar and torchao's ``Float8Linear``: tokens/s, speed over the same
+    run's bf16, the dp bytes saved on the wire; or why a run failed) and ``loss`` (the
+    last 20 steps' mean loss, and its ratio to bf16's)."""
+    root = Path(__file__).resolve().parents[1]
+    out: dict = {"runs": [], "loss": {}}
+    for f in files:
+        rec = json.loads((root / f).read_text())
+        rows = {name: sec["rows"] for name, sec in rec["sections"].items()}
+        names = {r["device_name"] for sec in rows.values() for r in sec if r.get("device_name")}
+        device = f"{rec['meta']['gpus']} x {names.pop().replace('NVIDIA ', '').split()[0]}"
+        out["torch"] = rec["meta"]["torch"]
+        for k in rows.get("kernel", []):
+            out["kernel"] = {"device": device, "n": k["n"], "shape": k["linear_shape"],
+                             "bf16": k["bf16_tflops"],
+                             "rowwise": k["rowwise_e4m3xe4m3_fast_accum_tflops"],
+                             "tensorwise": k["tensorwise_e4m3xe4m3_fast_accum_tflops"],
+                             "linear_ms": {x: k[f"linear_{x}_ms"]
+                                           for x in ("bf16", "rowwise", "tensorwise")}}
+        for r in rows.get("speed", []) + rows.get("speed1", []):
+            out["runs"].append(_fp8_run(r, "minipar", device))
+        for r in rows.get("peer", []):
+            out["runs"].append(_fp8_run(r, f"torchao {r['torchao']}", device))
+        for r in rows.get("loss", []):
+            model, data = r["name"].split()[:2]
+            out["loss"][r["fp8"] or "bf16"] = {
+                "model": model, "data": data, "steps": r["steps"], "final": r["final_loss"],
+                "ratio": r.get("final_loss_ratio_vs_bf16", 1.0)}
+    return out
+
+
+def fp8_gpu_table(data: dict) -> list[dict]:
+    """Print the runs of ``fp8_gpu_runs`` (tokens/s, speed over bf16's, peak memory) and
+    the loss ratios; returns the float8 runs as ``fp8_speed_figure`` draws them."""
+    print(f"{'run':<56}{'recipe':<12}{'tokens/s':>10}{'x bf16':>8}{'peak GiB':>10}")
+    for r in data["runs"]:
+        if r["ok"]:
+            print(f"{r['label']:<56}{r['recipe']:<12}{r['tokens_per_s']:>10,.0f}"
+                  f"{r['speedup']:>8.2f}{r['peak_gib']:>10.1f}")
+        else:
+            print(f"{r['label']:<56}{r['recipe']:<12}  {r['error']} ({r['card_gib']} GiB card)")
+    loss = data["loss"]
+    print(f"\n{loss['bf16']['model']} on {loss['bf16']['data']}, mean loss of the last 20 of "
+          f"{loss['bf16']['steps']} steps: bf16 {loss['bf16']['final']:.3f}, " + ", ".join(
+              f"{k} {v['final']:.3f} ({v['ratio']:.3f} x bf16's)"
+              for k, v in loss.items() if k != "bf16"))
+    return [{"run": r["label"].replace(", ", "<br>"), "recipe": r["recipe"],
+             "speedup": r.get("speedup"), "note": r.get("error", "")}
+            for r in data["runs"] if r["recipe"] != "bf16"]
 
 
 # --- the capstone (lesson 10) ---------------------------------------------------------

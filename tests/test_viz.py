@@ -404,3 +404,25 @@ def test_training_curve_shows_every_step_the_evaluations_and_the_target():
     assert list(train.y) == [4.0, 3.5, 3.1, 2.9]
     assert list(val.x) == [2, 4] and list(val.y) == [3.0, 2.5]
     assert [s.y0 for s in fig.layout.shapes] == [2.6]
+
+
+def test_fp8_figure_draws_the_recorded_runs(capsys):
+    """Lesson 07 § 6: each float8 run's bar is its recorded speed over bf16's, a run that
+    failed has no bar but its note, and the matmul panel is the kernel's TFLOP/s."""
+    from minipar.viz import fp8_speed_figure
+    from solutions.course import fp8_gpu_runs, fp8_gpu_table
+
+    data = fp8_gpu_runs()
+    bars = fp8_gpu_table(data)
+    assert "out of memory" in capsys.readouterr().out
+    kernel = {f: data["kernel"][f] for f in ("bf16", "rowwise", "tensorwise")}
+    fig = fp8_speed_figure(kernel, bars)
+    assert list(fig.data[0].y) == list(kernel.values())
+    drawn = {(tr.name, x): y for tr in fig.data[1:] for x, y in zip(tr.x, tr.y)}
+    runs = [r for r in data["runs"] if r["recipe"] != "bf16"]
+    assert len(drawn) == len(runs) == len(bars)
+    for r in runs:
+        assert drawn[(r["recipe"], r["label"].replace(", ", "<br>"))] == r.get("speedup")
+    failed = [r for r in runs if not r["ok"]]
+    assert failed and [a.text for a in fig.layout.annotations if a.text == "out of memory"]
+    assert fp8_speed_figure(kernel, bars).to_json() == fig.to_json()
