@@ -116,6 +116,9 @@ def test_notebook_function_runs_under_fork(notebook_fn):
     assert launch(notebook_fn, 2, args=(1,), timeout=60) == [3.0, 3.0]
 
 
+# make test-full only: make notebooks executes lesson 00 with every launch forced to spawn,
+# and its cells launch functions of their own (the fork case stays here).
+@pytest.mark.slow
 def test_notebook_function_runs_under_spawn(notebook_fn):
     """Windows' way: the cell's function cannot be imported by name, so it travels by
     value (its code and the globals it reads)."""
