@@ -10,13 +10,14 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: setup lab test test-fast test-full notebooks lint demo exercises clean
 
-# --no-compile: pip would byte-compile every file of every package (torch's and
-# transformers' thousands), ~40 s of CPU; Python compiles what is imported, once, instead.
-# The newer pip installs in about half the time of the one venv bundles.
+# The newer pip installs in about half the time of the one venv bundles. pip byte-compiles
+# every package (~40 s of CPU): not skipped (--no-compile), since where
+# PYTHONDONTWRITEBYTECODE is set (containers, CI) every process would then compile torch
+# from source on import, 3 s more each.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install --no-compile -c constraints.txt -e ".[dev,hf]"
+	$(PIP) install -c constraints.txt -e ".[dev,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)
