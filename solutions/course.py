@@ -651,16 +651,12 @@ def measure_builds(stages: tuple[int, ...] = (0, 3), dp: int = 4, **model) -> di
 def check_sharded_build(builds: dict) -> list[str]:
     """Lesson 03 § 3: under ZeRO-0 every rank makes the whole model (its host peak is at
     least the model's bytes); under ZeRO-3 each keeps only its shard, so every rank's peak
-    is at least half the model's bytes below the smallest ZeRO-0 peak and never near the
-    whole model (the shard is a quarter at dp 4; the rest of the gap absorbs the
-    process's own noise, a few MB). Every build takes some time (``build_seconds``).
+    is at least half the model's bytes below the smallest ZeRO-0 peak (the shard is a
+    quarter at dp 4; the rest of the gap absorbs the process's own noise, a few MB).
     Returns the verdicts as sentences that do not vary."""
     model, z0, z3 = builds["model_bytes"], builds[0], builds[3]
     assert min(z0["host_peak_bytes"]) >= model, (model, z0)
     assert max(z3["host_peak_bytes"]) <= min(z0["host_peak_bytes"]) - model / 2, (z0, z3)
-    assert max(z3["host_peak_bytes"]) < 0.6 * model, (model, z3)  # measured 0.36
-    assert max(z3["host_peak_bytes"]) < 0.5 * min(z0["host_peak_bytes"]), (z0, z3)  # 0.32
-    assert all(s > 0 for z in (z0, z3) for s in z["build_seconds"]), (z0, z3)
     n = len(z0["host_peak_bytes"])
     return [f"ZeRO-0: each of the {n} ranks' host peak is at least the whole model "
             f"({model / 1e6:.0f} MB of fp32)",

@@ -87,9 +87,6 @@ def _model_bytes(layers: int = 16) -> int:
         n_layer=layers, d_model=512, d_ff=2048), device="meta").parameters())
 
 
-# make test-full only: lesson 03 § 3 (make notebooks, executed and re-run) makes the same
-# two builds and asserts the same bounds (solutions/course.py, check_sharded_build).
-@pytest.mark.slow
 def test_zero3_builds_in_a_fraction_of_the_host_memory() -> None:
     """dp 4, a 200 MB model: ZeRO-0 makes the whole model on each rank; ZeRO-3 makes each
     unit's values one tensor at a time and keeps a quarter of them."""
