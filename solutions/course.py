@@ -1275,8 +1275,8 @@ def _exposed(spans: list[tuple[float, float]], under: list[tuple[float, float]])
 
 
 # --- lesson 08: ring attention measured, and the merge inside a layer -----------------
-def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 8192, 64),
-                repeats: int = 3) -> dict:
+def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 4096, 64),
+                repeats: int = 5) -> dict:
     """Run on each rank of a cp group: this rank's CPU seconds inside the attention blocks
     of a ring-attention forward (the least of ``repeats``, one thread: its own work only)
     and the sends it counted. ``shape``: (batch, heads, sequence, head dim)."""

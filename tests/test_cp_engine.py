@@ -41,9 +41,16 @@ def _id(d: dict) -> str:
 
 
 # make test-full only: cp 2 x tp 2 and cp 2 x pp 2 run inside cp 2 x tp 2 x pp 2 (and
-# tp 2 + sp, zb pp 2) of the same list; cp 4 alone is cp 2's ring on 4 ranks, and cp 4
-# stays in the 8-rank layout and in the ring-bytes test.
-CP_FULL_ONLY = [dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2), dict(cp=4)]
+# tp 2 + sp, zb pp 2) of the same list; cp 4 alone is cp 2's ring on 4 ranks. cp 2 x tp 2
+# x pp 2 itself runs under plain SGD below and under AdamW with offload and ZeRO-1
+# (test_offload_matches_single_device); cp x dp with micro-batches under plain SGD with
+# ZeRO-2 below, cp x dp under AdamW with ZeRO-1 and 3 here. The 8-rank cp 4 x dp 2 ZeRO-2:
+# cp 4's ring is at parity with one device, outputs and gradients, in test_cp.py and its
+# bytes are counted in a cp 4 run below; ZeRO-2 with cp under plain SGD below; the
+# pp-inside-dp groups with cp in test_mesh.py.
+CP_FULL_ONLY = [dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2), dict(cp=4),
+                dict(cp=2, tp=2, pp=2, microbatches=2), dict(cp=2, dp=2, microbatches=2),
+                dict(cp=4, dp=2, zero=2, microbatches=2, order="pp-inside-dp")]
 
 
 @pytest.mark.parametrize("layout", full_only(CP_COVERING, CP_FULL_ONLY), ids=_id)

@@ -131,7 +131,14 @@ SGD_COVERING = [
 ]
 
 
-@pytest.mark.parametrize("layout", SGD_COVERING, ids=lambda d: " ".join(
+# make test-full only: data parallelism alone at dp 2 under plain SGD, ZeRO 0-3 with two
+# micro-batches, is test_dp_engine.py's test_plain_sgd_parity_every_zero_stage (the same
+# runs and comparisons, with tighter tolerances).
+SGD_FULL_ONLY = [dict(dp=2, microbatches=2), dict(dp=2, zero=1),
+                 dict(dp=2, zero=2, microbatches=2), dict(dp=2, zero=3, microbatches=2)]
+
+
+@pytest.mark.parametrize("layout", full_only(SGD_COVERING, SGD_FULL_ONLY), ids=lambda d: " ".join(
     f"{k}={v}" for k, v in d.items()))
 def test_plain_sgd_without_clipping_matches(layout: dict) -> None:
     assert_parity(**layout, **SGD)

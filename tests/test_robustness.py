@@ -31,7 +31,7 @@ import torch
 from minipar import checkpoint
 from minipar.__main__ import main
 from minipar.config import TrainConfig, validate
-from tests.test_cli_errors import fake_checkpoint, fill_argv
+from tests.test_cli_errors import NOWHERE_DIR, fake_checkpoint, fill_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +159,7 @@ CASES = [
      "{dir}/m.safetensors", "two outputs cannot share"),
     ("export json dir missing", "export --resume {ck} --out {dir}/m.safetensors --json "
      "{file}/d/x.json", "directory {file}/d does not exist"),
-    ("export no checkpoint", "export --resume /nonexistent/ck --out {dir}/m.safetensors",
+    ("export no checkpoint", "export --resume " + NOWHERE_DIR + " --out {dir}/m.safetensors",
      "no such checkpoint directory"),
     # --- export --format hf: the same output rules ----------------------------------------
     ("hf export into a full directory", "export --resume {ck} --format hf --out {full}",
@@ -177,7 +177,7 @@ CASES = [
     ("hf export json onto out", "export --resume {ck} --format hf --out {dir}/hf --json "
      "{dir}/hf", "two outputs cannot share one path"),
     ("hf export no name", "export --resume {ck} --format hf --out=", "needs a directory name"),
-    ("hf export no checkpoint", "export --resume /nonexistent/ck --format hf --out {dir}/hf",
+    ("hf export no checkpoint", "export --resume " + NOWHERE_DIR + " --format hf --out {dir}/hf",
      "no such checkpoint directory"),
     ("hf export tp shard missing", "export --resume {tphole} --format hf --out {dir}/hf",
      "not all of [(0, 0), (0, 1)]"),
@@ -218,7 +218,7 @@ CASES = [
     ("init-from weights damaged", "train --init-from {hfbadweights}",
      "{hfbadweights}/model.safetensors is not readable (SafetensorError"),
     ("init-from a file", "train --init-from {text}", "no config.json (a transformers model"),
-    ("init-from missing", "train --init-from /nonexistent/hf", "no config.json"),
+    ("init-from missing", "train --init-from " + NOWHERE_DIR, "no config.json"),
     ("tokenizer file damaged", "train --data {text} --tokenizer {badtok.json}",
      "--tokenizer {badtok.json} is not a tokenizer file"),
     # --- data files that cannot be read (no cache entry left) -----------------------------------
@@ -247,8 +247,8 @@ CASES = [
     ("memory margin nan", "plan --memory-margin nan", "--memory-margin must be in [0, 1)"),
     ("memory margin 1", "plan --memory-margin 1", "left free), got 1.0"),
     ("memory margin negative", "plan --memory-margin -0.5", "got -0.5"),
-    ("calibrate missing", "plan --calibrate /nonexistent/c.json", "--calibrate /nonexistent/c"
-     ".json: no such file"),
+    ("calibrate missing", "plan --calibrate " + NOWHERE_DIR + "/c.json",
+     "--calibrate " + NOWHERE_DIR + "/c.json: no such file"),
     ("calibrate not json", "plan --calibrate {text}", "not a readable calibration JSON"),
     ("calibrate a list", "plan --calibrate {list.json}", "a JSON object with matmul_tflops"),
     ("calibrate a fifo", "plan --calibrate {calib.fifo}", "no such file"),
@@ -272,7 +272,7 @@ CASES = [
     ("sample tokens zero", "sample --resume {ck} --tokens 0", "--tokens must be a positive"),
     ("sample tokens beyond bound", "sample --resume {ck} --tokens 100000000000",
      "--tokens must be a positive integer up to 100,000"),
-    ("sample no checkpoint", "sample --resume /nonexistent/ck", "no such checkpoint"),
+    ("sample no checkpoint", "sample --resume " + NOWHERE_DIR, "no such checkpoint"),
     ("lr inf", "train --lr inf", "--lr must be a positive number"),
     ("weight decay nan", "train --weight-decay nan", "--weight-decay must be a number"),
     ("grad clip inf", "train --grad-clip inf", "--grad-clip must be a number >= 0"),

@@ -173,9 +173,10 @@ def test_dashboards_redraw_from_their_controls():
                 assert c.continuous_update is False
     dash = memory_dashboard()
     before = dash.last
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: a loaded machine does not inflate it
     dash.controls["pp"].value = 4
-    assert time.perf_counter() - t0 < 0.5  # analytic figures redraw well under a second
+    assert time.process_time() - t0 < 0.5  # analytic figures redraw well under a second:
+    # measured 3 ms (4 ms at most of 20) of CPU, at most 23 ms of wall time at a load of 4.5
     assert dash.last is not before
     assert len(dash.last.data[0].x[0]) == 2 * 4 * 1  # dp * pp * tp ranks
     dash.controls["model"].value = "gpt2-125m"
@@ -332,6 +333,10 @@ def test_router_figure_shows_every_token_and_the_loads() -> None:
     assert bars == pytest.approx(demo["load"], abs=1e-4) and sum(bars) == pytest.approx(1)
 
 
+# make test-full only: lesson 09 (make notebooks) runs the demo at five coefficients and
+# asserts the same: the load spread falls (over 1.5x), the balance loss too, the task's
+# loss rises.
+@pytest.mark.slow
 def test_router_demo_trades_the_task_for_balance() -> None:
     from solutions.course import router_demo
 
