@@ -58,7 +58,7 @@ from typing import Any
 
 import cloudpickle
 
-from minipar.rank import child, get_status, rank_status_reporter
+from minipar.rank import START_SIGNALS, child, get_status, rank_status_reporter
 from minipar.rank import heartbeat as heartbeat
 from minipar.rank import report_progress as report_progress
 
@@ -279,6 +279,21 @@ def _cleanup_on_sigterm():
             signal.signal(sig, signal.SIG_DFL)
 
 
+@contextmanager
+def _start_held():
+    """Hold ``rank.START_SIGNALS`` back while a rank starts: the child inherits the mask
+    and unblocks them once its own handlers are set; here they are delivered, to the
+    launcher's handlers, as soon as the start returns."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: spawn, no inherited handlers
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, START_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int,
@@ -333,10 +348,11 @@ def launch(
                     args=(rank, world_size, backend, store_path, fn, args, kwargs, send_end,
                           slots[rank], progress[rank], beats[rank], paths[rank], threads,
                           timeout, os.getpid(), keeper_fd))
-                p.start()
-                procs.append(p)
-                _lead_group(p)
-                scratch.watch(p.pid)
+                with _start_held():  # a signal now finds the rank started and known
+                    p.start()
+                    procs.append(p)
+                    _lead_group(p)
+                    scratch.watch(p.pid)
                 send_end.close()
                 conns.append(recv_end)
             watch = _ProgressWatch(progress, on_progress)

@@ -119,6 +119,15 @@ def lead_process_group() -> None:
         pass
 
 
+# The signals the launcher holds back while it starts a rank (``launch._start_held``): a
+# forked child runs the launcher's handlers until ``child`` sets its own, and one of these
+# arriving in between would raise the launcher's SystemExit or KeyboardInterrupt in the
+# child, a traceback on the user's terminal. The child unblocks them once its handlers
+# are set; whatever arrived meanwhile is then taken by those.
+START_SIGNALS = {s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP"))
+                 if s is not None}
+
+
 def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress,
           beat, out_path, threads, timeout, parent_pid, keeper_fd=None):
     """The body of rank ``rank``: set up, run ``fn``, send back its result or error.
@@ -134,6 +143,8 @@ def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, p
         os.close(keeper_fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's cleanup handler
+    if hasattr(signal, "pthread_sigmask"):  # (not on Windows, where nothing was held)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, START_SIGNALS)
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -446,6 +446,39 @@ def test_sigterm_of_the_parent_leaves_no_file_and_no_rank(tmp_path):
     assert all(_gone(p.pid) for p in ranks)
 
 
+SLOW_START_SCRIPT = """
+import os
+import time
+from minipar.launch import launch
+
+# a forked rank runs Python's after-fork hooks under the launcher's signal handlers
+os.register_at_fork(after_in_child=lambda: time.sleep(1.5))
+launch(time.sleep, 2, args=(600,), timeout=300)
+"""
+
+
+def test_a_signal_while_ranks_start_prints_no_traceback(tmp_path):
+    """SIGTERM to the launcher while its ranks are still being born (each spends 1.5 s
+    in an after-fork hook, before it sets its own handlers): the launcher stops them and
+    exits 143, and no rank runs the launcher's inherited handler (its SystemExit, raised
+    inside the hook, would print a traceback on the user's terminal: rank stderr is not
+    redirected yet). The held signals prevent it (``launch._start_held``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", SLOW_START_SCRIPT], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    me = psutil.Process(parent.pid)
+    deadline = time.monotonic() + 60
+    while len(me.children()) < 3 and time.monotonic() < deadline:  # the keeper, 2 ranks
+        time.sleep(0.05)
+    ranks = me.children()
+    parent.terminate()
+    err = parent.communicate(timeout=30)[1]
+    assert parent.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in err and "SystemExit" not in err, err
+    time.sleep(0.5)
+    assert all(_gone(p.pid) for p in ranks)
+
+
 def test_the_log_tail_is_read_from_the_end(tmp_path):
     import tracemalloc
 
