@@ -74,11 +74,12 @@ class Layout:
             f" head-layers={self.head_layers}" if self.head_layers else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
-        kernel = self.optimizer_kernel not in ("fused", "host")
+        # the kernel only where it is not the default's (fused; offload's host step)
+        named_kernel = self.optimizer_kernel not in ("fused", "host")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} zero={self.zero} "
                 f"b={self.microbatch_size} m={self.microbatches}{sched}{extras}"
                 + (" offload" if self.offload else "")
-                + (f" {self.optimizer_kernel}" if kernel else ""))
+                + (f" {self.optimizer_kernel}" if named_kernel else ""))
 
     def train_flags(self, model: str) -> list[str]:
         """The ``python -m minipar train`` flags that run this layout of ``model``."""
