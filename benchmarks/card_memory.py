@@ -182,7 +182,7 @@ def main() -> int:
     ap.add_argument("--calibration")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sections", default="planner,covering")
-    ap.add_argument("--match", default="", help="covering rows whose label has this regex")
+    ap.add_argument("--match", default="", help="only the rows whose label has this regex")
     ap.add_argument("--skip-recorded", action="store_true",
                     help="skip what benchmarks/results/card-memory-*.json ran (or ran out of "
                          "memory in) with the same optimizer kernel and compilation")
@@ -213,7 +213,8 @@ def main() -> int:
         if "planner" in args.sections:
             for name, cl in where.items():
                 for rank, est in enumerate(plan(model, cl, batch).layouts[: args.top]):
-                    todo.append((model, f"{name} #{rank + 1}", cl, est, {}))
+                    if re.search(args.match, est.layout.label()):
+                        todo.append((model, f"{name} #{rank + 1}", cl, est, {}))
         if "covering" in args.sections:
             for spec in covering(model, args.gpus):
                 try:
