@@ -398,7 +398,7 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
     layout = replace(cfg, **changes).layout(device)
     rows = memory_per_stage(model, layout, accounting="fused",
                             stages=None if stage is None else [stage])
-    return max(card_bytes(r, layout.zero, device, layout.pp)["process"] for r in rows)
+    return max(card_bytes(r, layout, device)["process"] for r in rows)
 
 
 def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:

@@ -43,7 +43,7 @@ from minipar.parity import TOLERANCES, compare, final_parameters, run_grad_norms
 from minipar.theory.clusters import get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.layout import Layout
-from minipar.theory.memory import RESERVE_FIT, RESERVE_GRAD_SHARE, memory_per_stage
+from minipar.theory.memory import memory_per_stage, reserve_fit
 from minipar.theory.moe import all_to_all_bytes, dropped_share, moe_flops_per_token, moe_params
 from minipar.theory.params import (
     model_flops_per_token,
@@ -436,8 +436,8 @@ def test_fit_check_and_memory_command_count_experts_by_ep(tmp_path, capsys) -> N
     # 7/8 of the experts' 16-bit weights and fp32 gradient sums leave (the Adam shard
     # stays 1/8 of them), less the all-to-all's buffers; times the allocator's reserve
     experts = moe_params("moe-1.3b")["experts"]
-    factor = RESERVE_FIT[1][0]  # the reserve's slope (its constant cancels), and its
-    grads = factor + RESERVE_GRAD_SHARE["zero1"]  # share of ZeRO-1's gradient buffer
+    fit = reserve_fit("fused")  # CUDA's kernel: the reserve's slope (its constant
+    factor, grads = fit.factor, fit.factor + fit.zero1_share  # cancels), ZeRO-1's share
     assert whole - split == pytest.approx(experts * 7 / 8 * (2 * factor + 4 * grads),
                                           rel=0.01)
     out = tmp_path / "m.json"

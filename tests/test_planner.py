@@ -56,7 +56,7 @@ def test_memory_is_the_theory(gpt3_plan):
     best = gpt3_plan.best
     lay = best.layout
     again = memory_breakdown(gpt3_plan.model, lay, accounting="fused")
-    again.update(card_bytes(again, lay.zero, "cuda", lay.pp))  # the card beyond the tensors
+    again.update(card_bytes(again, lay, "cuda"))  # the card beyond the tensors
     assert again == best.memory
 
 

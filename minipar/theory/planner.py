@@ -172,7 +172,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     global_batch = layout.global_batch
     mem = max(memory_per_stage(cfg, layout, accounting=accounting, stages=sorted({0, pp - 1})),
               key=lambda r: r["total"])
-    mem.update(card_bytes(mem, zero, "cuda", pp))
+    mem.update(card_bytes(mem, layout, "cuda"))
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, layout, stage=min(1, pp - 1))
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
