@@ -108,3 +108,18 @@ def test_recompute_layers_in_the_memory_model_and_a_run() -> None:
                               )["ranks"][0]["memory"]
                         ["activations"] for r, n in [("none", None), ("full", 4), ("full", None)])
     assert none > half > full > 0
+
+
+def test_recompute_layers_keeps_the_rows_of_the_moe_blocks_it_does_not_recompute() -> None:
+    """moe-tiny (MoE blocks 1, 3, 5, 7): with N = 0 every block keeps its activations, the
+    experts' rows too; N = 2 recomputes one dense and one MoE block, N = 3 one more dense."""
+    def predicted(**kw) -> float:
+        return stage_activations("moe-tiny", Layout(microbatch_size=4, **kw),
+                                 accounting="fused")
+    none, full = predicted(), predicted(recompute="full")
+    assert predicted(recompute="full", recompute_layers=0) == none
+    assert predicted(recompute="full", recompute_layers=8) == full
+    two, three = (predicted(recompute="full", recompute_layers=n) for n in (2, 3))
+    dense = two - three  # what recomputing a dense block saves
+    assert none - two > 2 * dense  # the MoE block saved its rows as well
+    assert none > two > three > full

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from functools import cache
 from types import SimpleNamespace
 
@@ -56,6 +57,7 @@ from minipar.theory.planner import evaluate, plan
 STEPS = 3
 FP32 = TOLERANCES["fp32"]
 SGD = dict(optimizer="sgd", grad_clip=0.0, lr=0.5, warmup=1)
+RECOMPUTE_3 = dict(recompute="full", recompute_layers=3)  # blocks 0-2 of 8: 1 MoE, 2 dense
 # what changes the single device's run (the rest is layout)
 MODEL_KNOBS = ("optimizer", "grad_clip", "lr", "warmup", "capacity_factor", "moe_top_k",
                "z_loss_coef", "aux_loss_coef")
@@ -215,7 +217,12 @@ def _engine_scalars(volume: dict, layout: Layout, stage: int) -> dict:
                                                                recompute="full"),
                                     dict(dp=2, ep=2, tp=2, sp=True),
                                     dict(dp=2, ep=2, cp=2),
-                                    dict(pp=2, tp=2, sp=True, head_layers=2)],
+                                    dict(pp=2, tp=2, sp=True, head_layers=2),
+                                    dict(tp=2, sp=True, **RECOMPUTE_3),
+                                    dict(dp=2, ep=2, zero=3, **RECOMPUTE_3),
+                                    dict(pp=2, tp=2, sp=True, schedule="interleaved", virtual=2,
+                                         microbatches=2, head_layers=1, recompute="full",
+                                         recompute_layers=2)],
                          ids=lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
 def test_counted_bytes_equal_the_theory(layout: dict) -> None:
     """Every byte a real run counts (dropless, one step) is ``theory.comm_volume``'s: the
@@ -224,15 +231,23 @@ def test_counted_bytes_equal_the_theory(layout: dict) -> None:
     gradients over ``edp``, and with ``head_layers`` each stage's own layers. Summed over
     the ranks (a rank's all-to-all and the tp traffic of its experts depend on what the
     router sent it); calls per rank, except the dp reductions' (bucketed by the engine).
-    Not compared: pp's sends, which carry a shape header the first time (a few bytes)."""
+    ``recompute_layers`` N: only the first N blocks of each chunk run their forward
+    collectives again (dense and MoE blocks alike; chunks of 3 and 2 or 2 and 1 blocks
+    with ``head_layers``), and ZeRO-3 gathers nothing more for them; pricing every block
+    as recomputed would not match. Not compared: pp's sends, which carry a shape header
+    the first time (a few bytes)."""
     cfg = TrainConfig(model="moe-tiny", steps=1, timeout=240, **layout)
     run = train(cfg)
     lay = cfg.layout()
     measured: dict = {}
     predicted: dict = {}
+    every: dict = {}  # the mutation: every block priced as recomputed
     for r in run["ranks"]:
         stage = r["coords"]["pp"]
         want = _engine_scalars(comm_volume(cfg.model_config(), lay, stage=stage), lay, stage)
+        every_block = replace(lay, recompute_layers=None)
+        wrong = _engine_scalars(comm_volume(cfg.model_config(), every_block, stage=stage),
+                                lay, stage)
         assert set(r["comm"]) == set(want), (set(r["comm"]), set(want))
         for dim, ops in want.items():
             assert set(r["comm"][dim]) == set(ops), dim
@@ -244,8 +259,10 @@ def test_counted_bytes_equal_the_theory(layout: dict) -> None:
                     assert got["calls"] == x["calls"], (r["coords"], dim, op, got, x)
                 measured[dim, op] = measured.get((dim, op), 0) + got["bytes"]
                 predicted[dim, op] = predicted.get((dim, op), 0) + x["bytes"]
+                every[dim, op] = every.get((dim, op), 0) + wrong[dim][op]["bytes"]
     assert measured == predicted
     assert ("cp", "all_gather") in measured or lay.cp == 1
+    assert (every != measured) == (lay.recompute_layers is not None)
 
 
 # --- mutations: the check must fail ----------------------------------------------------

@@ -17,16 +17,20 @@ micro-batches, e bytes per activation element):
   3(N-1)/N, 1.5x data parallel. Stages 2 and 3 keep only a shard of the gradient, so
   with m > 1 micro-batches they reduce-scatter after every micro-batch's backward, and
   stage 3 gathers the weights for every forward and backward (DeepSpeed and FSDP
-  without ``no_sync`` behave this way). With ``--fp8 tensorwise`` stage 3 gathers the
-  blocks' linear weights as float8 bytes (``parallel/zero/gather.py``): 1 byte per
-  element instead of 2 (bf16), and once a step one all-reduce (max) of their amaxes,
-  4 bytes per weight matrix. (Float8's amax all-reduces over tp are not predicted.)
+  without ``no_sync`` behave this way). A recomputed block gathers nothing more: the
+  gather for its backward serves the forward run again inside it. With ``--fp8
+  tensorwise`` stage 3 gathers the blocks' linear weights as float8 bytes
+  (``parallel/zero/gather.py``): 1 byte per element instead of 2 (bf16), and once a step
+  one all-reduce (max) of their amaxes, 4 bytes per weight matrix. (Float8's amax
+  all-reduces over tp are not predicted.)
 * tp, tensor parallel (Shoeybi et al. 2019, Sec. 3): per layer two all-reduces of
   b*s*h in the forward (after attention and after the MLP) and two in the backward (the
   conjugate "f" operators at the qkv and fc inputs), plus one for the
   vocabulary-parallel embedding (forward) and one at the head's input (backward), and
   three small ones of b*s fp32 for the vocabulary-parallel cross-entropy (max, sum of
-  exponentials, target logit). Full recomputation repeats the forward collectives.
+  exponentials, target logit). Full recomputation repeats the forward collectives of
+  the blocks that recompute: every block, or with ``recompute_layers`` N the first N of
+  each model chunk (``params.stage_recomputed_layers``, the rule the engine applies).
   Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) turns each all-reduce
   into a reduce-scatter plus an all-gather (the same bytes on the wire), and, as in the
   paper and in ``minipar.parallel.tp``, a column-parallel linear keeps only its input's
@@ -45,9 +49,9 @@ micro-batches, e bytes per activation element):
   each rank holds s/C tokens, so every tp, pp and loss figure above uses s/C; per layer
   and micro-batch the ring sends C-1 k|v messages forward and C-1 k|v plus C-1 fp32
   dk|dv accumulators backward (``ring_bytes``), under ``cp``; recomputation (full or
-  selective) runs the forward ring again. The weights are replicated over cp as over
-  dp: the data-parallel traffic is that of a dp*cp group, booked under ``dp_cp`` (the
-  comm log's name for it) when C > 1.
+  selective) runs a recomputed block's forward ring again. The weights are replicated
+  over cp as over dp: the data-parallel traffic is that of a dp*cp group, booked under
+  ``dp_cp`` (the comm log's name for it) when C > 1.
 * a mixture of experts (``_moe``; GShard, arXiv 2006.16668): the experts' tp all-reduces
   carry the routed rows (k a token), sp all-gathers the sequence around the layer, cp
   all-gathers the expert ids, ep moves the rows by all-to-all (``theory.moe``) and
@@ -77,6 +81,7 @@ from minipar.theory.params import (
     stage_layers,
     stage_moe_layers,
     stage_params,
+    stage_recomputed_layers,
 )
 
 
@@ -155,6 +160,10 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
     first, last = stage == 0, stage == pp - 1
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head)
     moe = stage_moe_layers(cfg, pp, stage, virtual, head) if cfg.n_expert else 0
+    # the blocks whose forward runs again in the backward (all, or the first N of a chunk)
+    redone, moe_redone = (stage_recomputed_layers(cfg, pp, stage, virtual, head,
+                                                  layout.recompute_layers)
+                          if recompute != "none" else (0, 0))
 
     # data parallel, for the parameters this rank holds; split experts over their replicas
     float8 = (float8_gathered(cfg, pp, tp, stage, virtual, head)
@@ -169,18 +178,19 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
     # MLP collectives: ``_moe``)
     dense = layers - moe
     act = s * b * h * e
-    redo = 1 if recompute == "full" else 0  # the forward runs twice
+    # full recomputation: these blocks' forward collectives run twice
+    redo_dense, redo_moe = (redone - moe_redone, moe_redone) if recompute == "full" else (0, 0)
     if sp:
         # per layer: 2 column linears (AG fwd, AG + RS bwd), 2 row linears (RS fwd, AG bwd)
-        gathers = (dense * (6 + 2 * redo) + moe * (3 + redo) + (1 if first else 0)
+        gathers = (dense * 6 + redo_dense * 2 + moe * 3 + redo_moe + (1 if first else 0)
                    + (2 if last else 0))
-        scatters = dense * (4 + 2 * redo) + moe * (2 + redo) + (1 if first else 0) + (
-            1 if last else 0)
+        scatters = (dense * 4 + redo_dense * 2 + moe * 2 + redo_moe + (1 if first else 0)
+                    + (1 if last else 0))
         _add(out, "tp", "all_gather", m * gathers, act, tp)
         _add(out, "tp", "reduce_scatter", m * scatters, act, tp)
     else:
-        n_coll = dense * (4 + 2 * redo) + moe * (2 + redo) + (1 if first else 0) + (
-            1 if last else 0)
+        n_coll = (dense * 4 + redo_dense * 2 + moe * 2 + redo_moe + (1 if first else 0)
+                  + (1 if last else 0))
         _add(out, "tp", "all_reduce", m * n_coll, act, tp)
     if last:  # vocabulary-parallel cross-entropy: max, sum-exp, target logit (fp32)
         _add(out, "tp", "all_reduce", 3 * m, s * b * 4, tp)
@@ -194,19 +204,20 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
         _add(out, "tp", "all_reduce", 1, replicated * state_bytes(dtype)[1], tp)
 
     # context parallel: the ring, per layer and micro-batch (k|v in the compute dtype,
-    # dk|dv accumulators in fp32); recomputation runs the forward ring again
+    # dk|dv accumulators in fp32); recomputation (full or selective) runs the forward
+    # ring of the blocks that recompute again
     if cp > 1:
         ring = ring_bytes(b, cfg.seq_len, h // tp, cp, e)
-        fwd = 1 + (1 if recompute in ("full", "selective") else 0)
-        calls = layers * m * (fwd * ring["forward"]["calls"] + ring["backward"]["calls"])
-        nbytes = layers * m * (fwd * ring["forward"]["bytes"] + ring["backward"]["bytes"])
+        fwd = layers + redone
+        calls = m * (fwd * ring["forward"]["calls"] + layers * ring["backward"]["calls"])
+        nbytes = m * (fwd * ring["forward"]["bytes"] + layers * ring["backward"]["bytes"])
         for op in ("send", "recv"):
             st = out["cp"][op]
             st["calls"] += calls
             st["bytes"] += nbytes
             st["wire_bytes"] += nbytes if op == "send" else 0
     if moe:
-        _moe(out, cfg, layout, moe, s, e)
+        _moe(out, cfg, layout, moe, redo_moe, s, e)
 
     # pipeline: sends to the next chunk and gradients back, per micro-batch
     boundary = act // (tp if sp else 1)
@@ -219,9 +230,10 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
     return {d: {op: dict(x) for op, x in ops.items()} for d, ops in out.items()}
 
 
-def _moe(out: dict, cfg: GPTConfig, layout: Layout, moe: int, s: int, e: int) -> None:
-    """Book the traffic of this rank's ``moe`` MoE layers, each on ``s`` tokens of a
-    sequence (the cp shard), per micro-batch:
+def _moe(out: dict, cfg: GPTConfig, layout: Layout, moe: int, redo: int, s: int,
+         e: int) -> None:
+    """Book the traffic of this rank's ``moe`` MoE layers, ``redo`` of them recomputed
+    in full, each on ``s`` tokens of a sequence (the cp shard), per micro-batch:
 
     * tp: the experts' MLPs are split as the MLP is, but their two all-reduces (the
       output's in the forward, the input gradient's in the backward) carry the routed
@@ -233,19 +245,21 @@ def _moe(out: dict, cfg: GPTConfig, layout: Layout, moe: int, s: int, e: int) ->
     * ep: the all-to-all (``moe.all_to_all_bytes``), and the experts' gradients reduced
       over their dp * cp / ep replicas (booked by ``comm_volume`` under ``edp``).
 
-    Full recomputation runs each forward collective again."""
+    A recomputed layer runs each forward collective again."""
     tp, cp, ep, m, b = layout.tp, layout.cp, layout.ep, layout.microbatches, layout.microbatch_size
     h, k, kept = cfg.d_model, cfg.moe_top_k, kept_share(cfg)
-    fwd = 2 if layout.recompute == "full" else 1
+    fwd = moe + redo  # forwards of a micro-batch, over the layers
     routed = round(b * s * k * kept) * h * e  # the rows of one layer and micro-batch
-    _add(out, "tp", "all_reduce", m * moe * (fwd + 1), routed, tp)
+    _add(out, "tp", "all_reduce", m * (fwd + moe), routed, tp)
     if layout.sp:
-        _add(out, "tp", "all_gather", m * moe * (fwd + 1), b * s * h * e, tp)
-    _add(out, "cp", "all_gather", m * moe * fwd, b * s * cp * k * COUNT_BYTES, cp)
+        _add(out, "tp", "all_gather", m * (fwd + moe), b * s * h * e, tp)
+    _add(out, "cp", "all_gather", m * fwd, b * s * cp * k * COUNT_BYTES, cp)
     if ep > 1:
-        a2a = all_to_all_bytes(cfg, m * b * s, ep, "bf16" if e == 2 else "fp32", kept,
-                               layout.recompute == "full", m, moe)
-        out["ep"]["all_to_all"] = {key: a2a[key] for key in ("calls", "bytes", "wire_bytes")}
+        dtype = "bf16" if e == 2 else "fp32"
+        a2a = [all_to_all_bytes(cfg, m * b * s, ep, dtype, kept, again, m, n)
+               for again, n in ((False, moe - redo), (True, redo))]
+        out["ep"]["all_to_all"] = {key: sum(x[key] for x in a2a)
+                                   for key in ("calls", "bytes", "wire_bytes")}
 
 
 def total_wire_bytes(volume: dict, dim: str | None = None) -> int:

@@ -54,6 +54,7 @@ from minipar.theory.params import (
     stage_layers,
     stage_moe_layers,
     stage_params,
+    stage_recomputed_layers,
 )
 
 # Bytes per parameter: (weights, gradients, optimizer state).
@@ -321,11 +322,18 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
         return sum(layer_activations(cfg, b, tp, sp, mode, dtype, accounting, cp).values())
     chunks = inflight(schedule, pp, layout.microbatches, stage, virtual)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
-    redone = layers if layout.recompute_layers is None else min(layers, layout.recompute_layers)
+    # per chunk (a mean over the stage's chunks): the blocks that recompute, and the rest
+    redone, moe_redone = (n / virtual for n in stage_recomputed_layers(
+        cfg, pp, stage, virtual, head, layout.recompute_layers))
     total = (per_layer(layout.recompute) * redone + per_layer("none") * (layers - redone)) * chunks
-    moe = moe_layer_activations(cfg, b, layout.recompute, dtype, layout.ep, tp, sp, cp)
-    moe.pop("dispatch", None)
-    total += sum(moe.values()) * stage_moe_layers(cfg, pp, stage, virtual, head) / virtual * chunks
+
+    def per_moe_layer(mode: str) -> float:
+        moe = moe_layer_activations(cfg, b, mode, dtype, layout.ep, tp, sp, cp)
+        moe.pop("dispatch", None)
+        return sum(moe.values())
+    moe = stage_moe_layers(cfg, pp, stage, virtual, head) / virtual
+    total += (per_moe_layer(layout.recompute) * moe_redone
+              + per_moe_layer("none") * (moe - moe_redone)) * chunks
     fused = accounting == "fused"  # minipar's ZB-H1: s + 1 W passes pending on stage s,
     if schedule == "zb":  # each keeping its output gradients; the paper's: all in flight
         pending = min(layout.microbatches, stage + 1) if fused else chunks

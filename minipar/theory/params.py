@@ -103,6 +103,19 @@ def stage_moe_layers(cfg: GPTConfig | str, pp: int = 1, stage: int = 0, virtual:
     return sum(cfg.is_moe(i) for c in range(stage, pp * virtual, pp) for i in chunks[c])
 
 
+def stage_recomputed_layers(cfg: GPTConfig | str, pp: int = 1, stage: int = 0,
+                            virtual: int = 1, head_layers: int = 0,
+                            recompute_layers: int | None = None) -> tuple[int, int]:
+    """(blocks, MoE blocks among them) of pipeline ``stage`` that recompute: the first
+    ``recompute_layers`` N of each of its chunks, every block with N None (the rule of
+    ``parallel.recompute.apply_recompute``, Megatron's ``--recompute-num-layers``). The
+    memory and the communication theory both ask here."""
+    cfg = get_model(cfg)
+    chunks = partition_layers(cfg.n_layer, pp * virtual, head_layers)
+    redone = [i for c in range(stage, pp * virtual, pp) for i in chunks[c][:recompute_layers]]
+    return len(redone), sum(cfg.is_moe(i) for i in redone) if cfg.n_expert else 0
+
+
 def param_count(cfg: GPTConfig | str) -> int:
     """Parameters of the whole model, a tied head counted once (= ``GPT.num_params()``)."""
     cfg = get_model(cfg)
