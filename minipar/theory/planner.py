@@ -395,9 +395,29 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                 if (smallest is None
                                         or est.memory["process"] < smallest.memory["process"]):
                                     smallest = est
+    for est in _idle_recomputation(layouts):
+        reject("recomputation saves no memory", est.layout.label())
+        layouts.remove(est)
     layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["process"]))
     return Plan(cfg, cluster, global_batch, _ties_by_memory(layouts), rejected, examples,
                 smallest)
+
+
+RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def _idle_recomputation(layouts: list[Estimate]) -> list[Estimate]:
+    """The layouts whose recomputation buys nothing: the same layout recomputing less
+    (its stages balanced for that) fits in no more memory and is no slower. Selective
+    recomputation under a fused attention kernel is the usual case: the kernel keeps no
+    score matrix, so recomputing attention frees nothing and costs its time."""
+    lighter: dict[Layout, list[Estimate]] = {}
+    for est in layouts:
+        lighter.setdefault(est.layout.with_(recompute="none", head_layers=0), []).append(est)
+    return [est for est in layouts if any(
+        RECOMPUTE_ORDER[x.layout.recompute] < RECOMPUTE_ORDER[est.layout.recompute]
+        and x.memory["process"] <= est.memory["process"] and x.step_time <= est.step_time
+        for x in lighter[est.layout.with_(recompute="none", head_layers=0)])]
 
 
 def _ties_by_memory(layouts: list[Estimate]) -> list[Estimate]:
