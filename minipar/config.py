@@ -32,7 +32,7 @@ from minipar.parallel.pp import partition_layers
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
 from minipar.theory.layout import Layout
-from minipar.theory.memory import card_bytes, memory_per_stage
+from minipar.theory.memory import card_peak
 from minipar.theory.planner import plan
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -392,13 +392,11 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
     loss workspace, the temporary of the optimizer kernel it runs on ``device`` (default:
     its own; ``optimizer_kernel``); experts split by ep, the all-to-all's
     buffers) and what the device holds beyond them (``card_bytes``: the caching
-    allocator's reserve and the runtime). The planner prices layouts with the same two
-    functions."""
+    allocator's reserve and the runtime): ``theory.memory.card_peak``, the function the
+    planner prices layouts with."""
     device = device or ("cuda" if uses_cuda(cfg) else "cpu")
     layout = replace(cfg, **changes).layout(device)
-    rows = memory_per_stage(model, layout, accounting="fused",
-                            stages=None if stage is None else [stage])
-    return max(card_bytes(r, layout, device)["process"] for r in rows)
+    return card_peak(model, layout, device=device, stage=stage)["process"]
 
 
 def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:

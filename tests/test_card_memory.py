@@ -140,6 +140,20 @@ def test_the_planners_layouts_under_the_defaults_ran_within_their_predictions() 
         assert abs(est.step_time / r.row["step_median"] - 1) < 0.12, r.row["label"]
 
 
+def test_the_planner_and_the_fit_check_price_a_layout_alike() -> None:
+    """The planner's estimate and ``train``'s fit check are one function
+    (``theory.memory.card_peak``): each of the planner's first 20 layouts for each model,
+    run as its printed command, is predicted the same bytes by the command line."""
+    from minipar.__main__ import build_parser, train_config
+    from minipar.config import predicted_bytes
+
+    for model, batch in MODELS:
+        for est in plan(model, H100, batch).layouts[:20]:
+            cfg = train_config(build_parser().parse_args(est.layout.command(model).split()[3:]))
+            assert predicted_bytes(cfg, cfg.model_config(), device="cuda") == \
+                est.memory["process"], est.layout.label()
+
+
 def test_each_row_is_predicted_with_the_kernel_it_ran() -> None:
     """The rows that ran torch's fused AdamW on H100 (gpt-13b pp 4 ZeRO-3 at dp 1,
     2026-11-28 i2) held 60.9 and 61.6 GiB: booked with the multi-tensor kernel's

@@ -557,6 +557,19 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
     return out
 
 
+def card_peak(cfg: GPTConfig | str, layout: Layout = Layout(), *, device: str = "cuda",
+              accounting: str = "fused", stage: int | None = None) -> dict:
+    """What the busiest rank of ``layout`` needs of its card: the ``memory_per_stage`` row
+    of the stage that needs the most (``stage``, or the first or the last: a middle stage
+    holds no more than the first) with ``card_bytes`` added (``reserved``, ``process``).
+    The planner and ``train``'s fit check both ask this function."""
+    stages = sorted({0, layout.pp - 1}) if stage is None else [stage]
+    rows = memory_per_stage(cfg, layout, accounting=accounting, stages=stages)
+    for row in rows:
+        row.update(card_bytes(row, layout, device))
+    return max(rows, key=lambda r: r["process"])
+
+
 def memory_breakdown(cfg: GPTConfig | str | None = None, layout: Layout = Layout(), *,
                      params: int | None = None, accounting: str = "korthikanti",
                      stage: int | None = None) -> dict:

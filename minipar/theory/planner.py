@@ -66,7 +66,7 @@ from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.layout import Layout
-from minipar.theory.memory import MEMORY_MARGIN, card_bytes, memory_per_stage
+from minipar.theory.memory import MEMORY_MARGIN, card_peak
 from minipar.theory.models import get_model
 from minipar.theory.offload import offload_seconds
 from minipar.theory.params import (
@@ -153,12 +153,13 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
              accounting: str = "fused", overlap: bool = True) -> Estimate:
     """Memory and step-time estimate of ``layout`` on ``cluster`` (raises ValueError if
     it cannot be built at all: sizes that do not divide). Its global batch is dp x
-    micro-batch size x micro-batches. ``memory`` is the busiest stage's
-    ``memory_per_stage`` row plus what the card holds beyond the tensors
-    (``memory.card_bytes``: ``reserved``, ``process``); ``fits`` says whether ``process``
-    stays under the GPU's memory less ``memory_margin`` of it. Experts split over ep
-    ranks of dp have their all-to-all priced as the ``ep`` term, their gradients'
-    reduction over their replicas (``edp``) with the data-parallel one."""
+    micro-batch size x micro-batches. ``memory`` is ``memory.card_peak``: the busiest
+    stage's ``memory_per_stage`` row plus what the card holds beyond the tensors
+    (``reserved``, ``process``), as ``train``'s fit check prices it; ``fits`` says
+    whether ``process`` stays under the GPU's memory less ``memory_margin`` of it.
+    Experts split over ep ranks of dp have their all-to-all priced as the ``ep`` term,
+    their gradients' reduction over their replicas (``edp``) with the data-parallel
+    one."""
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     if layout.gpus != cluster.gpus:
         raise ValueError(f"tp*pp*dp*cp = {layout.gpus} is not the cluster's "
@@ -170,9 +171,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     m, virtual, recompute, dtype = (layout.microbatches, layout.virtual, layout.recompute,
                                     layout.dtype)
     global_batch = layout.global_batch
-    mem = max(memory_per_stage(cfg, layout, accounting=accounting, stages=sorted({0, pp - 1})),
-              key=lambda r: r["total"])
-    mem.update(card_bytes(mem, layout, "cuda"))
+    mem = card_peak(cfg, layout, accounting=accounting)
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, layout, stage=min(1, pp - 1))
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
