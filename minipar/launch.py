@@ -41,6 +41,7 @@ The rank's side of all this is ``minipar/rank.py``.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -69,6 +70,9 @@ __all__ = ["launch", "LaunchError", "RankFailed", "RankDied", "RankTimeout", "Re
 # gloo and NCCL hold a timeout as a deadline in int64 nanoseconds from now (about 292
 # years); a process group is given ``timeout + 30`` s. A week is far beyond any step.
 TIMEOUT_MAX = 7 * 24 * 3600.0
+# How long the parent waits, after a rank reports an error, for a peer's death or an
+# earlier error to arrive (a failing rank's exit can reach it after its peers' reports).
+ROOT_CAUSE_WAIT_S = 2.0
 
 
 def check_timeout(timeout, flag: str = "--timeout") -> None:
@@ -420,22 +424,27 @@ class _Stall:
 def _collect(procs, conns, slots, paths, timeout, stall, watch) -> Results:
     """Wait for every rank's result; raise for the first rank that failed.
 
-    When one rank fails, its peers soon fail too ("Connection closed by peer" from
-    gloo). On a busy machine the parent may see several failures at once, so it
-    reports the root cause: a death first (a dead rank reports nothing, so its peers'
-    errors can only be consequences), else the error raised earliest.
+    When one rank fails, its peers soon fail too ("Connection reset by peer" from
+    gloo), and a peer's report can reach the parent before the failing rank's death
+    does. So the parent reports the root cause: once an error arrives it waits up to
+    ``ROOT_CAUSE_WAIT_S`` for the other ranks to settle, then names a death first (a
+    dead rank reports nothing, so its peers' errors can only be consequences), else
+    the error raised earliest.
     """
     n = len(procs)
     results: list = [None] * n
     waiting = set(range(n))
+    errors: list = []
+    settle_by = math.inf  # when to stop waiting for the root cause of an error
     while waiting:
         remaining = stall.remaining(waiting)
         if remaining <= 0:
             raise RankTimeout(_timeout_report(slots, waiting, timeout, stall))
         handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
-        ready = set(mp.connection.wait(handles, timeout=min(remaining, watch.poll)))
+        wait_s = min(remaining, watch.poll, max(0.0, settle_by - time.monotonic()))
+        ready = set(mp.connection.wait(handles, timeout=wait_s))
         watch()
-        errors, dead = [], []
+        dead = []
         # Every waiting rank, not only the ready ones: a child forked by another
         # thread's launch may hold our pipe ends open, hiding EOF and exit.
         for rank in sorted(waiting):
@@ -451,6 +460,8 @@ def _collect(procs, conns, slots, paths, timeout, stall, watch) -> Results:
                     continue
                 if status == "error":
                     errors.append((value[4], rank, value))
+                    waiting.discard(rank)
+                    settle_by = min(settle_by, time.monotonic() + ROOT_CAUSE_WAIT_S)
                     continue
             if procs[rank].sentinel in ready or not procs[rank].is_alive():
                 procs[rank].join(1.0)  # a ready sentinel: it is exiting now
@@ -461,7 +472,7 @@ def _collect(procs, conns, slots, paths, timeout, stall, watch) -> Results:
             code = procs[rank].exitcode
             raise RankDied(_death_report(rank, code, slots[rank], paths[rank]), rank,
                            _tail(paths[rank]), exitcode=code)
-        if errors:
+        if errors and (not waiting or time.monotonic() >= settle_by):
             _, rank, (name, msg, tb, where, _) = min(errors)
             raise RankFailed(
                 f"rank {rank} raised {name}: {msg}\n  (rank {rank} was: {where})\n"

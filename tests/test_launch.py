@@ -268,6 +268,23 @@ def test_dead_rank_is_reported(slow_parent, how, code, text):
     assert f"rank 1 {text}" in str(info.value)
 
 
+def _die_slowly() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(0.2)  # rank 0 is in its all_reduce
+        dist.destroy_process_group()  # its sockets close: rank 0 fails at once ...
+        time.sleep(0.5)  # ... and reports before this rank is gone (as an abort's core dump)
+        os._exit(3)
+    Comm().all_reduce(torch.ones(4))
+
+
+def test_a_death_that_lands_after_its_peers_error_is_the_root_cause():
+    """Rank 0's error ("Connection reset by peer") reaches the parent before rank 1's
+    exit does: the report still names the death, not its consequence."""
+    with pytest.raises(RankDied) as info:
+        launch(_die_slowly, 2, timeout=60)
+    assert info.value.rank == 1 and info.value.exitcode == 3
+
+
 def _skip_a_collective() -> None:
     comm = Comm(dim="tp")
     comm.all_reduce(torch.ones(3))
