@@ -13,6 +13,9 @@ not measurements:
   collective's time is its wire bytes over this.
 * network: inter-node bandwidth per GPU per direction, one InfiniBand NIC per GPU as in
   DGX systems (HDR 200 Gb/s for A100, NDR 400 Gb/s for H100 and later).
+* memory_bandwidth: the data sheet's device-memory bandwidth (A100 40 GB 1.555 TB/s,
+  80 GB 2.039, H100 SXM 3.35, H200 4.8, B200 8): what prices work that only moves
+  bytes through a GPU's own memory.
 
 ``calibrated(cluster, calibration)`` swaps the data sheet for one machine's measured
 rates (``benchmarks/multigpu.py --sections calibrate`` writes them; ``python -m minipar
@@ -46,14 +49,15 @@ class GPU:
     peak_flops: float    # dense bf16 FLOP/s
     nvlink: float        # bytes/s per GPU per direction, inside a node
     network: float       # bytes/s per GPU per direction, between nodes
+    memory_bandwidth: float = 0.0  # bytes/s of its own memory, the spec (0: not known)
 
 
 GPUS: dict[str, GPU] = {
-    "A100-40GB": GPU("A100-40GB", 40960 * MiB, 312e12, 300 * GB, 25 * GB),
-    "A100-80GB": GPU("A100-80GB", 81920 * MiB, 312e12, 300 * GB, 25 * GB),
-    "H100-80GB": GPU("H100-80GB", 81559 * MiB, 989e12, 450 * GB, 50 * GB),
-    "H200-141GB": GPU("H200-141GB", 143771 * MiB, 989e12, 450 * GB, 50 * GB),
-    "B200": GPU("B200", 183359 * MiB, 2250e12, 900 * GB, 50 * GB),
+    "A100-40GB": GPU("A100-40GB", 40960 * MiB, 312e12, 300 * GB, 25 * GB, 1555 * GB),
+    "A100-80GB": GPU("A100-80GB", 81920 * MiB, 312e12, 300 * GB, 25 * GB, 2039 * GB),
+    "H100-80GB": GPU("H100-80GB", 81559 * MiB, 989e12, 450 * GB, 50 * GB, 3350 * GB),
+    "H200-141GB": GPU("H200-141GB", 143771 * MiB, 989e12, 450 * GB, 50 * GB, 4800 * GB),
+    "B200": GPU("B200", 183359 * MiB, 2250e12, 900 * GB, 50 * GB, 8000 * GB),
 }
 
 

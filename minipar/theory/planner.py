@@ -89,6 +89,17 @@ OVERLAP_BANDWIDTH = 0.5
 # rows: 0.48-0.64 of it): each unit's fp32 reduce-scatter contends with the backward's
 # kernels and waits for the slowest rank.
 ZERO3_EXPOSED_SHARE = 0.55
+# ZeRO-3 over a data-parallel group of one rank (pp or tp alone, to drop the 16-bit copy
+# of the weights) still gathers and reduces every unit each micro-batch, as work in the
+# GPU's own memory that no collective curve prices: the cast of the fp32 master into the
+# unit's buffer and its copy onto itself (forward and backward), the gradient's scaling,
+# copy and accumulation into the master's. Bytes per parameter and micro-batch at the
+# data sheet's memory bandwidth, fitted to gpt-13b pp 4 dp 1 ZeRO-3 full recompute
+# (benchmarks/results/card-memory-defaults-4xH100-2026-11-28i2-planner, m 16 and m 8, and
+# card-memory-defaults-4xH200-2026-11-28k2-covering, m 8 under three schedules): what
+# the step model left unexplained is 28-37 bytes a parameter on the H100 rows and 23-28
+# on the H200 rows, each at its card's bandwidth; 32 puts all five within 4%.
+ZERO3_LOCAL_BYTES = 32
 # Layouts of one shape whose predicted steps differ by less than this share rank by
 # memory (the spread of repeated measurements of one layout: ZeRO-1 and ZeRO-2 at one
 # micro-batch size differ by 1-8%).
@@ -208,6 +219,8 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
             ids = {"cp": {op: x for op, x in vol.get("cp", {}).items() if op == "all_gather"}}
             t["cp"] = _comm_seconds(ids, "cp", cluster, spans("cp"), cp) * (
                 cluster.host_bound_slowdown)
+    if zero == 3 and dp * cp == 1:  # its gathers and reductions are local copies
+        t["dp"] += zero3_local_seconds(mem["n_params"], m, cluster)
     n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
     t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute,
                                    cluster.host_adam_params_per_s) if layout.offload else 0.0
@@ -223,6 +236,13 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     traffic["dp"] += sum(x["wire_bytes"] for x in vol.get("edp", {}).values())
     return Estimate(layout, memory=mem, time=time, traffic=traffic, mfu=mfu,
                     fits=mem["process"] <= (1 - memory_margin) * cluster.gpu_memory)
+
+
+def zero3_local_seconds(n_params: int, microbatches: int, cluster: Cluster) -> float:
+    """ZeRO-3 over one rank: ``ZERO3_LOCAL_BYTES`` a parameter and micro-batch through
+    the GPU's memory (0 where its bandwidth is not known)."""
+    bandwidth = cluster.gpu.memory_bandwidth
+    return n_params * microbatches * ZERO3_LOCAL_BYTES / bandwidth if bandwidth else 0.0
 
 
 def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
