@@ -74,7 +74,7 @@ from minipar.theory.params import (
     model_flops_per_token,
     stage_layers,
 )
-from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds, sp_seconds
+from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
 
 TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update", "host")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
@@ -93,6 +93,7 @@ ZERO3_EXPOSED_SHARE = 0.55
 # memory (the spread of repeated measurements of one layout: ZeRO-1 and ZeRO-2 at one
 # micro-batch size differ by 1-8%).
 TIE_SHARE = 0.05
+HOST_LAYER_EXTRA = {"tp": 0.47, "sp": 0.7, "cp": 1.4}
 
 
 @dataclass
@@ -188,11 +189,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
         return n > 1 and _group_spans_nodes(dp, pp, tp, dim, layout.order,
                                             cluster.gpus_per_node, cp, ep)
 
-    t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d])
-         * (cluster.host_bound_slowdown if d in ("tp", "cp") else 1.0)
-         for d in ("tp", "ep", "cp", "pp")}
-    if layout.sp:  # the host's cost of sp's extra launches, measured per layer
-        t["tp"] += sp_seconds(cfg, cluster, layout)
+    t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d]) for d in ("tp", "ep", "cp", "pp")}
     fp32_grads = 2.0 if dtype == "bf16" else 1.0  # the volume counts 16-bit gradients
     dp_ops: dict[str, float] = {}  # the dense weights' over dp x cp, the experts' over edp
     for d in ("dp", "edp"):
@@ -207,8 +204,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
         if cfg.seq_len // cp >= min_local_tokens_to_hide_ring(cluster.matmul_rate, bw, e):
             # (an MoE layer's gather of the expert ids waits before its routing)
             ids = {"cp": {op: x for op, x in vol.get("cp", {}).items() if op == "all_gather"}}
-            t["cp"] = _comm_seconds(ids, "cp", cluster, spans("cp"), cp) * (
-                cluster.host_bound_slowdown)
+            t["cp"] = _comm_seconds(ids, "cp", cluster, spans("cp"), cp)
     n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
     t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute,
                                    cluster.host_adam_params_per_s) if layout.offload else 0.0
@@ -233,8 +229,9 @@ def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
     tp 4 at 8 micro-batches, docs/benchmarks.md); 0 where the host was not measured."""
     if not cluster.host_s_per_layer:
         return 0.0
-    tp, sp = layout.tp, layout.sp
-    per_layer = cluster.host_s_per_layer * (1.0 if tp == 1 else 2.4 if sp else 2.0)
+    extra = HOST_LAYER_EXTRA
+    per_layer = cluster.host_s_per_layer * (
+        1.0 + (layout.tp > 1) * extra["tp"] + layout.sp * extra["sp"] + (layout.cp > 1) * extra["cp"])
     layers = _busiest_stage_layers(cfg.n_layer, layout.pp, layout.virtual)
     return layers * layout.microbatches * per_layer
 
@@ -255,8 +252,8 @@ def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
     gather = seconds.get("all_gather", 0.0)
     slow = 1 / OVERLAP_BANDWIDTH
     if zero == 3:  # half the gathers in forwards, half (+ every reduction) in backwards
-        hidden = (max(0.0, gather / 2 * slow - forward)
-                  + max(0.0, (gather / 2 + reduce) * slow - backward))
+        hidden = (max(0.0, gather / 2 - forward / slow)
+                  + max(0.0, (gather / 2 + reduce) - backward / slow))
         return max(hidden, ZERO3_EXPOSED_SHARE * (gather + reduce))
     # the last micro-batch's backward hides the reduction, the next step's first forward
     # ZeRO-1/2's weight gather (zero/param_gather.py): slowed while they overlap, then whole
