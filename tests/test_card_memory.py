@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from minipar.theory.clusters import cluster
+from minipar.theory.clusters import calibrated, cluster, load_calibration
 from minipar.theory.memory import MEMORY_MARGIN, RESERVE_FITS
 from minipar.theory.planner import evaluate, plan
 
@@ -199,6 +199,37 @@ def test_zero3_over_one_rank_is_priced_by_its_copies(monkeypatch) -> None:
     assert max(abs(e) for e in errors()) < 0.04
     monkeypatch.setattr(planner, "ZERO3_LOCAL_BYTES", 0)
     assert min(errors()) < -0.09
+
+
+# The H200's own measured paces (its block, collectives and optimizer; the H100 file's
+# host): the card a tensor- or context-parallel row ran on prices it
+H200 = calibrated(H100, load_calibration(str(RESULTS / "calibration-4xH200-2026-11-26e4.json")))
+
+
+def test_tensor_and_context_parallel_steps_within_a_quarter() -> None:
+    """Every eager tp and cp row is predicted within 25% of its measured step, each on its
+    own card's paces (measured: -24% .. +23%; H200 rows on the H100 preset: up to +26%,
+    gpt-13b tp 4 at 0.538 s against 0.428, the H200's block and optimizer 6% and 20%
+    faster). tp and cp collectives keep their calibrated seconds; the host's launches set
+    a floor per layer pass (``planner.HOST_LAYER_EXTRA``). The model that multiplied every
+    tp and cp call by a host slowdown of 4 (and added sp's isolated extra as GPU time)
+    missed these rows by +44% .. +121% on H200 (gpt-6.7b tp 4 0.440 s against 0.244, sp
+    0.662 against 0.418; gpt-13b tp 4 0.762 against 0.428, sp 1.056 against 0.477; dp 2
+    cp 2 ZeRO-3 0.775 against 0.538 and 2.411 against 1.330).
+
+    Left out, and counted so that none is dropped silently: gpt-13b tp 2 dp 2 ZeRO-3 sp
+    (4xH100-2026-11-27h1/h2, 2.9-5.7 s), which ran before ZeRO-3 gathered by block unit:
+    it gathered each parameter tensor (3,248 all-gathers a step, profiles-4xH100-
+    2026-11-27h6), a cost the engine no longer has; predicted 38-59% under."""
+    rows = [r for r in ROWS if (r.layout.tp > 1 or r.layout.cp > 1) and not r.row["compiled"]]
+    gathered_per_tensor = [r for r in rows if r.card == "H100" and r.layout.tp > 1
+                           and r.layout.zero == 3]
+    assert len(rows) == 13 and len(gathered_per_tensor) == 4
+    for r in rows:
+        if r in gathered_per_tensor:
+            continue
+        est = evaluate(r.model, H200 if r.card == "H200" else H100, r.layout)
+        assert abs(est.step_time / r.row["step_median"] - 1) < 0.25, (r.row["label"], est.time)
 
 
 def _card_memory(*args: str, timeout: float = 120) -> str:

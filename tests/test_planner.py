@@ -236,7 +236,8 @@ def test_a_measured_block_pace_and_per_size_times_replace_the_fits() -> None:
     """With ``block_rates`` a layer's FLOPs go at the measured pace of its micro-batch
     (interpolated in log tokens, clamped at the ends); the head stays at matmul rate x
     efficiency. With per-size times each call takes the bandwidth measured at its
-    payload; with ``tp_blocks`` sp pays its measured extra per layer. (The formulas, on
+    payload; sp's extra launches are the host's (``HOST_LAYER_EXTRA``), not GPU seconds,
+    whatever ``tp_blocks`` says. (The formulas, on
     hand-written numbers; the 4 x H100 tests below pin the planner to measurements.)"""
     from minipar.theory.clusters import calibrated
     from minipar.theory.params import layer_flops_per_token
@@ -262,9 +263,9 @@ def test_a_measured_block_pace_and_per_size_times_replace_the_fits() -> None:
     # bus bandwidth (the loss's three small ones are in the tolerance)
     each = 2 * 3 / 4 * 16384 * 2048 * 2 / 100e9
     assert plain.time["tp"] == pytest.approx((24 * 4 + 2) * each, rel=0.01)
-    # sp moves 5/4 of the bytes (the column linears' inputs gathered again in backward)
-    # and pays the measured 3 ms per layer on top
-    assert sp.time["tp"] == pytest.approx(1.25 * plain.time["tp"] + 24 * 0.003, rel=0.02)
+    # sp moves 5/4 of the bytes (the column linears' inputs gathered again in backward);
+    # the 3 ms per layer its isolated block measured more are host launches, not GPU time
+    assert sp.time["tp"] == pytest.approx(1.25 * plain.time["tp"], rel=0.02)
 
 
 def test_one_slow_size_in_a_measured_curve_does_not_price_the_calls_near_it() -> None:

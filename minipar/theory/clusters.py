@@ -90,12 +90,9 @@ class Cluster:
     head_rates: tuple[tuple[int, int, int, float], ...] = ()
     step_s_per_param: float = 0.0
     accumulate_s_per_param: float = 0.0
-    # the engine on this machine's host (0 and 1: not measured): the seconds its Python
-    # host takes to launch one layer's forward and backward for one micro-batch, and how
-    # many times their calibrated seconds the tp and cp collectives take between kernels
-    # that host launches (each call waits for the slowest rank's host)
+    # the engine on this machine's host (0: not measured): the seconds its Python host
+    # takes to launch one layer's forward and backward for one micro-batch
     host_s_per_layer: float = 0.0
-    host_bound_slowdown: float = 1.0
     # ZeRO-Offload's host AdamW, parameters a second per rank (0: ``theory.offload``'s)
     host_adam_params_per_s: float = 0.0
 
@@ -240,8 +237,6 @@ def calibrated(base: Cluster, calib: dict) -> Cluster:
                    accumulate_s_per_param=_per_param(calib, "grad_accumulate"),
                    host_s_per_layer=float(engine.get("host_s_per_layer",
                                                      base.host_s_per_layer)),
-                   host_bound_slowdown=float(engine.get("host_bound_slowdown",
-                                                        base.host_bound_slowdown)),
                    host_adam_params_per_s=float(engine.get("host_adam_params_per_s",
                                                            base.host_adam_params_per_s)),
                    name=base.name + " (calibrated)")

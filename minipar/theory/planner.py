@@ -20,14 +20,15 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                the head; pp > 1 splits ``head_layers_for``), less the busiest's compute
     tp, pp   = every call exposed (tp collectives, each micro-batch's send and recv):
                its measured time at its payload, else wire bytes / bandwidth +
-               latency; with sp, plus its measured extra launch cost per layer
+               latency (sp's extra launches are the host's, below)
     dp       = the same (gradients reduced in fp32, as minipar does), minus what hides
                behind compute (``_exposed_dp``): stages 0-2 reduce during the last
                micro-batch's backward and all-gather the new weights after the step;
                ZeRO-3 gathers during each forward and gathers + reduce-scatters during
                each backward. Overlapped, NCCL gets only ``OVERLAP_BANDWIDTH`` of its
-               calibrated bandwidth (compute kernels hold the SMs and memory); ZeRO-3
-               leaves at least ``ZERO3_EXPOSED_SHARE`` of its seconds exposed
+               calibrated bandwidth (compute kernels hold the SMs and memory) and what
+               is left once compute ends runs at full bandwidth; ZeRO-3 leaves at least
+               ``ZERO3_EXPOSED_SHARE`` of its seconds exposed
     ep       = a mixture of experts' all-to-all (dispatch and combine, forward and
                backward; ``theory.moe.all_to_all_bytes``), every call exposed, at the
                calibrated all-to-all pace, else the all-gather's link (the experts'
@@ -37,8 +38,8 @@ with (Narayanan et al. 2021, arXiv 2104.04473, Sec. 3, reason the same way):
                MoE layer's gather of the expert ids, always
     update   = the optimizer step over this rank's (ZeRO: sharded) parameters, when measured
     host     = what the host's kernel launches add where they take longer than the rest
-               (``host_seconds``; on a cluster whose host was measured with this engine,
-               which also prices tp and cp calls at ``host_bound_slowdown``)
+               (``host_seconds``: a floor per layer pass, higher with tp, sp and cp, on a
+               cluster whose host was measured with this engine)
     step     = compute + bubble + tp + ep + exposed cp + pp + exposed dp + update + host
 
 A mixture-of-experts model also enumerates ep (dividing dp and the experts; its
@@ -74,7 +75,7 @@ from minipar.theory.params import (
     model_flops_per_token,
     stage_layers,
 )
-from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds, sp_seconds
+from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
 
 TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update", "host")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
@@ -104,6 +105,15 @@ ZERO3_LOCAL_BYTES = 32
 # memory (the spread of repeated measurements of one layout: ZeRO-1 and ZeRO-2 at one
 # micro-batch size differ by 1-8%).
 TIE_SHARE = 0.05
+# What a layer pass costs the host beyond a data-parallel one, in ``host_s_per_layer``s:
+# tp's collectives and split kernels, sp's extra gathers and scatters, cp's ring. Fitted
+# to the host-bound rows of benchmarks/results/card-memory-*: tp from gpt-1.3b tp 4 b 4 m 8
+# selective (4xH100-2026-11-27h2-covering, 1.18 s) and gpt-6.7b tp 4 b 2 m 2
+# (4xH200-2026-11-28k3-covering, 0.24 s), which bound it to 0.44-0.49; sp from gpt-1.3b
+# tp 4 sp b 4 m 8 (h2-covering, 1.47 s), the isolated tp block's ratio with and without sp
+# at 2048 tokens (calibration-h100.json ``tp_blocks``: 1.46-1.51) times tp's; cp from
+# gpt-1.3b dp 2 cp 2 ZeRO-1 b 4 m 4 (h2-covering, 0.78 s for 96 layer passes).
+HOST_LAYER_EXTRA = {"tp": 0.47, "sp": 0.7, "cp": 1.5}
 
 
 @dataclass
@@ -198,11 +208,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
         return n > 1 and _group_spans_nodes(dp, pp, tp, dim, layout.order,
                                             cluster.gpus_per_node, cp, ep)
 
-    t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d])
-         * (cluster.host_bound_slowdown if d in ("tp", "cp") else 1.0)
-         for d in ("tp", "ep", "cp", "pp")}
-    if layout.sp:  # the host's cost of sp's extra launches, measured per layer
-        t["tp"] += sp_seconds(cfg, cluster, layout)
+    t = {d: _comm_seconds(vol, d, cluster, spans(d), group[d]) for d in ("tp", "ep", "cp", "pp")}
     fp32_grads = 2.0 if dtype == "bf16" else 1.0  # the volume counts 16-bit gradients
     dp_ops: dict[str, float] = {}  # the dense weights' over dp x cp, the experts' over edp
     for d in ("dp", "edp"):
@@ -217,8 +223,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
         if cfg.seq_len // cp >= min_local_tokens_to_hide_ring(cluster.matmul_rate, bw, e):
             # (an MoE layer's gather of the expert ids waits before its routing)
             ids = {"cp": {op: x for op, x in vol.get("cp", {}).items() if op == "all_gather"}}
-            t["cp"] = _comm_seconds(ids, "cp", cluster, spans("cp"), cp) * (
-                cluster.host_bound_slowdown)
+            t["cp"] = _comm_seconds(ids, "cp", cluster, spans("cp"), cp)
     if zero == 3 and dp * cp == 1:  # its gathers and reductions are local copies
         t["dp"] += zero3_local_seconds(mem["n_params"], m, cluster)
     n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
@@ -247,13 +252,17 @@ def zero3_local_seconds(n_params: int, microbatches: int, cluster: Cluster) -> f
 
 def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
     """The least a step takes when the host launches every kernel: the busiest stage's
-    layers times the micro-batches at the host's measured seconds per layer (twice that
-    with tensor parallelism's extra kernels and collectives, 2.4 times with sp's: gpt-1.3b
-    tp 4 at 8 micro-batches, docs/benchmarks.md); 0 where the host was not measured."""
+    layers times the micro-batches at the host's measured seconds per layer, more with
+    tensor parallelism's, sp's and cp's extra launches (``HOST_LAYER_EXTRA``); 0 where
+    the host was not measured. A collective waits for every rank's host only while the
+    host is behind the GPU: the step is the larger of this and the GPU's work, never
+    their sum, and the collectives keep their calibrated seconds."""
     if not cluster.host_s_per_layer:
         return 0.0
-    tp, sp = layout.tp, layout.sp
-    per_layer = cluster.host_s_per_layer * (1.0 if tp == 1 else 2.4 if sp else 2.0)
+    extra = HOST_LAYER_EXTRA
+    per_layer = cluster.host_s_per_layer * (
+        1.0 + (layout.tp > 1) * extra["tp"] + layout.sp * extra["sp"]
+        + (layout.cp > 1) * extra["cp"])
     layers = _busiest_stage_layers(cfg.n_layer, layout.pp, layout.virtual)
     return layers * layout.microbatches * per_layer
 
@@ -267,15 +276,16 @@ def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
                 recompute: str) -> float:
     """Data-parallel seconds left on the critical path, from each op's seconds at full
     bandwidth. A forward is a third of the compute (a quarter with full recomputation,
-    which runs it twice); what overlaps runs at ``OVERLAP_BANDWIDTH``."""
+    which runs it twice); while it overlaps compute a transfer runs at
+    ``OVERLAP_BANDWIDTH``, what is left after at full bandwidth."""
     forward = compute / (4 if recompute == "full" else 3)
     backward = compute - forward
     reduce = seconds.get("all_reduce", 0.0) + seconds.get("reduce_scatter", 0.0)
     gather = seconds.get("all_gather", 0.0)
     slow = 1 / OVERLAP_BANDWIDTH
     if zero == 3:  # half the gathers in forwards, half (+ every reduction) in backwards
-        hidden = (max(0.0, gather / 2 * slow - forward)
-                  + max(0.0, (gather / 2 + reduce) * slow - backward))
+        hidden = (max(0.0, gather / 2 - forward / slow)
+                  + max(0.0, (gather / 2 + reduce) - backward / slow))
         return max(hidden, ZERO3_EXPOSED_SHARE * (gather + reduce))
     # the last micro-batch's backward hides the reduction, the next step's first forward
     # ZeRO-1/2's weight gather (zero/param_gather.py): slowed while they overlap, then whole

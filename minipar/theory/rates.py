@@ -11,8 +11,9 @@
   fitted to all sizes misses the middle ones that tensor parallelism and pipeline
   sends use.
 * the real tensor-parallel block with and without sequence parallelism
-  (``tp_blocks``): the difference is what sp's extra, smaller launches cost the host
-  per layer (its extra all-gather bytes, which the traffic term also counts, included).
+  (``tp_blocks``; ``clusters.Cluster.sp_extra``): read as a record of sp's extra host
+  launches (largest where the block is host-bound), which the planner prices as the
+  host's (``planner.HOST_LAYER_EXTRA``), not as GPU seconds.
 * the final layer norm, head and loss (``head_rates``): its fp32 softmax over the
   vocabulary is memory-bound, slower than the head's 6 V h FLOPs per token at the
   matmul rate say.
@@ -22,7 +23,7 @@
   ``optimizer_step``) and each micro-batch's gradient added into the fp32 buffer
   (``grad_accumulate``).
 
-Each function returns ``None`` (or 0 for the sp extra, the optimizer and the
+Each function returns ``None`` (or 0 for the optimizer and the
 accumulation) when the calibration lacks the measurement, and the planner falls back
 to the data-sheet model.
 """
@@ -76,15 +77,6 @@ def block_flops(rows: tuple, hidden: int, tokens: int, tp: int) -> float | None:
     return interp_log(tokens, [r[1] for r in near], [r[3] for r in near])
 
 
-def sp_extra_seconds(rows: tuple, hidden: int, tokens: int, tp: int) -> float:
-    """Seconds per layer forward + backward that sequence parallelism adds, from
-    ``(hidden, tokens, tp, seconds)`` rows; 0 without a measurement."""
-    near = _nearest(rows, hidden, tp)
-    if not near:
-        return 0.0
-    return max(0.0, interp_log(tokens, [r[1] for r in near], [r[3] for r in near]))
-
-
 def call_seconds(curves: tuple, op: str, payload: float, group: int) -> float | None:
     """Seconds of one ``op`` call of ``payload`` bytes in a ``group``-rank group, from
     ``(op, payload bytes, bus bandwidth per size)`` curves: this call's wire bytes over
@@ -135,12 +127,3 @@ def optimizer_seconds(cluster: Cluster, n_params: int, shards: int, zero: int) -
     of ``n_params`` over ``shards`` (dp x cp) ranks, at the measured pace; 0 without a
     measurement (ZeRO-Offload steps on the host: ``theory.offload``)."""
     return stepped_params(n_params, shards, zero) * cluster.step_s_per_param
-
-
-def sp_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
-    """Sequence parallelism's measured extra per layer, times the busiest stage's layers
-    and micro-batches (a recomputed forward repeats its share, in FLOPs' proportion)."""
-    tokens = layout.microbatch_size * cfg.seq_len // layout.cp
-    extra = sp_extra_seconds(cluster.sp_extra, cfg.d_model, tokens, layout.tp)
-    again = layer_flops_per_token(cfg, layout.recompute) / layer_flops_per_token(cfg)
-    return extra * again * cfg.n_layer / layout.pp * layout.microbatches
