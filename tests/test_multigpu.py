@@ -66,7 +66,8 @@ def test_dry_run_calibrate_and_parity(tmp_path, rows) -> None:
     assert {(r["tokens"], r["tp"]) for r in calib["block_rates"]} == {
         (64, 1), (128, 1), (64, 2), (128, 2)}
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in calib["block_rates"])
-    assert len(cal.block_rates) == 4 and len(cal.sp_extra) == 2
+    assert len(cal.block_rates) == 4
+    assert sorted(r["sp"] for r in calib["tp_blocks"]) == [False, False, True, True]
     # the head and loss at the same (tokens, tp), the optimizer's and the fp32
     # accumulation's seconds per parameter
     assert {(r["tokens"], r["tp"]) for r in calib["head_rates"]} == {

@@ -79,11 +79,9 @@ class Cluster:
     matmul_flops: float | None = None
     links: tuple[tuple[str, float, float], ...] = ()
     # measured paces (``minipar.theory.rates`` reads them): per collective op (op,
-    # payload bytes, bus bandwidth at each); the block (hidden, tokens, tp, FLOP/s);
-    # what sequence parallelism adds per layer (hidden, tokens, tp, seconds)
+    # payload bytes, bus bandwidth at each); the block (hidden, tokens, tp, FLOP/s)
     curves: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...] = ()
     block_rates: tuple[tuple[int, int, int, float], ...] = ()
-    sp_extra: tuple[tuple[int, int, int, float], ...] = ()
     # the head and loss's pace (hidden, tokens, tp, FLOP/s over 6 V h / tp per token);
     # seconds per parameter of the optimizer step (clip, AdamW, the 16-bit copy) and of
     # one micro-batch's gradient accumulation into the fp32 buffer (0: not measured)
@@ -232,7 +230,7 @@ def calibrated(base: Cluster, calib: dict) -> Cluster:
         gpu = replace(gpu, memory=int(calib["memory_bytes"]))
     return replace(base, gpu=gpu, matmul_flops=float(calib["matmul_tflops"]) * 1e12,
                    links=links, curves=curves, block_rates=blocks,
-                   sp_extra=_sp_extra(calib.get("tp_blocks", [])), head_rates=heads,
+                   head_rates=heads,
                    step_s_per_param=_per_param(calib, "optimizer_step"),
                    accumulate_s_per_param=_per_param(calib, "grad_accumulate"),
                    host_s_per_layer=float(engine.get("host_s_per_layer",
@@ -263,14 +261,6 @@ def rising(bandwidths: list[float]) -> tuple[float, ...]:
 
 def _per_param(calib: dict, key: str) -> float:
     return float(calib.get(key, {}).get("seconds_per_param", 0.0))
-
-
-def _sp_extra(rows: list[dict]) -> tuple[tuple[int, int, int, float], ...]:
-    """(hidden, tokens, tp, seconds): the real tp block with sp minus the one without,
-    measured side by side (``benchmarks/multigpu.py``'s ``tp_blocks``)."""
-    plain = {(r["hidden"], r["tokens"], r["tp"]): r["seconds"] for r in rows if not r["sp"]}
-    return tuple((*key, r["seconds"] - plain[key]) for r in rows if r["sp"]
-                 for key in [(r["hidden"], r["tokens"], r["tp"])] if key in plain)
 
 
 def gpu_for_device(name: str) -> str:

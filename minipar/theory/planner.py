@@ -404,6 +404,9 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                             reject("ZeRO-3 frees the weights zb's W pass needs",
                                    f"zero=3 with zb, pp={pp}")
                             continue
+                        if zero in (1, 2) and dp * cp == 1:  # shards of one: ZeRO-0
+                            reject("ZeRO-1/2 over one rank is ZeRO-0", f"zero={zero}, dp=1")
+                            continue
                         for rc, ep in ((r, e) for r in recomputes for e in _eps(cfg, dp)):
                             # pp: stages balanced for the head
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0

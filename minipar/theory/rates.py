@@ -11,9 +11,9 @@
   fitted to all sizes misses the middle ones that tensor parallelism and pipeline
   sends use.
 * the real tensor-parallel block with and without sequence parallelism
-  (``tp_blocks``; ``clusters.Cluster.sp_extra``): read as a record of sp's extra host
-  launches (largest where the block is host-bound), which the planner prices as the
-  host's (``planner.HOST_LAYER_EXTRA``), not as GPU seconds.
+  (``tp_blocks``, kept in the file, not read here): sp's extra is largest where the
+  block is host-bound, so the planner prices it as the host's launches
+  (``planner.HOST_LAYER_EXTRA``), not as GPU seconds.
 * the final layer norm, head and loss (``head_rates``): its fp32 softmax over the
   vocabulary is memory-bound, slower than the head's 6 V h FLOPs per token at the
   matmul rate say.
