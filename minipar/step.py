@@ -167,7 +167,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     tied_names = [n for n, _ in named if n in tied]
     offload = OnHost() if cfg.offload else None  # where the fp32 masters live and step
     sync, optimizer = data_parallel(
-        cfg, rm, model, [b for c in stage for b in c.blocks.values()], sp_names + tied_names,
+        cfg, rm, model, [b for c in stage for b in c.blocks.values()], [sp_names, tied_names],
         values, offload)
     if offload is not None and isinstance(sync, ExpertDataParallel):
         offload = sync  # (its last_traffic: both parts' hosts)
@@ -191,7 +191,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
 
 
 def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units: list,
-                  shared: list[str], materialize=None, offload: OnHost | None = None
+                  shared: list[list[str]], materialize=None, offload: OnHost | None = None
                   ) -> tuple[GradientSync, torch.optim.Optimizer]:
     """The one place that picks the data-parallel layout: (gradient sync, optimizer).
     Every choice offers the step the same calls (``parallel/zero/protocol.GradientSync``).
@@ -250,7 +250,8 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     def zero(params, comm, place):
         return ZeroOptimizer(params, opt_cls, module=model, stage=cfg.zero, comm=comm,
-                             precision=precision, average=False, shared=shared,
+                             precision=precision, average=False,
+                             shared=[name for group in shared for name in group],
                              mode=cfg.ddp, bucket_mb=bucket_mb, materialize=materialize,
                              place=place, grad_dtype=grad_dtype,
                              overlap_param_gather=overlap and cfg.overlap_param_gather,

@@ -90,6 +90,9 @@ COVERING = [
     dict(dp=2, pp=2, tp=2, microbatches=2, zero=1),
     dict(dp=2, pp=2, tp=2, microbatches=2, zero=2, sp=True, schedule="zb"),
     dict(dp=2, pp=2, tp=2, microbatches=4, zero=3, schedule="interleaved", virtual=2),
+    # ZeRO-3 with both kinds of shared weights: sp's norms (summed over tp) and the tied
+    # embedding's two copies (over the embedding group), each kind a flat of its own
+    dict(dp=2, pp=2, tp=2, microbatches=2, zero=3, sp=True, overrides={"tie_embeddings": True}),
     dict(dp=2, pp=2, tp=2, microbatches=2, order="pp-inside-dp", recompute="full"),
     dict(tp=2, pp=2, microbatches=2, recompute="selective"),
     # W runs each module on its own graph: a recomputed block must rebuild it
@@ -179,6 +182,18 @@ def test_run_reports_memory_comm_and_timeline() -> None:
         assert "dp" in r["comm"] and "pp" in r["comm"]
         kinds = [e["kind"] for e in r["timeline"]]
         assert kinds.count("F") == 2 and kinds.count("B") == 2
+
+
+def test_zero3_gathers_a_units_shared_weights_in_one_call() -> None:
+    """Under sp a block's norms are summed over tp after the dp reduction: ZeRO-3 keeps
+    them in a flat of their own, one per unit (not one per weight: 61 gathers a pass on
+    this model, against 20), so each unit costs two gathers and one reduction a pass."""
+    cfg = TrainConfig(tp=2, dp=2, zero=3, sp=True, steps=2, microbatches=2, batch_size=4)
+    comm = train(cfg)["ranks"][0]["comm"]["dp"]
+    passes = cfg.steps * cfg.microbatches
+    units = 2 * cfg.model_config().n_layer + 4  # a block: its weights, its norms; + 4 outside
+    assert comm["all_gather"]["calls"] == 2 * units * passes
+    assert comm["reduce_scatter"]["calls"] == units * passes
 
 
 def _all_layouts():

@@ -61,9 +61,13 @@ class Zero3(nn.Module):
     ``units``: the modules gathered as one (default ``default_units``); a weight outside
     every unit is gathered by the module that registers it (an embedding, a head; a tied
     weight by each module that uses it). ``prefetch``: start gathering the next unit
-    (forward) or the previous one (backward) while this one computes. ``shared``: names
-    of weights that ``all_reduce_grads`` will sum over another group (each gets a flat of
-    its own). ``average``: divide the gradient sum by the dp size.
+    (forward) or the previous one (backward) while this one computes. ``shared``: groups
+    of weight names that ``all_reduce_grads`` will sum over another group, a group per
+    such sum (sequence parallelism's replicated norms over tp, a tied embedding over its
+    pair): a unit's weights of one group share a flat of their own, laid out alike on
+    every rank of that group, so that its shard is the same slice there (one gather and
+    one reduction a unit, not one a weight). ``average``: divide the gradient sum by the
+    dp size.
     ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
     device (``parallel/materialize.py``): each weight is made when its unit is built and
     only this rank's shard kept (the local model never exists whole); nothing is
@@ -78,7 +82,7 @@ class Zero3(nn.Module):
                  param_dtype: torch.dtype | None = None,
                  grad_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype | None = None,
-                 replicate: tuple[type, ...] = (), shared: Iterable[str] = (),
+                 replicate: tuple[type, ...] = (), shared: Iterable[Iterable[str]] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
                  max_inflight: int = 1, materialize=None,
                  place: OnDevice | OnHost | None = None, only: Iterable[str] | None = None,
@@ -103,7 +107,7 @@ class Zero3(nn.Module):
         self._name_of = {id(p): n for n, p in named.items()}
         self.units: list[Unit] = []
         self._build(named, set(units) if units is not None else set(default_units(module)),
-                    replicate, set(shared), param_dtype)
+                    replicate, [set(group) for group in shared], param_dtype)
         self.masters = nn.ParameterList([f.master for u in self.units for f in u.flats])
         self.shards.flats = [f for u in self.units for f in u.flats]
         self._unit_of = {id(t): u for u in self.units for t in u.leaves}
@@ -128,17 +132,19 @@ class Zero3(nn.Module):
         return self.shards.flats
 
     # --- construction: who gathers what (units.py), one unit's values at a time --
-    def _build(self, named: dict, given: set, replicate: tuple, shared: set,
+    def _build(self, named: dict, given: set, replicate: tuple, shared: list[set],
                param_dtype: torch.dtype | None) -> None:
         triggers, owners, self._triggers = who_gathers(self.module, named, given)
         by_set = group_weights(named, triggers, replicate)
         leaves: dict[int, torch.Tensor] = {}
         parts, rank = self.comm.size, self.comm.rank
+        any_shared = set().union(*shared)
         for (_, replicated), params in by_set.items():
             kinds = [self.gather.kind(self._name_of[id(p)]) for p in params]
             groups = [[p for p, k in zip(params, kinds) if k == kind
-                       and self._name_of[id(p)] not in shared] for kind in dict.fromkeys(kinds)]
-            groups += [[p] for p in params if self._name_of[id(p)] in shared]
+                       and self._name_of[id(p)] not in any_shared]
+                      for kind in dict.fromkeys(kinds)]
+            groups += [[p for p in params if self._name_of[id(p)] in names] for names in shared]
             flats = []
             for group in filter(None, groups):
                 dtype = param_dtype or group[0].dtype
