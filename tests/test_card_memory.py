@@ -231,9 +231,11 @@ def test_tensor_and_context_parallel_steps_within_a_quarter() -> None:
     cp 2 ZeRO-3 0.775 against 0.538 and 2.411 against 1.330).
 
     Left out, and counted so that none is dropped silently: gpt-13b tp 2 dp 2 ZeRO-3 sp
-    (4xH100-2026-11-27h1/h2, 2.9-5.7 s), which ran before ZeRO-3 gathered by block unit:
-    it gathered each parameter tensor (3,248 all-gathers a step, profiles-4xH100-
-    2026-11-27h6), a cost the engine no longer has; predicted 38-59% under."""
+    (4xH100-2026-11-27h1/h2, 2.9-5.7 s), predicted 38-59% under. ZeRO-3 then gathered
+    and reduced each weight that sp leaves replicated over tp in a call of its own
+    (3,248 all-gathers and 1,136 fp32 reduce-scatters a step, profiles-4xH100-
+    2026-11-27h6: latency- and host-bound); it now keeps them in one flat per unit
+    (``tests/test_engine.py``), not yet run on a GPU."""
     rows = [r for r in ROWS if (r.layout.tp > 1 or r.layout.cp > 1) and not r.row["compiled"]]
     gathered_per_tensor = [r for r in rows if r.card == "H100" and r.layout.tp > 1
                            and r.layout.zero == 3]
