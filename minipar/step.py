@@ -250,8 +250,7 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
 
     def zero(params, comm, place):
         return ZeroOptimizer(params, opt_cls, module=model, stage=cfg.zero, comm=comm,
-                             precision=precision, average=False,
-                             shared=[name for group in shared for name in group],
+                             precision=precision, average=False, shared=shared,
                              mode=cfg.ddp, bucket_mb=bucket_mb, materialize=materialize,
                              place=place, grad_dtype=grad_dtype,
                              overlap_param_gather=overlap and cfg.overlap_param_gather,

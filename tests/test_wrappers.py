@@ -163,7 +163,7 @@ def _shared_across_stages(stage: int) -> dict:
         return m.body(x).square().mean() * m.s.square().sum()
 
     mine = part(rm.coords.pp)
-    opt = ZeroOptimizer(mine, torch.optim.SGD, stage=stage, comm=rm.dp, shared=["s"], lr=1.0)
+    opt = ZeroOptimizer(mine, torch.optim.SGD, stage=stage, comm=rm.dp, shared=[["s"]], lr=1.0)
     loss(mine, rm.coords.pp, rm.coords.dp).backward()
     opt.finish_gradient_sync()
     opt.all_reduce_grads(["s"], rm.pp)

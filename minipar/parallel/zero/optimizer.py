@@ -75,9 +75,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``MixedPrecision`` (its fp32 masters seed ours). ``mode``: ``naive`` (a bucket per
     parameter, reduced after backward), ``bucketed`` (``bucket_mb`` buckets, reduced
     after backward) or ``overlapped`` (reduced during backward). ``average``: divide the
-    gradient sum by the dp size. ``shared``: parameters (or names) that
-    ``all_reduce_grads`` will sum over another group; each gets a flat buffer of its own
-    so its shard is the same slice on every rank of that group. ``max_inflight``: stage
+    gradient sum by the dp size. ``shared``: groups of parameters (or names) that
+    ``all_reduce_grads`` will sum over another group, a group per such sum (as
+    ``Zero3``'s): each group's weights share a bucket of their own, laid out alike on
+    every rank of that group, so that its shards are the same slices there. ``max_inflight``: stage
     2's buckets in flight at once. ``overlap_param_gather``: ``step`` returns with stage
     1/2's weight gathers in flight, each finished by the next forward
     (``param_gather.py``; needs ``module``). ``materialize``: ``values(name, p) ->
@@ -92,7 +93,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  mode: str = "overlapped", grad_dtype: torch.dtype | None = torch.float32,
                  reduce_dtype: torch.dtype | None = None, average: bool = True,
                  bucket_mb: float = 25.0, max_inflight: int = 2, broadcast: bool = True,
-                 shared: Iterable = (), materialize=None,
+                 shared: Iterable[Iterable] = (), materialize=None,
                  place: OnDevice | OnHost | None = None,
                  overlap_param_gather: bool = False, **defaults):
         if stage not in (0, 1, 2):
@@ -117,7 +118,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         named = dict(module.named_parameters()) if module is not None else {}
         self._names = {id(p): n for n, p in named.items()}
         self._pos = {id(p): i for i, p in enumerate(named.values())}
-        self._shared = {id(named[s]) if isinstance(s, str) else id(s) for s in shared}
+        self._shared = [{id(named[s]) if isinstance(s, str) else id(s) for s in group}
+                        for group in shared]
         self._values = materialize
         self.inner: torch.optim.Optimizer | None = None
         self._inner_group: dict[int, int] = {}
@@ -189,11 +191,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _bucket_flats(self, params: list[nn.Parameter], group: int,
                       source: Callable[[nn.Parameter], torch.Tensor]) -> list[FlatParams]:
-        """Buckets in reverse parameter order; a shared parameter alone in its own."""
+        """Buckets in reverse parameter order; each group of shared ones in its own."""
         params = sorted(params, key=lambda p: self._pos[id(p)])
-        alone = [[p] for p in params if id(p) in self._shared]
-        buckets = bucket_params([p for p in params if id(p) not in self._shared],
-                                self.bucket_bytes) + alone
+        apart = [[p for p in params if id(p) in group] for group in self._shared]
+        buckets = bucket_params([p for p in params if not any(id(p) in g for g in self._shared)],
+                                self.bucket_bytes) + [b for b in apart if b]
         parts, rank = (1, 0) if self.stage == 0 else (self.comm.size, self.comm.rank)
         flats = []
         for b in buckets:
@@ -342,7 +344,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Sum the synchronised gradients of ``params`` (or names) over another group
         ``comm`` (sequence-parallel norms over tp; a tied embedding over the first and
         last pipeline stages). Exact on the shards when the parameter was named in
-        ``shared`` at construction (its own flat buffer)."""
+        ``shared`` at construction (its group's own bucket)."""
         names = {p if isinstance(p, str) else self._names.get(id(p)) for p in params}
         self.shards.all_reduce_grads(names, comm)
 
