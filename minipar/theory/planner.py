@@ -427,9 +427,10 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                 if (smallest is None
                                         or est.memory["process"] < smallest.memory["process"]):
                                     smallest = est
-    for est in _idle_recomputation(layouts):
+    idle = {id(est): est for est in _idle_recomputation(layouts)}
+    for est in idle.values():
         reject("recomputation saves no memory", est.layout.label())
-        layouts.remove(est)
+    layouts = [est for est in layouts if id(est) not in idle]
     layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["process"]))
     return Plan(cfg, cluster, global_batch, _ties_by_memory(layouts), rejected, examples,
                 smallest)
