@@ -1,12 +1,13 @@
 """The caching allocator's reserve over the live tensors, fitted to the cards: the
-constants of ``minipar.theory.memory.RESERVE_FITS``.
+constants of ``minipar.theory.card.RESERVE_FITS``.
 
 Reads every row ``benchmarks/card_memory.py`` recorded on 4 x H100 80GB or 4 x H200
 (``results/card-memory-*4xH100-*.json``, ``*4xH200-*``; the reserve is the allocator's,
 the same on both cards while a run stays away from the capacity), rebuilds each row's
 layout from its own command through the command line's parser, with the optimizer
-kernel it ran, and predicts its live-tensor peak (``memory_per_stage``, the busiest of
-the first and last stages, as the planner does). Then, per optimizer kernel, it fits
+kernel it ran, and predicts its live-tensor peak (``memory_per_stage``: of the first and
+last stages, the one with the most live bytes, before the reserve this fit makes). Then,
+per optimizer kernel, it fits
 
     reserve = factor x live + bytes (ZeRO 0-2)  or  zero3_factor x live + zero3_bytes
               + zero1_share x gradient buffer (ZeRO-1) + pipeline_share x it (pp > 1)
@@ -28,16 +29,16 @@ from pathlib import Path
 import numpy as np
 
 from minipar.__main__ import build_parser, train_config
+from minipar.theory import clusters
+from minipar.theory.card import FIT_OF_KERNEL, ReserveFit
 from minipar.theory.layout import Layout
-from minipar.theory.memory import ReserveFit, memory_per_stage
+from minipar.theory.memory import memory_per_stage
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PATTERNS = ("card-memory-*4xH100-*.json", "card-memory-*4xH200-*.json")
 GiB = 2**30
 # The allocator's domain: a reserve this far under the card's capacity was not squeezed.
 HEADROOM = 6 * GiB
-# Rows of the kernels that make no full-size temporary share one fit (see ``reserve_fit``)
-KERNEL_FIT = {"fused": "fused", "host": "fused", "forloop": "fused", "foreach": "foreach"}
 
 
 @dataclass
@@ -72,9 +73,9 @@ def recorded_rows(results: Path = RESULTS) -> list[Row]:
     paths = sorted((p for pattern in PATTERNS for p in results.glob(pattern)), reverse=True)
     for path in paths:
         report = json.loads(path.read_text())
-        card = "H200" if "H200" in report["meta"].get("device", "") else "H100"
-        capacity = report["meta"].get("capacity") or (143771 if card == "H200" else 81559) \
-            * 2**20
+        gpu = clusters.GPUS[clusters.gpu_for_device(report["meta"].get("device", ""))]
+        card = gpu.name.split("-")[0]  # H100, H200
+        capacity = report["meta"].get("capacity") or gpu.memory
         for row in report["rows"]:
             key = (card, row.get("command"), row.get("optimizer_kernel"), row.get("compiled"))
             if row.get("status") != "ok" or key in seen:
@@ -99,9 +100,9 @@ def _terms(r: Row) -> list[float]:
 def fit(rows: list[Row]) -> dict[str, ReserveFit]:
     """The least-squares fit (relative error) of each kernel's rows in the domain."""
     out = {}
-    for name in sorted(set(KERNEL_FIT.values())):
+    for name in sorted(set(FIT_OF_KERNEL.values())):
         mine = [r for r in rows if r.in_domain
-                and KERNEL_FIT[r.layout.optimizer_kernel] == name]
+                and FIT_OF_KERNEL[r.layout.optimizer_kernel] == name]
         a = np.array([[t / r.reserved for t in _terms(r)] for r in mine])
         c, *_ = np.linalg.lstsq(a, np.ones(len(mine)), rcond=None)
         out[name] = ReserveFit(factor=round(c[0], 3), extra=round(c[1] / GiB, 3) * GiB,
@@ -120,7 +121,7 @@ def main() -> int:
     for name, f in fits.items():
         errors = []
         for r in rows:
-            if KERNEL_FIT[r.layout.optimizer_kernel] != name:
+            if FIT_OF_KERNEL[r.layout.optimizer_kernel] != name:
                 continue
             e = f.reserved(r.live, r.grads, r.layout.zero, r.layout.pp) / r.reserved - 1
             errors += [abs(e)] if r.in_domain else []

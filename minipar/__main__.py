@@ -27,8 +27,9 @@ from minipar.model import get_config
 from minipar.parity import check_run
 from minipar.sample import sample
 from minipar.theory import bubble, clusters
+from minipar.theory.card import MEMORY_MARGIN
 from minipar.theory.layout import Layout
-from minipar.theory.memory import MEMORY_MARGIN, memory_breakdown
+from minipar.theory.memory import memory_breakdown
 from minipar.theory.params import mfu
 from minipar.theory.planner import plan
 

@@ -31,8 +31,8 @@ from minipar.parallel.fp8 import check_fp8
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
+from minipar.theory.card import card_peak
 from minipar.theory.layout import Layout
-from minipar.theory.memory import card_peak
 from minipar.theory.planner import plan
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -392,7 +392,7 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
     loss workspace, the temporary of the optimizer kernel it runs on ``device`` (default:
     its own; ``optimizer_kernel``); experts split by ep, the all-to-all's
     buffers) and what the device holds beyond them (``card_bytes``: the caching
-    allocator's reserve and the runtime): ``theory.memory.card_peak``, the function the
+    allocator's reserve and the runtime): ``theory.card.card_peak``, the function the
     planner prices layouts with."""
     device = device or ("cuda" if uses_cuda(cfg) else "cpu")
     layout = replace(cfg, **changes).layout(device)
@@ -414,7 +414,7 @@ def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
     """Refuse, before launch, a run whose predicted memory exceeds this machine's: per
     GPU under CUDA, the whole host's for CPU ranks (they share it). The prediction is
     ``predicted_bytes``, the planner's own; only a run predicted not to fit at all is
-    refused (the planner keeps a margin on top: ``theory.memory.MEMORY_MARGIN``). The
+    refused (the planner keeps a margin on top: ``theory.card.MEMORY_MARGIN``). The
     message names the numbers and a layout of the same ranks that fits: on GPUs the
     planner's first choice for this card."""
     what, have, sharing = machine_memory(cfg)

@@ -6,7 +6,7 @@ what the card held, or from the step it took, fails here.
 Each row is predicted with the optimizer kernel it ran (its ``optimizer_kernel``:
 torch's multi-tensor AdamW before 2026-11-28 i2, the fused kernel, the CUDA default,
 since), which decides the step's temporary and how the allocator's cache fragments
-(``theory.memory.RESERVE_FITS``, one fit per kernel, ``benchmarks/reserve_fit.py``).
+(``theory.card.RESERVE_FITS``, one fit per kernel, ``benchmarks/reserve_fit.py``).
 The reserve is the allocator's: the same on both cards while a run stays 6 GiB under
 the capacity (the fit's domain); only the H100 rows say what fits an 80 GB card, and
 only they are held to the step model's H100 preset, except the planner's top 5 under
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from minipar.theory.card import FIT_OF_KERNEL, MEMORY_MARGIN, RESERVE_FITS
 from minipar.theory.clusters import calibrated, cluster, load_calibration
-from minipar.theory.memory import MEMORY_MARGIN, RESERVE_FITS
 from minipar.theory.planner import evaluate, plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_the_reserve_is_predicted_within_the_measured_bounds() -> None:
     for r in (r for r in ROWS if r.in_domain):  # (nearer the capacity the cache shrinks)
         error = _predicted(r).memory["reserved"] / r.reserved - 1
         assert error > -MEMORY_MARGIN, (r.card, r.row["label"], error)  # the margin covers it
-        errors[reserve_fit.KERNEL_FIT[r.layout.optimizer_kernel]].append(error)
+        errors[FIT_OF_KERNEL[r.layout.optimizer_kernel]].append(error)
     for kernel, bound, rows in (("fused", 0.05, 35), ("foreach", 0.09, 45)):
         assert len(errors[kernel]) >= rows
         assert max(abs(e) for e in errors[kernel]) < bound, kernel
@@ -155,7 +155,7 @@ def test_the_planners_layouts_under_the_defaults_ran_within_their_predictions() 
 
 def test_the_planner_and_the_fit_check_price_a_layout_alike() -> None:
     """The planner's estimate and ``train``'s fit check are one function
-    (``theory.memory.card_peak``): each of the planner's first 20 layouts for each model,
+    (``theory.card.card_peak``): each of the planner's first 20 layouts for each model,
     run as its printed command, is predicted the same bytes by the command line."""
     from minipar.__main__ import build_parser, train_config
     from minipar.config import predicted_bytes

@@ -41,10 +41,11 @@ from minipar.mesh import Mesh
 from minipar.model import GPT, ExpertQueues, MoE, get_config, load_balancing_loss, route
 from minipar.parallel.cp import shard_sequence
 from minipar.parity import TOLERANCES, compare, final_parameters, run_grad_norms
+from minipar.theory.card import reserve_fit
 from minipar.theory.clusters import get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.layout import Layout
-from minipar.theory.memory import memory_per_stage, reserve_fit
+from minipar.theory.memory import memory_per_stage
 from minipar.theory.moe import all_to_all_bytes, dropped_share, moe_flops_per_token, moe_params
 from minipar.theory.params import (
     model_flops_per_token,

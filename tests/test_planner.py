@@ -10,10 +10,11 @@ import time
 
 import pytest
 
+from minipar.theory.card import card_bytes
 from minipar.theory.clusters import CLUSTERS, cluster, get_cluster
 from minipar.theory.examples import EXAMPLES, get_model
 from minipar.theory.layout import Layout
-from minipar.theory.memory import card_bytes, memory_breakdown
+from minipar.theory.memory import memory_breakdown
 from minipar.theory.planner import TIE_SHARE, TIME_KEYS, evaluate, plan
 from minipar.theory.rates import chunk_seconds
 from minipar.theory.tables import render_plan

@@ -34,7 +34,6 @@ an MoE block runs (``moe_layer_activations``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 from minipar.mesh import Mesh  # layout only; no process groups
@@ -363,67 +362,6 @@ def _minipar_grads(grads: int, n: int, shard: int, zero: int, dtype: str,
     return shard * 4 if zero == 2 and microbatches == 1 else full
 
 
-# --- what the card holds beyond the tensors ----------------------------------------------
-# Measured on 4 x H100 80GB, torch 2.11, NCCL (benchmarks/card_memory.py; the rows and
-# the fit are in docs/benchmarks.md): the process's share of the card beyond the caching
-# allocator's reserve (the CUDA context, cuBLAS workspaces, NCCL's buffers) ...
-CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
-# ... and the reserve beyond the peak of live tensors: blocks the caching allocator keeps
-# between sizes that do not fit each other. Fitted by least squares on the relative
-# error to every recorded row whose reserve stays 6 GiB under the card's capacity (nearer,
-# the allocator frees its cache and retries), one fit per optimizer kernel
-# (``benchmarks/reserve_fit.py`` recomputes them; a test checks these are its answer):
-# reserve = factor x live peak + bytes, plus, for ZeRO 0-2, shares of the gradient
-# buffer. ZeRO-1 frees and remakes its full-size fp32 sum's neighbours every step; the
-# multi-tensor AdamW makes and frees a temporary the size of the fp32 parameters every
-# step, and a pipeline interleaves those blocks with its micro-batches' activations.
-# ZeRO-3's per-unit gathers and frees fragment in proportion to what is live.
-
-
-@dataclass(frozen=True)
-class ReserveFit:
-    """The caching allocator's reserve over the live-tensor peak, for one optimizer
-    kernel: ``factor`` x live + ``extra`` bytes (ZeRO 0-2) or ``zero3_factor`` x live +
-    ``zero3_extra`` (ZeRO-3), plus ``zero1_share`` and, with a pipeline,
-    ``pipeline_share`` of the gradient buffer (ZeRO 0-2)."""
-
-    factor: float
-    extra: float
-    zero3_factor: float
-    zero3_extra: float
-    zero1_share: float
-    pipeline_share: float
-
-    def reserved(self, live: int, grads: int, zero: int, pp: int) -> int:
-        if zero == 3:
-            return int(live * self.zero3_factor + self.zero3_extra)
-        share = (self.zero1_share if zero == 1 else 0.0) + (
-            self.pipeline_share if pp > 1 else 0.0)
-        return int(live * self.factor + self.extra + share * grads)
-
-
-# "fused" serves the kernels that make no full-size temporary (the host's step under
-# offload, the per-tensor loop too); each row's error is in docs/benchmarks.md.
-RESERVE_FITS = {
-    "fused": ReserveFit(0.988, 2.131 * 2**30, 1.07, 1.894 * 2**30, 0.937, 0.045),
-    "foreach": ReserveFit(1.063, 0.216 * 2**30, 1.083, 1.704 * 2**30, 0.322, 0.421),
-}
-
-
-def reserve_fit(kernel: str) -> ReserveFit:
-    """The reserve fit of an optimizer kernel (``OPTIMIZER_KERNELS``): only the
-    multi-tensor kernel's full-size temporary changes how the cache fragments."""
-    if kernel not in OPTIMIZER_KERNELS:
-        raise ValueError(f"optimizer kernel must be one of {OPTIMIZER_KERNELS}, got {kernel!r}")
-    return RESERVE_FITS["foreach" if kernel == "foreach" else "fused"]
-
-
-# The headroom a plan keeps on top of that (share of the card): above the largest
-# under-prediction of either fit (a test holds them under it), so that no layout the
-# model lets through runs out of memory.
-MEMORY_MARGIN = 0.07
-
-
 # Which torch kernel steps the optimizer (``Layout.optimizer_kernel``; a run's is
 # ``config.optimizer_kernel``): ``fused`` (one kernel per tensor list, in place: torch's
 # ``fused=True``, minipar's default on CUDA), ``foreach`` (multi-tensor ``torch._foreach_*``
@@ -449,19 +387,6 @@ def optimizer_step_bytes(n: int, parts: int, zero: int, dtype: str = "bf16",
     if kernel != "foreach" or _ALIASES.get(optimizer, optimizer) != "adam":
         return 0
     return (sharded(n, parts, experts, ep) if zero >= 1 else n) * 4
-
-
-def card_bytes(row: dict, layout: Layout, device: str = "cuda") -> dict[str, int]:
-    """From a stage's live-tensor peak (``row["total"]``, its gradients ``row["grads"]``)
-    under ``layout`` to what the card must hold: ``reserved`` (the caching allocator's
-    peak reserve, ``reserve_fit`` of the layout's optimizer kernel) and ``process``
-    (``reserved`` plus the runtime outside the allocator). On the CPU the allocator keeps
-    no reserve and the runtime is the interpreter's and torch's."""
-    if device != "cuda":
-        return {"reserved": row["total"], "process": row["total"] + 300 * 2**20}
-    reserved = reserve_fit(layout.optimizer_kernel).reserved(
-        row["total"], row.get("grads", 0), layout.zero, layout.pp)
-    return {"reserved": reserved, "process": reserved + CUDA_RUNTIME_BYTES}
 
 
 def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout(), *,
@@ -557,19 +482,6 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
     return out
 
 
-def card_peak(cfg: GPTConfig | str, layout: Layout = Layout(), *, device: str = "cuda",
-              accounting: str = "fused", stage: int | None = None) -> dict:
-    """What the busiest rank of ``layout`` needs of its card: the ``memory_per_stage`` row
-    of the stage that needs the most (``stage``, or the first or the last: a middle stage
-    holds no more than the first) with ``card_bytes`` added (``reserved``, ``process``).
-    The planner and ``train``'s fit check both ask this function."""
-    stages = sorted({0, layout.pp - 1}) if stage is None else [stage]
-    rows = memory_per_stage(cfg, layout, accounting=accounting, stages=stages)
-    for row in rows:
-        row.update(card_bytes(row, layout, device))
-    return max(rows, key=lambda r: r["process"])
-
-
 def memory_breakdown(cfg: GPTConfig | str | None = None, layout: Layout = Layout(), *,
                      params: int | None = None, accounting: str = "korthikanti",
                      stage: int | None = None) -> dict:
@@ -582,7 +494,8 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, layout: Layout = Layout
     The most loaded stage is the first (most micro-batches in flight, the embedding)
     or the last (the head and its logits); middle stages hold no more than the first.
     Not counted: temporary buffers (ZeRO-3's gathered layer, communication buckets),
-    the CUDA context and allocator fragmentation; keep a margin for them.
+    the CUDA context and allocator fragmentation: ``theory.card`` adds what a card
+    holds beyond the tensors.
     """
     stages = sorted({0, layout.pp - 1}) if stage is None else [stage]
     rows = memory_per_stage(cfg, layout, params=params, accounting=accounting, stages=stages)

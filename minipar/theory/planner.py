@@ -63,11 +63,11 @@ from functools import cache, lru_cache
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
 from minipar.theory.bubble import pipeline_seconds
+from minipar.theory.card import MEMORY_MARGIN, card_peak
 from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.layout import Layout
-from minipar.theory.memory import MEMORY_MARGIN, card_peak
 from minipar.theory.models import get_model
 from minipar.theory.offload import offload_seconds
 from minipar.theory.params import (
@@ -174,7 +174,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
              accounting: str = "fused", overlap: bool = True) -> Estimate:
     """Memory and step-time estimate of ``layout`` on ``cluster`` (raises ValueError if
     it cannot be built at all: sizes that do not divide). Its global batch is dp x
-    micro-batch size x micro-batches. ``memory`` is ``memory.card_peak``: the busiest
+    micro-batch size x micro-batches. ``memory`` is ``card.card_peak``: the busiest
     stage's ``memory_per_stage`` row plus what the card holds beyond the tensors
     (``reserved``, ``process``), as ``train``'s fit check prices it; ``fits`` says
     whether ``process`` stays under the GPU's memory less ``memory_margin`` of it.

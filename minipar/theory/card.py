@@ -1,0 +1,103 @@
+"""What a GPU must hold for one rank, beyond the live tensors ``theory.memory`` counts:
+the CUDA runtime outside PyTorch's caching allocator, and the allocator's reserve over
+the peak of live tensors (blocks it keeps between sizes that do not fit each other).
+Neither comes from a paper: both are fitted to runs of ``python -m minipar train`` on
+4 x H100 80GB and 4 x H200 (``benchmarks/card_memory.py`` records them,
+``benchmarks/reserve_fit.py`` fits them; the rows and the errors are in
+docs/benchmarks.md, and ``tests/test_card_memory.py`` holds every prediction to them).
+
+``card_peak`` is the one answer to "does this layout fit this card": the planner prices
+layouts with it, and ``train`` checks a run against the device with it before the first
+step. ``MEMORY_MARGIN`` is the headroom a plan keeps on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.model import GPTConfig
+from minipar.theory.layout import Layout
+from minipar.theory.memory import OPTIMIZER_KERNELS, memory_per_stage
+
+# The process's share of the card beyond the caching allocator's reserve (the CUDA
+# context, cuBLAS workspaces, NCCL's buffers), measured on 4 x H100 80GB, torch 2.11, NCCL.
+CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
+
+
+@dataclass(frozen=True)
+class ReserveFit:
+    """The caching allocator's reserve over the live-tensor peak, for one optimizer
+    kernel: ``factor`` x live + ``extra`` bytes (ZeRO 0-2) or ``zero3_factor`` x live +
+    ``zero3_extra`` (ZeRO-3), plus ``zero1_share`` and, with a pipeline,
+    ``pipeline_share`` of the gradient buffer (ZeRO 0-2).
+
+    Why those terms: ZeRO-1 frees and remakes its full-size fp32 sum's neighbours every
+    step; the multi-tensor AdamW makes and frees a temporary the size of the fp32
+    parameters every step, and a pipeline interleaves those blocks with its micro-batches'
+    activations; ZeRO-3's per-unit gathers and frees fragment in proportion to what is
+    live."""
+
+    factor: float
+    extra: float
+    zero3_factor: float
+    zero3_extra: float
+    zero1_share: float
+    pipeline_share: float
+
+    def reserved(self, live: int, grads: int, zero: int, pp: int) -> int:
+        if zero == 3:
+            return int(live * self.zero3_factor + self.zero3_extra)
+        share = (self.zero1_share if zero == 1 else 0.0) + (
+            self.pipeline_share if pp > 1 else 0.0)
+        return int(live * self.factor + self.extra + share * grads)
+
+
+# Fitted by least squares on the relative error to every recorded row whose reserve
+# stayed 6 GiB under its card's capacity (nearer, the allocator frees its cache and
+# retries), one fit per optimizer kernel; a test checks these are the fit's answer.
+RESERVE_FITS = {
+    "fused": ReserveFit(0.988, 2.131 * 2**30, 1.07, 1.894 * 2**30, 0.937, 0.045),
+    "foreach": ReserveFit(1.063, 0.216 * 2**30, 1.083, 1.704 * 2**30, 0.322, 0.421),
+}
+# Which fit a kernel's runs follow: only the multi-tensor kernel's full-size temporary
+# changes how the cache fragments (the host's step under offload and the per-tensor loop
+# make none, as the fused kernel).
+FIT_OF_KERNEL = {"fused": "fused", "host": "fused", "forloop": "fused", "foreach": "foreach"}
+
+# The headroom a plan keeps on top (share of the card): above the largest
+# under-prediction of either fit (a test holds them under it), so that no layout the
+# model lets through runs out of memory.
+MEMORY_MARGIN = 0.07
+
+
+def reserve_fit(kernel: str) -> ReserveFit:
+    """The reserve fit of an optimizer kernel (``memory.OPTIMIZER_KERNELS``)."""
+    if kernel not in FIT_OF_KERNEL:
+        raise ValueError(f"optimizer kernel must be one of {OPTIMIZER_KERNELS}, got {kernel!r}")
+    return RESERVE_FITS[FIT_OF_KERNEL[kernel]]
+
+
+def card_bytes(row: dict, layout: Layout, device: str = "cuda") -> dict[str, int]:
+    """From a stage's live-tensor peak (``row["total"]``, its gradients ``row["grads"]``)
+    under ``layout`` to what the card must hold: ``reserved`` (the caching allocator's
+    peak reserve, ``reserve_fit`` of the layout's optimizer kernel) and ``process``
+    (``reserved`` plus the runtime outside the allocator). On the CPU the allocator keeps
+    no reserve and the runtime is the interpreter's and torch's."""
+    if device != "cuda":
+        return {"reserved": row["total"], "process": row["total"] + 300 * 2**20}
+    reserved = reserve_fit(layout.optimizer_kernel).reserved(
+        row["total"], row.get("grads", 0), layout.zero, layout.pp)
+    return {"reserved": reserved, "process": reserved + CUDA_RUNTIME_BYTES}
+
+
+def card_peak(cfg: GPTConfig | str, layout: Layout = Layout(), *, device: str = "cuda",
+              accounting: str = "fused", stage: int | None = None) -> dict:
+    """What the busiest rank of ``layout`` needs of its card: the ``memory_per_stage`` row
+    of the stage that needs the most (``stage``, or the first or the last: a middle stage
+    holds no more than the first) with ``card_bytes`` added (``reserved``, ``process``).
+    The planner and ``train``'s fit check both ask this function."""
+    stages = sorted({0, layout.pp - 1}) if stage is None else [stage]
+    rows = memory_per_stage(cfg, layout, accounting=accounting, stages=stages)
+    for row in rows:
+        row.update(card_bytes(row, layout, device))
+    return max(rows, key=lambda r: r["process"])
