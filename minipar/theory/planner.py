@@ -444,13 +444,15 @@ def _idle_recomputation(layouts: list[Estimate]) -> list[Estimate]:
     (its stages balanced for that) fits in no more memory and is no slower. Selective
     recomputation under a fused attention kernel is the usual case: the kernel keeps no
     score matrix, so recomputing attention frees nothing and costs its time."""
-    lighter: dict[Layout, list[Estimate]] = {}
+    def without_recompute(est: Estimate) -> Layout:
+        return est.layout.with_(recompute="none", head_layers=0)
+    same: dict[Layout, list[Estimate]] = {}
     for est in layouts:
-        lighter.setdefault(est.layout.with_(recompute="none", head_layers=0), []).append(est)
+        same.setdefault(without_recompute(est), []).append(est)
     return [est for est in layouts if any(
         RECOMPUTE_ORDER[x.layout.recompute] < RECOMPUTE_ORDER[est.layout.recompute]
         and x.memory["process"] <= est.memory["process"] and x.step_time <= est.step_time
-        for x in lighter[est.layout.with_(recompute="none", head_layers=0)])]
+        for x in same[without_recompute(est)])]
 
 
 def _ties_by_memory(layouts: list[Estimate]) -> list[Estimate]:

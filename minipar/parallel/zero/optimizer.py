@@ -78,10 +78,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     gradient sum by the dp size. ``shared``: groups of parameters (or names) that
     ``all_reduce_grads`` will sum over another group, a group per such sum (as
     ``Zero3``'s): each group's weights share a bucket of their own, laid out alike on
-    every rank of that group, so that its shards are the same slices there. ``max_inflight``: stage
-    2's buckets in flight at once. ``overlap_param_gather``: ``step`` returns with stage
-    1/2's weight gathers in flight, each finished by the next forward
-    (``param_gather.py``; needs ``module``). ``materialize``: ``values(name, p) ->
+    every rank of that group, so that its shards are the same slices there.
+    ``max_inflight``: stage 2's buckets in flight at once. ``overlap_param_gather``:
+    ``step`` returns with stage 1/2's weight gathers in flight, each finished by the
+    next forward (``param_gather.py``; needs ``module``). ``materialize``: ``values(name, p) ->
     tensor`` for a ``module`` on the meta device (``parallel/materialize.py``): each
     bucket is filled one weight at a time, never the whole fp32 local model; every rank
     computes the same values, nothing is broadcast. ``place``: see above.
@@ -193,8 +193,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                       source: Callable[[nn.Parameter], torch.Tensor]) -> list[FlatParams]:
         """Buckets in reverse parameter order; each group of shared ones in its own."""
         params = sorted(params, key=lambda p: self._pos[id(p)])
+        any_shared = set().union(*self._shared)
         apart = [[p for p in params if id(p) in group] for group in self._shared]
-        buckets = bucket_params([p for p in params if not any(id(p) in g for g in self._shared)],
+        buckets = bucket_params([p for p in params if id(p) not in any_shared],
                                 self.bucket_bytes) + [b for b in apart if b]
         parts, rank = (1, 0) if self.stage == 0 else (self.comm.size, self.comm.rank)
         flats = []
