@@ -47,6 +47,7 @@ from collections import defaultdict  # noqa: E402
 
 import multigpu  # noqa: E402
 import torch  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 from gpu import DATASHEET_TFLOPS  # noqa: E402
 
 from minipar.model import get_config  # noqa: E402
@@ -167,9 +168,15 @@ def _snapshot_rank(spec: dict, keep: str | None) -> dict:
     mine = dist.get_rank() == 0 and torch.cuda.is_available()
     if mine:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    b = multigpu._speed_build(spec)
-    for s in range(2):
-        b.step_fn(s)
+    # Recomputation stops early by default (torch.utils.checkpoint raises inside the
+    # block's forward once its saved tensors are back); torch 2.11 loses that exception
+    # inside a custom autograd.Function while the allocator records Python stacks
+    # (pytorch/pytorch#179536: "apply ... returned NULL without setting an exception").
+    # Without early stop the recomputation runs each block to its end: the same bytes.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        b = multigpu._speed_build(spec)
+        for s in range(2):
+            b.step_fn(s)
     if not mine:
         return {}
     torch.cuda.synchronize()
