@@ -918,11 +918,11 @@ def speed_pp(run: Run) -> None:
         speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else ""),
                   minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
                                schedule=sched, virtual=v), "pp")
-        if sched != "zb":  # compiled by default on a GPU: the same schedule, eager
+        if sched != "zb":  # eager by default (``config.use_compile``): compiled blocks
             speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else "")
-                      + " eager", minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
-                                               schedule=sched, virtual=v, compile=False),
-                      "pp")
+                      + " compiled", minipar_spec(run, model, n, b, ov, pp=n,
+                                                  microbatches=m, schedule=sched, virtual=v,
+                                                  compile=True), "pp")
         speed_row(run, "speed", f"torch pipelining pp{n} {sched}",
                   peer_spec(run, "torch-pp", model, n, b, ov, schedule=sched,
                             microbatches=m), "pp")

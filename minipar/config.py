@@ -70,8 +70,9 @@ class TrainConfig:
                                           "pipeline chunk (default: all); the others keep "
                                           "their activations")
     compile: bool | None = option(None, "torch.compile each transformer block (default: on "
-                                  "CUDA devices without tp or cp; --no-compile runs them "
-                                  "eagerly; parallel/compile.py)")
+                                  "CUDA devices under data parallelism alone, without tp, "
+                                  "cp or a pipeline; --no-compile runs them eagerly; "
+                                  "parallel/compile.py)")
     compile_backend: str = option("inductor", "aot_eager: the graphs without generated code "
                                   "(tests, CPUs)", choices=BACKENDS)
     dtype: str = option("fp32", "the blocks' compute dtype", choices=DTYPES)
@@ -340,12 +341,13 @@ def _check_recompute_layers(cfg: TrainConfig) -> None:
 def use_compile(cfg: TrainConfig) -> bool:
     """Whether the blocks run compiled: ``--compile`` / ``--no-compile``, else on CUDA
     devices where compilation applies (no dropout, whose per-step mask keys would
-    recompile every step; not the zero-bubble schedule) and has run on a GPU: data and
-    pipeline parallelism; tp and cp blocks compile when asked."""
+    recompile every step) and has paid on a GPU: data parallelism alone. Under a pipeline
+    compiled blocks stepped slower than eager ones (docs/benchmarks.md; why is not known
+    yet); tp, cp and pipeline blocks compile when asked."""
     if cfg.compile is not None:
         return cfg.compile
-    return (uses_cuda(cfg) and not cfg.dropout and cfg.schedule != "zb"
-            and cfg.tp == 1 and cfg.cp == 1)
+    return (uses_cuda(cfg) and not cfg.dropout and cfg.pp == 1 and cfg.tp == 1
+            and cfg.cp == 1)
 
 
 def _check_compile(cfg: TrainConfig) -> None:

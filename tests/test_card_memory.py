@@ -285,8 +285,7 @@ def test_the_covering_rows_are_listed_with_their_kernel_and_prediction(tmp_path)
     for r, label in zip(rows, labels):
         kernel, compiled = r[r.index("GiB") + 3], r[r.index("GiB") + 4] == "compiled"
         assert kernel == ("host" if "offload" in label else "fused"), r
-        assert compiled == (" tp=1 " in f" {label} " and "cp=" not in label
-                            and " zb" not in label), r
+        assert compiled == (" tp=1 pp=1 " in f" {label} " and "cp=" not in label), r
         assert 0 < float(r[r.index("GiB") - 3]) < float(r[r.index("GiB") - 1]) < 100, r
     planner = _card_memory("--out", str(tmp_path), "--sections", "planner", "--models",
                            "gpt-13b", "--skip-recorded", "--list")

@@ -3,7 +3,9 @@
 Compiled blocks train the same model: losses, per-step gradient norms and final
 parameters against the single-device reference (``parity.TOLERANCES``), with ZeRO-3's
 per-block gathers around the graphs, tensor parallelism's collectives inside them, the
-pipeline's chunks, full recomputation inside the graph, and plain SGD without clipping.
+pipeline's chunks, full recomputation around the graph (a checkpoint inside one would
+leave the block eager: the fused linear breaks the graph, and dynamo takes a checkpoint
+whole or not at all), and plain SGD without clipping.
 On CPUs the graphs run through AOTAutograd without generated code (``aot_eager``; the
 inductor's C++ build takes minutes here): measured, every run below matches the eager
 one bit for bit. The weight-gradient-fusion linear inside a block must stay eager: traced
@@ -43,18 +45,21 @@ def _parity(**layout) -> dict:
     ref_params = {k: v.detach().float() for k, v in ref["model"].state_dict().items()}
     parity = compare(run, ref, params, ref_params)
     assert parity.ok(TOLERANCES["fp32"]), f"{layout}: {parity.describe()}"
-    assert all(r["compile"]["blocks"] > 0 for r in run["ranks"])  # it did compile
+    assert all(r["compile"]["blocks"] > 0 and r["compile"]["graphs"] > 0
+               for r in run["ranks"])  # it did compile: graphs were captured
     return run
 
 
-def test_compiled_blocks_on_one_rank_match_the_reference() -> None:
-    """The fused-weight-gradient linears inside the graph (about 10 s)."""
-    _parity(**SGD)
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_compiled_blocks_on_one_rank_match_the_reference(recompute: str) -> None:
+    """The fused-weight-gradient linears inside the graph, with and without full
+    recomputation (about 10 s each)."""
+    _parity(recompute=recompute, **SGD)
 
 
 @pytest.mark.slow  # 35-46 s each on a loaded 2-core machine: make test-full
 @pytest.mark.parametrize("layout", [
-    dict(dp=2, zero=3, recompute="full"),  # gathers around the graph, checkpoint inside
+    dict(dp=2, zero=3, recompute="full"),  # gathers and the checkpoint around the graph
     dict(tp=2, sp=True),  # collectives inside the graph (graph breaks)
     dict(pp=2, microbatches=2, **SGD),
 ], ids=lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
@@ -77,6 +82,11 @@ def test_compile_keeps_names_and_wraps_recomputed_blocks() -> None:
 def test_compile_default_and_refusals() -> None:
     assert not use_compile(TrainConfig())  # CPU: eager unless asked
     assert use_compile(TrainConfig(compile=True))
+    gpu = dict(backend="nccl")  # CUDA: compiled where it paid, data parallelism alone
+    assert use_compile(TrainConfig(dp=4, zero=3, recompute="full", **gpu))
+    for eager in (dict(pp=4, microbatches=8), dict(pp=2, schedule="interleaved", virtual=2,
+                  microbatches=4), dict(tp=2), dict(cp=2), dict(dropout=0.1)):
+        assert not use_compile(TrainConfig(**gpu, **eager)), eager
     for bad, why in [(dict(pp=2, microbatches=2, schedule="zb"), "--schedule zb"),
                      (dict(dropout=0.1), "--dropout"),
                      (dict(compile_backend="tvm"), "--compile-backend must be one of")]:

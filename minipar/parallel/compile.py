@@ -9,10 +9,13 @@ same shapes, so one compilation serves them all, and the machinery between block
 
 Applied from outside by replacing submodules, last before data parallelism: each block
 becomes a ``CompiledBlock`` that adopts its children (the same objects, under the same
-names) and runs the replaced block's own ``forward`` (a ``RecomputedBlock``'s checkpoint
-included: the graph then holds the recomputation) through ``torch.compile``. Hooks that
-data parallelism later puts on the block run eagerly around the graph, never inside it.
-Compilation happens at the first step; ``compile_stats`` says how long it took and how
+names) and runs the block's computation, ``Block.forward``, through ``torch.compile``. A
+``RecomputedBlock``'s checkpoint stays outside, around the graph: dynamo takes a
+checkpoint whole (one higher-order op whose body must trace without a break), and the
+fused weight-gradient linear (``wgrad_fusion.py``) breaks every graph it is in, so a
+checkpoint inside would leave the whole block eager. Hooks that data parallelism later
+puts on the block run eagerly around the graph, never inside it. Compilation happens at
+the first step; ``compile_stats`` says how many graphs it made, how long it took and how
 often torch's on-disk caches (``TORCHINDUCTOR_CACHE_DIR``) spared it.
 """
 
@@ -22,8 +25,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from minipar.model import Block
+from minipar.parallel.recompute import RecomputedBlock
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # aot_eager: graphs and AOTAutograd, no codegen
 
@@ -36,10 +41,13 @@ class CompiledBlock(Block):
         for name, child in block.named_children():
             self.add_module(name, child)
         self.compiled_from = type(block).__name__
+        self.recomputed = isinstance(block, RecomputedBlock)
         # the unbound function: called with this module, whose children are the block's
-        self._forward = torch.compile(type(block).forward, backend=backend, dynamic=False)
+        self._forward = torch.compile(Block.forward, backend=backend, dynamic=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recomputed:  # backward runs the compiled forward again
+            return checkpoint(self._forward, self, x, use_reentrant=False)
         return self._forward(self, x)
 
     def extra_repr(self) -> str:
@@ -60,16 +68,18 @@ def apply_compile(stages: Iterable[nn.Module], backend: str = "inductor") -> int
 
 
 def compile_stats(stages: Iterable[nn.Module]) -> dict:
-    """The blocks of ``stages`` that run compiled, the seconds this process spent
-    compiling (graph capture and code generation, forward and backward: the first step's
-    extra time) and the hits and misses of torch's compiled-graph caches."""
+    """The blocks of ``stages`` that run compiled, the graphs dynamo captured for them,
+    the seconds this process spent compiling (graph capture and code generation, forward
+    and backward: the first step's extra time) and the hits and misses of torch's
+    compiled-graph caches."""
     # (torch._dynamo takes seconds to import: only a run that compiles pays for it)
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     blocks = sum(isinstance(b, CompiledBlock) for s in stages for b in s.blocks.values())
+    graphs = counters["stats"]["unique_graphs"]  # 0: every block ran eagerly after all
     seconds = {k: round(sum(compilation_time_metrics.get(m, [])), 3) for k, m in (
         ("forward", "_compile.compile_inner"), ("backward", "backward._backward_impl"))}
     cache = {k: v for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
              if "cache" in k}
-    return {"blocks": blocks, "seconds": round(sum(seconds.values()), 3), **seconds,
-            "cache": cache, "graph_breaks": sum(counters["graph_break"].values())}
+    return {"blocks": blocks, "graphs": graphs, "seconds": round(sum(seconds.values()), 3),
+            **seconds, "cache": cache, "graph_breaks": sum(counters["graph_break"].values())}

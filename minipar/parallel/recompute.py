@@ -54,7 +54,6 @@ class RecomputedBlock(Block):
             self.add_module(name, child)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Block.forward named, not super(): a compiled block runs this with itself
         return checkpoint(Block.forward, self, x, use_reentrant=False)
 
 
