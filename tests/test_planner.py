@@ -440,6 +440,30 @@ def test_the_planner_against_gpt_13b_on_four_h100s():
     assert not zb.fits
 
 
+def test_partial_recomputation_recomputes_the_fewest_blocks_that_fit():
+    """gpt-13b dp 4 ZeRO-3 b 4 on 4 x H100 fits with all 40 blocks recomputed and not with
+    none: the planner keeps the first N of 40 that still fit (N - 1 does not), whose step
+    lies between the two, and it ranks it above full recomputation. A chunk's cost grows
+    linearly in its recomputed blocks: N = 0 costs what no recomputation does, N = all
+    what full recomputation does."""
+    h100 = cluster(4, "H100-80GB", gpus_per_node=4)
+    full = Layout(dp=4, zero=3, microbatch_size=4, microbatches=1, recompute="full")
+    none = evaluate("gpt-13b", h100, full.with_(recompute="none"))
+    every = evaluate("gpt-13b", h100, full)
+    assert every.fits and not none.fits
+    best = plan("gpt-13b", h100, 16).layouts[0]
+    n = best.layout.recompute_layers
+    assert best.layout == full.with_(recompute_layers=n) and 0 < n < 40
+    assert not evaluate("gpt-13b", h100, full.with_(recompute_layers=n - 1)).fits
+    assert none.step_time < best.step_time < every.step_time
+    cfg = get_model("gpt-13b")
+    chunks = {k: chunk_seconds(cfg, h100, full.with_(recompute_layers=k), 0.7)[0]
+              for k in (0, 10, 20, 40)}
+    assert chunks[0] == pytest.approx(chunk_seconds(cfg, h100, none.layout, 0.7)[0])
+    assert chunks[40] == pytest.approx(chunk_seconds(cfg, h100, full, 0.7)[0])
+    assert chunks[20] - chunks[10] == pytest.approx(chunks[10] - chunks[0])
+
+
 def test_the_planner_against_the_fused_engine_on_four_h100s():
     """Measured on 4 x H100 with weight-gradient fusion (f2 in docs/benchmarks.md,
     gpt-1.3b, batch 32 x 2048, bf16), against the planner on that call's calibration:

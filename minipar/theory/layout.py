@@ -71,6 +71,8 @@ class Layout:
             f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else ""))
         extras = (" sp" if self.sp else "") + (
             f" recompute={self.recompute}" if self.recompute != "none" else "") + (
+            f" recompute-layers={self.recompute_layers}"
+            if self.recompute_layers is not None else "") + (
             f" head-layers={self.head_layers}" if self.head_layers else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""

@@ -62,7 +62,7 @@ from functools import cache, lru_cache
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
-from minipar.theory.bubble import pipeline_seconds
+from minipar.theory.bubble import partition_layers, pipeline_seconds
 from minipar.theory.card import MEMORY_MARGIN, card_peak
 from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
@@ -74,6 +74,7 @@ from minipar.theory.params import (
     head_layers_for,
     model_flops_per_token,
     stage_layers,
+    stage_recomputed_layers,
 )
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
 
@@ -216,7 +217,9 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
             dp_ops[op] = dp_ops.get(op, 0.0) + _op_seconds(
                 op, x, cluster, spans(d), group[d],
                 fp32_grads if op in ("all_reduce", "reduce_scatter") else 1.0)
-    t["dp"] = _exposed_dp(dp_ops, compute, m, zero, recompute) if overlap else sum(dp_ops.values())
+    # the forwards a step runs per micro-batch: one, and again for each recomputed block
+    forwards = 1.0 + (recompute == "full") * recomputed_share(cfg, layout)
+    t["dp"] = _exposed_dp(dp_ops, compute, m, zero, forwards) if overlap else sum(dp_ops.values())
     if cp > 1:  # the ring hides behind the block compute once the local shard is long
         bw = cluster.link("send", spans("cp"))[0]
         e = 2 if dtype == "bf16" else 4
@@ -272,13 +275,23 @@ def _busiest_stage_layers(n_layer: int, pp: int, virtual: int) -> int:
     return max(stage_layers(n_layer, pp, s, virtual) for s in range(pp))
 
 
+def recomputed_share(cfg: GPTConfig, layout: Layout) -> float:
+    """The share of the busiest stage's blocks that recompute (``recompute_layers`` N: the
+    first N of each chunk; else all of them)."""
+    if layout.recompute_layers is None:
+        return 1.0
+    redone, _ = stage_recomputed_layers(cfg, layout.pp, 0, layout.virtual,
+                                        layout.head_layers, layout.recompute_layers)
+    return redone / stage_layers(cfg.n_layer, layout.pp, 0, layout.virtual, layout.head_layers)
+
+
 def _exposed_dp(seconds: dict[str, float], compute: float, m: int, zero: int,
-                recompute: str) -> float:
+                forwards: float) -> float:
     """Data-parallel seconds left on the critical path, from each op's seconds at full
-    bandwidth. A forward is a third of the compute (a quarter with full recomputation,
-    which runs it twice); while it overlaps compute a transfer runs at
-    ``OVERLAP_BANDWIDTH``, what is left after at full bandwidth."""
-    forward = compute / (4 if recompute == "full" else 3)
+    bandwidth. A forward is one of the compute's 2 + ``forwards`` parts (a backward is
+    two; full recomputation runs a block's forward twice); while it overlaps compute a
+    transfer runs at ``OVERLAP_BANDWIDTH``, what is left after at full bandwidth."""
+    forward = compute / (2 + forwards)
     backward = compute - forward
     reduce = seconds.get("all_reduce", 0.0) + seconds.get("reduce_scatter", 0.0)
     gather = seconds.get("all_gather", 0.0)
@@ -407,7 +420,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                         if zero in (1, 2) and dp * cp == 1:  # shards of one: ZeRO-0
                             reject("ZeRO-1/2 over one rank is ZeRO-0", f"zero={zero}, dp=1")
                             continue
-                        for rc, ep in ((r, e) for r in recomputes for e in _eps(cfg, dp)):
+                        kept_fits = "none" not in recomputes  # (then no partial search)
+                        for ep, rc in ((e, r) for e in _eps(cfg, dp) for r in recomputes):
                             # pp: stages balanced for the head
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
                             lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=zero,
@@ -417,6 +431,11 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                          optimizer=optimizer,
                                          optimizer_kernel=optimizer_kernel, order=order)
                             est = evaluate(cfg, cluster, lay, **settings)
+                            if rc == "none":
+                                kept_fits = est.fits
+                            elif rc == "full" and est.fits and not kept_fits:
+                                partial = _fewest_recomputed(cfg, cluster, lay, settings)
+                                layouts += [partial] if partial else []
                             if not est.fits and offload:
                                 est = evaluate(cfg, cluster, lay.with_(
                                     offload=True, optimizer_kernel="host"), **settings)
@@ -439,13 +458,32 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 
+def _fewest_recomputed(cfg: GPTConfig, cluster: Cluster, full: Layout,
+                       settings: dict) -> Estimate | None:
+    """Partial recomputation (Megatron's ``--recompute-num-layers``; Korthikanti et al.
+    2022, arXiv 2205.05198) for a layout that fits with every block recomputed and not
+    with none: the fewest recomputed blocks, the first N of each chunk, that still fit.
+    Bisection on N: the memory only grows as N falls, and the step only shortens."""
+    longest = max(len(c) for c in partition_layers(cfg.n_layer, full.pp * full.virtual,
+                                                   full.head_layers))
+    best, low, high = None, 1, longest - 1
+    while low <= high:
+        n = (low + high) // 2
+        est = evaluate(cfg, cluster, full.with_(recompute_layers=n), **settings)
+        if est.fits:
+            best, high = est, n - 1
+        else:
+            low = n + 1
+    return best
+
+
 def _idle_recomputation(layouts: list[Estimate]) -> list[Estimate]:
     """The layouts whose recomputation buys nothing: the same layout recomputing less
     (its stages balanced for that) fits in no more memory and is no slower. Selective
     recomputation under a fused attention kernel is the usual case: the kernel keeps no
     score matrix, so recomputing attention frees nothing and costs its time."""
     def without_recompute(est: Estimate) -> Layout:
-        return est.layout.with_(recompute="none", head_layers=0)
+        return est.layout.with_(recompute="none", recompute_layers=None, head_layers=0)
     same: dict[Layout, list[Estimate]] = {}
     for est in layouts:
         same.setdefault(without_recompute(est), []).append(est)

@@ -34,7 +34,7 @@ import math
 
 from minipar.comm import wire_bytes
 from minipar.model import GPTConfig
-from minipar.theory.bubble import chunk_costs
+from minipar.theory.bubble import chunk_costs, partition_layers
 from minipar.theory.clusters import Cluster
 from minipar.theory.layout import Layout
 from minipar.theory.params import (
@@ -96,7 +96,8 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout,
     """Seconds of one micro-batch's forward + backward on each of the ``pp * virtual``
     pipeline chunks (one with pp = 1): its layers (``partition_layers``) at the measured
     block pace of this micro-batch's tokens and tp share (recomputation adds its FLOPs at
-    that pace), the last chunk's head and loss at theirs; without a measured pace, at the
+    that pace, on the first ``recompute_layers`` of the chunk where the layout names
+    them), the last chunk's head and loss at theirs; without a measured pace, at the
     matmul rate times ``efficiency``. Each micro-batch also adds the gradients of the
     chunk's rank (a stage's parameters, spread over its chunks) into the fp32 buffer, at
     the measured pace (0 without): the linear weights' are added in their GEMM, as the
@@ -107,9 +108,15 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout,
     slow = cluster.matmul_rate * efficiency
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
     head_rate = block_flops(cluster.head_rates, cfg.d_model, tokens, tp) or slow
-    per_token = chunk_costs(cfg.n_layer, pp * virtual,
-                            layer_flops_per_token(cfg, layout.recompute) / rate,
-                            head_flops_per_token(cfg) / head_rate, head)
+    n, head_cost = pp * virtual, head_flops_per_token(cfg) / head_rate
+    per_token = chunk_costs(cfg.n_layer, n, layer_flops_per_token(cfg, layout.recompute) / rate,
+                            head_cost, head)
+    redo = layout.recompute_layers
+    if redo is not None and layout.recompute != "none":  # the rest of a chunk keeps all
+        kept = chunk_costs(cfg.n_layer, n, layer_flops_per_token(cfg) / rate, head_cost, head)
+        share = [min(redo, len(c)) / len(c) if c else 0.0
+                 for c in partition_layers(cfg.n_layer, n, head)]
+        per_token = [k + (r - k) * s for k, r, s in zip(kept, per_token, share)]
     acc = cluster.accumulate_s_per_param / virtual  # 0 unmeasured: skip the counting
     accumulate = [acc and acc * hook_params(cfg, pp, tp, s, virtual, head, layout.zero)
                   for s in range(pp)]
