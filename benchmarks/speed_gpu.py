@@ -88,10 +88,13 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
         tokens = batch * mc.seq_len
         mfu = tokens / step * model_flops_per_token(mc) / (run.n * DATASHEET_TFLOPS * 1e12)
         peaks = [r.get("device_peak_bytes") or 0 for r in ranks]
+        held = [r.get("device_memory") or {} for r in ranks]  # the allocator's, the process's
         comp = ranks[0].get("compile")
         return {"command": " ".join(["python"] + cmd[1:]), "step_s": step,
                 "step_s_all": per_step, "tokens_per_s": tokens / step, "mfu": mfu,
                 "peak_gib": max(peaks) / GiB,
+                "reserved_gib": max(h.get("peak_reserved", 0) for h in held) / GiB,
+                "process_gib": max(h.get("process_used", 0) for h in held) / GiB,
                 "predicted_peak_gib": max(r["predicted_peak_bytes"] for r in ranks) / GiB,
                 "compile": comp, "first_step_s": per_step[0],
                 "build_seconds": max(r["build_seconds"] for r in ranks),
