@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import statistics
 import textwrap
 from pathlib import Path
 
@@ -46,7 +47,7 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "lab_variant", "train_with_ring", "train_with_ddp", "train_with_zero1",
            "adamw_on_both_batches", "run_schedule",
            "ring_layer_on_a_shard", "ring_layer_errors", "FP8_RUNS", "fp8_gpu_runs",
-           "fp8_gpu_table"]
+           "fp8_gpu_table", "RECOMPUTE_RUNS", "recompute_layers_runs"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
 LEVELS = {1: "a nudge", 2: "the method", 3: "the answer"}
@@ -839,6 +840,34 @@ def h100_headline_table(data: dict) -> list[dict]:
     w = head["weak_scaling"]
     print(f"\nweak scaling, {w['run']}: {w['efficiency']:.1%} ({w['meaning']})")
     return out
+
+
+# --- lesson 07 § 4: partial recomputation on GPUs (each run's own train --json) -----------
+RECOMPUTE_RUNS = "benchmarks/results/speed-gpu-4xH200-2026-11-28m1"  # gpt-13b dp 4 ZeRO-3
+
+
+def recompute_layers_runs(folder: str = RECOMPUTE_RUNS) -> list[dict]:
+    """Lesson 07 § 4: gpt-13b runs that recompute all of their blocks or only the first N
+    (``python -m minipar train ... --recompute full [--recompute-layers N] --json``): per
+    run the blocks recomputed, the command's config, the step (median after two, the
+    slowest rank), the largest allocated and reserved peaks over the ranks, the GPUs and
+    their capacity; the fewest recomputed first."""
+    from minipar.model import get_config
+
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for path in sorted((root / folder).glob("train_*13b*.json")):
+        rec = json.loads(path.read_text())
+        ranks, cfg = rec["ranks"], rec["config"]
+        steps = [max(r["step_seconds"][i] for r in ranks)
+                 for i in range(len(ranks[0]["step_seconds"]))]
+        layers = cfg["recompute_layers"] or get_config(cfg["model"]).n_layer
+        out.append({"layers": layers, "config": cfg, "step_s": statistics.median(steps[2:]),
+                    "allocated": max(r["device_memory"]["peak_allocated"] for r in ranks),
+                    "reserved": max(r["device_memory"]["peak_reserved"] for r in ranks),
+                    "gpus": rec["world_size"],
+                    "card_gib": ranks[0]["device_memory"]["capacity"] / 2**30})
+    return sorted(out, key=lambda r: r["layers"])
 
 
 # --- lesson 07 § 6: float8 on GPUs (the benchmark's recorded JSON) -------------------------
