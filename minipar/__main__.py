@@ -331,9 +331,11 @@ def _cmd_plan(args) -> int:
     result = plan(cfg, where, args.batch, offload=args.offload,
                   memory_margin=args.memory_margin)
     model_flags = _model_flags(args)
-    print(f"{'#':>3}  {'layout':<60} {'step s':>9} {'MFU':>6} {'GiB/GPU':>8}")
-    for i, est in enumerate(result.layouts[: args.top]):
-        print(f"{i + 1:>3}  {est.layout.label():<60} {est.step_time:>9.3g} {est.mfu:>6.1%} "
+    shown = result.layouts[: args.top]
+    wide = max([60] + [len(est.layout.label()) for est in shown])  # the layout column
+    print(f"{'#':>3}  {'layout':<{wide}} {'step s':>9} {'MFU':>6} {'GiB/GPU':>8}")
+    for i, est in enumerate(shown):
+        print(f"{i + 1:>3}  {est.layout.label():<{wide}} {est.step_time:>9.3g} {est.mfu:>6.1%} "
               f"{est.memory['process'] / 2**30:>8.1f}")
         print(f"     {est.layout.command(args.model)}{model_flags}")
     print(f"(GiB/GPU: what the card holds, the allocator's reserve and the runtime included; "
