@@ -1306,9 +1306,10 @@ def _exposed(spans: list[tuple[float, float]], under: list[tuple[float, float]])
 # --- lesson 08: ring attention measured, and the merge inside a layer -----------------
 def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 4096, 64),
                 repeats: int = 5) -> dict:
-    """Run on each rank of a cp group: this rank's CPU seconds inside the attention blocks
-    of a ring-attention forward (the least of ``repeats``, one thread: its own work only)
-    and the sends it counted. ``shape``: (batch, heads, sequence, head dim)."""
+    """Run on each rank of a cp group: this thread's CPU seconds inside the attention blocks
+    of a ring-attention forward (the least of ``repeats``; one compute thread, and its own
+    CPU time only: not the communication threads', nor other processes' on a loaded
+    machine) and the sends it counted. ``shape``: (batch, heads, sequence, head dim)."""
     import time
 
     import torch
@@ -1321,9 +1322,9 @@ def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 4096, 64)
     plain, busy = cp.block_forward, [0.0]
 
     def timed(*args, **kwargs):
-        t = time.process_time()
+        t = time.thread_time()
         out = plain(*args, **kwargs)
-        busy[0] += time.process_time() - t
+        busy[0] += time.thread_time() - t
         return out
 
     cp.block_forward = timed  # this rank's process only
