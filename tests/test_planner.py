@@ -126,7 +126,7 @@ def test_more_microbatches_shrink_the_bubble():
     chunks = chunk_seconds(get_model(ex.model), get_cluster(ex.cluster), few.layout, 0.7)
     assert chunks[0] == chunks[1] == chunks[2] < chunks[3]  # 10 layers each, + the head
     assert few.time["compute"] == pytest.approx(32 * chunks[3])
-    assert few.time["bubble"] == pytest.approx(3 * chunks[0])
+    assert few.time["bubble"] == pytest.approx(3 * chunks[0], rel=0.005)  # (rounded weights)
     assert few.time["bubble"] < few.time["compute"] * 3 / 32
 
 
@@ -136,7 +136,9 @@ def test_a_pipeline_is_priced_as_its_schedule_runs(schedule: str, virtual: int) 
     with each chunk at its seconds: a heavier last chunk (a vocabulary twice as large)
     raises the price by what the timeline says, and ``head_layers`` (the last chunk 2
     layers fewer, the first ones more) lowers it, as measured on 4 x H200 (gpt-1.3b pp 4:
-    1F1B 0.472 -> 0.413 s, ZB 0.419 -> 0.396 s). Equal chunks give the closed forms."""
+    1F1B 0.472 -> 0.413 s, ZB 0.419 -> 0.396 s). Equal chunks give the closed forms. (The
+    planner simulates the chunks' seconds rounded to a hundredth of the largest, so that
+    one run serves many layouts: measured within 0.15% of the exact timeline here.)"""
     from minipar.theory.bubble import (
         bubble_ratio_formula,
         bubble_stats,
@@ -161,7 +163,7 @@ def test_a_pipeline_is_priced_as_its_schedule_runs(schedule: str, virtual: int) 
     even, heavy, split = priced(base), priced(base.with_(vocab_size=2 * 50304)), \
         priced(base, head_layers=2)
     for price, simulated in (even, heavy, split):
-        assert price == pytest.approx(simulated)
+        assert price == pytest.approx(simulated, rel=0.005)
     assert heavy[0] > even[0] > split[0]
     busy, step = pipeline_seconds(schedule, 4, 16, virtual, (1.0,) * 4 * virtual)
     assert busy == pytest.approx(16 * virtual) and step / busy - 1 == pytest.approx(
@@ -171,7 +173,7 @@ def test_a_pipeline_is_priced_as_its_schedule_runs(schedule: str, virtual: int) 
     timeline = simulate(make_schedule(schedule, 4, 64, virtual),
                         chunk_weight=[w / 3 for w in odd])
     assert pipeline_seconds(schedule, 4, 64, virtual, odd)[1] == pytest.approx(
-        bubble_stats(timeline)["step_time"])
+        bubble_stats(timeline)["step_time"], rel=0.005)
     # memory: the split's stages (the first holds 7 layers of 24, the last 4)
     lay = evaluate(base, cl, layout.with_(head_layers=2))
     rows = memory_per_stage(base, layout.with_(head_layers=2), accounting="fused")

@@ -262,9 +262,10 @@ def pipeline_seconds(schedule: str, pp: int, microbatches: int, virtual: int,
         return busy, busy + idle
     # The idle time is the warm-up's and the cool-down's: past 4 pp micro-batches it no
     # longer grows (tests/test_planner.py checks), so longer pipelines are simulated at
-    # 4 pp. The timeline scales with the seconds: simulated over their largest, rounded,
-    # one run serves the planner's many layouts of one shape.
-    weights = tuple(round(x / top, 6) for x in seconds)
+    # 4 pp. The timeline scales with the seconds: simulated over their largest, rounded
+    # to a hundredth of it (an idle time off by well under a percent of the step), one
+    # run serves the planner's many layouts of one shape.
+    weights = tuple(round(x / top, 2) for x in seconds)
     return busy, busy + top * _idle(schedule, pp, min(microbatches, 4 * pp), virtual, weights)
 
 

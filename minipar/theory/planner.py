@@ -56,6 +56,7 @@ rank and to reason, not to promise a number.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cache, lru_cache
@@ -106,6 +107,9 @@ ZERO3_LOCAL_BYTES = 32
 # memory (the spread of repeated measurements of one layout: ZeRO-1 and ZeRO-2 at one
 # micro-batch size differ by 1-8%).
 TIE_SHARE = 0.05
+# The first layouts of a plan found exactly, partial recomputation's included (the plan
+# command and the dashboards show at most this many).
+EXACT_TOP = 20
 # What a layer pass costs the host beyond a data-parallel one, in ``host_s_per_layer``s:
 # tp's collectives and split kernels, sp's extra gathers and scatters, cp's ring. Fitted
 # to the host-bound rows of benchmarks/results/card-memory-*: tp from gpt-1.3b tp 4 b 4 m 8
@@ -376,6 +380,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     examples: dict[str, str] = {}
     layouts: list[Estimate] = []
     smallest: Estimate | None = None
+    # (recomputing no block, recomputing all) of a layout that fits only with the latter
+    partial_candidates: list[tuple[Estimate, Estimate]] = []
 
     def reject(reason: str, example: str) -> None:
         rejected[reason] += 1
@@ -420,7 +426,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                         if zero in (1, 2) and dp * cp == 1:  # shards of one: ZeRO-0
                             reject("ZeRO-1/2 over one rank is ZeRO-0", f"zero={zero}, dp=1")
                             continue
-                        kept_fits = "none" not in recomputes  # (then no partial search)
+                        kept: Estimate | None = None  # the layout recomputing nothing
                         for ep, rc in ((e, r) for e in _eps(cfg, dp) for r in recomputes):
                             # pp: stages balanced for the head
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
@@ -432,10 +438,9 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                          optimizer_kernel=optimizer_kernel, order=order)
                             est = evaluate(cfg, cluster, lay, **settings)
                             if rc == "none":
-                                kept_fits = est.fits
-                            elif rc == "full" and est.fits and not kept_fits:
-                                partial = _fewest_recomputed(cfg, cluster, lay, settings)
-                                layouts += [partial] if partial else []
+                                kept = est
+                            elif rc == "full" and est.fits and kept and not kept.fits:
+                                partial_candidates.append((kept, est))
                             if not est.fits and offload:
                                 est = evaluate(cfg, cluster, lay.with_(
                                     offload=True, optimizer_kernel="host"), **settings)
@@ -446,6 +451,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                 if (smallest is None
                                         or est.memory["process"] < smallest.memory["process"]):
                                     smallest = est
+    layouts += _partial_recomputation(cfg, cluster, partial_candidates, layouts, settings)
     idle = {id(est): est for est in _idle_recomputation(layouts)}
     for est in idle.values():
         reject("recomputation saves no memory", est.layout.label())
@@ -458,20 +464,52 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 
+def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
+                           candidates: list[tuple[Estimate, Estimate]],
+                           layouts: list[Estimate], settings: dict) -> list[Estimate]:
+    """For each candidate (the layout recomputing no block, which does not fit, and the
+    same recomputing all, which does), the fewest recomputed blocks that fit
+    (``_fewest_recomputed``), priced where it may rank among the first ``EXACT_TOP``
+    layouts: its step lies between the two, about linearly in the share of blocks
+    recomputed, and one whose so interpolated step is slower than the ``EXACT_TOP``-th
+    layout found (with ``TIE_SHARE`` to spare) is not priced. A plan's top is exact; its
+    tail may lack them."""
+    steps = sorted(est.step_time for est in layouts)
+    found: list[Estimate] = []
+    for kept, full in sorted(candidates, key=lambda c: c[0].step_time):
+        n = _fewest_recomputed(cfg, cluster, full.layout, settings)
+        if n is None:
+            continue
+        lay = full.layout.with_(recompute_layers=n)
+        guess = kept.step_time + (full.step_time - kept.step_time) * recomputed_share(cfg, lay)
+        if len(steps) >= EXACT_TOP and guess > steps[EXACT_TOP - 1] * (1 + TIE_SHARE):
+            continue
+        est = evaluate(cfg, cluster, lay, **settings)
+        found.append(est)
+        bisect.insort(steps, est.step_time)
+    return found
+
+
 def _fewest_recomputed(cfg: GPTConfig, cluster: Cluster, full: Layout,
-                       settings: dict) -> Estimate | None:
+                       settings: dict) -> int | None:
     """Partial recomputation (Megatron's ``--recompute-num-layers``; Korthikanti et al.
     2022, arXiv 2205.05198) for a layout that fits with every block recomputed and not
-    with none: the fewest recomputed blocks, the first N of each chunk, that still fit.
-    Bisection on N: the memory only grows as N falls, and the step only shortens."""
+    with none: the fewest recomputed blocks, the first N of each chunk, that still fit
+    (None: not one fewer than all). Bisection on N, on the memory alone (``evaluate``'s
+    fit test): the memory only grows as N falls, and the step only shortens."""
     longest = max(len(c) for c in partition_layers(cfg.n_layer, full.pp * full.virtual,
                                                    full.head_layers))
+    room = (1 - settings.get("memory_margin", MEMORY_MARGIN)) * cluster.gpu_memory
+
+    def fits(n: int) -> bool:
+        peak = card_peak(cfg, full.with_(recompute_layers=n),
+                         accounting=settings.get("accounting", "fused"))
+        return peak["process"] <= room
     best, low, high = None, 1, longest - 1
     while low <= high:
         n = (low + high) // 2
-        est = evaluate(cfg, cluster, full.with_(recompute_layers=n), **settings)
-        if est.fits:
-            best, high = est, n - 1
+        if fits(n):
+            best, high = n, n - 1
         else:
             low = n + 1
     return best
