@@ -11,13 +11,15 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
   weight-gradient fusion; gpt-13b dp N ZeRO-3 full recompute, 4 per GPU, eager /
   compiled / compiled with ``--recompute-layers`` 36 and 32 of 40; and the FSDP2 peer
   (``benchmarks/peers.fsdp2``: ``fully_shard`` per block, bf16 parameters, fp32
-  reduction, meta-device init, ``checkpoint_wrapper`` per block for 13B) in the same job.
+  reduction, meta-device init, ``checkpoint_wrapper`` per block for 13B; torch's AdamW,
+  and at 13B fused AdamW too, as minipar steps) in the same job.
 * ``memory``: one rank's allocations over build + 2 steps (``torch.cuda.memory.
   _record_memory_history``), replayed to the peak: the live bytes there grouped by the
   allocating call site (innermost frame in minipar, the benchmarks, torch.distributed,
   checkpoint, optim or autograd), the largest first; minipar (eager and compiled) and
-  FSDP2 + checkpointing, gpt-13b dp N (``--memory-model`` to change). The raw snapshot is
-  written beside the JSON only when ``--keep-snapshots`` and it is under 8 MB.
+  FSDP2 + checkpointing (torch's AdamW, and fused), gpt-13b dp N (``--memory-model`` to
+  change). The raw snapshot is written beside the JSON only when ``--keep-snapshots`` and
+  it is under 8 MB.
 
     export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         NVSHMEM_DISABLE_NVLS=1
@@ -106,10 +108,12 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
     run.row("speed", name, go, model=model, batch=batch, flags=flags)
 
 
-def peer_row(run: multigpu.Run, name: str, model: str, batch: int, recompute: bool) -> None:
-    spec = multigpu.peer_spec(run, "fsdp2", model, run.n, batch, recompute=recompute)
+def peer_row(run: multigpu.Run, name: str, model: str, batch: int, recompute: bool,
+             fused: bool = False) -> None:
+    spec = multigpu.peer_spec(run, "fsdp2", model, run.n, batch, recompute=recompute,
+                              fused=fused)
     run.row("speed", name, lambda: multigpu._measure(run, spec, run.timeout(540.0)),
-            model=model, batch=batch, impl="fsdp2", recompute=recompute)
+            model=model, batch=batch, impl="fsdp2", recompute=recompute, fused=fused)
 
 
 def section_speed(run: multigpu.Run) -> None:
@@ -126,6 +130,8 @@ def section_speed(run: multigpu.Run) -> None:
         cli_row(run, f"minipar {big} dp{n} zero3 full recompute {what}", big, 4 * n,
                 full + extra)
     peer_row(run, f"FSDP2 {big} dp{n} + checkpointing", big, 4 * n, recompute=True)
+    peer_row(run, f"FSDP2 {big} dp{n} + checkpointing, fused AdamW", big, 4 * n,
+             recompute=True, fused=True)
     for k in (layers - layers // 10, layers - layers // 5):  # 36 and 32 of 40
         cli_row(run, f"minipar {big} dp{n} zero3 compiled recompute-layers {k}", big, 4 * n,
                 full + ["--compile", "--recompute-layers", str(k)])
@@ -206,7 +212,9 @@ def section_memory(run: multigpu.Run) -> None:
              ("minipar compiled", multigpu.minipar_spec(run, model, n, 4 * n, compile=True,
                                                         **layout)),
              ("FSDP2 + checkpointing", multigpu.peer_spec(run, "fsdp2", model, n, 4 * n,
-                                                          recompute=True))]
+                                                          recompute=True)),
+             ("FSDP2 + checkpointing, fused AdamW", multigpu.peer_spec(
+                 run, "fsdp2", model, n, 4 * n, recompute=True, fused=True))]
     for name, spec in specs:
         keep = (os.path.join(run.args.out, name.replace(" ", "_") + ".pickle")
                 if run.args.keep_snapshots else None)
