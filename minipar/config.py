@@ -341,13 +341,14 @@ def _check_recompute_layers(cfg: TrainConfig) -> None:
 def use_compile(cfg: TrainConfig) -> bool:
     """Whether the blocks run compiled: ``--compile`` / ``--no-compile``, else on CUDA
     devices where compilation applies (no dropout, whose per-step mask keys would
-    recompile every step) and has paid on a GPU: data parallelism alone. Under a pipeline
+    recompile every step; not the zero-bubble schedule, whose split weight gradient runs
+    at pp = 1 too) and has paid on a GPU: data parallelism alone. Under a pipeline
     compiled blocks stepped slower than eager ones (docs/benchmarks.md; why is not known
     yet); tp, cp and pipeline blocks compile when asked."""
     if cfg.compile is not None:
         return cfg.compile
-    return (uses_cuda(cfg) and not cfg.dropout and cfg.pp == 1 and cfg.tp == 1
-            and cfg.cp == 1)
+    return (uses_cuda(cfg) and not cfg.dropout and cfg.schedule != "zb" and cfg.pp == 1
+            and cfg.tp == 1 and cfg.cp == 1)
 
 
 def _check_compile(cfg: TrainConfig) -> None:

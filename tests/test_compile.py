@@ -85,7 +85,8 @@ def test_compile_default_and_refusals() -> None:
     gpu = dict(backend="nccl")  # CUDA: compiled where it paid, data parallelism alone
     assert use_compile(TrainConfig(dp=4, zero=3, recompute="full", **gpu))
     for eager in (dict(pp=4, microbatches=8), dict(pp=2, schedule="interleaved", virtual=2,
-                  microbatches=4), dict(tp=2), dict(cp=2), dict(dropout=0.1)):
+                  microbatches=4), dict(tp=2), dict(cp=2), dict(dropout=0.1),
+                  dict(schedule="zb")):
         assert not use_compile(TrainConfig(**gpu, **eager)), eager
     for bad, why in [(dict(pp=2, microbatches=2, schedule="zb"), "--schedule zb"),
                      (dict(dropout=0.1), "--dropout"),
