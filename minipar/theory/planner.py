@@ -197,7 +197,8 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     m, virtual, recompute, dtype = (layout.microbatches, layout.virtual, layout.recompute,
                                     layout.dtype)
     global_batch = layout.global_batch
-    mem = card_peak(cfg, layout, accounting=accounting)
+    mem, fits = card_fit(cfg, cluster, layout, memory_margin=memory_margin,
+                         accounting=accounting)
     # the busiest rank for communication: a stage with both neighbours when pp > 2
     vol = comm_volume(cfg, layout, stage=min(1, pp - 1))
     vol["dp"] = vol.pop("dp_cp", vol.get("dp", {}))  # the gradient sums over dp x cp
@@ -246,8 +247,17 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     traffic = {d: sum(x["wire_bytes"] for x in vol.get(d, {}).values())
                for d in ("tp", "ep", "cp", "pp", "dp")}
     traffic["dp"] += sum(x["wire_bytes"] for x in vol.get("edp", {}).values())
-    return Estimate(layout, memory=mem, time=time, traffic=traffic, mfu=mfu,
-                    fits=mem["process"] <= (1 - memory_margin) * cluster.gpu_memory)
+    return Estimate(layout, memory=mem, time=time, traffic=traffic, mfu=mfu, fits=fits)
+
+
+def card_fit(cfg: GPTConfig, cluster: Cluster, layout: Layout, *,
+             memory_margin: float = MEMORY_MARGIN, accounting: str = "fused",
+             **_: object) -> tuple[dict, bool]:
+    """(``card.card_peak`` of ``layout``, whether its ``process`` bytes stay under the
+    GPU's memory less ``memory_margin`` of it): ``evaluate``'s memory and fit test.
+    Other ``evaluate`` settings are accepted and ignored."""
+    mem = card_peak(cfg, layout, accounting=accounting)
+    return mem, mem["process"] <= (1 - memory_margin) * cluster.gpu_memory
 
 
 def zero3_local_seconds(n_params: int, microbatches: int, cluster: Cluster) -> float:
@@ -499,16 +509,10 @@ def _fewest_recomputed(cfg: GPTConfig, cluster: Cluster, full: Layout,
     fit test): the memory only grows as N falls, and the step only shortens."""
     longest = max(len(c) for c in partition_layers(cfg.n_layer, full.pp * full.virtual,
                                                    full.head_layers))
-    room = (1 - settings.get("memory_margin", MEMORY_MARGIN)) * cluster.gpu_memory
-
-    def fits(n: int) -> bool:
-        peak = card_peak(cfg, full.with_(recompute_layers=n),
-                         accounting=settings.get("accounting", "fused"))
-        return peak["process"] <= room
     best, low, high = None, 1, longest - 1
     while low <= high:
         n = (low + high) // 2
-        if fits(n):
+        if card_fit(cfg, cluster, full.with_(recompute_layers=n), **settings)[1]:
             best, high = n, n - 1
         else:
             low = n + 1
