@@ -18,7 +18,9 @@ after every row; one row failing records its error and the run goes on; rows pas
   slowest rank. ``mfu`` is over the dense bf16 peak for every row (989 TFLOP/s).
 * ``loss`` (N GPUs, ~2 min): 300 steps of gpt2-125m on Python's own sources
   (``--data pystdlib``, bytes) at dp N ZeRO-1, bf16 against both recipes: the losses,
-  and the ratio of the last 20 steps' mean loss to bf16's (target: within 1%).
+  and the ratio of the last 20 steps' mean loss to bf16's (target: within 1%); with
+  ``--seeds 0,1,2`` once per seed (the data order and the initialisation), which says
+  how far two bf16 runs land apart.
 * ``peer`` (one GPU, ~1.2 min): torchao's ``convert_to_float8_training`` (blocks only,
   as minipar) on the same GPT (gpt-1.3b, 8 sequences in 2 micro-batches) in bf16 with
   fused AdamW, bf16 against both recipes, eager (torchao is built for ``torch.compile``:
@@ -26,6 +28,8 @@ after every row; one row failing records its error and the run goes on; rows pas
   the carried wheel first (``pip install --no-deps .whl/torchao-0.18.0-*.whl``; 0.18.0
   is the release built for torch 2.11).
 * ``speed1`` (one GPU, ~1.2 min): minipar at the peer's size, bf16 and both recipes.
+  ``--one-model gpt-13b --one-layers 6`` makes both sections a slice of a bigger model:
+  its first 6 blocks at full width, with its head and embeddings.
 
 The default run stops starting rows after ``--budget-s`` 420 s (about 7.5 min in all on
 4 x H100): the last section may be skipped; ``--sections peer,speed1`` runs it alone.
@@ -180,7 +184,7 @@ def _measure(run: multigpu.Run, spec: dict, cap: float) -> dict:
     res = list(run.launch(_speed_rank, spec["world"], spec, cap=cap))
     per_step = [max(r["times"][i] for r in res) for i in range(len(res[0]["times"]))]
     step = statistics.median(per_step)
-    mc = get_config(spec["model"])
+    mc = get_config(spec["model"]).with_(**spec.get("overrides", {}))
     tokens = spec["batch"] * mc.seq_len
     row = {"step_s": step, "step_s_all": per_step, "tokens_per_s": tokens / step,
            "mfu": tokens / step * model_flops_per_token(mc)
@@ -203,15 +207,16 @@ def _predicted_dp(model: str, recipe: str | None, layout: dict) -> tuple[int, in
 
 
 def _speed_rows(run: multigpu.Run, state: dict, section: str, model: str, world: int,
-                batch: int, **layout) -> None:
+                batch: int, overrides: dict | None = None, **layout) -> None:
     base = None
+    overrides = overrides or {}
     base_gather = _predicted_dp(model, None, layout)[0]
     for recipe in RECIPES:
         gather, amax = _predicted_dp(model, recipe, layout)
-        spec = multigpu.minipar_spec(run, model, world, batch, fp8=recipe, **layout,
+        spec = multigpu.minipar_spec(run, model, world, batch, overrides, fp8=recipe, **layout,
                                      fp8_emulate=recipe is not None and not run.cuda)
         spec["grad_e4m3"] = recipe == "rowwise" and state.get("grad_e4m3", False)
-        name = f"{model} {'bf16' if recipe is None else recipe} " + " ".join(
+        name = f"{model}{_slice(overrides)} {'bf16' if recipe is None else recipe} " + " ".join(
             f"{k}={v}" for k, v in layout.items())
         cap = 300 if "13b" in model else 180
 
@@ -231,7 +236,8 @@ def _speed_rows(run: multigpu.Run, state: dict, section: str, model: str, world:
             return row
 
         rec = run.row(section, name, go, fp8=recipe, grad_e4m3=spec["grad_e4m3"],
-                      command=_command(model, world, batch, recipe, layout))
+                      command=_command(model, world, batch, recipe,
+                                       {**layout, **_layer_flag(overrides)}))
         if recipe is None and rec is not None and rec.get("status") == "ok":
             base = rec
 
@@ -250,22 +256,42 @@ def section_speed(run: multigpu.Run, state: dict) -> None:
     _speed_rows(run, state, "speed", small, n, 8 * n, dp=n, zero=3)
 
 
+def _slice(overrides: dict) -> str:
+    """A row name's mark for a model cut to fewer blocks: " x6" for 6."""
+    return f" x{overrides['n_layer']}" if "n_layer" in overrides else ""
+
+
+def _layer_flag(overrides: dict) -> dict:
+    return {"layers": overrides["n_layer"]} if "n_layer" in overrides else {}
+
+
+def _one_gpu_model(run: multigpu.Run) -> tuple[str, dict]:
+    """The model of the one-GPU sections (``--one-model``, ``--one-layers``)."""
+    layers = run.args.one_layers
+    return run.args.one_model if run.cuda else "tiny", ({"n_layer": layers} if layers else {})
+
+
 def section_speed1(run: multigpu.Run, state: dict) -> None:
-    _speed_rows(run, state, "speed1", "gpt-1.3b" if run.cuda else "tiny", 1, 8,
-                microbatches=2)
+    model, overrides = _one_gpu_model(run)
+    _speed_rows(run, state, "speed1", model, 1, 8, overrides, microbatches=2)
 
 
 # --- loss on real text ------------------------------------------------------------------------
 def section_loss(run: multigpu.Run, state: dict) -> None:
+    n, steps = run.n, run.args.loss_steps
+    for seed in (int(x) for x in run.args.seeds.split(",")):
+        _loss_rows(run, n, steps, seed)
+
+
+def _loss_rows(run: multigpu.Run, n: int, steps: int, seed: int) -> None:
     from minipar.config import TrainConfig
     from minipar.engine import train
 
-    n, steps = run.n, run.args.loss_steps
     base = None
     for recipe in RECIPES:
         cfg = TrainConfig(model="gpt2-125m" if run.cuda else "tiny", data="pystdlib",
                           dp=n, zero=1, batch_size=8 * n, dtype="bf16", steps=steps,
-                          warmup=min(30, steps // 10), lr=6e-4, fp8=recipe,
+                          warmup=min(30, steps // 10), lr=6e-4, fp8=recipe, seed=seed,
                           fp8_emulate=recipe is not None and not run.cuda,
                           backend=run.backend, fused=run.cuda, log_every=steps,
                           timeout=run.timeout(240))
@@ -280,22 +306,23 @@ def section_loss(run: multigpu.Run, state: dict) -> None:
                 row["brief"] += f", {row['final_loss_ratio_vs_bf16']:.4f} x bf16's"
             return row
 
-        rec = run.row("loss", f"{cfg.model} pystdlib {recipe or 'bf16'}", go, fp8=recipe,
-                      steps=steps)
+        rec = run.row("loss", f"{cfg.model} pystdlib {recipe or 'bf16'}"
+                      + (f" seed {seed}" if seed else ""), go, fp8=recipe, steps=steps,
+                      seed=seed)
         if recipe is None and rec is not None and rec.get("status") == "ok":
             base = rec
 
 
 # --- the peer: torchao's Float8Linear ---------------------------------------------------------
 def _peer_rank(model: str, batch: int, micro: int, recipe: str | None, steps: int,
-               warmup: int, compile_: bool) -> dict:
+               warmup: int, compile_: bool, overrides: dict | None = None) -> dict:
     import torchao
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from minipar.model import GPT
 
     device = multigpu._local_device()
-    mc = get_config(model)
+    mc = get_config(model).with_(**(overrides or {}))
     net = GPT(mc, seed=0, device=device).to(torch.bfloat16)
     if recipe is not None:
         convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe),
@@ -331,13 +358,14 @@ def section_peer(run: multigpu.Run, state: dict) -> None:
         run.section("peer")["rows"].append({"name": "torchao", "status": "skipped",
                                             "reason": f"import torchao failed: {e}"})
         return print(f"peer: skipped (import torchao failed: {e})", flush=True)
-    model, batch = ("gpt-1.3b", 8) if run.cuda else ("tiny", 8)
+    (model, overrides), batch = _one_gpu_model(run), 8
     base = None
     for recipe in RECIPES:
         def go(recipe=recipe, base=base) -> dict:
             s = run.sizes
             res = next(iter(run.launch(_peer_rank, 1, model, batch, 2, recipe, s.steps,
-                                       s.warmup, run.args.peer_compile, cap=240)))
+                                       s.warmup, run.args.peer_compile, overrides,
+                                       cap=240)))
             step = statistics.median(res["times"])
             tps = batch * get_config(model).seq_len / step
             row = {"step_s": step, "tokens_per_s": tps, "peak_gib": res["peak_bytes"] / GiB,
@@ -348,7 +376,7 @@ def section_peer(run: multigpu.Run, state: dict) -> None:
                 row["brief"] += f", {row['speedup_vs_bf16']:.2f}x bf16"
             return row
 
-        rec = run.row("peer", f"torchao {model} {recipe or 'bf16'}"
+        rec = run.row("peer", f"torchao {model}{_slice(overrides)} {recipe or 'bf16'}"
                       + (" compiled" if run.args.peer_compile else ""), go, fp8=recipe,
                       torchao=torchao.__version__)
         if recipe is None and rec is not None and rec.get("status") == "ok":
@@ -366,6 +394,10 @@ def main() -> int:
                    help="rows starting after this many seconds are recorded as skipped")
     p.add_argument("--loss-steps", type=int, default=300)
     p.add_argument("--peer-compile", action="store_true")
+    p.add_argument("--seeds", default="0", help="loss: one bf16 and float8 run per seed")
+    p.add_argument("--one-model", default="gpt-1.3b", help="peer, speed1: the model")
+    p.add_argument("--one-layers", type=int, default=None,
+                   help="peer, speed1: that model's width with this many blocks")
     p.add_argument("--only", help="regular expression: run only matching rows")
     args = p.parse_args()
     sections = args.sections.split(",")

@@ -20,6 +20,10 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
   FSDP2 + checkpointing (torch's AdamW, and fused), gpt-13b dp N (``--memory-model`` to
   change). The raw snapshot is written beside the JSON only when ``--keep-snapshots`` and
   it is under 8 MB.
+* ``slice`` (one GPU, ~8 min on an H100): 6 of gpt-13b's blocks at full width, eager,
+  compiled and compiled in float8 (both recipes), and the peak memory of bf16 against
+  rowwise named block by block; one gpt-1.3b pipeline stage's work (6 blocks, 16
+  micro-batches of 2) eager and compiled, with and without weight-gradient fusion.
 
     export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         NVSHMEM_DISABLE_NVLS=1
@@ -28,6 +32,7 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
         --out $OUT/speed_big.json --budget-s 540
     python benchmarks/speed_gpu.py --only 'recompute-layers' --out $OUT/speed_rl.json
     python benchmarks/speed_gpu.py --sections memory --out $OUT/memory.json --budget-s 540
+    python benchmarks/speed_gpu.py --sections slice --gpus 1 --out $OUT/slice.json
     python benchmarks/speed_gpu.py --device cpu --gpus 2 --out /tmp/speed.json  # dry run
 """
 
@@ -55,15 +60,20 @@ from gpu import DATASHEET_TFLOPS  # noqa: E402
 from minipar.model import get_config  # noqa: E402
 from minipar.theory.params import model_flops_per_token  # noqa: E402
 
-SECTIONS = ("speed", "memory")
+SECTIONS = ("speed", "memory", "slice")
 GiB = 2**30
 WHERE = ("minipar/", "benchmarks/", "torch/distributed/", "torch/utils/checkpoint",
          "torch/optim/", "torch/autograd/")  # call sites a memory block is charged to
 
 
 # --- speed: the command line's own JSON -------------------------------------------------
-def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[str]) -> None:
+def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[str],
+            layers: int | None = None, section: str = "speed") -> None:
+    """One ``python -m minipar train ... --json`` run; ``layers``: the preset's width with
+    this many blocks (``--layers``), for a one-GPU slice of a model too big for one."""
     s = run.sizes
+    if layers:
+        flags = flags + ["--layers", str(layers)]
     path = os.path.join(run.args.out, "train_" + "".join(c if c.isalnum() else "_"
                                                          for c in name) + ".json")
     cmd = [sys.executable, "-m", "minipar", "train", "--model", model, "--backend",
@@ -86,7 +96,7 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
         per_step = [max(r["step_seconds"][i] for r in ranks)
                     for i in range(len(ranks[0]["step_seconds"]))]
         step = statistics.median(per_step[s.warmup:])
-        mc = get_config(model)
+        mc = get_config(model).with_(**({"n_layer": layers} if layers else {}))
         tokens = batch * mc.seq_len
         mfu = tokens / step * model_flops_per_token(mc) / (run.n * DATASHEET_TFLOPS * 1e12)
         peaks = [r.get("device_peak_bytes") or 0 for r in ranks]
@@ -105,7 +115,7 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
                          f"{max(peaks) / GiB:.1f} GiB"
                          + (f", compile {comp['seconds']:.0f} s" if comp else "")}
 
-    run.row("speed", name, go, model=model, batch=batch, flags=flags)
+    run.row(section, name, go, model=model, batch=batch, flags=flags)
 
 
 def peer_row(run: multigpu.Run, name: str, model: str, batch: int, recompute: bool,
@@ -135,6 +145,43 @@ def section_speed(run: multigpu.Run) -> None:
     for k in (layers - layers // 10, layers - layers // 5):  # 36 and 32 of 40
         cli_row(run, f"minipar {big} dp{n} zero3 compiled recompute-layers {k}", big, 4 * n,
                 full + ["--compile", "--recompute-layers", str(k)])
+
+
+# --- slice: one GPU, a model's blocks at full width ----------------------------------------
+def section_slice(run: multigpu.Run) -> None:
+    """Questions about a block, asked where no collective is in the way: 6 blocks of
+    gpt-13b at full width (4 sequences, full recomputation: one rank's share of the dp 4
+    ZeRO-3 rows) eager, compiled (with and without weight-gradient fusion), and compiled
+    in float8, each recipe (whose linears have no fused weight gradient); the memory those
+    hold at their peak; and one gpt-1.3b pipeline stage's work (6 blocks, 16 micro-batches
+    of 2: pp 4's) eager and compiled, with and without weight-gradient fusion, whose
+    ``torch.compiler.disable`` splits a compiled block at every linear."""
+    big, small = ("gpt-13b", "gpt-1.3b") if run.cuda else ("small", "tiny")
+    emulate = [] if run.cuda else ["--fp8-emulate"]  # float8 matmuls need sm 89+
+    for what, extra in (("eager", ["--no-compile"]), ("compiled", ["--compile"]),
+                        ("compiled, no wgrad fusion", ["--compile", "--no-wgrad-fusion"]),
+                        ("compiled rowwise", ["--compile", "--fp8", "rowwise", *emulate]),
+                        ("compiled tensorwise", ["--compile", "--fp8", "tensorwise", *emulate])):
+        cli_row(run, f"minipar {big} x6 full recompute {what}", big, 4,
+                ["--recompute", "full", *extra], layers=6, section="slice")
+    for what, extra in (("eager", ["--no-compile"]), ("compiled", ["--compile"]),
+                        ("compiled, no wgrad fusion", ["--compile", "--no-wgrad-fusion"]),
+                        ("eager, no wgrad fusion", ["--no-compile", "--no-wgrad-fusion"])):
+        cli_row(run, f"minipar {small} x6 m16 {what}", small, 32,
+                ["--microbatches", "16", *extra], layers=6, section="slice")
+    for recipe in (None, "rowwise"):
+        name = f"memory {big} x6 full recompute compiled {recipe or 'bf16'}"
+        if not run.cuda:
+            run.row("slice", name, lambda: {"status": "skipped", "reason": "needs CUDA"})
+            continue
+        spec = multigpu.minipar_spec(run, big, 1, 4, overrides={"n_layer": 6}, compile=True,
+                                     recompute="full", fp8=recipe)
+
+        def go(spec=spec) -> dict:
+            res = run.launch(_snapshot_rank, 1, spec, None, cap=run.timeout(300.0))
+            return next(r for r in res if r)
+
+        run.row("slice", name, go)
 
 
 # --- memory: one rank's allocations replayed to the peak --------------------------------
