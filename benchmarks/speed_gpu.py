@@ -155,7 +155,7 @@ def section_slice(run: multigpu.Run) -> None:
     in float8, each recipe (whose linears have no fused weight gradient); the memory those
     hold at their peak; and one gpt-1.3b pipeline stage's work (6 blocks, 16 micro-batches
     of 2: pp 4's) eager and compiled, with and without weight-gradient fusion, whose
-    ``torch.compiler.disable`` splits a compiled block at every linear."""
+    ``torch._disable_dynamo`` splits a compiled block at every linear."""
     big, small = ("gpt-13b", "gpt-1.3b") if run.cuda else ("small", "tiny")
     emulate = [] if run.cuda else ["--fp8-emulate"]  # float8 matmuls need sm 89+
     for what, extra in (("eager", ["--no-compile"]), ("compiled", ["--compile"]),

@@ -418,7 +418,10 @@ class MoE(nn.Module):
 
     # The kept tokens per expert are data: every step a new shape. A compiled block
     # (``parallel/compile.py``) would recompile for each, so this layer stays eager.
-    @torch.compiler.disable
+    # (``torch._disable_dynamo`` is ``torch.compiler.disable`` applied at the first call:
+    # the compiler takes a second to import, which a run that never compiles, and every
+    # rank it spawns, should not pay.)
+    @torch._disable_dynamo
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         logits = self.router(x)

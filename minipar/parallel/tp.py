@@ -312,7 +312,7 @@ class SequenceParallelMoE(MoE):
         self.router, self.queues, self.experts = moe.router, moe.queues, moe.experts
         self.loss_scale, self.comm = moe.loss_scale, comm
 
-    @torch.compiler.disable  # eager, as ``MoE.forward``: its shapes are data
+    @torch._disable_dynamo  # eager, as ``MoE.forward``: its shapes are data
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         whole = super().forward(_GatherWholeSequence.apply(x, self.comm))
         return _SliceSequence.apply(whole, self.comm)

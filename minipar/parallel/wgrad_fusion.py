@@ -93,7 +93,7 @@ class FusedWgradLinear(nn.Module):
         self.weight, self.bias, self.accumulate = linear.weight, linear.bias, accumulate
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    @torch.compiler.disable  # eager inside a compiled block: a graph would lose the sink
+    @torch._disable_dynamo  # eager inside a compiled block: a graph would lose the sink
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearIntoSum.apply(x, self.weight, self.bias, self.accumulate)
 
