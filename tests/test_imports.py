@@ -170,3 +170,19 @@ def test_functions_import_only_optional_packages() -> None:
                              or "optional" not in said):
                 wrong.append(f"{module}:{node.lineno} {', '.join(names)}")
     assert not wrong, "function-level imports: " + "; ".join(wrong)
+
+
+def test_the_command_line_imports_no_compiler() -> None:
+    """``python -m minipar`` (and every rank it spawns) imports the engine without
+    ``torch._dynamo``, a second of import on this machine: the layers that stay eager
+    inside a compiled block are marked with ``torch._disable_dynamo``, which applies
+    ``torch.compiler.disable`` at their first call, and ``compile_stats`` imports the
+    compiler's counters only in a run that compiles."""
+    import subprocess
+    import sys
+
+    code = ("import sys, minipar.__main__, minipar.engine, minipar.theory.planner; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert out.strip() == "False"
