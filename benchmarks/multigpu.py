@@ -230,9 +230,25 @@ class Run:
                       start_method=method, threads=threads)
 
 
+def _driver_gpu_name() -> str | None:
+    """The first GPU's name from ``nvidia-smi`` (None where it does not answer)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    names = out.stdout.strip().splitlines()
+    return names[0].strip() if out.returncode == 0 and names else None
+
+
 def _meta(args, n: int) -> dict:
     meta = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": n,
-            "device": args.device, "device_name": None, "args": vars(args),
+            "device": args.device, "args": vars(args),
+            # (the parent asks the driver only for the name: CUDA stays uninitialised here,
+            # as spawned ranks need; a section whose rows never report one keeps it)
+            "device_name": _driver_gpu_name() if args.device == "cuda" else None,
             "datasheet_tflops": DATASHEET_TFLOPS, "multicast_off": MULTICAST_OFF,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     try:

@@ -872,7 +872,9 @@ def recompute_layers_runs(folder: str = RECOMPUTE_RUNS) -> list[dict]:
 
 # --- lesson 07 § 6: float8 on GPUs (the benchmark's recorded JSON) -------------------------
 FP8_RUNS = ("benchmarks/results/fp8-2xH200-2026-11-28j2.json",     # kernel, speed, loss
-            "benchmarks/results/fp8-peer-1xH100-2026-11-28j3.json")  # torchao beside minipar
+            "benchmarks/results/fp8-peer-1xH100-2026-11-28j3.json",  # torchao beside minipar
+            "benchmarks/results/fp8-slice-13b-1xH100-2026-12-05p3.json",  # both at 13B's width
+            "benchmarks/results/fp8-loss-seeds-1xH100-2026-12-05p4.json")  # loss, three seeds
 
 
 def _fp8_run(r: dict, who: str, device: str) -> dict:
@@ -881,9 +883,15 @@ def _fp8_run(r: dict, who: str, device: str) -> dict:
     shown = {"dp": "dp {}", "zero": "ZeRO-{}", "recompute": "{} recompute"}
     layout = [shown[k].format(v) for k, v in (w.split("=") for w in words if "=" in w)
               if k in shown]
-    model = words[0]
+    # a slice of a model ("gpt-13b x6": its first 6 blocks at full width) keeps the mark
+    from minipar.model import get_config
+
+    cut = re.fullmatch(r"x(\d+)", words[1])
+    model = f"{words[0]} {words[1]}" if cut else words[0]
+    shape = (f"{words[0]}, {cut[1]} of {get_config(words[0]).n_layer} blocks" if cut
+             else model)
     row = {"model": model, "recipe": r["fp8"] or "bf16", "who": who, "device": device,
-           "label": " ".join([model, *layout]) + f", {who.split()[0]} ({device})",
+           "label": " ".join([shape, *layout]) + f", {who.split()[0]} ({device})",
            "command": r.get("command", ""), "ok": r["status"] == "ok"}
     if row["ok"]:
         row.update(speedup=r.get("speedup_vs_bf16", 1.0), step_s=r["step_s"],
@@ -910,7 +918,8 @@ def fp8_gpu_runs(files: tuple[str, ...] = FP8_RUNS) -> dict:
         rec = json.loads((root / f).read_text())
         rows = {name: sec["rows"] for name, sec in rec["sections"].items()}
         names = {r["device_name"] for sec in rows.values() for r in sec if r.get("device_name")}
-        device = f"{rec['meta']['gpus']} x {names.pop().replace('NVIDIA ', '').split()[0]}"
+        name = names.pop() if names else rec["meta"]["device_name"]  # (loss rows name none)
+        device = f"{rec['meta']['gpus']} x {name.replace('NVIDIA ', '').split()[0]}"
         out["torch"] = rec["meta"]["torch"]
         for k in rows.get("kernel", []):
             out["kernel"] = {"device": device, "n": k["n"], "shape": k["linear_shape"],
@@ -923,11 +932,18 @@ def fp8_gpu_runs(files: tuple[str, ...] = FP8_RUNS) -> dict:
             out["runs"].append(_fp8_run(r, "minipar", device))
         for r in rows.get("peer", []):
             out["runs"].append(_fp8_run(r, f"torchao {r['torchao']}", device))
+        if rows.get("loss"):  # the last file with loss runs gives them all (one setting)
+            out["loss"] = {}
         for r in rows.get("loss", []):
             model, data = r["name"].split()[:2]
-            out["loss"][r["fp8"] or "bf16"] = {
-                "model": model, "data": data, "steps": r["steps"], "final": r["final_loss"],
-                "ratio": r.get("final_loss_ratio_vs_bf16", 1.0)}
+            run = out["loss"].setdefault(r["fp8"] or "bf16", {
+                "model": model, "data": data, "steps": r["steps"], "device": device,
+                "finals": [], "ratios": []})
+            run["finals"].append(r["final_loss"])
+            run["ratios"].append(r.get("final_loss_ratio_vs_bf16", 1.0))
+    for run in out["loss"].values():  # over the seeds
+        run["final"], run["ratio"] = statistics.fmean(run["finals"]), statistics.fmean(
+            run["ratios"])
     return out
 
 
@@ -942,10 +958,13 @@ def fp8_gpu_table(data: dict) -> list[dict]:
         else:
             print(f"{r['label']:<56}{r['recipe']:<12}  {r['error']} ({r['card_gib']} GiB card)")
     loss = data["loss"]
-    print(f"\n{loss['bf16']['model']} on {loss['bf16']['data']}, mean loss of the last 20 of "
-          f"{loss['bf16']['steps']} steps: bf16 {loss['bf16']['final']:.3f}, " + ", ".join(
-              f"{k} {v['final']:.3f} ({v['ratio']:.3f} x bf16's)"
-              for k, v in loss.items() if k != "bf16"))
+    bf16 = loss["bf16"]
+    print(f"\n{bf16['model']} on {bf16['data']} ({bf16['device']}), mean loss of the last 20 of "
+          f"{bf16['steps']} steps, {len(bf16['finals'])} seeds:")
+    for k, v in loss.items():
+        print(f"  {k:<11}" + "  ".join(f"{x:.4f}" for x in v["finals"])
+              + ("" if k == "bf16" else "   x bf16's: " + "  ".join(
+                  f"{x:.4f}" for x in v["ratios"]) + f"   mean {v['ratio']:.4f}"))
     return [{"run": r["label"].replace(", ", "<br>"), "recipe": r["recipe"],
              "speedup": r.get("speedup"), "note": r.get("error", "")}
             for r in data["runs"] if r["recipe"] != "bf16"]
