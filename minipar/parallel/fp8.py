@@ -74,15 +74,18 @@ class Float8Matmul:
         scale = scale_for(amax, fmt)
         return Scaled(to_float8(t, scale, fmt).contiguous(), scale)
 
-    def weight_operand(self, weight: torch.Tensor, transposed: bool = False) -> Scaled:
+    def weight_operand(self, weight: torch.Tensor, transposed: bool = False,
+                       scale: torch.Tensor | None = None) -> Scaled:
         """W [out, in] (``transposed``: W^T [in, out], the dx GEMM's) in e4m3: ``weight8``
         where the weight arrived in float8 (one tensorwise scale serves W and W^T alike),
-        else cast from ``weight`` here."""
-        if self.weight8 is None:
-            return self.quantize(weight.t() if transposed else weight,
-                                 ("in", "out") if transposed else ("out", "in"), E4M3)
-        w8 = self.weight8
-        return Scaled(w8.data.t().contiguous(), w8.scale) if transposed else w8
+        else cast from ``weight`` here, with ``scale`` where it is known (tensorwise)."""
+        if self.weight8 is not None:
+            return _transposed(self.weight8) if transposed else self.weight8
+        if scale is not None:
+            return Scaled(to_float8(weight.t() if transposed else weight, scale,
+                                    E4M3).contiguous(), scale)
+        return self.quantize(weight.t() if transposed else weight,
+                             ("in", "out") if transposed else ("out", "in"), E4M3)
 
     def mm(self, a: Scaled, b: Scaled, out_dtype: torch.dtype,
            fast_accum: bool = False) -> torch.Tensor:
@@ -105,25 +108,53 @@ class Float8Matmul:
         return f"Float8Matmul({self.recipe}{', emulated' if self.emulate else ''}{tp})"
 
 
+def _transposed(q: Scaled) -> Scaled:
+    """q^T, row-major, under the same scale: exact, and 1 byte an element to move."""
+    return Scaled(q.data.t().contiguous(), q.scale)
+
+
 class _Float8Linear(torch.autograd.Function):
-    """[tokens, in] x W^T forward; dy W and dy^T x backward, each GEMM's operands
-    quantised for it (e5m2 for dy, e4m3 for x and W; always the left one for dy)."""
+    """[tokens, in] x W^T forward; dy W and dy^T x backward, each GEMM's operands in
+    float8 (e5m2 for dy, e4m3 for x and W; always the left one for dy).
+
+    Rowwise, each GEMM scales its operands along its own contraction: x per token in the
+    forward, per feature for dW, so every operand is cast again for each GEMM, from the
+    saved 16-bit tensor. Tensorwise, one scale serves a tensor and its transpose: x is
+    cast once, in the forward, and kept in float8 for dW (half the bytes saved); dy is
+    cast once for both backward GEMMs; W is cast again for dx with the forward's scale
+    (its amax is not read twice), not kept, so that ZeRO-3 can free a gathered weight
+    after the forward. The transposes move float8 bytes. Both give the same numbers as
+    casting each operand afresh (tensorwise's amax is the same over any layout)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, f8: Float8Matmul):
-        ctx.save_for_backward(x, weight)
-        ctx.f8 = f8
-        return f8.mm(f8.quantize(x, ("tokens", "in"), E4M3), f8.weight_operand(weight),
-                     x.dtype, fast_accum=True)
+        x8, w8 = f8.quantize(x, ("tokens", "in"), E4M3), f8.weight_operand(weight)
+        ctx.f8, ctx.dtype = f8, x.dtype
+        if f8.recipe == "tensorwise":
+            ctx.save_for_backward(x8.data, x8.scale, weight, w8.scale)
+        else:
+            ctx.save_for_backward(x, weight)
+        return f8.mm(x8, w8, x.dtype, fast_accum=True)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, weight = ctx.saved_tensors
         f8, dx, dw = ctx.f8, None, None
-        if wanted(ctx, 0):  # dx = dy W = dy (W^T)^T: contraction over "out"
+        # dx = dy W = dy (W^T)^T: contraction over "out";
+        # dW = dy^T x = dy^T (x^T)^T: contraction over the tokens
+        if f8.recipe == "tensorwise":
+            x8_data, x8_scale, weight, w_scale = ctx.saved_tensors
+            dy8 = f8.quantize(dy, ("tokens", "out"), E5M2)  # once, for both GEMMs
+            if wanted(ctx, 0):
+                dx = f8.mm(dy8, f8.weight_operand(weight, True, scale=w_scale), ctx.dtype)
+            if wanted(ctx, 1):
+                dw = f8.mm(_transposed(dy8), _transposed(Scaled(x8_data, x8_scale)),
+                           weight.dtype)
+            return dx, dw, None
+        x, weight = ctx.saved_tensors
+        if wanted(ctx, 0):
             dx = f8.mm(f8.quantize(dy, ("tokens", "out"), E5M2),
-                       f8.weight_operand(weight, transposed=True), x.dtype)
-        if wanted(ctx, 1):  # dW = dy^T x = dy^T (x^T)^T: contraction over the tokens
+                       f8.weight_operand(weight, transposed=True), ctx.dtype)
+        if wanted(ctx, 1):
             dw = f8.mm(f8.quantize(dy.t(), ("out", "tokens"), E5M2),
                        f8.quantize(x.t(), ("in", "tokens"), E4M3), weight.dtype)
         return dx, dw, None
