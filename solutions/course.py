@@ -873,7 +873,8 @@ def recompute_layers_runs(folder: str = RECOMPUTE_RUNS) -> list[dict]:
 # --- lesson 07 § 6: float8 on GPUs (the benchmark's recorded JSON) -------------------------
 FP8_RUNS = ("benchmarks/results/fp8-2xH200-2026-11-28j2.json",     # kernel, speed, loss
             "benchmarks/results/fp8-peer-1xH100-2026-11-28j3.json",  # torchao beside minipar
-            "benchmarks/results/fp8-slice-13b-1xH100-2026-12-05p3.json",  # both at 13B's width
+            # kernels on one H100; both at 13B's width, tensorwise casting once a step
+            "benchmarks/results/fp8-slice-13b-tensorwise-once-1xH100-2026-12-05p5.json",
             "benchmarks/results/fp8-loss-seeds-1xH100-2026-12-05p4.json")  # loss, three seeds
 
 
