@@ -343,11 +343,29 @@ def _cmd_plan(args) -> int:
           f"{where.gpu_memory / 2**30:.1f} GiB: --memory-margin {args.memory_margin})")
     print()
     print(result.why())
+    if not result.layouts and not args.offload:
+        _offload_hint(cfg, where, args, model_flags)
     _write_json(args.json, {"best": result.best.to_dict() if result.best else None,
                             "layouts": [{**x.to_dict(), "command": x.layout.command(args.model)
                                          + model_flags} for x in result.layouts[: args.top]],
                             "rejected": dict(result.rejected), "why": result.why()})
     return 0
+
+
+def _offload_hint(cfg, where, args, model_flags: str) -> None:
+    """Where nothing fits, whether ZeRO-Offload (the fp32 states and the step on the
+    host) would, and what it would cost: the first such layout and its command."""
+    spilled = plan(cfg, where, args.batch, offload=True, memory_margin=args.memory_margin)
+    if not spilled.layouts:
+        return
+    est = spilled.best
+    print(f"\nWith --offload {len(spilled.layouts)} layouts fit (ZeRO-Offload: the fp32 "
+          "weights, gradients and optimizer states on the host,\nwhich steps them); the "
+          "first:\n"
+          f"  {est.layout.label()}: {est.step_time:.3g} s a step, "
+          f"{est.memory['process'] / 2**30:.1f} GiB per GPU, "
+          f"{est.memory['host'] / 2**30:.0f} GiB of host memory per rank\n"
+          f"  {est.layout.command(args.model)}{model_flags}")
 
 
 def _model_flags(args) -> str:

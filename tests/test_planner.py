@@ -588,3 +588,25 @@ def test_the_printed_command_runs_the_planned_layout(tmp_path) -> None:
                 "recompute", "offload", "head_layers"):
         assert config[key] == pipelined[key], key
     assert config["batch_size"] == 4
+
+
+def test_plan_says_what_offload_would_fit_where_nothing_does(capsys) -> None:
+    """gpt-6.7b on one 80 GB card: no layout fits (its fp32 states alone are 107 GB), and
+    ``plan`` says so, then what ``--offload`` would fit, with the command to run it; the
+    command runs the layout it names. gpt-13b fits neither way; one H100 and gpt-1.3b
+    fits without, and ``plan`` says nothing of offload."""
+    from minipar.__main__ import build_parser, main, train_config
+
+    assert main(["plan", "--model", "gpt-6.7b", "--gpus", "1", "--gpu", "H100-80GB",
+                 "--batch", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "No layout of this model fits" in text and "With --offload" in text
+    command = text.rstrip().splitlines()[-1].split()
+    cfg = train_config(build_parser().parse_args(command[3:]))
+    assert cfg.offload and cfg.model == "gpt-6.7b" and cfg.batch_size == 8
+    label = text.rstrip().splitlines()[-2].split(":")[0].strip()
+    assert cfg.layout("cuda").label() == label
+    for model in ("gpt-13b", "gpt-1.3b"):
+        assert main(["plan", "--model", model, "--gpus", "1", "--gpu", "H100-80GB",
+                     "--batch", "8"]) == 0
+        assert "With --offload" not in capsys.readouterr().out
