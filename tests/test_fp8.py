@@ -117,6 +117,32 @@ def test_linear_is_close_to_the_fp32_linear(recipe: str) -> None:
             assert 0.005 < rel < bounds[what], f"{what}: {rel:.3f}"  # float8, not fp32
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_what_the_backward_keeps_and_casts(recipe: str, monkeypatch) -> None:
+    """Tensorwise keeps x for dW in float8 (1 byte an element: what the forward cast) and
+    casts each operand once a step (x, dy; W again for dx with the forward's scale, not
+    its amax); rowwise keeps x in 16 bits and casts every operand for each GEMM, along
+    that GEMM's contraction (x twice, dy twice, W twice)."""
+    x, w, dy = _operands()
+    x, w = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    casts: list[tuple] = []
+    quantize = Float8Matmul.quantize
+    monkeypatch.setattr(Float8Matmul, "quantize", lambda self, t, dims, fmt: (
+        casts.append(dims), quantize(self, t, dims, fmt))[1])
+    kept: list[torch.dtype] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dtype) or t,
+                                                  lambda t: t):
+        y = Float8Matmul(recipe, emulate=True)(x, w)
+    y.backward(dy.bfloat16())
+    if recipe == "tensorwise":
+        assert E4M3 in kept and x.dtype in kept  # x in float8; W (a parameter) as itself
+        assert casts == [("tokens", "in"), ("out", "in"), ("tokens", "out")]
+    else:
+        assert E4M3 not in kept
+        assert sorted(casts) == sorted([("tokens", "in"), ("out", "in"), ("tokens", "out"),
+                                        ("in", "out"), ("out", "tokens"), ("in", "tokens")])
+
+
 def test_scales_are_powers_of_two_per_tensor_or_per_row() -> None:
     amax = torch.tensor([448.0, 1.0, 3.0, 1e-3, 0.0])
     s = scale_for(amax, E4M3)
