@@ -337,3 +337,29 @@ def test_a_dry_run_records_the_kernel_and_the_prediction(tmp_path) -> None:
     assert (row["optimizer_kernel"], row["compiled"]) == ("fused", False)
     assert row["planned_reserved"] > 0 and len(row["step_seconds"]) == 2
     assert all(r["predicted_peak_bytes"] > 0 for r in row["ranks"])
+
+
+def test_the_planner_on_one_h100() -> None:
+    """The planner's top 5 for gpt-1.3b on one H100 80GB (batch 32 x 2048, the CUDA
+    defaults; ``card_memory.py --gpus 1``, 2026-12-05 p2), re-predicted now: each ran 10
+    steps, the measured fastest is the planner's first, every step within 9% of its
+    prediction (measured -2.9% .. +8.8%), and no process under-predicted by the planner's
+    margin (measured -4.8% .. +10.1%). The live tensors are predicted to 0.2%; the
+    allocator's reserve over them is what varies: the first layout (micro-batches of 8)
+    kept 6.1 GiB above its live peak, where the 4-GPU fit gives 1.8 (its reserve 7.1%
+    under). These rows are not in the fit (``reserve_fit.py`` reads the 4-GPU files)."""
+    one = cluster(1, "H100-80GB", 1)
+    path = RESULTS / "card-memory-defaults-1xH100-2026-12-05p2-planner.json"
+    rows = json.loads(path.read_text())["rows"]
+    best = plan("gpt-1.3b", one, 32).layouts[:5]
+    assert [r["label"] for r in rows] == [e.layout.label() for e in best]
+    assert all(r["status"] == "ok" for r in rows)
+    fastest = min(rows, key=lambda r: r["step_median"])
+    assert fastest["label"] == best[0].layout.label()
+    for r, est in zip(rows, best):
+        assert est.layout.command("gpt-1.3b") == r["command"]
+        assert abs(est.step_time / r["step_median"] - 1) < 0.09, r["label"]
+        held = max(x["device_memory"]["process_used"] for x in r["ranks"])
+        assert est.memory["process"] / held - 1 > -MEMORY_MARGIN, r["label"]
+        allocated = max(x["device_memory"]["peak_allocated"] for x in r["ranks"])
+        assert abs(est.memory["total"] / allocated - 1) < 0.01, r["label"]
