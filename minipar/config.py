@@ -33,6 +33,7 @@ from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live
 from minipar.theory import clusters
 from minipar.theory.card import card_peak
 from minipar.theory.layout import Layout
+from minipar.theory.memory import memory_per_stage
 from minipar.theory.planner import plan
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -423,6 +424,8 @@ def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
     what, have, sharing = machine_memory(cfg)
     device = "cuda" if what == "memory per GPU" else "cpu"
     per_rank = predicted_bytes(cfg, model, device=device)
+    if device == "cuda" and cfg.offload:
+        _check_host_fits(cfg, model)
     if per_rank * sharing <= have:
         return
     gib = 2**30
@@ -436,6 +439,27 @@ def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
         + f" of {what}, which has {have / gib:.1f} GiB; "
         + (f"{fix[0]} would need {fix[1] / gib:.1f} GiB per rank" if fix else
            f"no layout of {cfg.world_size} ranks fits: use more machines or a smaller model"))
+
+
+def _check_host_fits(cfg: TrainConfig, model: GPTConfig) -> None:
+    """``--offload`` on GPUs: what the host keeps for every rank of this machine (fp32
+    master, gradient and AdamW moments of each rank's shard, the upload buffer:
+    ``theory.offload.zero_offload_memory``) must fit its physical memory, or the kernel's
+    out-of-memory killer ends a rank mid-step. Refused in one line, with the numbers."""
+    layout = cfg.layout("cuda")
+    rows = memory_per_stage(model, layout, accounting="fused", stages=sorted({0, cfg.pp - 1}))
+    per_rank = max(r["host"] for r in rows)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    have = doctor.host_memory()[0]
+    if per_rank * local <= have:
+        return
+    gib = 2**30
+    raise ValueError(
+        f"this run does not fit the host: --offload keeps {per_rank / gib:.1f} GiB per rank "
+        "on the host (fp32 weights, gradients and AdamW moments of its shard)"
+        + (f" x {local} ranks = {per_rank * local / gib:.1f} GiB" if local > 1 else "")
+        + f", and the host has {have / gib:.1f} GiB; shard them over more ranks "
+        "(--zero 1-3 with a larger --dp) or use more machines")
 
 
 def _planned_layout(cfg: TrainConfig, model: GPTConfig, capacity: int) -> tuple | None:

@@ -88,3 +88,22 @@ def test_per_gpu_memory_decides_under_cuda(monkeypatch) -> None:
                                          r"--zero 3 --microbatches 1 --batch-size 8 --dtype "
                                          rf"bf16 would need {fits:.1f} GiB"):
         config.check_fits(bad, bad.model_config())
+
+
+def test_offload_is_checked_against_the_host(monkeypatch) -> None:
+    """``--offload`` on GPUs keeps each rank's fp32 states on the host: gpt-6.7b on one
+    80 GiB GPU fits the card with offload (48 GiB), and its 112 GiB of host states fit a
+    128 GiB host but not a 100 GiB one, which is refused in one line with the numbers."""
+    import minipar.config as config
+    import minipar.doctor
+
+    monkeypatch.setattr(config, "machine_memory", lambda cfg: ("memory per GPU", 80 * 2**30, 1))
+    run = TrainConfig(model="gpt-6.7b", dtype="bf16", batch_size=8, recompute="full",
+                      offload=True)
+    monkeypatch.setattr(minipar.doctor, "host_memory", lambda: (128 * 2**30, 120 * 2**30))
+    config.check_fits(run, run.model_config())
+    monkeypatch.setattr(minipar.doctor, "host_memory", lambda: (100 * 2**30, 90 * 2**30))
+    with pytest.raises(ValueError, match=r"^this run does not fit the host: --offload keeps "
+                                         r"111\.6 GiB per rank on the host .*, and the host "
+                                         r"has 100\.0 GiB; shard them"):
+        config.check_fits(run, run.model_config())

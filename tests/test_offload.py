@@ -21,7 +21,12 @@ from minipar.launch import launch
 from minipar.model import GPT, GPTConfig
 from minipar.parallel.zero import OnHost, Zero3, ZeroOptimizer
 from minipar.parallel.zero import offload as offmod
-from minipar.theory.offload import offload_memory, offload_traffic, zero_offload_traffic
+from minipar.theory.offload import (
+    offload_memory,
+    offload_traffic,
+    zero_offload_memory,
+    zero_offload_traffic,
+)
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
 STEPS, MICRO = 3, 2
@@ -191,6 +196,34 @@ def test_engine_offload_bytes_equal_the_theory(dtype):
         for k in ("to_host", "to_device"):
             assert r["offload_bytes"][k] == pytest.approx(want[k], rel=2e-3)
         assert r["memory"]["optimizer"] == 0  # no fp32 master on the device
+
+
+@pytest.mark.parametrize("zero, grad_dtype", [(0, "fp32"), (2, "fp32"), (3, "fp32"),
+                                              (1, "bf16")])
+def test_engine_host_bytes_equal_the_theory(zero, grad_dtype):
+    """What ``OnHost`` holds after real steps (masters, their gradients, AdamW's moments,
+    any landing buffer; ``rank["memory"]["host_optimizer"]``) is
+    ``zero_offload_memory``'s host bytes, up to the flat buffers' padding: 16 bytes a
+    parameter of the shard in fp32 reductions (the shard lands once a step, straight in
+    its gradient), 18 where a bf16 shard lands in a buffer first. On a GPU the pinned
+    16-bit upload buffer adds p bytes (``upload``); a CPU run casts into its weights.
+    The planner's host figure is the GPU's: gpt-6.7b on one GPU holds 18 bytes a
+    parameter on the host, 112 GiB, not the 136 it once booked."""
+    from minipar.config import TrainConfig
+    from minipar.engine import train
+    from minipar.theory.memory import memory_per_stage
+
+    cfg = TrainConfig(steps=2, timeout=240, offload=True, dp=2, zero=zero, microbatches=2,
+                      dtype="bf16", grad_dtype=grad_dtype)
+    run = train(cfg)
+    n = GPT(cfg.model_config()).num_params()
+    want = zero_offload_memory(n, 2, 8, 2, zero, grad_bytes=2 if grad_dtype == "bf16" else 4,
+                               upload=False)["host"]
+    for r in run["ranks"]:
+        assert r["memory"]["host_optimizer"] == pytest.approx(want, rel=1e-4)
+    gpu = memory_per_stage("gpt-6.7b", cfg.layout("cuda").with_(dp=1, zero=0,
+                                                                grad_dtype="fp32"))[0]
+    assert gpu["host"] == 18 * gpu["n_params"]
 
 
 def test_engine_mutation_step_before_the_gradients_land_fails(monkeypatch):

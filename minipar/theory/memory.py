@@ -454,7 +454,9 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             row["params"], row["grads"] = (shard * pw if layout.offload else 0), shard * 4
         if layout.offload:
             states = state_bytes("fp32", optimizer)[2]  # the moments, fp32, on the host
-            row["host"] = zero_offload_memory(n, pw, states, dp * cp, zero)["host"]
+            row["host"] = zero_offload_memory(  # (a GPU's: with its upload buffer)
+                n, pw, states, dp * cp, zero,
+                grad_bytes=2 if layout.grad_dtype == "bf16" else 4)["host"]
             row["optimizer"] = 0  # master shard, states and step on the host
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were

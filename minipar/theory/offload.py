@@ -84,18 +84,22 @@ def offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: i
 
 
 def zero_offload_memory(n_params: int, param_bytes: int = 2, optimizer_state_bytes: int = 8,
-                        dp: int = 1, zero: int = 0) -> dict[str, int]:
+                        dp: int = 1, zero: int = 0, grad_bytes: int = 4,
+                        upload: bool = True) -> dict[str, int]:
     """Model-state bytes per rank as ``train --offload`` composes offload with ZeRO 0-3
     (``zero.offload.OnHost``). Device: the weights in the compute dtype only (no fp32
     master; ZeRO-3: this rank's 16-bit shard; gradient buffers: ``theory.memory``).
-    Host, per element of this rank's shard (n / dp at stages 1-3, n at 0): fp32 master
-    (4) and its gradient (4), the optimizer states, the pinned landing buffers of the
-    fp32 gradient (4) and of the 16-bit weights (p). The gradient's landing buffer is an
-    upper bound: a shard that lands once a step (the engine's, every stage) lands
-    straight in its gradient; the buffer is made only for a second landing."""
+    Host, per element of this rank's shard (n / dp at stages 1-3, n at 0): the fp32
+    master (4) and its gradient (4), the optimizer states, and the pinned buffer the
+    16-bit weights are cast into on their way back (p; ``upload``: a GPU's, a CPU run
+    casts straight into its weights). The engine's reduced gradient shard lands once a
+    step, straight in the fp32 gradient; only a 16-bit one (``grad_bytes`` 2,
+    ``--grad-dtype bf16``) lands in a buffer of its own first."""
     shard = -(-n_params // dp) if zero >= 1 else n_params
+    landing = grad_bytes if grad_bytes != 4 else 0
     return {"device": (shard if zero == 3 else n_params) * param_bytes,
-            "host": shard * (4 + 4 + optimizer_state_bytes + 4 + param_bytes)}
+            "host": shard * (4 + 4 + optimizer_state_bytes + landing
+                             + (param_bytes if upload else 0))}
 
 
 def offload_seconds(n_params: int, shards: int, zero: int, dtype: str, m: int,
