@@ -344,8 +344,10 @@ def use_compile(cfg: TrainConfig) -> bool:
     devices where compilation applies (no dropout, whose per-step mask keys would
     recompile every step; not the zero-bubble schedule, whose split weight gradient runs
     at pp = 1 too) and has paid on a GPU: data parallelism alone. Under a pipeline
-    compiled blocks stepped slower than eager ones (docs/benchmarks.md; why is not known
-    yet); tp, cp and pipeline blocks compile when asked."""
+    compiled blocks stepped slower than eager ones: a compiled block, split into several
+    graphs at its fused linears, costs the host more per call than the eager block, and
+    a stage that waits on its neighbours waits on its host too (docs/benchmarks.md); tp,
+    cp and pipeline blocks compile when asked."""
     if cfg.compile is not None:
         return cfg.compile
     return (uses_cuda(cfg) and not cfg.dropout and cfg.schedule != "zb" and cfg.pp == 1
