@@ -1,9 +1,10 @@
 """The caching allocator's reserve over the live tensors, fitted to the cards: the
 constants of ``minipar.theory.card.RESERVE_FITS``.
 
-Reads every row ``benchmarks/card_memory.py`` recorded on 4 x H100 80GB or 4 x H200
-(``results/card-memory-*4xH100-*.json``, ``*4xH200-*``; the reserve is the allocator's,
-the same on both cards while a run stays away from the capacity), rebuilds each row's
+Reads every row ``benchmarks/card_memory.py`` recorded on H100 80GB or H200 cards, four
+or one (``results/card-memory-*xH100-*.json``, ``*xH200-*``; the reserve is the
+allocator's, the same on both cards while a run stays away from the capacity), rebuilds
+each row's
 layout from its own command through the command line's parser, with the optimizer
 kernel it ran, and predicts its live-tensor peak (``memory_per_stage``: of the first and
 last stages, the one with the most live bytes, before the reserve this fit makes). Then,
@@ -11,6 +12,7 @@ per optimizer kernel, it fits
 
     reserve = factor x live + bytes (ZeRO 0-2)  or  zero3_factor x live + zero3_bytes
               + zero1_share x gradient buffer (ZeRO-1) + pipeline_share x it (pp > 1)
+              + loss_share x loss workspace
 
 by least squares on the relative error, over the rows whose measured reserve stayed
 6 GiB under their card's capacity (nearer, the allocator frees its cache and retries:
@@ -35,7 +37,7 @@ from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_per_stage
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PATTERNS = ("card-memory-*4xH100-*.json", "card-memory-*4xH200-*.json")
+PATTERNS = ("card-memory-*xH100-*.json", "card-memory-*xH200-*.json")
 GiB = 2**30
 # The allocator's domain: a reserve this far under the card's capacity was not squeezed.
 HEADROOM = 6 * GiB
@@ -51,6 +53,7 @@ class Row:
     layout: Layout
     live: int  # the predicted live-tensor peak of the busiest stage
     grads: int  # that stage's gradient buffer
+    loss: int  # that stage's loss workspace (the logits over the vocabulary)
     reserved: int  # measured: the largest peak reserve over the ranks
 
     @property
@@ -87,14 +90,14 @@ def recorded_rows(results: Path = RESULTS) -> list[Row]:
             busiest = max(stages, key=lambda r: r["total"])
             reserved = max(r["device_memory"]["peak_reserved"] for r in row["ranks"])
             rows.append(Row(card, capacity, row, model, lay, busiest["total"],
-                            busiest["grads"], reserved))
+                            busiest["grads"], busiest.get("loss_workspace", 0), reserved))
     return rows
 
 
 def _terms(r: Row) -> list[float]:
     zero3, zero = r.layout.zero == 3, r.layout.zero
     return [r.live * (not zero3), float(not zero3), r.live * zero3, float(zero3),
-            r.grads * (zero == 1), r.grads * (r.layout.pp > 1 and not zero3)]
+            r.grads * (zero == 1), r.grads * (r.layout.pp > 1 and not zero3), r.loss]
 
 
 def fit(rows: list[Row]) -> dict[str, ReserveFit]:
@@ -108,7 +111,8 @@ def fit(rows: list[Row]) -> dict[str, ReserveFit]:
         out[name] = ReserveFit(factor=round(c[0], 3), extra=round(c[1] / GiB, 3) * GiB,
                                zero3_factor=round(c[2], 3),
                                zero3_extra=round(c[3] / GiB, 3) * GiB,
-                               zero1_share=round(c[4], 3), pipeline_share=round(c[5], 3))
+                               zero1_share=round(c[4], 3), pipeline_share=round(c[5], 3),
+                               loss_share=round(c[6], 3))
     return out
 
 
@@ -117,13 +121,14 @@ def main() -> int:
     fits = fit(rows)
     for name, f in fits.items():
         print(f"{name}: ReserveFit({f.factor}, {f.extra / GiB:.3f} * 2**30, {f.zero3_factor}, "
-              f"{f.zero3_extra / GiB:.3f} * 2**30, {f.zero1_share}, {f.pipeline_share})")
+              f"{f.zero3_extra / GiB:.3f} * 2**30, {f.zero1_share}, {f.pipeline_share}, "
+              f"{f.loss_share})")
     for name, f in fits.items():
         errors = []
         for r in rows:
             if FIT_OF_KERNEL[r.layout.optimizer_kernel] != name:
                 continue
-            e = f.reserved(r.live, r.grads, r.layout.zero, r.layout.pp) / r.reserved - 1
+            e = f.reserved(r.live, r.grads, r.layout.zero, r.layout.pp, r.loss) / r.reserved - 1
             errors += [abs(e)] if r.in_domain else []
             print(f"  {name:<7} {r.card} {r.model:<8} {r.layout.label():<66} "
                   f"{r.reserved / GiB:5.1f} GiB {e:+.3f}{'' if r.in_domain else ' (outside)'}")

@@ -12,10 +12,11 @@ the capacity (the fit's domain); only the H100 rows say what fits an 80 GB card,
 only they are held to the step model's H100 preset, except the planner's top 5 under
 the defaults, which ran on H200s (the device lent them for the 4 x H100 kind).
 
-Bounds, from the recorded rows (2026-11-27 h1-h8, 2026-11-28 i2, j4, k1-k4): with the
-fused kernel every row's predicted reserve is within 4.1% of the measured peak (37
-rows, median 1.5%), with the multi-tensor kernel within 8.8% (48 rows, median 1.9%);
-no row is under-predicted by more than 6.4%, under the planner's 7% margin (rows whose
+Bounds, from the recorded rows (2026-11-27 h1-h8, 2026-11-28 i2, j4, k1-k4, m3;
+2026-12-05 p2 on one H100): with the fused kernel every 4-GPU row's predicted reserve
+is within 4.3% of the measured peak (42 rows, median 1.7%), with the multi-tensor
+kernel within 8.4% (48 rows, median 1.9%), the five one-H100 rows within 6.0%;
+no row is under-predicted by more than 6.9%, under the planner's 7% margin (rows whose
 reserve came within 6 GiB of the card are held by what ran, not by the reserve); every
 layout that ran out of memory is predicted not to fit with the margin and every layout
 the planner lets through with the margin ran. Step time: the planner's first three
@@ -54,8 +55,10 @@ MODELS = (("gpt-1.3b", 32), ("gpt-6.7b", 32), ("gpt-13b", 16))
 
 
 def _predicted(r: reserve_fit.Row):
-    """The planner's estimate of a recorded row's layout on the 4 x H100 preset."""
-    return evaluate(r.model, H100, r.layout)
+    """The planner's estimate of a recorded row's layout on the H100 preset of its size
+    (4 GPUs, or one)."""
+    n = r.layout.gpus
+    return evaluate(r.model, H100 if n == 4 else cluster(n, "H100-80GB", n), r.layout)
 
 
 def _h100_failures() -> list[dict]:
@@ -86,6 +89,9 @@ def test_the_reserve_is_predicted_within_the_measured_bounds() -> None:
     for r in (r for r in ROWS if r.in_domain):  # (nearer the capacity the cache shrinks)
         error = _predicted(r).memory["reserved"] / r.reserved - 1
         assert error > -MEMORY_MARGIN, (r.card, r.row["label"], error)  # the margin covers it
+        if r.layout.gpus == 1:  # one H100's rows: within the margin (below)
+            assert abs(error) < MEMORY_MARGIN, (r.row["label"], error)
+            continue
         errors[FIT_OF_KERNEL[r.layout.optimizer_kernel]].append(error)
     for kernel, bound, rows in (("fused", 0.05, 35), ("foreach", 0.09, 45)):
         assert len(errors[kernel]) >= rows
@@ -117,7 +123,7 @@ NOT_YET_RUN = {
     # partial recomputation (the planner's bisection, ``_fewest_recomputed``): recomputing
     # 32 and 36 of 40 blocks ran (test_partial_recomputation_within_the_reserve_band), all
     # 40 at 1.586 s and 56.2 GiB reserved (4xH200, speed-gpu m1)
-    ("gpt-13b", "tp=1 pp=1 dp=4 zero=3 b=4 m=1 recompute=full recompute-layers=22"),
+    ("gpt-13b", "tp=1 pp=1 dp=4 zero=3 b=4 m=1 recompute=full recompute-layers=23"),
     ("gpt-13b", "tp=1 pp=1 dp=4 zero=3 b=2 m=2 recompute=full recompute-layers=18"),
     # recomputing all 5 blocks of each chunk it ran at 1.799 s, 60.7 GiB (k2-covering)
     ("gpt-13b", "tp=1 pp=4 dp=1 zero=0 b=1 m=16 interleaved v=2 recompute=full "
@@ -174,7 +180,7 @@ def test_the_planners_layouts_under_the_defaults_ran_within_their_predictions() 
     top 5 for each model before recomputation that saves no memory was dropped, and
     gpt-13b's two pipeline layouts that the refitted reserve let in): every one ran 8-10
     steps without running out of memory, held the 80 GB card's budget, within 5% of its
-    predicted reserve and 12% of its predicted step (measured: -4.1% .. +2.6%, and
+    predicted reserve and 12% of its predicted step (measured: -3.6% .. +3.3%, and
     -6.6% .. +11.9%)."""
     rows = [r for r in ROWS if r.row.get("source", "").startswith("preset")
             and r.row["status"] == "ok" and r.layout.optimizer_kernel == "fused"
@@ -206,7 +212,8 @@ def test_each_row_is_predicted_with_the_kernel_it_ran() -> None:
     2026-11-28 i2) held 60.9 and 61.6 GiB: booked with the multi-tensor kernel's
     temporary (a twelfth of the model's fp32 weights on each stage, 12.7 GiB) and its
     fragmentation the model is 15% over; with the kernel they ran, within 5%."""
-    fused = [r for r in ROWS if r.card == "H100" and r.layout.optimizer_kernel == "fused"]
+    fused = [r for r in ROWS if r.card == "H100" and r.layout.optimizer_kernel == "fused"
+             and r.layout.gpus == 4]
     assert len(fused) >= 2
     for r in fused:
         memory = _predicted(r).memory
@@ -237,7 +244,8 @@ def test_zero3_over_one_rank_is_priced_by_its_copies(monkeypatch) -> None:
 
     h200 = dataclasses.replace(H100, gpu=dataclasses.replace(
         H100.gpu, memory_bandwidth=cluster(4, "H200-141GB", 4).gpu.memory_bandwidth))
-    rows = [r for r in ROWS if r.layout.zero == 3 and r.layout.dp * r.layout.cp == 1]
+    rows = [r for r in ROWS if r.layout.zero == 3 and r.layout.dp * r.layout.cp == 1
+            and r.layout.gpus == 4]
     assert len(rows) >= 5
 
     def errors() -> list[float]:
@@ -344,10 +352,10 @@ def test_the_planner_on_one_h100() -> None:
     defaults; ``card_memory.py --gpus 1``, 2026-12-05 p2), re-predicted now: each ran 10
     steps, the measured fastest is the planner's first, every step within 9% of its
     prediction (measured -2.9% .. +8.8%), and no process under-predicted by the planner's
-    margin (measured -4.8% .. +10.1%). The live tensors are predicted to 0.2%; the
-    allocator's reserve over them is what varies: the first layout (micro-batches of 8)
-    kept 6.1 GiB above its live peak, where the 4-GPU fit gives 1.8 (its reserve 7.1%
-    under). These rows are not in the fit (``reserve_fit.py`` reads the 4-GPU files)."""
+    margin (measured -5.3% .. +5.8%: one rank's runtime, 1.3 GiB, is exact). The live
+    tensors are predicted to 0.2%; the allocator's reserve over them is what varies: the
+    first layout (micro-batches of 8) kept 6.1 GiB above its live peak, the fit (these
+    rows in it, with its loss-workspace term) gives 2.8."""
     one = cluster(1, "H100-80GB", 1)
     path = RESULTS / "card-memory-defaults-1xH100-2026-12-05p2-planner.json"
     rows = json.loads(path.read_text())["rows"]

@@ -2,7 +2,7 @@
 the CUDA runtime outside PyTorch's caching allocator, and the allocator's reserve over
 the peak of live tensors (blocks it keeps between sizes that do not fit each other).
 Neither comes from a paper: both are fitted to runs of ``python -m minipar train`` on
-4 x H100 80GB and 4 x H200 (``benchmarks/card_memory.py`` records them,
+4 x H100 80GB, 4 x H200 and one H100 (``benchmarks/card_memory.py`` records them,
 ``benchmarks/reserve_fit.py`` fits them; the rows and the errors are in
 docs/benchmarks.md, and ``tests/test_card_memory.py`` holds every prediction to them).
 
@@ -19,9 +19,12 @@ from minipar.model import GPTConfig
 from minipar.theory.layout import Layout
 from minipar.theory.memory import OPTIMIZER_KERNELS, memory_per_stage
 
-# The process's share of the card beyond the caching allocator's reserve (the CUDA
-# context, cuBLAS workspaces, NCCL's buffers), measured on 4 x H100 80GB, torch 2.11, NCCL.
+# The process's share of the card beyond the caching allocator's reserve: the CUDA
+# context and cuBLAS workspaces, and NCCL's buffers for a rank's peers. Measured with
+# torch 2.11 and NCCL on H100 80GB: every rank of 4 x H100 runs, and every run of one
+# rank, whose communicators have no peer (``card_memory.py --gpus 1``).
 CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
+CUDA_RUNTIME_ALONE_BYTES = int(1.3 * 2**30)
 
 
 @dataclass(frozen=True)
@@ -29,13 +32,15 @@ class ReserveFit:
     """The caching allocator's reserve over the live-tensor peak, for one optimizer
     kernel: ``factor`` x live + ``extra`` bytes (ZeRO 0-2) or ``zero3_factor`` x live +
     ``zero3_extra`` (ZeRO-3), plus ``zero1_share`` and, with a pipeline,
-    ``pipeline_share`` of the gradient buffer (ZeRO 0-2).
+    ``pipeline_share`` of the gradient buffer (ZeRO 0-2), plus ``loss_share`` of the
+    loss workspace.
 
     Why those terms: ZeRO-1 frees and remakes its full-size fp32 sum's neighbours every
     step; the multi-tensor AdamW makes and frees a temporary the size of the fp32
     parameters every step, and a pipeline interleaves those blocks with its micro-batches'
     activations; ZeRO-3's per-unit gathers and frees fragment in proportion to what is
-    live."""
+    live; the loss's logits over the vocabulary, the largest blocks a step makes and
+    frees, leave segments that later, smaller tensors split."""
 
     factor: float
     extra: float
@@ -43,21 +48,22 @@ class ReserveFit:
     zero3_extra: float
     zero1_share: float
     pipeline_share: float
+    loss_share: float = 0.0
 
-    def reserved(self, live: int, grads: int, zero: int, pp: int) -> int:
+    def reserved(self, live: int, grads: int, zero: int, pp: int, loss: int = 0) -> int:
         if zero == 3:
-            return int(live * self.zero3_factor + self.zero3_extra)
+            return int(live * self.zero3_factor + self.zero3_extra + self.loss_share * loss)
         share = (self.zero1_share if zero == 1 else 0.0) + (
             self.pipeline_share if pp > 1 else 0.0)
-        return int(live * self.factor + self.extra + share * grads)
+        return int(live * self.factor + self.extra + share * grads + self.loss_share * loss)
 
 
 # Fitted by least squares on the relative error to every recorded row whose reserve
 # stayed 6 GiB under its card's capacity (nearer, the allocator frees its cache and
 # retries), one fit per optimizer kernel; a test checks these are the fit's answer.
 RESERVE_FITS = {
-    "fused": ReserveFit(0.99, 2.314 * 2**30, 1.066, 2.051 * 2**30, 0.392, 0.029),
-    "foreach": ReserveFit(1.063, 0.216 * 2**30, 1.083, 1.704 * 2**30, 0.322, 0.421),
+    "fused": ReserveFit(1.006, 1.353 * 2**30, 1.091, 0.284 * 2**30, 0.334, 0.031, 0.183),
+    "foreach": ReserveFit(1.037, 0.328 * 2**30, 1.09, 0.757 * 2**30, 0.318, 0.518, 0.239),
 }
 # Which fit a kernel's runs follow: only the multi-tensor kernel's full-size temporary
 # changes how the cache fragments (the host's step under offload and the per-tensor loop
@@ -86,8 +92,11 @@ def card_bytes(row: dict, layout: Layout, device: str = "cuda") -> dict[str, int
     if device != "cuda":
         return {"reserved": row["total"], "process": row["total"] + 300 * 2**20}
     reserved = reserve_fit(layout.optimizer_kernel).reserved(
-        row["total"], row.get("grads", 0), layout.zero, layout.pp)
-    return {"reserved": reserved, "process": reserved + CUDA_RUNTIME_BYTES}
+        row["total"], row.get("grads", 0), layout.zero, layout.pp,
+        row.get("loss_workspace", 0))
+    alone = layout.gpus == 1
+    return {"reserved": reserved,
+            "process": reserved + (CUDA_RUNTIME_ALONE_BYTES if alone else CUDA_RUNTIME_BYTES)}
 
 
 def card_peak(cfg: GPTConfig | str, layout: Layout = Layout(), *, device: str = "cuda",
