@@ -28,7 +28,10 @@ never initialised in this process). Sections (``--sections``, comma separated):
   over the 989 TFLOP/s dense bf16 data sheet peak, peak allocated memory, and for the
   dp rows the exposed communication (step time minus a one-GPU step on the same
   per-GPU batch, where nothing is reduced); for pp rows the bubble measured from the
-  executor's synchronised timeline against ``minipar.theory.bubble``.
+  executor's synchronised timeline against ``minipar.theory.bubble``. The pp rows run
+  eager (the default), compiled, and compiled without weight-gradient fusion (one graph
+  a block instead of one between each pair of linears: what a compiled block costs the
+  host per call).
 * ``scaling``: minipar ZeRO-1 tokens/s at 1, 2 and N GPUs, same batch per GPU.
 * ``trace``: ``engine.train(trace=...)`` of a dp2 x pp2 run (and pp2 x tp2) under --out.
 
@@ -936,11 +939,15 @@ def speed_pp(run: Run) -> None:
         speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else ""),
                   minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
                                schedule=sched, virtual=v), "pp")
-        if sched != "zb":  # eager by default (``config.use_compile``): compiled blocks
-            speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else "")
-                      + " compiled", minipar_spec(run, model, n, b, ov, pp=n,
-                                                  microbatches=m, schedule=sched, virtual=v,
-                                                  compile=True), "pp")
+        if sched != "zb":  # eager by default (``config.use_compile``): compiled blocks,
+            # and compiled without the fused weight gradient, whose breaks split a block
+            # into several graphs (one graph a block: the host's cost per call is less)
+            for tag, extra in ((" compiled", {}),
+                               (" compiled no-wgrad-fusion", {"wgrad_fusion": False})):
+                speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else "")
+                          + tag, minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
+                                              schedule=sched, virtual=v, compile=True,
+                                              **extra), "pp")
         speed_row(run, "speed", f"torch pipelining pp{n} {sched}",
                   peer_spec(run, "torch-pp", model, n, b, ov, schedule=sched,
                             microbatches=m), "pp")
