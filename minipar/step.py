@@ -108,8 +108,6 @@ def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
     optimizer states come from it, each rank reading only the shards it needs.
     Records ``build_seconds`` and ``host_peak_bytes`` (resident host memory growth).
     """
-
-
     # imported before measuring: a module's first import costs seconds and tens of MB
     # that are not the build's (a torch optimizer's first construction imports dynamo)
     importlib.import_module("torch._dynamo")
@@ -122,12 +120,10 @@ def build(cfg: TrainConfig, rm: RankMesh, resume=None) -> Parts:
 
 
 def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
-
     mcfg = cfg.model_config()
     full = GPT(mcfg, device="meta")  # shapes only: no rank ever holds the whole model
-    if cfg.ep > 1:  # each MoE layer keeps this rank's experts (parallel/ep.py); tp
-
-        apply_expert_parallel(full, rm.ep)
+    if cfg.ep > 1:  # each MoE layer keeps this rank's experts (parallel/ep.py); tp then
+        apply_expert_parallel(full, rm.ep)  # splits each one
     if cfg.tp > 1:
         apply_tensor_parallel(full, rm.tp, sequence_parallel=cfg.sp)
     if cfg.cp > 1:  # after tp: the cp styles see (and keep) sequence parallelism's slice
@@ -149,12 +145,10 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     if resume is not None:
         values = resume.values(device)
     elif cfg.init_from:
-
         values = HFCheckpoint(cfg.init_from).values(rm.coords.tp, cfg.tp, device)
     else:
         values = init_values(mcfg, cfg.seed, rm.coords.tp, cfg.tp, device)
     if cfg.ep > 1:
-
         values = expert_values(values, rm.ep.rank, cfg.ep)
     for chunk in stage:  # MoE auxiliary losses weigh as their micro-batch's loss
         set_moe_loss_scale(chunk, loss_scale(cfg))
@@ -174,7 +168,6 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     peaks = HeldPeaks()
     sync.observe(peaks)
     if cfg.wgrad_fusion:  # before the executor looks at the modules
-
         fuse_weight_gradients(stage, sync)
     actions = make_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual)
     # The data-parallel layer works through hooks, so the executor runs the chunks.
