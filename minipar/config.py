@@ -70,6 +70,9 @@ class TrainConfig:
     recompute_layers: int | None = option(None, "recompute only the first N blocks of each "
                                           "pipeline chunk (default: all); the others keep "
                                           "their activations")
+    chunked_loss: bool = option(False, "the loss keeps no fp32 copy of the logits: its "
+                                "backward recomputes the softmax a chunk of tokens at a "
+                                "time (parallel/chunked_loss.py; not with --tp > 1)")
     compile: bool | None = option(None, "torch.compile each transformer block (default: on "
                                   "CUDA devices under data parallelism alone, without tp, "
                                   "cp or a pipeline; --no-compile runs them eagerly; "
@@ -190,6 +193,7 @@ class TrainConfig:
                       recompute=self.recompute, recompute_layers=self.recompute_layers,
                       offload=self.offload, dtype=self.dtype, optimizer=self.optimizer,
                       grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order,
+                      chunked_loss=self.chunked_loss,
                       optimizer_kernel=optimizer_kernel(self, on_cuda))
 
     def model_config(self) -> GPTConfig:
@@ -292,6 +296,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.zero == 3 and cfg.schedule == "zb":  # at every pp: W runs at pp = 1 too
         raise ValueError("--zero 3 with --schedule zb is not supported: the split weight "
                          "gradient (W) runs after ZeRO-3 has freed the layer's weights")
+    if cfg.chunked_loss and cfg.tp > 1:
+        raise ValueError("--chunked-loss with --tp > 1 is not supported: tensor parallelism "
+                         "has its own loss over logits split by vocabulary")
     if not (isinstance(cfg.dropout, (int, float)) and 0.0 <= cfg.dropout < 1.0):
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
     check_batch_split(cfg.batch_size, cfg.dp, cfg.microbatches)

@@ -51,6 +51,7 @@ from minipar.hf import HFCheckpoint
 from minipar.mesh import RankMesh
 from minipar.meter import HeldPeaks, HostPeak
 from minipar.model import GPT, set_dropout_key, set_moe_loss_scale
+from minipar.parallel.chunked_loss import apply_chunked_loss
 from minipar.parallel.compile import apply_compile
 from minipar.parallel.cp_plan import apply_context_parallel, shard_batch
 from minipar.parallel.ep import (
@@ -130,6 +131,8 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
         apply_context_parallel(full, rm.cp)
     stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual, cfg.head_layers)
     apply_recompute(stage, cfg.recompute, cfg.recompute_layers)
+    if cfg.chunked_loss:  # the last chunk's loss without fp32 logits
+        apply_chunked_loss(stage)
     if cfg.fp8:  # the blocks' linears (and tp's local products) multiply in float8
         apply_fp8(stage, cfg.fp8, emulate=cfg.fp8_emulate)
     if use_compile(cfg):  # last before data parallelism: its hooks stay outside the graphs

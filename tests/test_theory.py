@@ -341,7 +341,7 @@ def test_a_run_and_the_theory_describe_it_with_one_layout():
     run = dict(dp=2, pp=2, tp=2, cp=2, ep=2, zero=3, microbatches=4, schedule="interleaved",
                virtual=2, head_layers=1, sp=True, recompute="full", recompute_layers=3,
                offload=True, dtype="fp32", optimizer="sgd", grad_dtype="bf16",
-               fp8="tensorwise", order="pp-inside-dp")
+               fp8="tensorwise", order="pp-inside-dp", chunked_loss=True)
     assert set(run) == shared and all(v != getattr(Layout(), k) for k, v in run.items())
     layout = TrainConfig(batch_size=64, **run).layout()
     want = Layout(microbatch_size=8, optimizer_kernel="host", **run)

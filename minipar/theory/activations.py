@@ -12,6 +12,7 @@ the loss backward's fp32 transients on the last stage.
 from __future__ import annotations
 
 from minipar.model import GPTConfig
+from minipar.parallel.chunked_loss import CHUNK_BYTES
 from minipar.theory.models import get_model
 
 ACCOUNTINGS = ("korthikanti", "fused")
@@ -56,7 +57,8 @@ def deferred_weight_grad_bytes(cfg: GPTConfig | str, microbatch_size: int = 1, t
 
 
 def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
-                   accounting: str = "korthikanti", cp: int = 1) -> float:
+                   accounting: str = "korthikanti", cp: int = 1, chunked: bool = False,
+                   dtype_bytes: int = 2) -> float:
     """Bytes the loss's backward allocates on the last stage while all activations live.
 
     ``minipar.model.GPT.loss`` is ``cross_entropy(logits.float())``: its forward stores
@@ -68,11 +70,15 @@ def loss_workspace(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
     peak: ``accounting="fused"`` counts the two gradients, 8 s b V / (t cp) bytes (the
     logits are split over tp by a vocabulary-parallel head; a cp rank's loss covers its
     s / cp tokens only, ``parallel.cp_plan``). The paper's accounting stops at what is
-    stored: 0 there.
+    stored: 0 there. ``chunked`` (``parallel/chunked_loss.py``): the gradient of the
+    logits in their own dtype (``dtype_bytes``) and one chunk's three fp32 temporaries.
     """
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
     if accounting != "fused":
         return 0.0
     cfg = get_model(cfg)
-    return 2 * (cfg.seq_len // cp) * microbatch_size * cfg.vocab_size * 4 / tp
+    logits = (cfg.seq_len // cp) * microbatch_size * cfg.vocab_size / tp
+    if chunked:
+        return logits * dtype_bytes + 3 * min(CHUNK_BYTES, 4 * logits)
+    return 2 * logits * 4

@@ -43,6 +43,7 @@ class Layout:
     optimizer_kernel: str = "fused"
     grad_dtype: str = "fp32"  # where 16-bit gradients are summed and reduced
     fp8: str | None = None  # the blocks' linears in float8: rowwise or tensorwise
+    chunked_loss: bool = False  # the loss keeps no fp32 logits (``parallel/chunked_loss``)
     order: str = "megatron"  # how ranks map to mesh coordinates (``minipar.mesh``)
 
     @property
@@ -73,7 +74,8 @@ class Layout:
             f" recompute={self.recompute}" if self.recompute != "none" else "") + (
             f" recompute-layers={self.recompute_layers}"
             if self.recompute_layers is not None else "") + (
-            f" head-layers={self.head_layers}" if self.head_layers else "")
+            f" head-layers={self.head_layers}" if self.head_layers else "") + (
+            " chunked-loss" if self.chunked_loss else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
         # the kernel only where it is not the default's (fused; offload's host step)
@@ -104,6 +106,7 @@ class Layout:
         flags += ["--grad-dtype", self.grad_dtype] if self.grad_dtype != "fp32" else []
         flags += ["--order", self.order] if self.order != "megatron" else []
         flags += ["--fp8", self.fp8] if self.fp8 else []
+        flags += ["--chunked-loss"] if self.chunked_loss else []
         return flags + ["--dtype", self.dtype]
 
     def command(self, model: str, backend: str = "nccl") -> str:

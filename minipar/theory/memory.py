@@ -344,6 +344,8 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     if stage == pp - 1:  # minipar's ZB-H1 frees the fp32 logits with B (W needs only the
         last = edge_activations(cfg, "last", b, tp, sp, dtype, accounting)
         loss = last.pop("logits (fp32, for the loss)")  # head's input): 1F1B's one
+        if layout.chunked_loss:  # the logits kept as the head made them, no fp32 copy
+            loss *= _act_bytes(dtype) / 4
         total += whole * sum(last.values()) + (1 if schedule == "zb" and fused else whole) * loss
     return total
 
@@ -460,7 +462,8 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             row["optimizer"] = 0  # master shard, states and step on the host
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
         if accounting == "fused" and cfg is not None:  # the paper's rows stay as they were
-            ws = loss_workspace(cfg, b, tp, accounting, cp) if s == pp - 1 else 0
+            ws = loss_workspace(cfg, b, tp, accounting, cp, layout.chunked_loss,
+                                _act_bytes(dtype)) if s == pp - 1 else 0
             row["loss_workspace"] = int(round(ws))
             row["grads"] = _minipar_grads(row["grads"], n, shard, zero, dtype,
                                           layout.grad_dtype, m)
