@@ -1325,11 +1325,19 @@ def _exposed(spans: list[tuple[float, float]], under: list[tuple[float, float]])
 
 # --- lesson 08: ring attention measured, and the merge inside a layer -----------------
 def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 4096, 64),
-                repeats: int = 5) -> dict:
+                repeats: int = 10) -> dict:
     """Run on each rank of a cp group: this thread's CPU seconds inside the attention blocks
     of a ring-attention forward (the least of ``repeats``; one compute thread, and its own
     CPU time only: not the communication threads', nor other processes' on a loaded
-    machine) and the sends it counted. ``shape``: (batch, heads, sequence, head dim)."""
+    machine) and the sends it counted. ``shape``: (batch, heads, sequence, head dim).
+
+    One rank computes a block at a time (a file lock around each): on a laptop's two
+    cores, ranks computing together slow each other unevenly (two threads on one core's
+    hyperthreads each take longer per block), and the spread would measure the scheduler,
+    not the split. The sends and waits between blocks are untouched."""
+    import fcntl
+    import os
+    import tempfile
     import time
 
     import torch
@@ -1340,11 +1348,14 @@ def ring_timing(layout: str, shape: tuple[int, int, int, int] = (1, 4, 4096, 64)
     torch.set_num_threads(1)
     comm = Comm(dim="cp")
     plain, busy = cp.block_forward, [0.0]
+    lock = os.path.join(tempfile.gettempdir(), "minipar-ring-timing.lock")
 
     def timed(*args, **kwargs):
-        t = time.thread_time()
-        out = plain(*args, **kwargs)
-        busy[0] += time.thread_time() - t
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            t = time.thread_time()
+            out = plain(*args, **kwargs)
+            busy[0] += time.thread_time() - t
         return out
 
     cp.block_forward = timed  # this rank's process only
