@@ -169,19 +169,14 @@ def section_slice(run: multigpu.Run) -> None:
                         ("eager, no wgrad fusion", ["--no-compile", "--no-wgrad-fusion"])):
         cli_row(run, f"minipar {small} x6 m16 {what}", small, 32,
                 ["--microbatches", "16", *extra], layers=6, section="slice")
+    if not run.cuda:
+        run.row("slice", "snapshots", lambda: {"status": "skipped", "reason": "needs CUDA"})
+        return
     for recipe in (None, "rowwise"):
-        name = f"memory {big} x6 full recompute compiled {recipe or 'bf16'}"
-        if not run.cuda:
-            run.row("slice", name, lambda: {"status": "skipped", "reason": "needs CUDA"})
-            continue
         spec = multigpu.minipar_spec(run, big, 1, 4, overrides={"n_layer": 6}, compile=True,
                                      recompute="full", fp8=recipe)
-
-        def go(spec=spec) -> dict:
-            res = run.launch(_snapshot_rank, 1, spec, None, cap=run.timeout(300.0))
-            return next(r for r in res if r)
-
-        run.row("slice", name, go)
+        snapshot_row(run, "slice", f"memory {big} x6 full recompute compiled "
+                     f"{recipe or 'bf16'}", spec, 300.0)
 
 
 # --- memory: one rank's allocations replayed to the peak --------------------------------
@@ -263,14 +258,22 @@ def section_memory(run: multigpu.Run) -> None:
              ("FSDP2 + checkpointing, fused AdamW", multigpu.peer_spec(
                  run, "fsdp2", model, n, 4 * n, recompute=True, fused=True))]
     for name, spec in specs:
-        keep = (os.path.join(run.args.out, name.replace(" ", "_") + ".pickle")
-                if run.args.keep_snapshots else None)
+        snapshot_row(run, "memory", f"{name} {model} dp{n} zero3 full recompute", spec, 540.0,
+                     keep=name)
 
-        def go(spec=spec, keep=keep) -> dict:
-            res = run.launch(_snapshot_rank, n, spec, keep, cap=run.timeout(540.0))
-            return next(r for r in res if r)
 
-        run.row("memory", f"{name} {model} dp{n} zero3 full recompute", go)
+def snapshot_row(run: multigpu.Run, section: str, name: str, spec: dict, cap: float,
+                 keep: str | None = None) -> None:
+    """One row of rank 0's snapshot replayed to its peak (``_snapshot_rank``); the raw
+    snapshot kept as ``keep``.pickle beside the JSON with ``--keep-snapshots``."""
+    path = (os.path.join(run.args.out, keep.replace(" ", "_") + ".pickle")
+            if keep and run.args.keep_snapshots else None)
+
+    def go() -> dict:
+        res = run.launch(_snapshot_rank, spec["world"], spec, path, cap=run.timeout(cap))
+        return next(r for r in res if r)
+
+    run.row(section, name, go)
 
 
 def main() -> int:

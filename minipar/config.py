@@ -412,10 +412,15 @@ def predicted_bytes(cfg: TrainConfig, model: GPTConfig, stage: int | None = None
     return card_peak(model, layout, device=device, stage=stage)["process"]
 
 
+def _local_ranks(cfg: TrainConfig) -> int:
+    """The ranks this machine runs: torchrun's ``LOCAL_WORLD_SIZE``, else all of them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+
+
 def machine_memory(cfg: TrainConfig) -> tuple[str, int, int]:
     """(what, bytes, ranks sharing it): one GPU's memory under CUDA (ranks spread over
     the GPUs), else the host's physical memory, which every local rank shares."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    local = _local_ranks(cfg)
     if device_for(cfg).type == "cuda":
         gpus = torch.cuda.device_count()
         size = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
@@ -458,7 +463,7 @@ def _check_host_fits(cfg: TrainConfig, model: GPTConfig) -> None:
     layout = cfg.layout("cuda")
     rows = memory_per_stage(model, layout, accounting="fused", stages=sorted({0, cfg.pp - 1}))
     per_rank = max(r["host"] for r in rows)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    local = _local_ranks(cfg)
     have = doctor.host_memory()[0]
     if per_rank * local <= have:
         return
