@@ -31,7 +31,7 @@ from minipar.theory.card import MEMORY_MARGIN
 from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_breakdown
 from minipar.theory.params import mfu
-from minipar.theory.planner import plan
+from minipar.theory.planner import HOST_SHORT, plan
 
 __all__ = ["build_parser", "main", "parse_count", "train_config"]
 
@@ -313,7 +313,7 @@ def _cmd_bubble(args) -> int:
 def _cmd_plan(args) -> int:
     cfg = _model_from_args(args)
     checks.cluster(args.gpus, args.gpu, args.gpus_per_node, args.batch, args.top,
-                   args.memory_margin, clusters.GPUS)
+                   args.memory_margin, clusters.GPUS, args.host_memory)
     calib = clusters.load_calibration(args.calibrate) if args.calibrate else None
     if args.gpus or calib:  # a calibrated machine: its GPUs, one node, unless told
         gpus = args.gpus or int(calib.get("gpus", 1))
@@ -324,6 +324,9 @@ def _cmd_plan(args) -> int:
         where = clusters.get_cluster(args.cluster)
     if calib:
         where = clusters.calibrated(where, calib)
+    if args.host_memory:
+        where = where.with_(host_memory=int(args.host_memory * 2**30))
+    if calib:
         rates = ", ".join(f"{op} {bw / 1e9:.0f} GB/s + {lat * 1e6:.0f} us"
                           for op, lat, bw in where.links)
         print(f"calibrated ({args.calibrate}): matmul {where.matmul_rate / 1e12:.0f} TFLOP/s"
@@ -357,6 +360,9 @@ def _offload_hint(cfg, where, args, model_flags: str) -> None:
     host) would, and what it would cost: the first such layout and its command."""
     spilled = plan(cfg, where, args.batch, offload=True, memory_margin=args.memory_margin)
     if not spilled.layouts:
+        if HOST_SHORT in spilled.examples:
+            print(f"\nNor does --offload fit: its host states exceed the node's "
+                  f"{where.host_memory / 2**30:.0f} GiB (e.g. {spilled.examples[HOST_SHORT]})")
         return
     est = spilled.best
     print(f"\nWith --offload {len(spilled.layouts)} layouts fit (ZeRO-Offload: the fp32 "
@@ -364,8 +370,10 @@ def _offload_hint(cfg, where, args, model_flags: str) -> None:
           "first:\n"
           f"  {est.layout.label()}: {est.step_time:.3g} s a step, "
           f"{est.memory['process'] / 2**30:.1f} GiB per GPU, "
-          f"{est.memory['host'] / 2**30:.0f} GiB of host memory per rank\n"
-          f"  {est.layout.command(args.model)}{model_flags}")
+          f"{est.memory['host'] / 2**30:.0f} GiB of host memory per rank"
+          + (f" (x {where.gpus_per_node} a node)" if where.gpus_per_node > 1 else "")
+          + ("" if where.host_memory else ", not checked against a host: --host-memory GIB")
+          + f"\n  {est.layout.command(args.model)}{model_flags}")
 
 
 def _model_flags(args) -> str:
@@ -432,6 +440,9 @@ def _add_theory(sub) -> None:
     p.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN,
                    help="share of each GPU's memory a layout leaves free (default "
                    f"{MEMORY_MARGIN}: the largest under-prediction measured on 4 x H100)")
+    p.add_argument("--host-memory", type=float, metavar="GIB", help="host memory of a node "
+                   "(GiB), which --offload's states must fit (default: the named clusters' "
+                   "data sheet; not checked for --gpus)")
     p.add_argument("--calibrate", metavar="FILE", help="measured rates of a machine "
                    "(benchmarks/multigpu.py --sections calibrate) instead of the preset's")
 

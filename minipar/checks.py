@@ -12,6 +12,7 @@ Output paths are checked *before* a run because a run can take an hour: a typo i
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import tempfile
 from collections.abc import Collection
@@ -175,9 +176,10 @@ def bubble(schedule: str, pp: int, microbatches: int, virtual: int) -> bool:
 
 
 def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
-            top: int, memory_margin: float, known_gpus: Collection[str]) -> None:
+            top: int, memory_margin: float, known_gpus: Collection[str],
+            host_memory_gib: float | None = None) -> None:
     """``plan``'s cluster flags: a GPU of ``known_gpus`` (``theory.clusters.GPUS``),
-    positive counts, a share of memory to leave free in [0, 1)."""
+    positive counts, a share of memory to leave free in [0, 1), a positive host memory."""
     for flag, value in (("gpus", gpus), ("gpus-per-node", gpus_per_node), ("batch", batch),
                         ("top", top)):
         positive(flag, value)
@@ -189,6 +191,9 @@ def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
     if not 0 <= memory_margin < 1:
         raise ValueError(f"--memory-margin must be in [0, 1) (a share of each GPU's memory "
                          f"left free), got {memory_margin!r}")
+    if host_memory_gib is not None and not 0 < host_memory_gib < math.inf:
+        raise ValueError(f"--host-memory must be a positive number of GiB (a node's host "
+                         f"memory), got {host_memory_gib!r}")
 
 
 def oversubscription(world_size: int) -> str | None:

@@ -31,9 +31,8 @@ from minipar.parallel.fp8 import check_fp8
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
-from minipar.theory.card import card_peak
+from minipar.theory.card import card_peak, host_fit
 from minipar.theory.layout import Layout
-from minipar.theory.memory import memory_per_stage
 from minipar.theory.planner import plan
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -458,14 +457,12 @@ def check_fits(cfg: TrainConfig, model: GPTConfig) -> None:
 def _check_host_fits(cfg: TrainConfig, model: GPTConfig) -> None:
     """``--offload`` on GPUs: what the host keeps for every rank of this machine (fp32
     master, gradient and AdamW moments of each rank's shard, the upload buffer:
-    ``theory.offload.zero_offload_memory``) must fit its physical memory, or the kernel's
-    out-of-memory killer ends a rank mid-step. Refused in one line, with the numbers."""
-    layout = cfg.layout("cuda")
-    rows = memory_per_stage(model, layout, accounting="fused", stages=sorted({0, cfg.pp - 1}))
-    per_rank = max(r["host"] for r in rows)
-    local = _local_ranks(cfg)
-    have = doctor.host_memory()[0]
-    if per_rank * local <= have:
+    ``theory.card.card_peak``'s ``host``) must fit its physical memory
+    (``theory.card.host_fit``, the planner's test), or the kernel's out-of-memory killer
+    ends a rank mid-step. Refused in one line, with the numbers."""
+    per_rank = card_peak(model, cfg.layout("cuda"))["host"]
+    local, have = _local_ranks(cfg), doctor.host_memory()[0]
+    if host_fit(per_rank, local, have):
         return
     gib = 2**30
     raise ValueError(

@@ -610,3 +610,35 @@ def test_plan_says_what_offload_would_fit_where_nothing_does(capsys) -> None:
         assert main(["plan", "--model", model, "--gpus", "1", "--gpu", "H100-80GB",
                      "--batch", "8"]) == 0
         assert "With --offload" not in capsys.readouterr().out
+
+
+def test_offload_layouts_fit_the_node_s_host_memory(capsys) -> None:
+    """An offload layout keeps each rank's fp32 states on the host (``card_peak``'s
+    ``host``: the busiest stage's, here the head's); the planner takes it only where every
+    rank of a node fits the node's memory (``card.host_fit``, ``train``'s test too), and
+    says why it left the others out. gpt-6.7b on one H100: 112 GiB of host states, so a
+    128 GiB host fits it and a 100 GiB one does not, which ``plan`` says in one line.
+    The named DGX clusters carry their data sheet's 2 TB."""
+    from minipar.__main__ import main
+    from minipar.theory.card import card_peak, host_fit
+    from minipar.theory.planner import HOST_SHORT
+
+    one = cluster(1, "H100-80GB")
+    assert one.host_memory == 0 and get_cluster("dgx-h100").host_memory == 2 * 10**12
+    lay = Layout(pp=2, microbatches=4, offload=True, optimizer_kernel="host")
+    stages = [card_peak("gpt-6.7b", lay, stage=s)["host"] for s in (0, 1)]
+    assert card_peak("gpt-6.7b", lay)["host"] == max(stages) and stages[0] != stages[1]
+    assert host_fit(10, 4, 40) and not host_fit(10, 4, 39) and host_fit(10**15, 8, 0)
+
+    roomy = plan("gpt-6.7b", one.with_(host_memory=128 * 2**30), 32, offload=True)
+    short = plan("gpt-6.7b", one.with_(host_memory=100 * 2**30), 32, offload=True)
+    assert roomy.layouts and all(112 * 2**30 > x.memory["host"] > 111 * 2**30
+                                 for x in roomy.layouts[:1])
+    assert not short.layouts and short.rejected[HOST_SHORT] == 24
+    assert "112 GiB a rank x 1" in short.examples[HOST_SHORT]
+    assert main(["plan", "--model", "gpt-6.7b", "--gpus", "1", "--gpu", "H100-80GB",
+                 "--batch", "32", "--host-memory", "100"]) == 0
+    text = capsys.readouterr().out
+    assert "With --offload" not in text
+    assert text.rstrip().splitlines()[-1].startswith(
+        "Nor does --offload fit: its host states exceed the node's 100 GiB (e.g. tp=1")

@@ -247,6 +247,8 @@ CASES = [
     ("memory margin nan", "plan --memory-margin nan", "--memory-margin must be in [0, 1)"),
     ("memory margin 1", "plan --memory-margin 1", "left free), got 1.0"),
     ("memory margin negative", "plan --memory-margin -0.5", "got -0.5"),
+    ("host memory zero", "plan --host-memory 0", "--host-memory must be a positive number"),
+    ("host memory inf", "plan --host-memory inf", "of GiB (a node's host memory), got inf"),
     ("calibrate missing", "plan --calibrate " + NOWHERE_DIR + "/c.json",
      "--calibrate " + NOWHERE_DIR + "/c.json: no such file"),
     ("calibrate not json", "plan --calibrate {text}", "not a readable calibration JSON"),

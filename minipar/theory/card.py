@@ -6,9 +6,10 @@ Neither comes from a paper: both are fitted to runs of ``python -m minipar train
 ``benchmarks/reserve_fit.py`` fits them; the rows and the errors are in
 docs/benchmarks.md, and ``tests/test_card_memory.py`` holds every prediction to them).
 
-``card_peak`` is the one answer to "does this layout fit this card": the planner prices
-layouts with it, and ``train`` checks a run against the device with it before the first
-step. ``MEMORY_MARGIN`` is the headroom a plan keeps on top.
+``card_peak`` is the one answer to "does this layout fit this card" (and ``host_fit``,
+under ``--offload``, to "do its host states fit the node"): the planner prices layouts
+with them, and ``train`` checks a run against the device and its host with them before
+the first step. ``MEMORY_MARGIN`` is the headroom a plan keeps on top.
 """
 
 from __future__ import annotations
@@ -109,4 +110,16 @@ def card_peak(cfg: GPTConfig | str, layout: Layout = Layout(), *, device: str = 
     rows = memory_per_stage(cfg, layout, accounting=accounting, stages=stages)
     for row in rows:
         row.update(card_bytes(row, layout, device))
-    return max(rows, key=lambda r: r["process"])
+    busiest = max(rows, key=lambda r: r["process"])
+    if layout.offload:  # the host's busiest rank may be another stage's (the head's)
+        busiest["host"] = max(r["host"] for r in rows)
+    return busiest
+
+
+def host_fit(host_per_rank: int, ranks_per_node: int, host_memory: int) -> bool:
+    """Whether ``--offload``'s host states (``card_peak``'s ``host``: each rank's fp32
+    master, gradient and AdamW moments and its upload buffer) of every rank of a node
+    fit the node's ``host_memory`` bytes; 0: not known, not checked. The planner and
+    ``train``'s fit check both ask this: past it, the kernel's out-of-memory killer ends
+    a rank mid-step."""
+    return not host_memory or host_per_rank * ranks_per_node <= host_memory

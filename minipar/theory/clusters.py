@@ -93,6 +93,9 @@ class Cluster:
     host_s_per_layer: float = 0.0
     # ZeRO-Offload's host AdamW, parameters a second per rank (0: ``theory.offload``'s)
     host_adam_params_per_s: float = 0.0
+    # bytes of host memory a node has, which ``--offload``'s states share (0: not known,
+    # not checked): the DGX data sheets' for the named clusters, ``plan --host-memory``
+    host_memory: int = 0
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -282,13 +285,13 @@ def get_cluster(name_or_cluster: str | Cluster) -> Cluster:
                          f"{sorted(CLUSTERS)} or build one with cluster(...)") from None
 
 
+# Host memory per node, from the data sheets: DGX A100 (640 GB) and DGX H100/H200 2 TB.
+DGX_HOST_MEMORY = 2 * 10**12
+
 CLUSTERS: dict[str, Cluster] = {
-    "dgx-a100": cluster(8, "A100-80GB", name="dgx-a100"),
-    "a100x64": cluster(64, "A100-80GB", name="a100x64"),
-    "a100x1024": cluster(1024, "A100-80GB", name="a100x1024"),
-    "a100x4096": cluster(4096, "A100-80GB", name="a100x4096"),
-    "dgx-h100": cluster(8, "H100-80GB", name="dgx-h100"),
-    "h100x64": cluster(64, "H100-80GB", name="h100x64"),
-    "h100x1024": cluster(1024, "H100-80GB", name="h100x1024"),
-    "h200x8": cluster(8, "H200-141GB", name="h200x8"),
+    name: cluster(gpus, gpu, name=name, host_memory=DGX_HOST_MEMORY)
+    for name, gpus, gpu in (("dgx-a100", 8, "A100-80GB"), ("a100x64", 64, "A100-80GB"),
+                            ("a100x1024", 1024, "A100-80GB"), ("a100x4096", 4096, "A100-80GB"),
+                            ("dgx-h100", 8, "H100-80GB"), ("h100x64", 64, "H100-80GB"),
+                            ("h100x1024", 1024, "H100-80GB"), ("h200x8", 8, "H200-141GB"))
 }

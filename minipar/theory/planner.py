@@ -64,7 +64,7 @@ from functools import cache, lru_cache
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
 from minipar.theory.bubble import partition_layers, pipeline_seconds
-from minipar.theory.card import MEMORY_MARGIN, card_peak
+from minipar.theory.card import MEMORY_MARGIN, card_peak, host_fit
 from minipar.theory.clusters import Cluster, get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
@@ -79,6 +79,8 @@ from minipar.theory.params import (
 )
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
 
+# The rejection of a ZeRO-Offload layout whose host states do not fit the node
+HOST_SHORT = "offload's host states exceed the node's memory"
 TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update", "host")
 # NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
 # on 4 x H100 (benchmarks/multigpu.py, docs/benchmarks.md): gpt-13b ZeRO-3 at micro-batch
@@ -254,10 +256,14 @@ def card_fit(cfg: GPTConfig, cluster: Cluster, layout: Layout, *,
              memory_margin: float = MEMORY_MARGIN, accounting: str = "fused",
              **_: object) -> tuple[dict, bool]:
     """(``card.card_peak`` of ``layout``, whether its ``process`` bytes stay under the
-    GPU's memory less ``memory_margin`` of it): ``evaluate``'s memory and fit test.
-    Other ``evaluate`` settings are accepted and ignored."""
+    GPU's memory less ``memory_margin`` of it and, under offload, its host states under
+    the node's: ``card.host_fit``): ``evaluate``'s memory and fit test. Other
+    ``evaluate`` settings are accepted and ignored."""
     mem = card_peak(cfg, layout, accounting=accounting)
-    return mem, mem["process"] <= (1 - memory_margin) * cluster.gpu_memory
+    fits = mem["process"] <= (1 - memory_margin) * cluster.gpu_memory
+    if layout.offload:
+        fits = fits and host_fit(mem["host"], cluster.gpus_per_node, cluster.host_memory)
+    return mem, fits
 
 
 def zero3_local_seconds(n_params: int, microbatches: int, cluster: Cluster) -> float:
@@ -456,6 +462,12 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                     offload=True, optimizer_kernel="host"), **settings)
                             if est.fits:
                                 layouts.append(est)
+                            elif est.layout.offload and not host_fit(
+                                    est.memory["host"], cluster.gpus_per_node,
+                                    cluster.host_memory):
+                                reject(HOST_SHORT,
+                                       f"{est.layout.label()}: {est.memory['host'] / 2**30:.0f}"
+                                       f" GiB a rank x {cluster.gpus_per_node}")
                             else:
                                 reject("does not fit in memory", est.layout.label())
                                 if (smallest is None
