@@ -181,8 +181,9 @@ class TrainConfig:
     def layout(self, device: str | None = None) -> Layout:
         """What the theory prices of this run (``theory.layout.Layout``): its sizes, ZeRO
         stage, batch split (a micro-batch is batch / (dp x microbatches) sequences),
-        schedule, recomputation, offload, precision and the optimizer's kernel on
-        ``device`` ("cuda" or "cpu"; default: the run's, ``optimizer_kernel``)."""
+        schedule, recomputation, offload, precision, compilation and the optimizer's
+        kernel on ``device`` ("cuda" or "cpu"; default: the run's, ``optimizer_kernel``,
+        ``use_compile``)."""
         on_cuda = uses_cuda(self) if device is None else device == "cuda"
         return Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep,
                       zero=self.zero, microbatch_size=max(1, self.batch_size
@@ -192,7 +193,7 @@ class TrainConfig:
                       recompute=self.recompute, recompute_layers=self.recompute_layers,
                       offload=self.offload, dtype=self.dtype, optimizer=self.optimizer,
                       grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order,
-                      chunked_loss=self.chunked_loss,
+                      chunked_loss=self.chunked_loss, compiled=use_compile(self, on_cuda),
                       optimizer_kernel=optimizer_kernel(self, on_cuda))
 
     def model_config(self) -> GPTConfig:
@@ -345,9 +346,10 @@ def _check_recompute_layers(cfg: TrainConfig) -> None:
                          "blocks to recompute, and how)")
 
 
-def use_compile(cfg: TrainConfig) -> bool:
-    """Whether the blocks run compiled: ``--compile`` / ``--no-compile``, else on CUDA
-    devices where compilation applies (no dropout, whose per-step mask keys would
+def use_compile(cfg: TrainConfig, on_cuda: bool | None = None) -> bool:
+    """Whether the blocks run compiled (on CUDA devices when ``on_cuda``, default: the
+    run's own): ``--compile`` / ``--no-compile``, else on CUDA devices where compilation
+    applies (no dropout, whose per-step mask keys would
     recompile every step; not the zero-bubble schedule, whose split weight gradient runs
     at pp = 1 too) and has paid on a GPU: data parallelism alone. Under a pipeline
     compiled blocks stepped slower than eager ones: a compiled block, split into several
@@ -356,7 +358,8 @@ def use_compile(cfg: TrainConfig) -> bool:
     cp and pipeline blocks compile when asked."""
     if cfg.compile is not None:
         return cfg.compile
-    return (uses_cuda(cfg) and not cfg.dropout and cfg.schedule != "zb" and cfg.pp == 1
+    on_cuda = uses_cuda(cfg) if on_cuda is None else on_cuda
+    return (on_cuda and not cfg.dropout and cfg.schedule != "zb" and cfg.pp == 1
             and cfg.tp == 1 and cfg.cp == 1)
 
 

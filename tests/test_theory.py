@@ -334,18 +334,19 @@ def test_a_run_and_the_theory_describe_it_with_one_layout():
     and not passed on keeps the ``Layout`` default, which no value below has. A
     micro-batch is batch / (dp x micro-batches); ``with_batch`` goes the other way. The
     optimizer's kernel is the run's (``config.optimizer_kernel``): the host's under
-    offload."""
+    offload; so is compilation (``config.use_compile``)."""
     shared = {f.name for f in fields(Layout)} & {f.name for f in fields(TrainConfig)}
-    derived = {"microbatch_size", "optimizer_kernel"}
+    derived = {"microbatch_size", "optimizer_kernel", "compiled"}
     assert shared == {f.name for f in fields(Layout)} - derived
     run = dict(dp=2, pp=2, tp=2, cp=2, ep=2, zero=3, microbatches=4, schedule="interleaved",
                virtual=2, head_layers=1, sp=True, recompute="full", recompute_layers=3,
                offload=True, dtype="fp32", optimizer="sgd", grad_dtype="bf16",
                fp8="tensorwise", order="pp-inside-dp", chunked_loss=True)
     assert set(run) == shared and all(v != getattr(Layout(), k) for k, v in run.items())
-    layout = TrainConfig(batch_size=64, **run).layout()
-    want = Layout(microbatch_size=8, optimizer_kernel="host", **run)
+    layout = TrainConfig(batch_size=64, compile=True, **run).layout()
+    want = Layout(microbatch_size=8, optimizer_kernel="host", compiled=True, **run)
     assert layout == want and layout.global_batch == 64
+    assert not TrainConfig(**run).layout().compiled  # CPU: eager unless asked
     assert {layout: 1}[want] == 1  # frozen: a cache key
     assert Layout(dp=2, microbatch_size=2).with_batch(16).microbatches == 4
     with pytest.raises(ValueError, match="not divisible"):

@@ -5,9 +5,9 @@ The memory model (``memory.memory_per_stage``), the traffic model
 planner's search all describe a run by the same settings: the parallel sizes (data,
 pipeline, tensor, context, expert), the ZeRO stage, the batch split (micro-batch size
 and count), the pipeline schedule, sequence parallelism, recomputation, offload, the
-precision and the optimizer's kernel. ``Layout`` names them once (by default one GPU,
-bf16 mixed-precision Adam stepped by torch's fused kernel, the CUDA default),
-so a lesson reads ``memory_per_stage("gpt-13b", Layout(dp=4, zero=3))``. It is frozen:
+precision, compilation and the optimizer's kernel. ``Layout`` names them once (by
+default one GPU, bf16 mixed-precision Adam stepped by torch's fused kernel, the CUDA
+default), so a lesson reads ``memory_per_stage("gpt-13b", Layout(dp=4, zero=3))``. It is frozen:
 a plain value that is hashable (a cached function may take it) and is changed by
 copying (``with_``). A run's own is ``TrainConfig.layout()`` (``minipar.config``).
 """
@@ -44,6 +44,7 @@ class Layout:
     grad_dtype: str = "fp32"  # where 16-bit gradients are summed and reduced
     fp8: str | None = None  # the blocks' linears in float8: rowwise or tensorwise
     chunked_loss: bool = False  # the loss keeps no fp32 logits (``parallel/chunked_loss``)
+    compiled: bool = False  # blocks through torch.compile (``parallel/compile.py``)
     order: str = "megatron"  # how ranks map to mesh coordinates (``minipar.mesh``)
 
     @property

@@ -124,7 +124,8 @@ def model_states(n_params: int, dp: int = 1, zero: int = 0, dtype: str = "bf16",
 # --- activations -----------------------------------------------------------------------
 def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
                       sp: bool = False, recompute: str = "none", dtype: str = "bf16",
-                      accounting: str = "korthikanti", cp: int = 1) -> dict[str, float]:
+                      accounting: str = "korthikanti", cp: int = 1,
+                      float8_compiled: bool = False) -> dict[str, float]:
     """Bytes one transformer layer stores for backward, per micro-batch, on one tp rank.
 
     Korthikanti et al. 2022, Sec. 4.1 and Table 2 (s sequence, b micro-batch, h hidden,
@@ -149,6 +150,15 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
     matrices, only the softmax statistics (fp32, a*s*b); dropout masks only when
     ``cfg.dropout > 0``; and the layer norms' saved mean and 1/std (fp32, 4sb), which
     the paper leaves out.
+
+    ``float8_compiled``: the block's linears multiply in float8 (``parallel/fp8.py``) and
+    the block is compiled, one graph. The compiler's partitioner (AOTAutograd's min-cut)
+    then keeps neither layer norm's output nor GELU's: in the backward their consumers are
+    float8 casts, into which it fuses their recomputation from what is kept anyway (the
+    layer norms' inputs and statistics, GELU's input). A 16-bit linear's consumer there
+    is a matrix multiply, which fuses nothing, so those stay. 12 bytes a token and hidden
+    unit less (of 32): counted on a compiled block's saved tensors (``tests/test_fp8.py``)
+    and measured on one H100 (``tests/test_card_memory.py``, docs/benchmarks.md).
     """
     cfg = get_model(cfg)
     if recompute not in RECOMPUTE:
@@ -187,6 +197,10 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
     items["fc input (ln2 output)"] = sbh * e / rep
     items["gelu input"] = s * b * f * e / tp
     items["mlp proj input (gelu output)"] = s * b * f * e / tp
+    if float8_compiled:  # recomputed in the backward, fused into the float8 casts
+        for item in ("qkv input (ln1 output)", "fc input (ln2 output)",
+                     "mlp proj input (gelu output)"):
+            del items[item]
     if drop:
         items["mlp residual dropout mask"] = sbh * 1 / rep
     if fused:
@@ -317,8 +331,12 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
                             layout.dtype)
     pp, virtual, head, schedule = layout.pp, layout.virtual, layout.head_layers, layout.schedule
 
+    # (tp's float8 linears gather or keep their inputs themselves: not counted as gone)
+    float8_compiled = layout.fp8 is not None and layout.compiled and tp == 1
+
     def per_layer(mode: str) -> float:
-        return sum(layer_activations(cfg, b, tp, sp, mode, dtype, accounting, cp).values())
+        return sum(layer_activations(cfg, b, tp, sp, mode, dtype, accounting, cp,
+                                     float8_compiled).values())
     chunks = inflight(schedule, pp, layout.microbatches, stage, virtual)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
     # per chunk (a mean over the stage's chunks): the blocks that recompute, and the rest

@@ -1,0 +1,87 @@
+"""What one transformer block keeps for its backward, tensor by tensor, eager and compiled.
+
+The memory model (``minipar.theory.memory.layer_activations``) lists what a block keeps;
+this counts what it does keep. Every tensor the forward saves for the backward (through
+``torch.autograd.graph.saved_tensors_hooks``: autograd's own saves, a custom function's
+and a compiled graph's alike), the weights and their views aside, once per storage, in
+bytes a token and hidden unit. Compiled, the kept set is the partitioner's choice
+(AOTAutograd's min-cut with inductor's fusion rules), which differs from eager's: with
+float8 linears it recomputes the layer norms' and GELU's outputs in the backward instead
+of keeping them.
+
+    python benchmarks/block_saved.py                  # CPU (inductor generates C++)
+    python benchmarks/block_saved.py --hidden 5120 --heads 40 --tokens 8192 --device cuda
+
+On CUDA the float8 GEMMs are real (``torch._scaled_mm``); on a CPU they are emulated,
+with the same casts and therefore the same saved tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+from minipar.model import Block, get_config
+from minipar.parallel.compile import CompiledBlock
+from minipar.parallel.fp8 import apply_fp8
+
+
+def saved_bytes(hidden: int, heads: int, tokens: int, recipe: str | None, compiled: bool,
+                device: str = "cpu") -> dict:
+    """The bytes one bf16 block of ``hidden`` units (a GPT block, d_ff = 4 hidden) keeps
+    for a sequence of ``tokens``, its linears in float8 (``recipe``) or not, compiled by
+    inductor or eager: the total, per token and hidden unit, and each tensor kept."""
+    torch.manual_seed(0)
+    cfg = get_config("tiny").with_(d_model=hidden, n_head=heads, d_ff=4 * hidden,
+                                   seq_len=tokens, dropout=0.0)
+    block, holder = Block(cfg).to(device, torch.bfloat16), nn.Module()
+    holder.blocks = nn.ModuleList([block])
+    if recipe:
+        apply_fp8([holder], recipe, emulate=device == "cpu")
+    run = CompiledBlock(block, "inductor") if compiled else block
+    kept: dict[int, tuple] = {}
+    weights = {w.untyped_storage().data_ptr() for w in block.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:  # (a linear saves its weight, or a view)
+            kept[storage.data_ptr()] = (list(t.shape), str(t.dtype), storage.nbytes())
+        return t
+
+    x = torch.randn(1, tokens, hidden, device=device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(x)  # (what the forward saves is all: the backward need not run)
+    if compiled:
+        torch._dynamo.reset()
+    total = sum(n for *_, n in kept.values())
+    return {"recipe": recipe, "compiled": compiled, "bytes": total,
+            "per_token_hidden": total / (tokens * hidden),
+            "tensors": sorted(kept.values(), key=lambda k: -k[2])}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", help="write the rows as JSON here")
+    a = p.parse_args()
+    rows = [saved_bytes(a.hidden, a.heads, a.tokens, recipe, compiled, a.device)
+            for compiled in (False, True) for recipe in (None, "rowwise", "tensorwise")]
+    for r in rows:
+        print(f"{'compiled' if r['compiled'] else 'eager':>8} {r['recipe'] or 'bf16':>10}: "
+              f"{r['per_token_hidden']:6.2f} bytes a token and hidden unit, "
+              f"{len(r['tensors'])} tensors")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
