@@ -14,6 +14,12 @@ of keeping them.
 
 On CUDA the float8 GEMMs are real (``torch._scaled_mm``); on a CPU they are emulated,
 with the same casts and therefore the same saved tensors.
+
+``--recompute cheap`` (eager): the block saves recipes in place of the layer norms' and
+GELU's outputs and hands every other saved tensor on to the hooks around it, so the same
+count reads what it keeps.
+
+    python benchmarks/block_saved.py --recompute none,cheap
 """
 
 from __future__ import annotations
@@ -27,20 +33,24 @@ from torch import nn
 from minipar.model import Block, get_config
 from minipar.parallel.compile import CompiledBlock
 from minipar.parallel.fp8 import apply_fp8
+from minipar.parallel.recompute import apply_recompute
 
 
 def saved_bytes(hidden: int, heads: int, tokens: int, recipe: str | None, compiled: bool,
-                device: str = "cpu") -> dict:
+                device: str = "cpu", recompute: str = "none") -> dict:
     """The bytes one bf16 block of ``hidden`` units (a GPT block, d_ff = 4 hidden) keeps
     for a sequence of ``tokens``, its linears in float8 (``recipe``) or not, compiled by
-    inductor or eager: the total, per token and hidden unit, and each tensor kept."""
+    inductor or eager, ``recompute`` applied: the total, per token and hidden unit, and
+    each tensor kept."""
     torch.manual_seed(0)
     cfg = get_config("tiny").with_(d_model=hidden, n_head=heads, d_ff=4 * hidden,
                                    seq_len=tokens, dropout=0.0)
-    block, holder = Block(cfg).to(device, torch.bfloat16), nn.Module()
-    holder.blocks = nn.ModuleList([block])
+    holder = nn.Module()
+    holder.blocks = nn.ModuleDict({"0": Block(cfg).to(device, torch.bfloat16)})
+    apply_recompute([holder], recompute)
     if recipe:
         apply_fp8([holder], recipe, emulate=device == "cpu")
+    block = holder.blocks["0"]
     run = CompiledBlock(block, "inductor") if compiled else block
     kept: dict[int, tuple] = {}
     weights = {w.untyped_storage().data_ptr() for w in block.parameters()}
@@ -58,7 +68,7 @@ def saved_bytes(hidden: int, heads: int, tokens: int, recipe: str | None, compil
     if compiled:
         torch._dynamo.reset()
     total = sum(n for *_, n in kept.values())
-    return {"recipe": recipe, "compiled": compiled, "bytes": total,
+    return {"recipe": recipe, "compiled": compiled, "recompute": recompute, "bytes": total,
             "per_token_hidden": total / (tokens * hidden),
             "tensors": sorted(kept.values(), key=lambda k: -k[2])}
 
@@ -69,12 +79,17 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--recompute", default="none",
+                   help="comma-separated modes, each run eagerly (none: also compiled)")
     p.add_argument("--out", help="write the rows as JSON here")
     a = p.parse_args()
-    rows = [saved_bytes(a.hidden, a.heads, a.tokens, recipe, compiled, a.device)
-            for compiled in (False, True) for recipe in (None, "rowwise", "tensorwise")]
+    rows = [saved_bytes(a.hidden, a.heads, a.tokens, recipe, compiled, a.device, mode)
+            for mode in a.recompute.split(",")
+            for compiled in ((False, True) if mode == "none" else (False,))
+            for recipe in (None, "rowwise", "tensorwise")]
     for r in rows:
-        print(f"{'compiled' if r['compiled'] else 'eager':>8} {r['recipe'] or 'bf16':>10}: "
+        how = "compiled" if r["compiled"] else "eager"
+        print(f"{how:>8} {r['recipe'] or 'bf16':>10} recompute {r['recompute']:<6}: "
               f"{r['per_token_hidden']:6.2f} bytes a token and hidden unit, "
               f"{len(r['tensors'])} tensors")
     if a.out:

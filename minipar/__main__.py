@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minipar import checkpoint, checks
-from minipar.config import SCHEDULE_NAMES, TrainConfig, sized, validate
+from minipar.config import RECOMPUTE, SCHEDULE_NAMES, TrainConfig, sized, validate
 from minipar.doctor import fits_report, run_doctor
 from minipar.engine import RunStopped, train
 from minipar.export import export, export_hf
@@ -417,7 +417,7 @@ def _add_theory(sub) -> None:
     m.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
     m.add_argument("--virtual", type=int, default=1)
     m.add_argument("--sp", action="store_true")
-    m.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    m.add_argument("--recompute", default="none", choices=RECOMPUTE)
     m.add_argument("--accounting", default="korthikanti", choices=("korthikanti", "fused"),
                    help="activations: the paper's (attention scores stored) or a fused-"
                    "attention run's (what minipar's GPT keeps, plus the loss's workspace)")

@@ -29,6 +29,7 @@ from minipar.parallel.ep import check_ep
 from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
 from minipar.parallel.fp8 import check_fp8
 from minipar.parallel.pp import partition_layers
+from minipar.parallel.recompute import MODES as RECOMPUTE
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
 from minipar.theory.card import card_peak, host_fit
@@ -36,7 +37,6 @@ from minipar.theory.layout import Layout
 from minipar.theory.planner import plan
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
-RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -336,22 +336,27 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
 
 
 def _check_recompute_layers(cfg: TrainConfig) -> None:
+    if cfg.recompute == "cheap" and cfg.fp8 == "tensorwise":
+        raise ValueError("--recompute cheap with --fp8 tensorwise saves nothing: tensorwise "
+                         "keeps float8 copies of the inputs it would recompute; use "
+                         "--fp8 rowwise or another --recompute")
     n = cfg.recompute_layers
     if n is None:
         return
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"--recompute-layers must be 0 or a positive integer, got {n!r}")
     if cfg.recompute == "none":
-        raise ValueError("--recompute-layers needs --recompute full or selective (which "
-                         "blocks to recompute, and how)")
+        raise ValueError("--recompute-layers needs --recompute full, cheap or selective "
+                         "(which blocks to recompute, and how)")
 
 
 def use_compile(cfg: TrainConfig, on_cuda: bool | None = None) -> bool:
     """Whether the blocks run compiled (on CUDA devices when ``on_cuda``, default: the
     run's own): ``--compile`` / ``--no-compile``, else on CUDA devices where compilation
-    applies (no dropout, whose per-step mask keys would
-    recompile every step; not the zero-bubble schedule, whose split weight gradient runs
-    at pp = 1 too) and has paid on a GPU: data parallelism alone. Under a pipeline
+    applies (no dropout, whose per-step mask keys would recompile every step; not the
+    zero-bubble schedule, whose split weight gradient runs at pp = 1 too; not cheap
+    recomputation, which notes outputs as the block runs) and has paid on a GPU: data
+    parallelism alone. Under a pipeline
     compiled blocks stepped slower than eager ones: a compiled block, split into several
     graphs at its fused linears, costs the host more per call than the eager block, and
     a stage that waits on its neighbours waits on its host too (docs/benchmarks.md); tp,
@@ -360,7 +365,7 @@ def use_compile(cfg: TrainConfig, on_cuda: bool | None = None) -> bool:
         return cfg.compile
     on_cuda = uses_cuda(cfg) if on_cuda is None else on_cuda
     return (on_cuda and not cfg.dropout and cfg.schedule != "zb" and cfg.pp == 1
-            and cfg.tp == 1 and cfg.cp == 1)
+            and cfg.tp == 1 and cfg.cp == 1 and cfg.recompute != "cheap")
 
 
 def _check_compile(cfg: TrainConfig) -> None:
@@ -372,6 +377,10 @@ def _check_compile(cfg: TrainConfig) -> None:
     if cfg.dropout:
         raise ValueError("--compile with --dropout recompiles the blocks at every step (the "
                          "masks' keys change); use --no-compile")
+    if cfg.recompute == "cheap":
+        raise ValueError("--compile with --recompute cheap is not supported: it notes the "
+                         "layer norms' outputs as the block runs, which a graph does not; "
+                         "use --no-compile")
 
 
 def _check_fp8(cfg: TrainConfig, model: GPTConfig) -> None:

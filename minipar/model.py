@@ -243,15 +243,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """fc (d -> d_ff), GELU, proj (d_ff -> d). Megatron splits fc by columns, proj by rows."""
+    """fc (d -> d_ff), GELU, proj (d_ff -> d). Megatron splits fc by columns, proj by rows.
+    GELU is a module of its own (without parameters) so that recomputation can reach it."""
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
         self.fc = nn.Linear(d_model, d_ff)
+        self.act = nn.GELU(approximate="tanh")
         self.proj = nn.Linear(d_ff, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(self.act(self.fc(x)))
 
 
 # --- mixture of experts ----------------------------------------------------------------

@@ -47,7 +47,8 @@ __all__ = ["HINTS", "LAYOUT_PUZZLE", "LEVELS", "PREDICTIONS_ENV", "Prediction", 
            "lab_variant", "train_with_ring", "train_with_ddp", "train_with_zero1",
            "adamw_on_both_batches", "run_schedule",
            "ring_layer_on_a_shard", "ring_layer_errors", "FP8_RUNS", "fp8_gpu_runs",
-           "fp8_gpu_table", "RECOMPUTE_RUNS", "recompute_layers_runs"]
+           "fp8_gpu_table", "BLOCK_SAVED", "fp8_memory", "RECOMPUTE_RUNS",
+           "recompute_layers_runs"]
 
 PREDICTIONS_ENV = "MINIPAR_PREDICTIONS"  # where record_prediction keeps your guesses
 LEVELS = {1: "a nudge", 2: "the method", 3: "the answer"}
@@ -945,6 +946,36 @@ def fp8_gpu_runs(files: tuple[str, ...] = FP8_RUNS) -> dict:
     for run in out["loss"].values():  # over the seeds
         run["final"], run["ratio"] = statistics.fmean(run["finals"]), statistics.fmean(
             run["ratios"])
+    return out
+
+
+BLOCK_SAVED = "benchmarks/results/block-saved-cpu-2026-12-05.json"  # benchmarks/block_saved.py
+
+
+def fp8_memory(runs: list[dict], saved: str = BLOCK_SAVED) -> dict:
+    """Lesson 07 § 6: the 13B slice's peaks on one H100 (``runs``: ``fp8_gpu_runs``'s,
+    bf16 and rowwise), the memory model's live-tensor peak for each run's command
+    (``theory.card.card_peak``, as ``train`` predicts it), and what one block keeps for
+    its backward, counted tensor by tensor (``benchmarks/block_saved.py``'s recorded rows:
+    bytes a token and hidden unit, eager and compiled, per recipe); the slice's blocks,
+    width and tokens a micro-batch."""
+    from minipar.__main__ import build_parser, train_config
+    from minipar.theory.card import card_peak
+
+    out: dict = {"measured": {}, "predicted": {}, "kept": {}}
+    for recipe in ("bf16", "rowwise"):
+        run = next(r for r in runs if r["model"] == "gpt-13b x6" and r["recipe"] == recipe
+                   and r["who"] == "minipar" and r["device"].startswith("1"))
+        cfg = train_config(build_parser().parse_args(run["command"].split()[3:]))
+        out["measured"][recipe] = run["peak_gib"]
+        model, layout = cfg.model_config(), cfg.layout("cuda")
+        out.update(device=run["device"], command=run["command"], blocks=model.n_layer,
+                   width=model.d_model, tokens=layout.microbatch_size * model.seq_len)
+        out["predicted"][recipe] = card_peak(model, layout)["total"] / 2**30
+    rec = json.loads((Path(__file__).resolve().parents[1] / saved).read_text())
+    for r in rec["rows"]:
+        out["kept"][("compiled" if r["compiled"] else "eager", r["recipe"] or "bf16")] = (
+            r["per_token_hidden"])
     return out
 
 

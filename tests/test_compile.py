@@ -86,10 +86,11 @@ def test_compile_default_and_refusals() -> None:
     assert use_compile(TrainConfig(dp=4, zero=3, recompute="full", **gpu))
     for eager in (dict(pp=4, microbatches=8), dict(pp=2, schedule="interleaved", virtual=2,
                   microbatches=4), dict(tp=2), dict(cp=2), dict(dropout=0.1),
-                  dict(schedule="zb")):
+                  dict(schedule="zb"), dict(recompute="cheap")):
         assert not use_compile(TrainConfig(**gpu, **eager)), eager
     for bad, why in [(dict(pp=2, microbatches=2, schedule="zb"), "--schedule zb"),
                      (dict(dropout=0.1), "--dropout"),
+                     (dict(recompute="cheap"), "--recompute cheap"),
                      (dict(compile_backend="tvm"), "--compile-backend must be one of")]:
         with pytest.raises(ValueError, match=why):
             validate(TrainConfig(**{"compile": True, **bad}))
@@ -100,7 +101,7 @@ def test_recompute_layers_replaces_the_first_blocks_of_each_chunk() -> None:
     apply_recompute(stages, "full", layers=1)
     kinds = [[type(b) is RecomputedBlock for b in s.blocks.values()] for s in stages]
     assert kinds == [[True, False], [True, False]]
-    with pytest.raises(ValueError, match="needs --recompute full or selective"):
+    with pytest.raises(ValueError, match="needs --recompute full, cheap or selective"):
         validate(TrainConfig(recompute_layers=2))
 
 

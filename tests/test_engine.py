@@ -95,6 +95,10 @@ COVERING = [
     dict(dp=2, pp=2, tp=2, microbatches=2, zero=3, sp=True, overrides={"tie_embeddings": True}),
     dict(dp=2, pp=2, tp=2, microbatches=2, order="pp-inside-dp", recompute="full"),
     dict(tp=2, pp=2, microbatches=2, recompute="selective"),
+    # cheap recomputation: ZeRO-3 gathers each unit around its backward, where the layer
+    # norms are made again; sp's linears save their sequence shard, a layer norm's output
+    dict(dp=2, zero=3, microbatches=2, recompute="cheap"),
+    dict(tp=2, sp=True, pp=2, microbatches=2, recompute="cheap", recompute_layers=1),
     # W runs each module on its own graph: a recomputed block must rebuild it
     dict(pp=2, schedule="zb", microbatches=2, recompute="full"),
 ]
@@ -123,6 +127,7 @@ def test_layout_matches_single_device(layout: dict) -> None:
 
 SGD_COVERING = [
     dict(dp=2, microbatches=2),
+    dict(pp=2, schedule="interleaved", virtual=2, microbatches=4, recompute="cheap"),
     dict(dp=2, zero=1),
     dict(dp=2, zero=2, microbatches=2),
     dict(dp=2, zero=3, microbatches=2),
@@ -148,7 +153,9 @@ def test_plain_sgd_without_clipping_matches(layout: dict) -> None:
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2, tp=2, zero=1), dict(pp=2, microbatches=2),
-                                    dict(dp=2, zero=3)],
+                                    dict(dp=2, zero=3),
+                                    # the fused weight-gradient linears save a recipe
+                                    dict(dp=2, zero=1, recompute="cheap")],
                          ids=lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
 def test_bf16_mixed_precision_tracks_fp32(layout: dict) -> None:
     assert_parity(BF16, dtype="bf16", **layout)
@@ -239,9 +246,19 @@ def test_full_parity_matrix(layout: dict) -> None:
 
 def test_recomputation_saves_measured_activation_memory() -> None:
     """Full recomputation keeps only each block's input (Chen et al. 2016); with fused
-    attention selective recomputation saves little (no s x s scores are stored anyway)."""
+    attention selective recomputation saves little (no s x s scores are stored anyway);
+    cheap recomputation keeps neither layer norm's output nor GELU's: the meter (which
+    sees what the block hands on to it) measures exactly the bytes the memory model
+    drops, ``CHEAP_TO_RECOMPUTE`` of every block."""
+    from minipar.theory.memory import CHEAP_TO_RECOMPUTE, layer_activations
+
     peak = {mode: assert_parity(recompute=mode, measure_activations=True
                                 )["ranks"][0]["memory"]["activations"]
-            for mode in ("none", "selective", "full")}
+            for mode in ("none", "selective", "cheap", "full")}
     assert peak["full"] < 0.25 * peak["none"]
     assert peak["full"] < peak["selective"] <= peak["none"]
+    cfg = TrainConfig().model_config()
+    dropped = layer_activations(cfg, TrainConfig().batch_size, dtype="fp32",
+                                accounting="fused")
+    assert peak["none"] - peak["cheap"] == cfg.n_layer * sum(
+        dropped[item] for item in CHEAP_TO_RECOMPUTE)

@@ -106,3 +106,18 @@ def test_audit_reads_the_first_step() -> None:
     layout = {"dp": 2, "microbatches": 2, "pp": 1, "tp": 1}
     assert "= dp" in audit([2.0, 2.7, 3.9], layout)
     assert audit([1.0, 2.0, 4.0], layout) is None
+
+
+def test_a_wrong_recomputation_fails_the_check(monkeypatch) -> None:
+    """Cheap recomputation makes the layer norms' and GELU's outputs again in the
+    backward; made 1% too large (the mutation), the weight gradients they feed are wrong
+    and the check rejects the run, which it passes as written."""
+    from minipar.parallel import recompute
+
+    cfg = TrainConfig(steps=3, timeout=240, dp=2, recompute="cheap", **SGD)
+    ref = train_reference(cfg)
+    assert compare(train(cfg), ref).ok(FP32)
+    remake = recompute.remake
+    monkeypatch.setattr(recompute, "remake", lambda recipe: remake(recipe) * 1.01)
+    broken = compare(train(cfg), ref)
+    assert not broken.ok(FP32), broken.describe()

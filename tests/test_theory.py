@@ -517,3 +517,30 @@ def test_minipar_gradient_buffers_in_the_fused_accounting():
     paper = memory_per_stage("gpt-1.3b", one.with_(dp=2, zero=1))[0]
     assert paper["grads"] == 2 * n  # the paper's accounting keeps its 2 bytes
     assert abs(z1["total"] / 2**30 - 48.2) < 0.2  # the measured peak
+
+
+def test_cheap_recomputation_keeps_no_layer_norm_or_gelu_output():
+    """``recompute="cheap"`` drops exactly the layer norms' and GELU's outputs from what a
+    block keeps (12 bytes a token and hidden unit in bf16, d_ff = 4h: 2 + 2 + 8), adds no
+    FLOPs, and the step model prices its memory passes: gpt-13b dp 4 ZeRO-3 on 4 x H100
+    lands between keeping everything and recomputing every block, in time and memory."""
+    from minipar.theory.clusters import cluster
+    from minipar.theory.memory import CHEAP_TO_RECOMPUTE
+    from minipar.theory.params import hardware_flops_per_token
+    from minipar.theory.planner import evaluate
+    from minipar.theory.rates import cheap_recompute_seconds
+
+    cfg = PRESETS["gpt-13b"]
+    none, cheap = (layer_activations(cfg, 1, recompute=r, accounting="fused")
+                   for r in ("none", "cheap"))
+    assert set(none) - set(cheap) == set(CHEAP_TO_RECOMPUTE)
+    assert sum(none.values()) - sum(cheap.values()) == 12 * cfg.seq_len * cfg.d_model
+    assert hardware_flops_per_token(cfg, "cheap") == hardware_flops_per_token(cfg)
+    h100 = cluster(4, "H100-80GB", 4)
+    est = {r: evaluate(cfg, h100, Layout(dp=4, zero=3, microbatches=4, recompute=r))
+           for r in ("none", "cheap", "full")}
+    assert est["none"].step_time < est["cheap"].step_time < est["full"].step_time
+    assert (est["none"].memory["process"] > est["cheap"].memory["process"]
+            > est["full"].memory["process"])
+    assert cheap_recompute_seconds(cfg, h100, Layout(recompute="cheap")) > 0
+    assert cheap_recompute_seconds(cfg, h100, Layout()) == 0

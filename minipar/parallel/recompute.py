@@ -11,17 +11,27 @@ recomputing trades that memory for extra forward FLOPs:
   tensors grow with s^2 but which costs little to recompute (the paper's section 5).
   With a fused attention kernel (SDPA, flash) the s^2 scores are never stored anyway, so
   selective recomputation saves little here: the lessons measure exactly how little.
+* ``cheap``: recompute only what a pass over memory makes: the two layer norms' outputs
+  and GELU's, which the next linear keeps for its weight gradient (dW = dy^T x). Their
+  inputs are kept anyway (the layer norms' and GELU's own backward need them), so each is
+  made again from those when the linear's backward reads it; no matrix product is redone.
+  12 of the 32 bytes a token and hidden unit a block keeps (``theory.memory``), for the
+  memory-bound passes of two layer norms and one GELU in the backward. Megatron-LM's
+  ``--recompute-modules layernorm`` recomputes the layer norms so (and ``moe_act`` an
+  MoE expert's activation).
 
 Applied from outside, like every technique, by replacing submodules: each block by a
-``RecomputedBlock`` that adopts the block's children (so every parameter keeps its name,
-and with it tensor parallelism and checkpoints), or each attention core (no parameters)
-by ``Recompute(core)``. Dropout masks are keyed by position, not drawn from a generator,
-so the recomputed forward drops exactly what the first one dropped.
+``RecomputedBlock`` (or a ``CheaplyRecomputedBlock``) that adopts the block's children (so
+every parameter keeps its name, and with it tensor parallelism and checkpoints), or each
+attention core (no parameters) by ``Recompute(core)``. Dropout masks are keyed by
+position, not drawn from a generator, so the recomputed forward drops exactly what the
+first one dropped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -29,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minipar.model import Block
 
-MODES = ("none", "selective", "full")
+MODES = ("none", "selective", "cheap", "full")
 
 
 class Recompute(nn.Module):
@@ -57,10 +67,87 @@ class RecomputedBlock(Block):
         return checkpoint(Block.forward, self, x, use_reentrant=False)
 
 
+class _Recipe(NamedTuple):
+    """How to make a saved tensor again: ``module`` on ``source`` (which is kept anyway),
+    seen as the saved view (size, stride, offset)."""
+
+    module: nn.Module
+    source: torch.Tensor
+    view: tuple
+
+
+class CheaplyRecomputedBlock(Block):
+    """A transformer block that keeps neither layer norm's output nor GELU's for its
+    backward: where a linear saves one, a recipe is saved instead, and the backward makes
+    the tensor again from the producer's input when it reads it. It takes over the given
+    block's submodules (the same objects, under the same names).
+
+    How: the block's forward runs under ``torch.autograd.graph.saved_tensors_hooks`` (what
+    ``checkpoint`` is built on), and a forward hook on each producer notes its output and
+    input. A saved tensor that is (a view of the whole of) a noted output becomes a
+    recipe. Recomputing calls the producer's ``forward`` directly: the same kernels on the
+    same input, so the same values, bit for bit. Every other saved tensor goes on to the
+    hooks that were active around the block (``meter.ActivationMeter``'s, say): only the
+    innermost pair would see it otherwise."""
+
+    PRODUCERS = ("ln1", "ln2", "mlp.act")  # an MoE block has no mlp.act: its layer norms
+
+    def __init__(self, block: Block) -> None:
+        nn.Module.__init__(self)  # not Block.__init__: adopt, do not create, the layers
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        # address of an output's data -> (its producer, the output, its input): filled by
+        # the hooks and read while the same forward saves tensors, emptied at its end (a
+        # recipe then keeps the input; the output, held till then, leaves its address to
+        # no other tensor meanwhile)
+        self._made: dict[int, tuple] = {}
+        for name in self.PRODUCERS:
+            try:
+                producer = self.get_submodule(name)
+            except AttributeError:  # an MoE block's experts apply their GELU inside
+                continue
+            producer.register_forward_hook(self._note)
+
+    def _note(self, producer: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if torch.is_grad_enabled() and out.requires_grad:  # (nothing is saved otherwise)
+            self._made[out.data_ptr()] = (producer, out, args[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the hooks around this block (None: none): they get what is kept as it is
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer or (_same, _same)
+
+        def pack(t: torch.Tensor) -> object:
+            producer, out, source = self._made.get(t.data_ptr(), (None, None, None))
+            if out is None or t.numel() != out.numel() or t.dtype != out.dtype:
+                return outer_pack(t)  # not a noted output (nor a view of the whole of one)
+            return _Recipe(producer, source, (t.size(), t.stride(), t.storage_offset()))
+
+        def unpack(saved: object) -> torch.Tensor:
+            return remake(saved) if isinstance(saved, _Recipe) else outer_unpack(saved)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return Block.forward(self, x)
+        finally:
+            self._made.clear()
+
+
+def _same(x: object) -> object:
+    return x
+
+
+def remake(recipe: _Recipe) -> torch.Tensor:
+    """The saved tensor again: its producer's ``forward`` on the kept input (the module's
+    hooks skipped: nothing to note in the backward), seen as the saved view."""
+    with torch.no_grad():
+        return recipe.module.forward(recipe.source).as_strided(*recipe.view)
+
+
 def apply_recompute(stages: Iterable[nn.Module], mode: str, layers: int | None = None) -> None:
     """Replace, in every module of ``stages`` with a ``blocks`` container, each block
-    (``full``) or each block's attention core (``selective``). ``layers`` N: only the
-    first N blocks of each chunk (Megatron's partial recomputation,
+    (``full``, ``cheap``) or each block's attention core (``selective``). ``layers`` N:
+    only the first N blocks of each chunk (Megatron's partial recomputation,
     ``--recompute-num-layers``): the rest keep their activations and skip the extra
     forward, for the memory a card has to spare."""
     if mode not in MODES:
@@ -69,5 +156,7 @@ def apply_recompute(stages: Iterable[nn.Module], mode: str, layers: int | None =
         for key, block in list(stage.blocks.named_children())[:layers]:
             if mode == "full":
                 stage.blocks[key] = RecomputedBlock(block)
+            elif mode == "cheap":
+                stage.blocks[key] = CheaplyRecomputedBlock(block)
             elif mode == "selective":
                 block.attn.core = Recompute(block.attn.core)

@@ -38,6 +38,7 @@ import math
 from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 from minipar.mesh import Mesh  # layout only; no process groups
 from minipar.model import GPTConfig
+from minipar.parallel.recompute import MODES as RECOMPUTE
 from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-exported
     ACCOUNTINGS,
     deferred_weight_grad_bytes,
@@ -66,7 +67,6 @@ _OPTIMIZER_STATES = {  # fp32 values per parameter the optimizer keeps
 }
 _ALIASES = {"adamw": "adam", "fp16": "bf16"}
 PRECISIONS = ("fp32", "bf16")
-RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
@@ -122,6 +122,11 @@ def model_states(n_params: int, dp: int = 1, zero: int = 0, dtype: str = "bf16",
 
 
 # --- activations -----------------------------------------------------------------------
+# What a layer norm or GELU makes for the next linear: a pass over memory to make again
+CHEAP_TO_RECOMPUTE = ("qkv input (ln1 output)", "fc input (ln2 output)",
+                      "mlp proj input (gelu output)")
+
+
 def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
                       sp: bool = False, recompute: str = "none", dtype: str = "bf16",
                       accounting: str = "korthikanti", cp: int = 1,
@@ -136,6 +141,9 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
         tensor + sequence parallel sbh (34/t + 5as/(ht))
         + selective recompute      drop the 5as/h term: sbh (10 + 24/t), or sbh 34/t with sp
         full recompute             2 sbh (the layer input only)
+
+    ``recompute="cheap"`` (``parallel/recompute.py``; not the paper's) keeps neither layer
+    norm's output nor GELU's, made again in the backward from the inputs kept anyway.
 
     Tensor parallelism splits what lies between its two communication points (q, k,
     v, attention scores, the MLP's wide tensors); the layer norms, their outputs and
@@ -197,9 +205,8 @@ def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 
     items["fc input (ln2 output)"] = sbh * e / rep
     items["gelu input"] = s * b * f * e / tp
     items["mlp proj input (gelu output)"] = s * b * f * e / tp
-    if float8_compiled:  # recomputed in the backward, fused into the float8 casts
-        for item in ("qkv input (ln1 output)", "fc input (ln2 output)",
-                     "mlp proj input (gelu output)"):
+    if float8_compiled or recompute == "cheap":  # made again in the backward (for float8,
+        for item in CHEAP_TO_RECOMPUTE:          # inside its casts)
             del items[item]
     if drop:
         items["mlp residual dropout mask"] = sbh * 1 / rep
@@ -244,7 +251,8 @@ def moe_layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1,
         "expert outputs (for the gate)": rows * h * e,
         "router probabilities (fp32)": s * b * n * 4,
         "routing indices (int64)": 2 * rows * 8,
-        "less the MLP's": -(dense["gelu input"] + dense["mlp proj input (gelu output)"]),
+        "less the MLP's": -(dense["gelu input"]  # (cheap recomputation keeps no GELU output)
+                            + dense.get("mlp proj input (gelu output)", 0)),
         "the gathered sequence (sp)": s * b * h * e * (1 - 1 / tp) if sp else 0,
         "dispatch": 2 * rows * h * e if ep > 1 else 0,
     }

@@ -268,13 +268,14 @@ def hardware_flops_per_token(cfg: GPTConfig | str, recompute: str = "none",
     head): + 2 N_layers + the attention forward. ``selective`` (Korthikanti et al. 2022,
     arXiv 2205.05198, Sec. 5) recomputes only the attention products. With full
     recomputation and d_ff = 4h this equals Narayanan's ``96 B s l h^2 (1 + s/(6h) +
-    V/(16 l h))`` per batch exactly (a test checks it).
+    V/(16 l h))`` per batch exactly (a test checks it). ``cheap`` recomputation redoes no
+    product (its cost is memory traffic: ``rates.cheap_recompute_seconds``).
     """
     cfg = get_model(cfg)
     base = model_flops_per_token(cfg, attention)
     attn = attention_flops_per_token(cfg, attention)
     layers = matmul_params(cfg) - cfg.vocab_size * cfg.d_model
-    extra = {"none": 0.0, "selective": attn, "full": 2.0 * layers + attn}
+    extra = {"none": 0.0, "selective": attn, "cheap": 0.0, "full": 2.0 * layers + attn}
     if recompute not in extra:
         raise ValueError(f"recompute must be one of {list(extra)}, got {recompute!r}")
     return base + extra[recompute]

@@ -96,21 +96,23 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout,
     """Seconds of one micro-batch's forward + backward on each of the ``pp * virtual``
     pipeline chunks (one with pp = 1): its layers (``partition_layers``) at the measured
     block pace of this micro-batch's tokens and tp share (recomputation adds its FLOPs at
-    that pace, on the first ``recompute_layers`` of the chunk where the layout names
-    them), the last chunk's head and loss at theirs; without a measured pace, at the
-    matmul rate times ``efficiency``. Each micro-batch also adds the gradients of the
-    chunk's rank (a stage's parameters, spread over its chunks) into the fp32 buffer, at
-    the measured pace (0 without): the linear weights' are added in their GEMM, as the
-    calibrated block adds its bf16 ``.grad``, so only the rest count (``hook_params``,
-    which takes the ZeRO stage). ``bubble.pipeline_seconds`` runs the schedule on them."""
+    that pace, or ``cheap_recompute_seconds``, on the first ``recompute_layers`` of the
+    chunk where the layout names them), the last chunk's head and loss at theirs; without
+    a measured pace, at the matmul rate times ``efficiency``. Each micro-batch also adds
+    the gradients of the chunk's rank (a stage's parameters, spread over its chunks) into
+    the fp32 buffer, at the measured pace (0 without): the linear weights' are added in
+    their GEMM, as the calibrated block adds its bf16 ``.grad``, so only the rest count
+    (``hook_params``, which takes the ZeRO stage). ``bubble.pipeline_seconds`` runs the
+    schedule on them."""
     tp, pp, virtual, head = layout.tp, layout.pp, layout.virtual, layout.head_layers
     tokens = layout.microbatch_size * cfg.seq_len // layout.cp  # a rank's tokens per micro-batch
     slow = cluster.matmul_rate * efficiency
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
     head_rate = block_flops(cluster.head_rates, cfg.d_model, tokens, tp) or slow
     n, head_cost = pp * virtual, head_flops_per_token(cfg) / head_rate
-    per_token = chunk_costs(cfg.n_layer, n, layer_flops_per_token(cfg, layout.recompute) / rate,
-                            head_cost, head)
+    layer = (layer_flops_per_token(cfg, layout.recompute) / rate
+             + cheap_recompute_seconds(cfg, cluster, layout))
+    per_token = chunk_costs(cfg.n_layer, n, layer, head_cost, head)
     redo = layout.recompute_layers
     if redo is not None and layout.recompute != "none":  # the rest of a chunk keeps all
         kept = chunk_costs(cfg.n_layer, n, layer_flops_per_token(cfg) / rate, head_cost, head)
@@ -121,6 +123,19 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout,
     accumulate = [acc and acc * hook_params(cfg, pp, tp, s, virtual, head, layout.zero)
                   for s in range(pp)]
     return [tokens / tp * t + accumulate[c % pp] for c, t in enumerate(per_token)]
+
+
+def cheap_recompute_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
+    """What ``--recompute cheap`` adds to a layer, per token (``chunk_seconds`` divides it
+    by tp, as the FLOPs): the two layer norms and GELU run again in the backward, each
+    reading its input and writing its output once, at the GPU's data-sheet memory
+    bandwidth (0 where it is not known, or for another mode). An estimate from the
+    bytes, not a measurement."""
+    bandwidth = cluster.gpu.memory_bandwidth
+    if layout.recompute != "cheap" or not bandwidth:
+        return 0.0
+    e = 2 if layout.dtype == "bf16" else 4
+    return 2 * e * (2 * cfg.d_model + cfg.d_ff) / bandwidth
 
 
 def stepped_params(n_params: int, shards: int, zero: int) -> int:

@@ -162,7 +162,8 @@ def memory_dashboard(model: str = "tiny") -> Dashboard:
                       "dp": _pick("dp", POW2, 2), "pp": _pick("pp", POW2, 2),
                       "tp": _pick("tp", POW2, 1), "zero": _pick("ZeRO", [0, 1, 2, 3], 0),
                       "dtype": _pick("dtype", ["fp32", "bf16"], "bf16"),
-                      "recompute": _pick("recompute", ["none", "selective", "full"], "none"),
+                      "recompute": _pick("recompute", ["none", "selective", "cheap", "full"],
+                                         "none"),
                       "sp": W.Checkbox(value=False, description="sequence parallel"),
                       "microbatches": _slider("m", 1, 32, 4)}, make, memory_text)
 
