@@ -31,7 +31,7 @@ from minipar.theory.card import MEMORY_MARGIN
 from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_breakdown
 from minipar.theory.params import mfu
-from minipar.theory.planner import HOST_SHORT, plan
+from minipar.theory.planner import HOST_SHORT, RECOMPUTES, plan
 
 __all__ = ["build_parser", "main", "parse_count", "train_config"]
 
@@ -324,15 +324,16 @@ def _cmd_plan(args) -> int:
         where = clusters.get_cluster(args.cluster)
     if calib:
         where = clusters.calibrated(where, calib)
-    if args.host_memory:
-        where = where.with_(host_memory=int(args.host_memory * 2**30))
-    if calib:
         rates = ", ".join(f"{op} {bw / 1e9:.0f} GB/s + {lat * 1e6:.0f} us"
                           for op, lat, bw in where.links)
         print(f"calibrated ({args.calibrate}): matmul {where.matmul_rate / 1e12:.0f} TFLOP/s"
               f"; {rates}")
+    if args.host_memory:
+        where = where.with_(host_memory=int(args.host_memory * 2**30))
+    modes = tuple(args.recompute_modes.split(","))
+    checks.choices("recompute-modes", modes, RECOMPUTE)
     result = plan(cfg, where, args.batch, offload=args.offload,
-                  memory_margin=args.memory_margin)
+                  memory_margin=args.memory_margin, recomputes=modes)
     model_flags = _model_flags(args)
     shown = result.layouts[: args.top]
     wide = max([60] + [len(est.layout.label()) for est in shown])  # the layout column
@@ -440,6 +441,9 @@ def _add_theory(sub) -> None:
     p.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN,
                    help="share of each GPU's memory a layout leaves free (default "
                    f"{MEMORY_MARGIN}: the largest under-prediction measured on 4 x H100)")
+    p.add_argument("--recompute-modes", default=",".join(RECOMPUTES), metavar="MODES",
+                   help="the recomputation modes to try, comma-separated (default "
+                   f"{','.join(RECOMPUTES)}; cheap's step is estimated, not yet measured)")
     p.add_argument("--host-memory", type=float, metavar="GIB", help="host memory of a node "
                    "(GiB), which --offload's states must fit (default: the named clusters' "
                    "data sheet; not checked for --gpus)")

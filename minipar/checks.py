@@ -196,6 +196,14 @@ def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
                          f"memory), got {host_memory_gib!r}")
 
 
+def choices(flag: str, values: tuple[str, ...], allowed: Collection[str]) -> None:
+    """A comma-separated flag: each value one of ``allowed``."""
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(f"--{flag} takes a comma-separated list of {', '.join(allowed)}; "
+                         f"got {bad[0]!r}")
+
+
 def oversubscription(world_size: int) -> str | None:
     """A note when ranks outnumber the cores (the course promises laptops up to 8 ranks):
     each rank then gets a slice of a core, and a run takes that many times longer."""

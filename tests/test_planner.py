@@ -642,3 +642,21 @@ def test_offload_layouts_fit_the_node_s_host_memory(capsys) -> None:
     assert "With --offload" not in text
     assert text.rstrip().splitlines()[-1].startswith(
         "Nor does --offload fit: its host states exceed the node's 100 GiB (e.g. tp=1")
+
+
+def test_cheap_recomputation_is_planned_only_when_asked(capsys) -> None:
+    """Its step is an estimate (the memory passes at the data sheet's bandwidth), not yet
+    measured on a GPU, so the default search leaves it out; asked, gpt-13b on 4 x H100
+    gets a cheaply recomputing layout among its first, and ``plan`` prints the command
+    that runs it."""
+    from minipar.__main__ import main
+    from minipar.theory.planner import RECOMPUTES
+
+    h100 = cluster(4, "H100-80GB", 4)
+    assert "cheap" not in RECOMPUTES
+    assert not any(x.layout.recompute == "cheap" for x in plan("gpt-13b", h100, 16))
+    asked = plan("gpt-13b", h100, 16, recomputes=(*RECOMPUTES, "cheap"))
+    assert any(x.layout.recompute == "cheap" for x in asked.layouts[:3])
+    assert main(["plan", "--model", "gpt-13b", "--gpus", "4", "--gpu", "H100-80GB",
+                 "--batch", "16", "--top", "3", "--recompute-modes", "none,cheap,full"]) == 0
+    assert "--recompute cheap" in capsys.readouterr().out

@@ -248,6 +248,8 @@ CASES = [
     ("memory margin 1", "plan --memory-margin 1", "left free), got 1.0"),
     ("memory margin negative", "plan --memory-margin -0.5", "got -0.5"),
     ("host memory zero", "plan --host-memory 0", "--host-memory must be a positive number"),
+    ("recompute modes", "plan --recompute-modes none,most", "of none, selective, cheap, full; "
+     "got 'most'"),
     ("host memory inf", "plan --host-memory inf", "of GiB (a node's host memory), got inf"),
     ("calibrate missing", "plan --calibrate " + NOWHERE_DIR + "/c.json",
      "--calibrate " + NOWHERE_DIR + "/c.json: no such file"),

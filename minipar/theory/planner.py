@@ -79,6 +79,9 @@ from minipar.theory.params import (
 )
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
 
+# The recomputation modes the search tries unless told: cheap recomputation's step is an
+# estimate from its bytes, not yet measured on a GPU (``rates.cheap_recompute_seconds``)
+RECOMPUTES = ("none", "selective", "full")
 # The rejection of a ZeRO-Offload layout whose host states do not fit the node
 HOST_SHORT = "offload's host states exceed the node's memory"
 TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update", "host")
@@ -366,7 +369,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None = None,
          *, zero_stages: tuple[int, ...] = (0, 1, 2, 3),
-         recomputes: tuple[str, ...] = ("none", "selective", "full"),
+         recomputes: tuple[str, ...] = RECOMPUTES,
          schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb"),
          max_microbatch_size: int = 8, sp: bool = True, min_cp_tokens: int = 4096,
          offload: bool = False, dtype: str = "bf16", optimizer: str = "adam",
