@@ -148,10 +148,13 @@ def test_offload_mutation_fails_the_check(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("layout", [dict(cp=2, tp=2, microbatches=2),
-                                    dict(cp=4, recompute="selective")], ids=_id)
+                                    dict(cp=4, recompute="selective"),
+                                    dict(cp=2, recompute="cheap")], ids=_id)
 def test_counted_ring_bytes_equal_the_theory(layout: dict) -> None:
     """Every ring message of a real run, counted under ``cp``, equals
-    ``theory.comm_volume``'s prediction (the per-layer ``theory.context.ring_bytes``)."""
+    ``theory.comm_volume``'s prediction (the per-layer ``theory.context.ring_bytes``;
+    a selectively recomputed block runs its forward ring again, a cheaply recomputed one
+    does not)."""
     from minipar.theory.comm_volume import comm_volume
 
     steps = 2

@@ -160,10 +160,11 @@ def comm_volume(cfg: GPTConfig | str, layout: Layout = Layout(), *,
     first, last = stage == 0, stage == pp - 1
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head)
     moe = stage_moe_layers(cfg, pp, stage, virtual, head) if cfg.n_expert else 0
-    # the blocks whose forward runs again in the backward (all, or the first N of a chunk)
+    # the blocks whose forward runs again in the backward (all, or the first N of a chunk;
+    # cheap recomputation runs none again: a layer norm or GELU has no collective)
     redone, moe_redone = (stage_recomputed_layers(cfg, pp, stage, virtual, head,
                                                   layout.recompute_layers)
-                          if recompute != "none" else (0, 0))
+                          if recompute in ("selective", "full") else (0, 0))
 
     # data parallel, for the parameters this rank holds; split experts over their replicas
     float8 = (float8_gathered(cfg, pp, tp, stage, virtual, head)
