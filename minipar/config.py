@@ -69,6 +69,9 @@ class TrainConfig:
     recompute_layers: int | None = option(None, "recompute only the first N blocks of each "
                                           "pipeline chunk (default: all); the others keep "
                                           "their activations")
+    recompute_rest: str = option("none", "what the blocks past --recompute-layers do: keep "
+                                 "everything (none) or recompute cheaply (cheap)",
+                                 choices=("none", "cheap"))
     chunked_loss: bool = option(False, "the loss keeps no fp32 copy of the logits: its "
                                 "backward recomputes the softmax a chunk of tokens at a "
                                 "time (parallel/chunked_loss.py; not with --tp > 1)")
@@ -191,6 +194,7 @@ class TrainConfig:
                       microbatches=self.microbatches, schedule=self.schedule,
                       virtual=self.virtual, head_layers=self.head_layers, sp=self.sp,
                       recompute=self.recompute, recompute_layers=self.recompute_layers,
+                      recompute_rest=self.recompute_rest,
                       offload=self.offload, dtype=self.dtype, optimizer=self.optimizer,
                       grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order,
                       chunked_loss=self.chunked_loss, compiled=use_compile(self, on_cuda),
@@ -336,11 +340,14 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
 
 
 def _check_recompute_layers(cfg: TrainConfig) -> None:
-    if cfg.recompute == "cheap" and cfg.fp8 == "tensorwise":
+    if cheap_recompute(cfg) and cfg.fp8 == "tensorwise":
         raise ValueError("--recompute cheap with --fp8 tensorwise saves nothing: tensorwise "
                          "keeps float8 copies of the inputs it would recompute; use "
                          "--fp8 rowwise or another --recompute")
     n = cfg.recompute_layers
+    if cfg.recompute_rest != "none" and (cfg.recompute != "full" or n is None):
+        raise ValueError("--recompute-rest cheap needs --recompute full --recompute-layers N "
+                         "(the rest: the blocks past the first N)")
     if n is None:
         return
     if not isinstance(n, int) or n < 0:
@@ -365,7 +372,13 @@ def use_compile(cfg: TrainConfig, on_cuda: bool | None = None) -> bool:
         return cfg.compile
     on_cuda = uses_cuda(cfg) if on_cuda is None else on_cuda
     return (on_cuda and not cfg.dropout and cfg.schedule != "zb" and cfg.pp == 1
-            and cfg.tp == 1 and cfg.cp == 1 and cfg.recompute != "cheap")
+            and cfg.tp == 1 and cfg.cp == 1 and not cheap_recompute(cfg))
+
+
+def cheap_recompute(cfg: TrainConfig) -> bool:
+    """Whether some blocks recompute cheaply (``--recompute cheap``, or the rest of
+    ``--recompute-layers`` with ``--recompute-rest cheap``)."""
+    return cfg.recompute == "cheap" or cfg.recompute_rest == "cheap"
 
 
 def _check_compile(cfg: TrainConfig) -> None:
@@ -377,7 +390,7 @@ def _check_compile(cfg: TrainConfig) -> None:
     if cfg.dropout:
         raise ValueError("--compile with --dropout recompiles the blocks at every step (the "
                          "masks' keys change); use --no-compile")
-    if cfg.recompute == "cheap":
+    if cheap_recompute(cfg):
         raise ValueError("--compile with --recompute cheap is not supported: it notes the "
                          "layer norms' outputs as the block runs, which a graph does not; "
                          "use --no-compile")

@@ -130,7 +130,7 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     if cfg.cp > 1:  # after tp: the cp styles see (and keep) sequence parallelism's slice
         apply_context_parallel(full, rm.cp)
     stage = build_stage(full, rm.coords.pp, cfg.pp, cfg.virtual, cfg.head_layers)
-    apply_recompute(stage, cfg.recompute, cfg.recompute_layers)
+    apply_recompute(stage, cfg.recompute, cfg.recompute_layers, cfg.recompute_rest)
     if cfg.chunked_loss:  # the last chunk's loss without fp32 logits
         apply_chunked_loss(stage)
     if cfg.fp8:  # the blocks' linears (and tp's local products) multiply in float8

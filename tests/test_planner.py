@@ -660,3 +660,11 @@ def test_cheap_recomputation_is_planned_only_when_asked(capsys) -> None:
     assert main(["plan", "--model", "gpt-13b", "--gpus", "4", "--gpu", "H100-80GB",
                  "--batch", "16", "--top", "3", "--recompute-modes", "none,cheap,full"]) == 0
     assert "--recompute cheap" in capsys.readouterr().out
+    # partial recomputation with the rest cheap: fewer blocks recompute in full
+    partial = {x.layout.recompute_rest: x for x in asked.layouts
+               if x.layout.recompute_layers and x.layout.with_(
+                   recompute_layers=None, recompute_rest="none") == asked.layouts[0].layout
+               .with_(recompute_layers=None, recompute_rest="none")}
+    assert partial["cheap"].layout.recompute_layers < partial["none"].layout.recompute_layers
+    assert partial["cheap"].step_time < partial["none"].step_time
+    assert not any(x.layout.recompute_rest != "none" for x in plan("gpt-13b", h100, 16))

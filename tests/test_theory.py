@@ -340,7 +340,8 @@ def test_a_run_and_the_theory_describe_it_with_one_layout():
     assert shared == {f.name for f in fields(Layout)} - derived
     run = dict(dp=2, pp=2, tp=2, cp=2, ep=2, zero=3, microbatches=4, schedule="interleaved",
                virtual=2, head_layers=1, sp=True, recompute="full", recompute_layers=3,
-               offload=True, dtype="fp32", optimizer="sgd", grad_dtype="bf16",
+               recompute_rest="cheap", offload=True, dtype="fp32", optimizer="sgd",
+               grad_dtype="bf16",
                fp8="tensorwise", order="pp-inside-dp", chunked_loss=True)
     assert set(run) == shared and all(v != getattr(Layout(), k) for k, v in run.items())
     layout = TrainConfig(batch_size=64, compile=True, **run).layout()
@@ -542,5 +543,5 @@ def test_cheap_recomputation_keeps_no_layer_norm_or_gelu_output():
     assert est["none"].step_time < est["cheap"].step_time < est["full"].step_time
     assert (est["none"].memory["process"] > est["cheap"].memory["process"]
             > est["full"].memory["process"])
-    assert cheap_recompute_seconds(cfg, h100, Layout(recompute="cheap")) > 0
-    assert cheap_recompute_seconds(cfg, h100, Layout()) == 0
+    assert cheap_recompute_seconds(cfg, h100, "bf16", "cheap") > 0
+    assert cheap_recompute_seconds(cfg, h100, "bf16", "none") == 0

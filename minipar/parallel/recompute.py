@@ -144,19 +144,23 @@ def remake(recipe: _Recipe) -> torch.Tensor:
         return recipe.module.forward(recipe.source).as_strided(*recipe.view)
 
 
-def apply_recompute(stages: Iterable[nn.Module], mode: str, layers: int | None = None) -> None:
+def apply_recompute(stages: Iterable[nn.Module], mode: str, layers: int | None = None,
+                    rest: str = "none") -> None:
     """Replace, in every module of ``stages`` with a ``blocks`` container, each block
     (``full``, ``cheap``) or each block's attention core (``selective``). ``layers`` N:
     only the first N blocks of each chunk (Megatron's partial recomputation,
     ``--recompute-num-layers``): the rest keep their activations and skip the extra
-    forward, for the memory a card has to spare."""
-    if mode not in MODES:
-        raise ValueError(f"recompute must be one of {MODES}, got {mode!r}")
+    forward, for the memory a card has to spare, or (``rest="cheap"``) recompute
+    cheaply: the fewer blocks then recompute everything."""
+    for m in (mode, rest):
+        if m not in MODES:
+            raise ValueError(f"recompute must be one of {MODES}, got {m!r}")
     for stage in stages:
-        for key, block in list(stage.blocks.named_children())[:layers]:
-            if mode == "full":
+        for i, (key, block) in enumerate(list(stage.blocks.named_children())):
+            how = mode if layers is None or i < layers else rest
+            if how == "full":
                 stage.blocks[key] = RecomputedBlock(block)
-            elif mode == "cheap":
+            elif how == "cheap":
                 stage.blocks[key] = CheaplyRecomputedBlock(block)
-            elif mode == "selective":
+            elif how == "selective":
                 block.attn.core = Recompute(block.attn.core)

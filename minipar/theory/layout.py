@@ -35,6 +35,7 @@ class Layout:
     sp: bool = False  # sequence parallelism (with tp > 1)
     recompute: str = "none"  # none, selective, full
     recompute_layers: int | None = None  # only the first N blocks of a chunk recompute
+    recompute_rest: str = "none"  # what the others do: none, or cheap
     offload: bool = False  # ZeRO-Offload: masters, optimizer states and step on the host
     dtype: str = "bf16"  # compute dtype: bf16 (mixed precision) or fp32
     optimizer: str = "adam"  # adam(w), sgd, sgd-momentum
@@ -75,6 +76,8 @@ class Layout:
             f" recompute={self.recompute}" if self.recompute != "none" else "") + (
             f" recompute-layers={self.recompute_layers}"
             if self.recompute_layers is not None else "") + (
+            f" recompute-rest={self.recompute_rest}" if self.recompute_rest != "none"
+            else "") + (
             f" head-layers={self.head_layers}" if self.head_layers else "") + (
             " chunked-loss" if self.chunked_loss else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
@@ -102,6 +105,7 @@ class Layout:
         flags += ["--recompute", self.recompute] if self.recompute != "none" else []
         if self.recompute_layers is not None:
             flags += ["--recompute-layers", str(self.recompute_layers)]
+        flags += ["--recompute-rest", self.recompute_rest] if self.recompute_rest != "none" else []
         flags += ["--offload"] if self.offload else []
         flags += ["--no-fused"] if self.optimizer_kernel in ("foreach", "forloop") else []
         flags += ["--grad-dtype", self.grad_dtype] if self.grad_dtype != "fp32" else []

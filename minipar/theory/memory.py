@@ -332,7 +332,8 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     stage and the head terms on the last, times its micro-batches in flight. An MoE
     block's stored rows replace its MLP's (``moe_layer_activations``; its all-to-all
     buffers are ``memory_per_stage``'s). ``recompute_layers`` N: only the first N blocks
-    of each chunk recompute, the rest keep everything (Megatron's partial recomputation)."""
+    of each chunk recompute, the rest keep everything (Megatron's partial recomputation)
+    or recompute cheaply (``recompute_rest``)."""
     cfg = get_model(cfg)
     check_divisible(cfg, layout.tp)
     b, tp, sp, cp, dtype = (layout.microbatch_size, layout.tp, layout.sp, layout.cp,
@@ -350,7 +351,8 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     # per chunk (a mean over the stage's chunks): the blocks that recompute, and the rest
     redone, moe_redone = (n / virtual for n in stage_recomputed_layers(
         cfg, pp, stage, virtual, head, layout.recompute_layers))
-    total = (per_layer(layout.recompute) * redone + per_layer("none") * (layers - redone)) * chunks
+    rest = layout.recompute_rest  # what the blocks past the first N do (none, cheap)
+    total = (per_layer(layout.recompute) * redone + per_layer(rest) * (layers - redone)) * chunks
 
     def per_moe_layer(mode: str) -> float:
         moe = moe_layer_activations(cfg, b, mode, dtype, layout.ep, tp, sp, cp)
@@ -358,7 +360,7 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
         return sum(moe.values())
     moe = stage_moe_layers(cfg, pp, stage, virtual, head) / virtual
     total += (per_moe_layer(layout.recompute) * moe_redone
-              + per_moe_layer("none") * (moe - moe_redone)) * chunks
+              + per_moe_layer(rest) * (moe - moe_redone)) * chunks
     fused = accounting == "fused"  # minipar's ZB-H1: s + 1 W passes pending on stage s,
     if schedule == "zb":  # each keeping its output gradients; the paper's: all in flight
         pending = min(layout.microbatches, stage + 1) if fused else chunks

@@ -57,6 +57,7 @@ rank and to reason, not to promise a number.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cache, lru_cache
@@ -476,7 +477,9 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                 if (smallest is None
                                         or est.memory["process"] < smallest.memory["process"]):
                                     smallest = est
-    layouts += _partial_recomputation(cfg, cluster, partial_candidates, layouts, settings)
+    rests = ("none", "cheap") if "cheap" in recomputes else ("none",)
+    layouts += _partial_recomputation(cfg, cluster, partial_candidates, layouts, settings,
+                                      rests)
     idle = {id(est): est for est in _idle_recomputation(layouts)}
     for est in idle.values():
         reject("recomputation saves no memory", est.layout.label())
@@ -491,9 +494,11 @@ RECOMPUTE_ORDER = {"none": 0, "cheap": 1, "selective": 2, "full": 3}  # by what 
 
 def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
                            candidates: list[tuple[Estimate, Estimate]],
-                           layouts: list[Estimate], settings: dict) -> list[Estimate]:
+                           layouts: list[Estimate], settings: dict,
+                           rests: tuple[str, ...] = ("none",)) -> list[Estimate]:
     """For each candidate (the layout recomputing no block, which does not fit, and the
-    same recomputing all, which does), the fewest recomputed blocks that fit
+    same recomputing all, which does) and each way the other blocks may go (``rests``:
+    keep everything, or recompute cheaply), the fewest recomputed blocks that fit
     (``_fewest_recomputed``), priced where it may rank among the first ``EXACT_TOP``
     layouts: its step lies between the two, about linearly in the share of blocks
     recomputed, and one whose so interpolated step is slower than the ``EXACT_TOP``-th
@@ -501,11 +506,12 @@ def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
     tail may lack them."""
     steps = sorted(est.step_time for est in layouts)
     found: list[Estimate] = []
-    for kept, full in sorted(candidates, key=lambda c: c[0].step_time):
-        n = _fewest_recomputed(cfg, cluster, full.layout, settings)
+    for (kept, full), rest in itertools.product(
+            sorted(candidates, key=lambda c: c[0].step_time), rests):
+        n = _fewest_recomputed(cfg, cluster, full.layout.with_(recompute_rest=rest), settings)
         if n is None:
             continue
-        lay = full.layout.with_(recompute_layers=n)
+        lay = full.layout.with_(recompute_layers=n, recompute_rest=rest)
         guess = kept.step_time + (full.step_time - kept.step_time) * recomputed_share(cfg, lay)
         if len(steps) >= EXACT_TOP and guess > steps[EXACT_TOP - 1] * (1 + TIE_SHARE):
             continue
@@ -540,7 +546,8 @@ def _idle_recomputation(layouts: list[Estimate]) -> list[Estimate]:
     recomputation under a fused attention kernel is the usual case: the kernel keeps no
     score matrix, so recomputing attention frees nothing and costs its time."""
     def without_recompute(est: Estimate) -> Layout:
-        return est.layout.with_(recompute="none", recompute_layers=None, head_layers=0)
+        return est.layout.with_(recompute="none", recompute_layers=None,
+                                recompute_rest="none", head_layers=0)
     same: dict[Layout, list[Estimate]] = {}
     for est in layouts:
         same.setdefault(without_recompute(est), []).append(est)

@@ -110,12 +110,13 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout,
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
     head_rate = block_flops(cluster.head_rates, cfg.d_model, tokens, tp) or slow
     n, head_cost = pp * virtual, head_flops_per_token(cfg) / head_rate
-    layer = (layer_flops_per_token(cfg, layout.recompute) / rate
-             + cheap_recompute_seconds(cfg, cluster, layout))
-    per_token = chunk_costs(cfg.n_layer, n, layer, head_cost, head)
+    def layer(mode: str) -> float:
+        return (layer_flops_per_token(cfg, mode) / rate
+                + cheap_recompute_seconds(cfg, cluster, layout.dtype, mode))
+    per_token = chunk_costs(cfg.n_layer, n, layer(layout.recompute), head_cost, head)
     redo = layout.recompute_layers
-    if redo is not None and layout.recompute != "none":  # the rest of a chunk keeps all
-        kept = chunk_costs(cfg.n_layer, n, layer_flops_per_token(cfg) / rate, head_cost, head)
+    if redo is not None and layout.recompute != "none":  # the rest of a chunk: its own
+        kept = chunk_costs(cfg.n_layer, n, layer(layout.recompute_rest), head_cost, head)
         share = [min(redo, len(c)) / len(c) if c else 0.0
                  for c in partition_layers(cfg.n_layer, n, head)]
         per_token = [k + (r - k) * s for k, r, s in zip(kept, per_token, share)]
@@ -125,16 +126,17 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout,
     return [tokens / tp * t + accumulate[c % pp] for c, t in enumerate(per_token)]
 
 
-def cheap_recompute_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
-    """What ``--recompute cheap`` adds to a layer, per token (``chunk_seconds`` divides it
-    by tp, as the FLOPs): the two layer norms and GELU run again in the backward, each
-    reading its input and writing its output once, at the GPU's data-sheet memory
-    bandwidth (0 where it is not known, or for another mode). An estimate from the
-    bytes, not a measurement."""
+def cheap_recompute_seconds(cfg: GPTConfig, cluster: Cluster, dtype: str,
+                            mode: str) -> float:
+    """What cheap recomputation (``mode`` "cheap") adds to a layer, per token
+    (``chunk_seconds`` divides it by tp, as the FLOPs): the two layer norms and GELU run
+    again in the backward, each reading its input and writing its output once, at the
+    GPU's data-sheet memory bandwidth (0 where it is not known, or for another mode). An
+    estimate from the bytes, not a measurement."""
     bandwidth = cluster.gpu.memory_bandwidth
-    if layout.recompute != "cheap" or not bandwidth:
+    if mode != "cheap" or not bandwidth:
         return 0.0
-    e = 2 if layout.dtype == "bf16" else 4
+    e = 2 if dtype == "bf16" else 4
     return 2 * e * (2 * cfg.d_model + cfg.d_ff) / bandwidth
 
 
