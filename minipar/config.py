@@ -318,7 +318,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_device(cfg)
     _check_fp8(cfg, model)
     _check_compile(cfg)
-    _check_recompute_layers(cfg)
+    _check_recompute(cfg)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
     if cfg.init_from is not None:
@@ -339,7 +339,7 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
                              f"{model.seq_len // cfg.cp} divisible by --tp {cfg.tp}")
 
 
-def _check_recompute_layers(cfg: TrainConfig) -> None:
+def _check_recompute(cfg: TrainConfig) -> None:
     if cheap_recompute(cfg) and cfg.fp8 == "tensorwise":
         raise ValueError("--recompute cheap with --fp8 tensorwise saves nothing: tensorwise "
                          "keeps float8 copies of the inputs it would recompute; use "
@@ -363,11 +363,10 @@ def use_compile(cfg: TrainConfig, on_cuda: bool | None = None) -> bool:
     applies (no dropout, whose per-step mask keys would recompile every step; not the
     zero-bubble schedule, whose split weight gradient runs at pp = 1 too; not cheap
     recomputation, which notes outputs as the block runs) and has paid on a GPU: data
-    parallelism alone. Under a pipeline
-    compiled blocks stepped slower than eager ones: a compiled block, split into several
-    graphs at its fused linears, costs the host more per call than the eager block, and
-    a stage that waits on its neighbours waits on its host too (docs/benchmarks.md); tp,
-    cp and pipeline blocks compile when asked."""
+    parallelism alone. Under a pipeline compiled blocks stepped slower than eager ones: a
+    compiled block, split into several graphs at its fused linears, costs the host more
+    per call than the eager block, and a stage that waits on its neighbours waits on its
+    host too (docs/benchmarks.md); tp, cp and pipeline blocks compile when asked."""
     if cfg.compile is not None:
         return cfg.compile
     on_cuda = uses_cuda(cfg) if on_cuda is None else on_cuda

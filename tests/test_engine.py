@@ -246,6 +246,20 @@ def test_full_parity_matrix(layout: dict) -> None:
     assert_parity(**layout)
 
 
+def activation_drop(keeping: dict, cheap: dict) -> tuple[int, int]:
+    """The stored activations one step's meter no longer sees going from ``keeping`` to
+    ``cheap`` (two layouts), and what the memory model says of the same two."""
+    from minipar.theory.memory import memory_per_stage
+
+    measured, modelled = [], []
+    for layout in (keeping, cheap):
+        cfg = TrainConfig(steps=1, measure_activations=True, timeout=240, **layout)
+        measured.append(train(cfg)["ranks"][0]["memory"]["activations"])
+        modelled.append(memory_per_stage(cfg.model_config(), cfg.layout(),
+                                         accounting="fused")[0]["activations"])
+    return measured[0] - measured[1], modelled[0] - modelled[1]
+
+
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sp=True), dict(cp=2),
                                     dict(pp=2, schedule="zb", microbatches=2),
                                     dict(dtype="bf16")],
@@ -255,38 +269,17 @@ def test_cheap_recomputation_drops_what_the_memory_model_drops(layout: dict) -> 
     sp), cp, the zero-bubble schedule (W reads its recipes late) and bf16 (the fused
     weight-gradient linears): the bytes the meter stops seeing are the memory model's,
     exactly (measured: 3.0 to 4.0 MiB of 8.3 to 10.5)."""
-    from minipar.theory.memory import memory_per_stage
-
-    drop = {}
-    for source in ("measured", "model"):
-        held = {}
-        for mode in ("none", "cheap"):
-            cfg = TrainConfig(steps=1, recompute=mode, measure_activations=True, timeout=240,
-                              **layout)
-            held[mode] = (train(cfg)["ranks"][0]["memory"] if source == "measured" else
-                          memory_per_stage(cfg.model_config(), cfg.layout(),
-                                           accounting="fused")[0])["activations"]
-        drop[source] = held["none"] - held["cheap"]
-    assert drop["measured"] == drop["model"] > 0
+    measured, modelled = activation_drop(layout, {**layout, "recompute": "cheap"})
+    assert measured == modelled > 0
 
 
 def test_the_rest_recomputes_cheaply() -> None:
     """``--recompute full --recompute-layers 1 --recompute-rest cheap``: the first block of
     each chunk recomputes everything, the others their layer norms' and GELU's outputs;
     the meter's bytes against the same without the rest, as the memory model says."""
-    from minipar.theory.memory import memory_per_stage
-
-    drop = {}
-    for source in ("measured", "model"):
-        held = {}
-        for rest in ("none", "cheap"):
-            cfg = TrainConfig(steps=1, recompute="full", recompute_layers=1,
-                              recompute_rest=rest, measure_activations=True, timeout=240)
-            held[rest] = (train(cfg)["ranks"][0]["memory"] if source == "measured" else
-                          memory_per_stage(cfg.model_config(), cfg.layout(),
-                                           accounting="fused")[0])["activations"]
-        drop[source] = held["none"] - held["cheap"]
-    assert drop["measured"] == drop["model"] > 0
+    partial = dict(recompute="full", recompute_layers=1)
+    measured, modelled = activation_drop(partial, {**partial, "recompute_rest": "cheap"})
+    assert measured == modelled > 0
 
 
 def test_recomputation_saves_measured_activation_memory() -> None:

@@ -113,7 +113,8 @@ class CheaplyRecomputedBlock(Block):
             self._made[out.data_ptr()] = (producer, out, args[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the hooks around this block (None: none): they get what is kept as it is
+        # the hooks around this block (None: none): they get what is kept as it is (torch
+        # lets only the innermost pair see a save, and has no public way to read it)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer or (_same, _same)
 
