@@ -20,6 +20,10 @@ GELU's outputs and hands every other saved tensor on to the hooks around it, so 
 count reads what it keeps.
 
     python benchmarks/block_saved.py --recompute none,cheap
+
+``--memory-budgets 0.8,0.5``: the compiled bf16 block again, its partitioner told to keep
+that share of what it would (AOTAutograd's ``activation_memory_budget``): it then
+recomputes too, by its own choice.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import json
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 
 from minipar.model import Block, get_config
@@ -37,11 +42,13 @@ from minipar.parallel.recompute import apply_recompute
 
 
 def saved_bytes(hidden: int, heads: int, tokens: int, recipe: str | None, compiled: bool,
-                device: str = "cpu", recompute: str = "none") -> dict:
+                device: str = "cpu", recompute: str = "none",
+                memory_budget: float = 1.0) -> dict:
     """The bytes one bf16 block of ``hidden`` units (a GPT block, d_ff = 4 hidden) keeps
     for a sequence of ``tokens``, its linears in float8 (``recipe``) or not, compiled by
-    inductor or eager, ``recompute`` applied: the total, per token and hidden unit, and
-    each tensor kept."""
+    inductor (its partitioner told to keep ``memory_budget`` of what it would: AOTAutograd's
+    ``activation_memory_budget``) or eager, ``recompute`` applied: the total, per token
+    and hidden unit, and each tensor kept."""
     torch.manual_seed(0)
     cfg = get_config("tiny").with_(d_model=hidden, n_head=heads, d_ff=4 * hidden,
                                    seq_len=tokens, dropout=0.0)
@@ -63,12 +70,14 @@ def saved_bytes(hidden: int, heads: int, tokens: int, recipe: str | None, compil
 
     x = torch.randn(1, tokens, hidden, device=device, dtype=torch.bfloat16,
                     requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          functorch_config.patch(activation_memory_budget=memory_budget)):
         run(x)  # (what the forward saves is all: the backward need not run)
     if compiled:
         torch._dynamo.reset()
     total = sum(n for *_, n in kept.values())
-    return {"recipe": recipe, "compiled": compiled, "recompute": recompute, "bytes": total,
+    return {"recipe": recipe, "compiled": compiled, "recompute": recompute,
+            "memory_budget": memory_budget, "bytes": total,
             "per_token_hidden": total / (tokens * hidden),
             "tensors": sorted(kept.values(), key=lambda k: -k[2])}
 
@@ -81,14 +90,19 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--recompute", default="none",
                    help="comma-separated modes, each run eagerly (none: also compiled)")
+    p.add_argument("--memory-budgets", default="",
+                   help="comma-separated: also the compiled bf16 block under each budget")
     p.add_argument("--out", help="write the rows as JSON here")
     a = p.parse_args()
     rows = [saved_bytes(a.hidden, a.heads, a.tokens, recipe, compiled, a.device, mode)
             for mode in a.recompute.split(",")
             for compiled in ((False, True) if mode == "none" else (False,))
             for recipe in (None, "rowwise", "tensorwise")]
+    rows += [saved_bytes(a.hidden, a.heads, a.tokens, None, True, a.device,
+                         memory_budget=float(b)) for b in a.memory_budgets.split(",") if b]
     for r in rows:
         how = "compiled" if r["compiled"] else "eager"
+        how += f" (budget {r['memory_budget']})" if r["memory_budget"] != 1.0 else ""
         print(f"{how:>8} {r['recipe'] or 'bf16':>10} recompute {r['recompute']:<6}: "
               f"{r['per_token_hidden']:6.2f} bytes a token and hidden unit, "
               f"{len(r['tensors'])} tensors")
