@@ -117,7 +117,11 @@ def test_a_wrong_recomputation_fails_the_check(monkeypatch) -> None:
     cfg = TrainConfig(steps=3, timeout=240, dp=2, recompute="cheap", **SGD)
     ref = train_reference(cfg)
     assert compare(train(cfg), ref).ok(FP32)
-    remake = recompute.remake
-    monkeypatch.setattr(recompute, "remake", lambda recipe: remake(recipe) * 1.01)
+    hooks = recompute.recipe_hooks
+
+    def one_percent_off(noted):
+        pack, unpack = hooks(noted)
+        return pack, lambda recipe: unpack(recipe) * 1.01
+    monkeypatch.setattr(recompute, "recipe_hooks", one_percent_off)
     broken = compare(train(cfg), ref)
     assert not broken.ok(FP32), broken.describe()

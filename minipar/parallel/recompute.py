@@ -30,7 +30,7 @@ first one dropped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -113,36 +113,56 @@ class CheaplyRecomputedBlock(Block):
             self._made[out.data_ptr()] = (producer, out, args[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the hooks around this block (None: none): they get what is kept as it is (torch
-        # lets only the innermost pair see a save, and has no public way to read it)
+        pack, unpack = recipe_hooks(self._made)
+        # the hooks around this block (None: none) get what is kept as it is (torch lets
+        # only the innermost pair see a save, and has no public way to read it)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer or (_same, _same)
 
-        def pack(t: torch.Tensor) -> object:
-            producer, out, source = self._made.get(t.data_ptr(), (None, None, None))
-            if out is None or t.numel() != out.numel() or t.dtype != out.dtype:
-                return outer_pack(t)  # not a noted output (nor a view of the whole of one)
-            return _Recipe(producer, source, (t.size(), t.stride(), t.storage_offset()))
+        def pack_on(t: torch.Tensor) -> object:
+            packed = pack(t)
+            return _Kept(outer_pack(t)) if packed is t else packed
 
-        def unpack(saved: object) -> torch.Tensor:
-            return remake(saved) if isinstance(saved, _Recipe) else outer_unpack(saved)
+        def unpack_on(saved: object) -> torch.Tensor:
+            return outer_unpack(saved.value) if isinstance(saved, _Kept) else unpack(saved)
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with torch.autograd.graph.saved_tensors_hooks(pack_on, unpack_on):
                 return Block.forward(self, x)
         finally:
             self._made.clear()
 
 
+def recipe_hooks(noted: dict[int, tuple]) -> tuple[Callable, Callable]:
+    """The saved-tensor hooks of one block's forward. ``noted``: the data address of each
+    output a producer made in this forward -> (the producer, the output, its input).
+    ``pack``: a saved tensor that is a noted output, or a view of the whole of one,
+    becomes a recipe; any other comes back as it is. ``unpack``: the recipe's tensor
+    made again: the producer's ``forward`` on the kept input (the module's hooks skipped:
+    nothing to note in the backward), seen as the saved view."""
+    def pack(t: torch.Tensor) -> object:
+        producer, out, source = noted.get(t.data_ptr(), (None, None, None))
+        if out is None or t.numel() != out.numel() or t.dtype != out.dtype:
+            return t
+        return _Recipe(producer, source, (t.size(), t.stride(), t.storage_offset()))
+
+    def unpack(saved: object) -> torch.Tensor:
+        if not isinstance(saved, _Recipe):
+            return saved
+        with torch.no_grad():
+            return saved.module.forward(saved.source).as_strided(*saved.view)
+
+    return pack, unpack
+
+
+class _Kept(NamedTuple):
+    """A saved tensor as the hooks around the block packed it."""
+
+    value: object
+
+
 def _same(x: object) -> object:
     return x
-
-
-def remake(recipe: _Recipe) -> torch.Tensor:
-    """The saved tensor again: its producer's ``forward`` on the kept input (the module's
-    hooks skipped: nothing to note in the backward), seen as the saved view."""
-    with torch.no_grad():
-        return recipe.module.forward(recipe.source).as_strided(*recipe.view)
 
 
 def apply_recompute(stages: Iterable[nn.Module], mode: str, layers: int | None = None,
