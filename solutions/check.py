@@ -69,6 +69,8 @@ EXERCISES: dict[str, Exercise] = {
     "mesh_coords": Exercise("06", "rank <-> (dp, pp, tp), both orders", ("coords", "group")),
     "memory_formula": Exercise(
         "07", "memory per device with the pipeline term", ("in_flight", "device_memory")),
+    "recompute_cheap": Exercise(
+        "07", "keep a recipe, not a tensor (cheap recomputation)", ("recipe_hooks",)),
     "attention_merge": Exercise(
         "08", "merge partial attention by log-sum-exp (ring attention)",
         ("merge_attention",)),

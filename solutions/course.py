@@ -121,6 +121,15 @@ HINTS: dict[str, dict[int, str]] = {
            "timelines of lesson 05 (or your peak_in_flight), then activations as the "
            "per-layer bytes times what the stage holds, then the edges.",
     },
+    "recompute_cheap": {
+        1: "Which saved tensors are the ones to replace, and how do you recognise one when "
+           "pack is handed a reshaped view of it rather than the output itself?",
+        2: "pack: look the tensor's data address up in noted; a match that covers the "
+           "whole output (count the elements, check the dtype) becomes a small tuple of "
+           "what makes it again plus how the saved tensor was laid out; anything else goes "
+           "back unchanged. unpack: run the module once more on what it was given, without "
+           "its hooks and without recording a graph, and lay the result out as saved.",
+    },
     "attention_merge": {
         1: "Each part is a softmax normalised over its own keys. Over both key sets, the "
            "denominator is the sum of the two parts' denominators. What is each part's "

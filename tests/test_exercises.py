@@ -109,6 +109,8 @@ GIVEAWAYS = {
     "pipeline_1f1b": ["pp - r - 1", "p - r - 1", "min(m, pp - r)", "(p-1)/(m+p-1)",
                       "(p - 1) / (m + p - 1)", "warm-up"],
     "memory_formula": ["p - s", "GPipe m", "min(m, p)", "x layers of"],
+    "recompute_cheap": ["noted.get(t.data_ptr()", "module.forward(source)",
+                        "t.numel() != out.numel()", "as_strided(*"],
     "tp_linear": ["identity forward", "identity backward", "backward all-reduces",
                   "forward all-reduces"],
     "ring_allreduce": ["(rank - s", "one index lower", "it has just added to"],
@@ -412,6 +414,21 @@ MESSAGE_MUTANTS = {
         "    return (torch.exp(lse_a - lse) * out_a + torch.exp(lse_b - lse) * out_b, lse)\n",
         ["merge_attention raised RuntimeError", "out_a has shape (2, 2, 5, 4)",
          ".unsqueeze(-1)"]),
+    "recipe_holds_the_output": (
+        "recompute_cheap", "        return module, source, (t.size(), t.stride(), "
+        "t.storage_offset())\n",
+        "        return module, out, (t.size(), t.stride(), t.storage_offset())\n",
+        ["a recipe holds a noted output itself", "keep what makes the output"]),
+    "recipe_only_the_same_object": (
+        "recompute_cheap", "        if out is None or t.numel() != out.numel() or t.dtype "
+        "!= out.dtype:\n",
+        "        if t is not out:\n",
+        ["one forward made 0 recipes; expected 3", "accept a view of the whole output"]),
+    "recipe_from_the_output": (
+        "recompute_cheap", "            return module.forward(source).as_strided(*view)\n",
+        "            return module.forward(module.forward(source)).as_strided(*view)\n",
+        ["gradient of attn.qkv.weight[157, 10]: expected 2.31749034 (the block keeping "
+         "everything), got 2.31749463 (off by 4.29e-06)"]),
     "dispatch_unsorted": (
         "moe_dispatch", "    return rows[order], got.sum(0), (order, send, recv)\n",
         "    return rows, got.sum(0), (torch.arange(len(rows)), send, recv)\n",
