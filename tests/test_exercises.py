@@ -427,8 +427,8 @@ MESSAGE_MUTANTS = {
     "recipe_from_the_output": (
         "recompute_cheap", "            return module.forward(source).as_strided(*view)\n",
         "            return module.forward(module.forward(source)).as_strided(*view)\n",
-        ["gradient of attn.qkv.weight[157, 10]: expected 2.31749034 (the block keeping "
-         "everything), got 2.31749463 (off by 4.29e-06)"]),
+        ["gradient of attn.qkv.weight[", "]: expected 2.3174", "(the block keeping "
+         "everything), got 2.3174", "(off by "]),
     "dispatch_unsorted": (
         "moe_dispatch", "    return rows[order], got.sum(0), (order, send, recv)\n",
         "    return rows, got.sum(0), (torch.arange(len(rows)), send, recv)\n",
