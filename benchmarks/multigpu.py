@@ -103,6 +103,7 @@ from gpu import (  # noqa: E402
 
 from minipar.comm import wire_bytes  # noqa: E402
 from minipar.config import TrainConfig, validate  # noqa: E402
+from minipar.doctor import host_memory  # noqa: E402
 from minipar.launch import launch  # noqa: E402
 from minipar.model import get_config  # noqa: E402
 from minipar.theory.clusters import rising  # noqa: E402
@@ -456,7 +457,7 @@ def calibration_from(results: list[dict], sizes: list[int], n: int,
     median rank's optimizer step and gradient accumulation per parameter."""
     r0 = results[0]
     calib = {"device": r0["device_name"], "gpus": n, "torch": torch.__version__,
-             "memory_bytes": r0["memory_bytes"],
+             "memory_bytes": r0["memory_bytes"], "host_memory_bytes": host_memory()[0],
              "matmul_tflops": statistics.median(r["matmul_tflops"] for r in results),
              "matmul_tflops_per_rank": [r["matmul_tflops"] for r in results],
              "collectives": {}, "block_rates": [], "head_rates": []}

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from minipar.theory.card import card_bytes
-from minipar.theory.clusters import CLUSTERS, cluster, get_cluster
+from minipar.theory.clusters import CLUSTERS, calibrated, cluster, get_cluster
 from minipar.theory.examples import EXAMPLES, get_model
 from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_breakdown
@@ -668,3 +668,16 @@ def test_cheap_recomputation_is_planned_only_when_asked(capsys) -> None:
     assert partial["cheap"].layout.recompute_layers < partial["none"].layout.recompute_layers
     assert partial["cheap"].step_time < partial["none"].step_time
     assert not any(x.layout.recompute_rest != "none" for x in plan("gpt-13b", h100, 16))
+
+
+def test_a_calibration_file_knows_its_nodes_host_memory() -> None:
+    """``benchmarks/multigpu.py --sections calibrate`` records the host's memory
+    (``host_memory_bytes``); the calibrated cluster checks offload layouts against it.
+    Files written before keep the base cluster's (unknown for ``--gpus``, not checked)."""
+    base = cluster(1, "H100-80GB", measured=False)
+    calib = {"matmul_tflops": 700.0, "collectives": {}}
+    assert calibrated(base, calib).host_memory == 0
+    node = calibrated(base, {**calib, "host_memory_bytes": 100 * 2**30})
+    assert node.host_memory == 100 * 2**30
+    assert not plan("gpt-6.7b", node, 32, offload=True).layouts
+    assert plan("gpt-6.7b", node.with_(host_memory=128 * 2**30), 32, offload=True).layouts

@@ -94,7 +94,8 @@ class Cluster:
     # ZeRO-Offload's host AdamW, parameters a second per rank (0: ``theory.offload``'s)
     host_adam_params_per_s: float = 0.0
     # bytes of host memory a node has, which ``--offload``'s states share (0: not known,
-    # not checked): the DGX data sheets' for the named clusters, ``plan --host-memory``
+    # not checked): the DGX data sheets' for the named clusters, a calibration file's,
+    # ``plan --host-memory``
     host_memory: int = 0
 
     def __post_init__(self) -> None:
@@ -216,8 +217,9 @@ def load_calibration(path: str) -> dict:
 
 def calibrated(base: Cluster, calib: dict) -> Cluster:
     """``base`` with one machine's measured rates (see ``load_calibration``): matmul rate,
-    collective latencies and bandwidths inside a node, and the memory one GPU has
-    (``memory_bytes``, when measured), and the engine's host (``engine``; else ``base``'s,
+    collective latencies and bandwidths inside a node, the memory one GPU has
+    (``memory_bytes``, when measured) and the node's host memory (``host_memory_bytes``,
+    in files written since it was recorded), and the engine's host (``engine``; else ``base``'s,
     as a file of collective and kernel rates does not measure it). The peak stays the
     data sheet's: MFU is over it."""
     links = tuple((op, float(row["latency_s"]), float(row["bus_bandwidth"]))
@@ -231,6 +233,7 @@ def calibrated(base: Cluster, calib: dict) -> Cluster:
     gpu, engine = base.gpu, calib.get("engine", {})
     if calib.get("memory_bytes"):
         gpu = replace(gpu, memory=int(calib["memory_bytes"]))
+    host = int(calib.get("host_memory_bytes") or base.host_memory)  # (the node's, if read)
     return replace(base, gpu=gpu, matmul_flops=float(calib["matmul_tflops"]) * 1e12,
                    links=links, curves=curves, block_rates=blocks,
                    head_rates=heads,
@@ -240,7 +243,7 @@ def calibrated(base: Cluster, calib: dict) -> Cluster:
                                                      base.host_s_per_layer)),
                    host_adam_params_per_s=float(engine.get("host_adam_params_per_s",
                                                            base.host_adam_params_per_s)),
-                   name=base.name + " (calibrated)")
+                   host_memory=host, name=base.name + " (calibrated)")
 
 
 def rising(bandwidths: list[float]) -> tuple[float, ...]:
