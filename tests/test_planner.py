@@ -645,8 +645,8 @@ def test_offload_layouts_fit_the_node_s_host_memory(capsys) -> None:
 
 
 def test_cheap_recomputation_is_planned_only_when_asked(capsys) -> None:
-    """Its step is an estimate (the memory passes at the data sheet's bandwidth), not yet
-    measured on a GPU, so the default search leaves it out; asked, gpt-13b on 4 x H100
+    """Its cost is measured on one GPU only (the layouts it would put first on four have
+    not run there), so the default search leaves it out; asked, gpt-13b on 4 x H100
     gets a cheaply recomputing layout among its first, and ``plan`` prints the command
     that runs it."""
     from minipar.__main__ import main

@@ -80,8 +80,9 @@ from minipar.theory.params import (
 )
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
 
-# The recomputation modes the search tries unless told: cheap recomputation's step is an
-# estimate from its bytes, not yet measured on a GPU (``rates.cheap_recompute_seconds``)
+# The recomputation modes the search tries unless told: cheap recomputation's cost was
+# measured on one GPU (``rates.cheap_recompute_seconds``), but the layouts it would put
+# first on four have not run there
 RECOMPUTES = ("none", "selective", "full")
 # The rejection of a ZeRO-Offload layout whose host states do not fit the node
 HOST_SHORT = "offload's host states exceed the node's memory"
