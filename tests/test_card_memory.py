@@ -373,6 +373,15 @@ def test_the_planner_on_one_h100() -> None:
         assert abs(est.memory["total"] / allocated - 1) < 0.01, r["label"]
 
 
+def _run_of(command: str) -> tuple:
+    """A recorded ``python -m minipar train ...`` command as ``train`` parses it: its
+    config, model and layout on the GPU."""
+    from minipar.__main__ import build_parser, train_config
+
+    cfg = train_config(build_parser().parse_args(command.split()[3:]))
+    return cfg, cfg.model_config(), cfg.layout("cuda")
+
+
 def test_float8_blocks_are_predicted_at_the_measured_peak() -> None:
     """Compiled blocks whose linears multiply in float8 keep 12 bytes a token and hidden
     unit fewer than 16-bit ones (``theory.memory.layer_activations``, ``float8_compiled``):
@@ -380,7 +389,6 @@ def test_float8_blocks_are_predicted_at_the_measured_peak() -> None:
     blocks at full width; ``benchmarks/fp8_gpu.py --sections speed1``), the live-tensor
     peak against ``max_memory_allocated``. Measured within -0.15%; checked at 0.5%. Counted
     as the 16-bit block (the mutation), the float8 rows are 6-13% over."""
-    from minipar.__main__ import build_parser, train_config
     from minipar.theory.card import card_peak
 
     rows = [r for path in sorted(RESULTS.glob("fp8-*1xH100-*.json"))
@@ -388,8 +396,7 @@ def test_float8_blocks_are_predicted_at_the_measured_peak() -> None:
             if r.get("status") == "ok"]
     assert len(rows) == 9 and sum(r["fp8"] is not None for r in rows) == 6
     for r in rows:
-        cfg = train_config(build_parser().parse_args(r["command"].split()[3:]))
-        layout, model = cfg.layout("cuda"), cfg.model_config()
+        cfg, model, layout = _run_of(r["command"])
         assert layout.compiled and layout.fp8 == r["fp8"]
         live = card_peak(model, layout)["total"] / 2**30
         assert live == pytest.approx(r["peak_gib"], rel=5e-3), r["name"]
@@ -405,7 +412,6 @@ def test_cheap_recomputation_and_the_chunked_loss_on_one_h100() -> None:
     rows are 6% to 19% over. Cheap recomputation's extra step (against the same run
     eager, keeping everything) is ``rates.cheap_recompute_seconds`` per token and layer:
     measured 3.6 ms and 28 ms against 3.6 and 23 predicted; held within 25%."""
-    from minipar.__main__ import build_parser, train_config
     from minipar.theory.card import card_peak
     from minipar.theory.rates import cheap_recompute_seconds
 
@@ -413,8 +419,7 @@ def test_cheap_recomputation_and_the_chunked_loss_on_one_h100() -> None:
         "recompute-cheap-1xH100-*.json")) for r in json.loads(path.read_text())["rows"]}
     assert len(rows) == 10 and not any("error" in r for r in rows.values())
     for key, r in rows.items():
-        cfg = train_config(build_parser().parse_args(r["command"].split()[3:]))
-        layout, model = cfg.layout("cuda"), cfg.model_config()
+        cfg, model, layout = _run_of(r["command"])
         live = card_peak(model, layout)["total"] / 2**30
         assert live == pytest.approx(r["peak_gib"], rel=5e-3), key
         kept = layout.with_(recompute="none", recompute_layers=None, recompute_rest="none",

@@ -137,7 +137,7 @@ def recipe_hooks(noted: dict[int, tuple]) -> tuple[Callable, Callable]:
     """The saved-tensor hooks of one block's forward. ``noted``: the data address of each
     output a producer made in this forward -> (the producer, the output, its input).
     ``pack``: a saved tensor that is a noted output, or a view of the whole of one,
-    becomes a recipe; any other comes back as it is. ``unpack``: the recipe's tensor
+    becomes a recipe; any other comes back as it is. ``unpack`` (of a recipe): its tensor
     made again: the producer's ``forward`` on the kept input (the module's hooks skipped:
     nothing to note in the backward), seen as the saved view."""
     def pack(t: torch.Tensor) -> object:
@@ -146,11 +146,9 @@ def recipe_hooks(noted: dict[int, tuple]) -> tuple[Callable, Callable]:
             return t
         return _Recipe(producer, source, (t.size(), t.stride(), t.storage_offset()))
 
-    def unpack(saved: object) -> torch.Tensor:
-        if not isinstance(saved, _Recipe):
-            return saved
+    def unpack(recipe: _Recipe) -> torch.Tensor:  # (only recipes: the block sees to it)
         with torch.no_grad():
-            return saved.module.forward(saved.source).as_strided(*saved.view)
+            return recipe.module.forward(recipe.source).as_strided(*recipe.view)
 
     return pack, unpack
 

@@ -33,7 +33,7 @@ class Layout:
     virtual: int = 1  # model chunks per pipeline rank (interleaved)
     head_layers: int = 0  # the last pipeline chunk's layers fewer (``partition_layers``)
     sp: bool = False  # sequence parallelism (with tp > 1)
-    recompute: str = "none"  # none, selective, full
+    recompute: str = "none"  # none, selective, cheap, full
     recompute_layers: int | None = None  # only the first N blocks of a chunk recompute
     recompute_rest: str = "none"  # what the others do: none, or cheap
     offload: bool = False  # ZeRO-Offload: masters, optimizer states and step on the host
