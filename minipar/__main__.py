@@ -1,4 +1,5 @@
-"""The command line: ``python -m minipar {train,sample,export,memory,bubble,plan,doctor}``.
+"""The command line:
+``python -m minipar {train,rehearse,sample,export,memory,bubble,plan,doctor}``.
 
 Every subcommand prints a readable table and, with ``--json PATH``, writes the same
 facts as JSON. Invalid input is rejected with one line before any process starts.
@@ -18,9 +19,9 @@ import torch
 from tqdm.auto import tqdm
 
 from minipar import checkpoint, checks
-from minipar.config import RECOMPUTE, SCHEDULE_NAMES, TrainConfig, sized, validate
+from minipar.config import RECOMPUTE, SCHEDULE_NAMES, TrainConfig, sized, uses_cuda, validate
 from minipar.doctor import fits_report, run_doctor
-from minipar.engine import RunStopped, train
+from minipar.engine import RunStopped, rehearse, train
 from minipar.export import export, export_hf
 from minipar.launch import LaunchError
 from minipar.model import get_config
@@ -51,10 +52,19 @@ def _train_fields() -> list[Field]:
 
 
 def _add_train(sub) -> None:
-    """One flag per ``TrainConfig`` option (``--batch-size`` is ``batch_size``: its type,
-    default, help and choices), then the command line's own: where the record goes, the
+    """``train``'s flags, then the command line's own: where the record goes, the
     progress bar, the comparison with one process."""
     p = sub.add_parser("train", help="train the GPT on 1 or dp*pp*tp*cp ranks")
+    _add_train_flags(p)
+    p.add_argument("--json", help="write the run's record as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--compare", action="store_true",
+                   help="also train the single-process reference and print both")
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ``TrainConfig`` option (``--batch-size`` is ``batch_size``: its type,
+    default, help and choices)."""
     for f in _train_fields():
         kind = str(f.type).split(" | ")[0]  # "int | None": an int, or not given
         if kind == "bool":  # a switch; one on by default (or decided by the machine:
@@ -66,10 +76,6 @@ def _add_train(sub) -> None:
                    "choices": f.metadata["choices"]}
         p.add_argument("--" + f.name.replace("_", "-"), default=f.default,
                        help=f.metadata["help"], **how)
-    p.add_argument("--json", help="write the run's record as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--compare", action="store_true",
-                   help="also train the single-process reference and print both")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -178,6 +184,67 @@ def _print_run(cfg, record: dict) -> None:
           "bytes sent as a ring algorithm puts them on the wire; build: seconds to\n"
           " compose this rank's shards, host+: the host memory that added at its peak;"
           " activ: - unless --measure-activations)")
+
+
+# --- rehearse ---------------------------------------------------------------------------
+
+def _add_rehearse(sub) -> None:
+    p = sub.add_parser("rehearse", help="try a layout's ranks one at a time on this "
+                       "machine's one device, their peers imagined: memory and compute")
+    _add_train_flags(p)
+    p.add_argument("--ranks", help="comma-separated ranks (default: the first rank of "
+                   "each pipeline stage)")
+    p.add_argument("--json", help="write the ranks' records as JSON")
+
+
+def _cmd_rehearse(args) -> int:
+    cfg = train_config(args)
+    checks.output_file("json", args.json)
+    ranks = None
+    if args.ranks:
+        try:
+            ranks = [int(r) for r in args.ranks.split(",")]
+        except ValueError:
+            raise ValueError(f"--ranks must be comma-separated integers, got "
+                             f"{args.ranks!r}") from None
+    record = rehearse(cfg, ranks)
+    gib = 2**30
+    device = torch.cuda.get_device_name(0) if uses_cuda(cfg) else "the CPU"
+    print(f"{cfg.layout_name()} {cfg.dtype}, {cfg.world_size} ranks: each rank below ran "
+          f"alone on {device}, its peers imagined (no wire, no waiting)")
+    print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'cp':>3}  {'live GiB':>17}  "
+          f"{'reserved GiB':>17}  {'compute s':>9}")
+    print(f"{'':>20}  {'model':>8} {'measured':>8}  {'model':>8} {'measured':>8}")
+    notes = []
+    for r in record["ranks"]:
+        c, p, dev = r["coords"], r["predicted"], r["device_memory"] or {}
+        live, held = dev.get("peak_allocated"), dev.get("peak_reserved")
+        steps = sorted(r.get("step_seconds", [])[1:] or r.get("step_seconds", [])) or [None]
+        step = steps[len(steps) // 2]
+        shown = (f"{_opt(live, gib):>8}", f"{_opt(held, gib):>8}",
+                 f"{step:>9.3f}" if step is not None else f"{'-':>9}")
+        print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {c['cp']:>3}  "
+              f"{p['live'] / gib:>8.2f} {shown[0]}  {p['reserved'] / gib:>8.2f} {shown[1]}  "
+              f"{shown[2]}")
+        if r.get("out_of_memory"):
+            notes.append(f"rank {r['rank']} ran out of memory: {r['out_of_memory']}")
+        elif dev:
+            need = dev["process_used"] + r["nccl_bytes"]
+            verdict = "fits" if need <= dev["capacity"] else "does NOT fit"
+            notes.append(f"rank {r['rank']} {verdict}: it held {dev['process_used'] / gib:.1f} "
+                         f"GiB of the card, and NCCL's buffers add about "
+                         f"{r['nccl_bytes'] / gib:.1f}: {need / gib:.1f} of "
+                         f"{dev['capacity'] / gib:.1f} GiB")
+    print("\n".join(notes))
+    print("(live: the peak of tensors; reserved: the caching allocator's peak; model: "
+          "theory.card.card_peak, the planner's; compute: the median step, the first left "
+          "out, without communication)")
+    _write_json(args.json, record)
+    return 0
+
+
+def _opt(x: float | None, unit: float) -> str:
+    return "-" if x is None else f"{x / unit:.2f}"
 
 
 # --- sample and export ------------------------------------------------------------------
@@ -457,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minipar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_rehearse(sub)
     _add_theory(sub)
     d = sub.add_parser("doctor", help="check this machine for the course")
     d.add_argument("--json")
@@ -481,9 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"train": _cmd_train, "memory": _cmd_memory, "bubble": _cmd_bubble,
-            "plan": _cmd_plan, "doctor": _cmd_doctor, "sample": _cmd_sample,
-            "export": _cmd_export}
+COMMANDS = {"train": _cmd_train, "rehearse": _cmd_rehearse, "memory": _cmd_memory,
+            "bubble": _cmd_bubble, "plan": _cmd_plan, "doctor": _cmd_doctor,
+            "sample": _cmd_sample, "export": _cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

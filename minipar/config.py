@@ -263,9 +263,12 @@ def _choice(flag: str, value, allowed) -> None:
         raise ValueError(f"--{flag} must be one of {shown}, got {value!r}")
 
 
-def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
+def validate(cfg: TrainConfig, world_size: int | None = None,
+             rehearsal: bool = False) -> None:
     """Raise ``ValueError`` (one line) for anything that cannot run. ``world_size``: the
-    size of a job started by torchrun, which the layout must fill exactly."""
+    size of a job started by torchrun, which the layout must fill exactly. ``rehearsal``
+    (``engine.rehearse``: one rank at a time on one device): neither one GPU per rank nor
+    a predicted fit is asked for (whether a rank fits is what a rehearsal measures)."""
     check_types(cfg)
     for name in ("dp", "pp", "tp", "cp", "ep", "steps", "microbatches", "virtual",
                  "batch_size"):
@@ -315,7 +318,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
     checks.seed(cfg.seed)
     check_timeout(cfg.timeout)
-    _check_device(cfg)
+    _check_device(cfg, rehearsal)
     _check_fp8(cfg, model)
     _check_compile(cfg)
     _check_recompute(cfg)
@@ -323,7 +326,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_files(cfg)
     if cfg.init_from is not None:
         check_init_from(cfg, model)
-    check_fits(cfg, model)
+    if not rehearsal:
+        check_fits(cfg, model)
 
 
 def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
@@ -586,12 +590,12 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
                              f"{model.vocab_size} is too small")
 
 
-def _check_device(cfg: TrainConfig) -> None:
+def _check_device(cfg: TrainConfig, rehearsal: bool = False) -> None:
     if cfg.backend == "nccl" or cfg.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--backend nccl and --device cuda need a CUDA GPU; this machine "
                              "has none: use --backend gloo")
-    if cfg.backend == "nccl" and "LOCAL_WORLD_SIZE" not in os.environ:
+    if cfg.backend == "nccl" and "LOCAL_WORLD_SIZE" not in os.environ and not rehearsal:
         if cfg.world_size > torch.cuda.device_count():
             raise ValueError(f"--backend nccl runs one rank per GPU: {cfg.world_size} ranks "
                              f"but {torch.cuda.device_count()} GPU(s); use --backend gloo "

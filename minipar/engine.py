@@ -37,6 +37,7 @@ from minipar.config import (
     optimizer_kwargs,
     predicted_bytes,
     use_compile,
+    uses_cuda,
     validate,
 )
 from minipar.corpus import make_data, prepare_data
@@ -50,9 +51,10 @@ from minipar.parallel.compile import compile_stats
 from minipar.reshard import ShardReader
 from minipar.sample import write_run_card
 from minipar.step import Parts, build, train_step
+from minipar.theory.card import CUDA_RUNTIME_ALONE_BYTES, CUDA_RUNTIME_BYTES, card_peak
 
 __all__ = ["TrainConfig", "validate", "train", "train_reference", "rank_main", "build",
-           "train_step", "Parts", "RunStopped"]
+           "train_step", "Parts", "RunStopped", "rehearse", "stage_ranks"]
 
 
 class RunStopped(RuntimeError):
@@ -99,7 +101,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         with meter if meter is not None else nullcontext():
             out = train_step(cfg, rm, parts, data, step)
         heartbeat()  # progress: the launcher's timeout counts from here
-        if not (cfg.allow_nonfinite or _finite(out, step)):  # every rank alike
+        # (a rehearsed rank's values are not a model's: see ``rehearse``)
+        if not (cfg.allow_nonfinite or rm.rehearsal or _finite(out, step)):  # all alike
             stopped = _nonfinite(out, step, losses)
             break
         step_times.append(time.time() - t0)
@@ -345,6 +348,74 @@ def _join_torchrun(cfg: TrainConfig, t0: float) -> dict | None:
     if record and record.get("stopped"):
         raise RunStopped(record["stopped"], record)
     return record
+
+
+def stage_ranks(cfg: TrainConfig) -> list[int]:
+    """The first rank of each pipeline stage: the ranks a rehearsal tries by default (a
+    stage's dp, tp and cp ranks hold the same shapes; stages differ: the embedding, the
+    head, the micro-batches a schedule keeps in flight)."""
+    mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep)
+    return [mesh.rank(dp=0, pp=stage) for stage in range(cfg.pp)]
+
+
+def rehearse(cfg: TrainConfig, ranks: list[int] | None = None) -> dict:
+    """Try ranks of ``cfg``'s layout one at a time, each alone on this machine's first
+    device (or its CPU), its peers imagined: torch's "fake" process group completes every
+    collective at once and moves nothing (torchtitan estimates memory the same way). What
+    the rank holds and computes is real: its shards, activations, buffers and kernels.
+    Its values are not (a later pipeline stage computes on what no neighbour sent; the
+    losses mean nothing, and a non-finite one stops nothing), and its step is compute
+    alone: no wire, no waiting. So a layout meant for four GPUs can be tried on one, each
+    rank's peak held against the card and the memory model before the GPUs are rented.
+    NCCL's buffers for its peers (``theory.card.CUDA_RUNTIME_BYTES`` less
+    ``CUDA_RUNTIME_ALONE_BYTES``) are the one part a rehearsal cannot hold.
+
+    ``ranks``: default ``stage_ranks``. Each runs in a process of its own (a fresh
+    allocator, a fresh peak) under ``launch``'s deadline. Returns {"config", "ranks"}:
+    per rank ``rank_main``'s record, or, when it ran out of device memory, its coords and
+    ``out_of_memory`` (the allocator's first line), with ``device_memory`` either way.
+    """
+    validate(cfg, rehearsal=True)
+    if cfg.save:
+        raise ValueError("a rehearsal writes no checkpoint (its peers are imagined: its "
+                         "weights are not trained); drop --save")
+    ranks = stage_ranks(cfg) if ranks is None else list(ranks)
+    for rank in ranks:
+        if not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
+            raise ValueError(f"--ranks: the layout {cfg.layout_name()} has ranks 0 to "
+                             f"{cfg.world_size - 1}, got {rank!r}")
+    prepare_data(cfg)
+    method = "spawn" if torch.cuda.is_available() else None  # (as in train)
+    records = [launch(_rehearse_rank, 1, args=(cfg, rank), timeout=cfg.timeout,
+                      start_method=method)[0] for rank in ranks]
+    device = "cuda" if uses_cuda(cfg) else "cpu"
+    model, layout = cfg.model_config(), cfg.layout(device)
+    for r in records:  # what the planner's memory model says of the same rank
+        row = card_peak(model, layout, device=device, stage=r["coords"]["pp"])
+        r["predicted"] = {"live": row["total"], "reserved": row["reserved"],
+                          "process": row["process"]}
+        r["nccl_bytes"] = (CUDA_RUNTIME_BYTES - CUDA_RUNTIME_ALONE_BYTES
+                           if device == "cuda" and cfg.world_size > 1 else 0)
+    return {"config": cfg.to_dict(), "world_size": cfg.world_size, "ranks": records}
+
+
+def _rehearse_rank(cfg: TrainConfig, rank: int) -> dict:
+    """One rehearsed rank (inside ``launch``'s one-rank job, which it leaves for a world
+    of ``cfg.world_size`` imagined ranks)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank,
+                            world_size=cfg.world_size)
+    try:
+        return rank_main(cfg)
+    except torch.OutOfMemoryError as e:
+        coords = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep).coords(rank)
+        device = device_for(cfg)
+        return {"rank": rank, "coords": coords._asdict(),
+                "out_of_memory": str(e).strip().splitlines()[0],
+                "device_memory": _device_memory(device, None)}
+    finally:
+        dist.destroy_process_group()
 
 
 def train_reference(cfg: TrainConfig, progress=None) -> dict:

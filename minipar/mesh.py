@@ -241,7 +241,8 @@ class Mesh:
             if rank in ranks:
                 comms["embed"] = Comm(group, "embed", log, ranks)
         world_comm = Comm(dist.group.WORLD, "world", log, list(range(world)))
-        return RankMesh(self, rank, self.coords(rank), comms, world_comm, log)
+        return RankMesh(self, rank, self.coords(rank), comms, world_comm, log,
+                        rehearsal=dist.get_backend() == "fake")
 
 
 @dataclass
@@ -254,6 +255,10 @@ class RankMesh:
     comms: dict[str, Comm]
     world: Comm
     log: CommLog = field(repr=False)
+    # a rehearsal (``engine.rehearse``): this rank alone, its peers imagined by torch's
+    # "fake" process group, whose collectives move nothing; what a peer would have sent
+    # (a pipeline's shape header) must then be known instead
+    rehearsal: bool = False
 
     @property
     def dp(self) -> Comm:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,7 @@ from minipar.data import TokenSource, local_batches
 from minipar.hf import HFCheckpoint
 from minipar.mesh import RankMesh
 from minipar.meter import HeldPeaks, HostPeak
-from minipar.model import GPT, set_dropout_key, set_moe_loss_scale
+from minipar.model import GPT, GPTConfig, set_dropout_key, set_moe_loss_scale
 from minipar.parallel.chunked_loss import apply_chunked_loss
 from minipar.parallel.compile import apply_compile
 from minipar.parallel.cp_plan import apply_context_parallel, shard_batch
@@ -177,13 +178,25 @@ def _build(cfg: TrainConfig, rm: RankMesh, resume) -> Parts:
     # A synchronize after every action makes the GPU timeline true but stalls the host
     # (a few % of a small model's step): only when a trace is asked for.
     executor = PipelineExecutor(stage, rm.pp, actions, device=device,
-                                synchronize=bool(cfg.trace) and device.type == "cuda")
+                                synchronize=bool(cfg.trace) and device.type == "cuda",
+                                boundary=stage_boundary(cfg, mcfg) if rm.rehearsal else None)
     parts = Parts(model, stage, optimizer, executor, sync, [n for n, _ in named],
                   sp_names, tied_names, offload, peaks)
     if resume is not None:
         load_optimizer_state(rm, parts, resume)
         resume.close()
     return parts
+
+
+def stage_boundary(cfg: TrainConfig, mcfg: GPTConfig
+                   ) -> Callable[[tuple], tuple[tuple, torch.dtype]]:
+    """What crosses a pipeline boundary for a micro-batch of token ids [b, s] (s: this
+    rank's share of the sequence under cp): the hidden states [b, s, h], the sequence
+    cut by tp under sequence parallelism, in the blocks' dtype. A rehearsed rank is told
+    this; real ranks learn it from their neighbour's header."""
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    sp = cfg.tp if cfg.sp else 1
+    return lambda key: ((key[0], key[1] // sp, mcfg.d_model), dtype)
 
 
 def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units: list,

@@ -218,7 +218,10 @@ class PipelineExecutor:
     Activation shapes are never assumed: the first time a boundary carries a new input
     shape, the sender sends a small header (dtype and shape) before the tensor. Gradient
     shapes are known (those of the rank's own outputs). So sequence parallelism's
-    [b, s/tp, h] crosses stages like anything else.
+    [b, s/tp, h] crosses stages like anything else. Only a rank rehearsed alone
+    (``engine.rehearse``), whose neighbours are imagined and send nothing, is told what
+    its boundaries carry instead: ``boundary(key)`` gives (shape, dtype) for a
+    micro-batch of token ids of shape ``key``.
 
     ``sleep_per_unit`` adds ``cost * sleep_per_unit`` seconds of sleep to every compute
     action (F 1, B 2 or 1 + W 1): a stand-in for a bigger model, so that measured
@@ -235,7 +238,9 @@ class PipelineExecutor:
 
     def __init__(self, chunks: Sequence[nn.Module], comm: Comm, actions: Schedule, *,
                  sleep_per_unit: float = 0.0, synchronize: bool = False,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 boundary: Callable[[tuple], tuple[tuple, torch.dtype]] | None = None
+                 ) -> None:
         if len(actions) != comm.size:
             raise ValueError(f"schedule is for pp={len(actions)}, the pipeline group has "
                              f"{comm.size} ranks")
@@ -254,6 +259,7 @@ class PipelineExecutor:
         self.synchronize = synchronize and self.device.type == "cuda"
         self._shapes_sent: set = set()
         self._shapes_known: dict = {}
+        self.boundary = boundary
         self._capture: list | None = None
         self._cuts: list = []  # (inputs, detached inputs) per module running: they nest
         self._hooks = []
@@ -311,13 +317,17 @@ class PipelineExecutor:
 
     def _recv_activation(self, chunk: int, key: tuple) -> tuple[Pending, torch.Tensor]:
         peer = rank_of(chunk - 1, self.pp)
+        if self.boundary is not None:
+            self._shapes_known[(chunk, key)] = self.boundary(key)
         if (chunk, key) not in self._shapes_known:
             header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
             self.comm.irecv(header, peer).wait()
             h = header.tolist()
             self._shapes_known[(chunk, key)] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
         shape, dtype = self._shapes_known[(chunk, key)]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        # (told, not sent: nothing arrives in a rehearsal's buffer, so it starts at zero)
+        make = torch.empty if self.boundary is None else torch.zeros
+        buf = make(shape, dtype=dtype, device=self.device)
         return self.comm.irecv(buf, peer), buf
 
     # --- one training step ---------------------------------------------------------
@@ -374,7 +384,8 @@ class PipelineExecutor:
         st.inputs[(a.mb, a.chunk)] = self._recv_activation(a.chunk, st.shape_key(a.mb))
 
     def _recv_b(self, a: Action, st: _StepState) -> None:
-        buf = torch.empty_like(st.saved[(a.mb, a.chunk)][1])
+        make = torch.empty_like if self.boundary is None else torch.zeros_like  # (as above)
+        buf = make(st.saved[(a.mb, a.chunk)][1])
         st.out_grads[(a.mb, a.chunk)] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)),
                                          buf)
 
