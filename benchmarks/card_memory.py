@@ -22,6 +22,13 @@ kernel and compilation. ``--list`` prints the rows it would run, each with its
 predicted reserve / process GiB and seconds, and runs none (no GPU needed).
 
 A dry run on CPU (gloo, 2 ranks, tiny models): ``--device cpu --gpus 2 --models tiny``.
+
+``--rehearse`` runs each row as ``python -m minipar rehearse`` instead: on the one GPU
+of this machine, each pipeline stage's first rank alone, its peers imagined
+(``engine.rehearse``). Its rows hold per rank what the card held and the compute-only
+step (``compute_seconds``), never the job's step time; they do not count as recorded
+for ``--skip-recorded``. ``--rerun FILE`` takes its rows from the commands of FILE's
+finished rows (a recorded 4-GPU run, to hold the rehearsal to it).
 """
 
 from __future__ import annotations
@@ -106,10 +113,12 @@ def layout_of(spec: dict, n: int, batch: int) -> Layout:
                   offload=spec.get("offload", False))
 
 
-def how_it_runs(model: str, lay: Layout, backend: str) -> tuple[list[str], str, bool]:
-    """The ``train`` flags of ``lay``, and the optimizer kernel and compilation that
-    command runs with (the command line's own defaults for this device)."""
-    flags = lay.train_flags(model)
+def how_it_runs(model: str, lay: Layout, backend: str, flags: list[str] | None = None
+                ) -> tuple[list[str], str, bool]:
+    """The ``train`` flags of ``lay`` (or ``flags`` as given), and the optimizer kernel
+    and compilation that command runs with (the command line's own defaults for this
+    device)."""
+    flags = lay.train_flags(model) if flags is None else flags
     cfg = train_config(build_parser().parse_args(["train", *flags, "--backend", backend]))
     return flags, optimizer_kernel(cfg), use_compile(cfg)
 
@@ -127,14 +136,18 @@ def estimate_s(est: Estimate, steps: int, compiled: bool) -> float:
     return ROW_OVERHEAD_S[compiled] + (steps if est.fits else 1) * step
 
 
-def run_one(flags: list[str], steps: int, timeout: float, backend: str) -> dict:
+def run_one(flags: list[str], steps: int, timeout: float, backend: str,
+            rehearsal: bool = False) -> dict:
+    command = "rehearse" if rehearsal else "train"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        cmd = [sys.executable, "-m", "minipar", "train", *flags, "--backend", backend,
-               "--steps", str(steps), "--quiet", "--json", out, "--timeout", str(timeout)]
+        cmd = [sys.executable, "-m", "minipar", command, *flags, "--backend", backend,
+               "--steps", str(steps), "--json", out, "--timeout", str(timeout)]
+        cmd += [] if rehearsal else ["--quiet"]
         t0 = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
-        rec = {"command": " ".join(["python -m minipar train", *flags, "--backend", backend]),
+        rec = {"command": " ".join([f"python -m minipar {command}", *flags, "--backend",
+                                    backend]),
                "wall_s": round(time.monotonic() - t0, 1), "rc": proc.returncode}
         if proc.returncode or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -144,6 +157,8 @@ def run_one(flags: list[str], steps: int, timeout: float, backend: str) -> dict:
         with open(out) as f:
             run = json.load(f)
     ranks = run["ranks"]
+    if rehearsal:
+        return {**rec, **rehearsed_row(ranks)}
     times = [max(r["step_seconds"][i] for r in ranks) for i in range(steps)]
     rec.update(optimizer_kernel=ranks[0].get("optimizer_kernel"),
                compiled=ranks[0].get("compile") is not None)
@@ -154,6 +169,42 @@ def run_one(flags: list[str], steps: int, timeout: float, backend: str) -> dict:
                        "predicted_peak_bytes": r.get("predicted_peak_bytes"),
                        "memory": r.get("memory")} for r in ranks])
     return rec
+
+
+def rehearsed_row(ranks: list[dict]) -> dict:
+    """A rehearsal's row: per rank what the card held, the model's prediction, the
+    median compute-only step after the first, or the out-of-memory line."""
+    out = []
+    for r in ranks:
+        times = r.get("step_seconds") or []
+        later = sorted(times[1:] or times)
+        out.append({"rank": r["rank"], "coords": r["coords"],
+                    "device_memory": r.get("device_memory"), "predicted": r["predicted"],
+                    "compute_seconds": later[len(later) // 2] if later else None,
+                    "out_of_memory": r.get("out_of_memory"),
+                    "compiled": r.get("compile") is not None,
+                    "optimizer_kernel": r.get("optimizer_kernel")})
+    oom = any(r["out_of_memory"] for r in out)
+    return {"status": "oom" if oom else "ok", "oom": oom, "rehearsed": True, "ranks": out,
+            "optimizer_kernel": out[0]["optimizer_kernel"], "compiled": out[0]["compiled"]}
+
+
+def _compute(rec: dict) -> float:
+    """A rehearsed row's slowest rank's compute-only step (0: none)."""
+    return max([r.get("compute_seconds") or 0.0 for r in rec.get("ranks", [])] or [0.0])
+
+
+def rerun_rows(path: str) -> list[tuple[str, str, list[str]]]:
+    """(model, source, train flags) of every finished row of a recorded file, with the
+    optimizer kernel and compilation it ran with made explicit (the defaults move)."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return [(r["model"], r.get("source", ""), [
+        *(f for f in r["command"].split()[4:-2] if f not in (*KERNEL_FLAGS, "--compile",
+                                                             "--no-compile")),
+        "--fused" if r.get("optimizer_kernel", "foreach") == "fused" else "--no-fused",
+        "--compile" if r.get("compiled") else "--no-compile"])
+        for r in rows if r.get("status") == "ok" and not r.get("rehearsed")]
 
 
 def recorded(results: str) -> set:
@@ -167,7 +218,8 @@ def recorded(results: str) -> set:
                 seen |= {row_key(r["model"], r["command"].split()[4:-2],
                                  r.get("optimizer_kernel", "foreach"), r.get("compiled", False))
                          for r in json.load(f)["rows"]
-                         if r.get("status") == "ok" or r.get("oom")}
+                         if (r.get("status") == "ok" or r.get("oom"))
+                         and not r.get("rehearsed")}
     return seen
 
 
@@ -186,6 +238,11 @@ def main() -> int:
     ap.add_argument("--skip-recorded", action="store_true",
                     help="skip what benchmarks/results/card-memory-*.json ran (or ran out of "
                          "memory in) with the same optimizer kernel and compilation")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="each row's ranks one at a time on this machine's one GPU, their "
+                         "peers imagined (python -m minipar rehearse)")
+    ap.add_argument("--rerun", metavar="FILE",
+                    help="the rows: the commands of FILE's finished rows")
     ap.add_argument("--list", action="store_true",
                     help="print the rows to run, each with its prediction, and run none")
     args = ap.parse_args()
@@ -193,7 +250,7 @@ def main() -> int:
     path = os.path.join(args.out, "card_memory.json")
     cuda = args.device == "cuda"
     backend = "nccl" if cuda else "gloo"
-    meta = {"argv": sys.argv, "gpus": args.gpus}
+    meta = {"argv": sys.argv, "gpus": args.gpus, "rehearsal": args.rehearse}
     if cuda and not args.list:
         import torch
         meta.update(torch=torch.__version__, device=torch.cuda.get_device_name(0),
@@ -208,7 +265,11 @@ def main() -> int:
     seen = recorded(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
                     ) if args.skip_recorded else set()
     todo: list[tuple[str, str, clusters.Cluster, Estimate, dict]] = []
-    for model in args.models.split(","):
+    for model, source, flags in rerun_rows(args.rerun) if args.rerun else []:
+        cfg = train_config(build_parser().parse_args(["train", *flags, "--backend", backend]))
+        todo.append((model, f"rerun {source}", preset,
+                     evaluate(model, preset, cfg.layout(args.device)), {"flags": flags}))
+    for model in args.models.split(",") if not args.rerun else []:
         batch = MODELS.get(model, 4 * args.gpus)
         if "planner" in args.sections:
             for name, cl in where.items():
@@ -229,7 +290,7 @@ def main() -> int:
     todo.sort(key=lambda row: row[3].layout.offload)  # the slow host steps last
     rows = []
     for model, source, cl, est, spec in todo:
-        flags, kernel, compiled = how_it_runs(model, est.layout, backend)
+        flags, kernel, compiled = how_it_runs(model, est.layout, backend, spec.get("flags"))
         if kernel != est.layout.optimizer_kernel:  # priced as the command will run
             est = evaluate(model, cl, est.layout.with_(optimizer_kernel=kernel))
         key = row_key(model, flags, kernel, compiled)
@@ -263,7 +324,8 @@ def main() -> int:
         else:
             left = args.budget_s - (time.monotonic() - t0)
             try:
-                rec.update(run_one(flags, steps, max(30.0, min(240.0, left)), backend))
+                rec.update(run_one(flags, steps, max(30.0, min(240.0, left)), backend,
+                                   args.rehearse))
             except subprocess.TimeoutExpired:
                 rec.update(status="timeout")
         report["rows"].append(rec)
@@ -274,7 +336,8 @@ def main() -> int:
                        for r in rec.get("ranks", [{"device_memory": None}]))
             print(f"[{time.monotonic() - t0:5.0f} s] {model:<9} {source:<14} "
                   f"{lay.label():<58} {rec['status']:<6} reserved {peak / 2**30:5.1f} GiB "
-                  f"{rec.get('step_median', 0):.3f} s {rec.get('error', '')[-160:]}",
+                  f"{rec.get('step_median') or _compute(rec):.3f} s "
+                  f"{rec.get('error', '')[-160:]}",
                   flush=True)
     return 0
 
