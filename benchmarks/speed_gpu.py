@@ -20,6 +20,9 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
   FSDP2 + checkpointing (torch's AdamW, and fused), gpt-13b dp N (``--memory-model`` to
   change). The raw snapshot is written beside the JSON only when ``--keep-snapshots`` and
   it is under 8 MB.
+  With ``--rehearse`` each runs rank 0 alone on one GPU, its ``--gpus`` peers imagined
+  (torch's fake process group: ``minipar rehearse``'s way): a 4-GPU rank's memory from
+  one GPU; NCCL's buffers aside.
 * ``slice`` (one GPU, ~8 min on an H100): 6 of gpt-13b's blocks at full width, eager,
   compiled and compiled in float8 (both recipes), and the peak memory of bf16 against
   rowwise named block by block; one gpt-1.3b pipeline stage's work (6 blocks, 16
@@ -32,6 +35,7 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
         --out $OUT/speed_big.json --budget-s 540
     python benchmarks/speed_gpu.py --only 'recompute-layers' --out $OUT/speed_rl.json
     python benchmarks/speed_gpu.py --sections memory --out $OUT/memory.json --budget-s 540
+    python benchmarks/speed_gpu.py --sections memory --rehearse --gpus 4 --out $OUT/m.json
     python benchmarks/speed_gpu.py --sections slice --gpus 1 --out $OUT/slice.json
     python benchmarks/speed_gpu.py --device cpu --gpus 2 --out /tmp/speed.json  # dry run
 """
@@ -216,6 +220,11 @@ def peak_summary(snapshot: dict, top: int = 15) -> dict:
 def _snapshot_rank(spec: dict, keep: str | None) -> dict:
     import torch.distributed as dist
 
+    if spec.get("rehearse"):  # launched alone: rank 0 of an imagined world (engine.rehearse)
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
+        dist.destroy_process_group()
+        dist.init_process_group("fake", store=dist.HashStore(), rank=0,
+                                world_size=spec["world"])
     mine = dist.get_rank() == 0 and torch.cuda.is_available()
     if mine:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -269,9 +278,13 @@ def snapshot_row(run: multigpu.Run, section: str, name: str, spec: dict, cap: fl
     path = (os.path.join(run.args.out, keep.replace(" ", "_") + ".pickle")
             if keep and run.args.keep_snapshots else None)
 
+    rehearse = run.args.rehearse
+    spec = {**spec, "rehearse": rehearse}
+
     def go() -> dict:
-        res = run.launch(_snapshot_rank, spec["world"], spec, path, cap=run.timeout(cap))
-        return next(r for r in res if r)
+        res = run.launch(_snapshot_rank, 1 if rehearse else spec["world"], spec, path,
+                         cap=run.timeout(cap))
+        return {**next(r for r in res if r), "rehearsed": rehearse}
 
     run.row(section, name, go)
 
@@ -287,6 +300,9 @@ def main() -> int:
     p.add_argument("--only", help="regular expression on 'section row-name'")
     p.add_argument("--memory-model", default="gpt-13b")
     p.add_argument("--keep-snapshots", action="store_true")
+    p.add_argument("--rehearse", action="store_true",
+                   help="memory and slice snapshots: rank 0 alone on one GPU, its --gpus "
+                        "peers imagined (torch's fake process group, as engine.rehearse)")
     args = p.parse_args()
     sections = args.sections.split(",")
     for s in sections:
