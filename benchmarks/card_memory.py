@@ -234,7 +234,8 @@ def main() -> int:
     ap.add_argument("--calibration")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sections", default="planner,covering")
-    ap.add_argument("--match", default="", help="only the rows whose label has this regex")
+    ap.add_argument("--match", default="", help="only the rows whose label has this regex "
+                    "(with --rerun: 'MODEL LABEL')")
     ap.add_argument("--skip-recorded", action="store_true",
                     help="skip what benchmarks/results/card-memory-*.json ran (or ran out of "
                          "memory in) with the same optimizer kernel and compilation")
@@ -267,8 +268,9 @@ def main() -> int:
     todo: list[tuple[str, str, clusters.Cluster, Estimate, dict]] = []
     for model, source, flags in rerun_rows(args.rerun) if args.rerun else []:
         cfg = train_config(build_parser().parse_args(["train", *flags, "--backend", backend]))
-        todo.append((model, f"rerun {source}", preset,
-                     evaluate(model, preset, cfg.layout(args.device)), {"flags": flags}))
+        est = evaluate(model, preset, cfg.layout(args.device))
+        if re.search(args.match, f"{model} {est.layout.label()}"):
+            todo.append((model, f"rerun {source}", preset, est, {"flags": flags}))
     for model in args.models.split(",") if not args.rerun else []:
         batch = MODELS.get(model, 4 * args.gpus)
         if "planner" in args.sections:

@@ -347,6 +347,26 @@ def test_a_dry_run_records_the_kernel_and_the_prediction(tmp_path) -> None:
     assert all(r["predicted_peak_bytes"] > 0 for r in row["ranks"])
 
 
+def test_a_dry_run_rehearses_a_recorded_files_commands(tmp_path) -> None:
+    """``--rehearse --rerun FILE`` on the CPU: the finished row of the dry run above is
+    rehearsed rank by rank (each pipeline stage's first rank alone), with the kernel and
+    compilation it ran with made explicit; the row says it was rehearsed, and each rank
+    carries the memory model's prediction and its compute-only step."""
+    first = tmp_path / "real"
+    _card_memory("--out", str(first), "--device", "cpu", "--gpus", "2", "--models", "tiny",
+                 "--sections", "covering", "--match", "pp=2 .*1f1b", "--steps", "2",
+                 "--budget-s", "200", timeout=260)
+    again = tmp_path / "rehearsed"
+    _card_memory("--out", str(again), "--device", "cpu", "--gpus", "2", "--rehearse",
+                 "--rerun", str(first / "card_memory.json"), "--steps", "2", timeout=260)
+    [row] = json.loads((again / "card_memory.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["rehearsed"], row
+    assert row["command"].startswith("python -m minipar rehearse ")
+    assert "--fused" in row["command"] and "--no-compile" in row["command"]
+    assert [r["coords"]["pp"] for r in row["ranks"]] == [0, 1]
+    assert all(r["predicted"]["live"] > 0 and r["compute_seconds"] > 0 for r in row["ranks"])
+
+
 def test_the_planner_on_one_h100() -> None:
     """The planner's top 5 for gpt-1.3b on one H100 80GB (batch 32 x 2048, the CUDA
     defaults; ``card_memory.py --gpus 1``, 2026-12-05 p2), re-predicted now: each ran 10
