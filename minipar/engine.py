@@ -26,6 +26,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401 (the "fake" backend: rehearse)
 
 from minipar import checkpoint, trace
 from minipar.config import (
@@ -402,7 +403,6 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None) -> dict:
 def _rehearse_rank(cfg: TrainConfig, rank: int) -> dict:
     """One rehearsed rank (inside ``launch``'s one-rank job, which it leaves for a world
     of ``cfg.world_size`` imagined ranks)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
     dist.destroy_process_group()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank,
                             world_size=cfg.world_size)
