@@ -106,3 +106,30 @@ def test_the_command_prints_each_rank_against_the_model(tmp_path):
     rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"])]
     assert [row[:5] for row in rows] == [["0", "0", "0", "0", "0"], ["1", "0", "1", "0", "0"]]
     assert (tmp_path / "r.json").stat().st_size > 0
+
+
+def test_a_rank_out_of_memory_is_a_result_not_a_failure(monkeypatch, capsys):
+    """On a GPU a rehearsal is how one learns that a rank does not fit: the allocator's
+    error becomes the rank's record (its first line), the other ranks still run, and the
+    command prints it as a finding (exit 0). Here the step raises torch's own error."""
+    import torch
+
+    import minipar.engine as engine
+    from minipar.__main__ import main
+
+    def short_of_memory(cfg):
+        if torch.distributed.get_rank() == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n"
+                                         "(GPU 0; 79.19 GiB total capacity)")
+        return real_rank_main(cfg)
+
+    real_rank_main = engine.rank_main
+    monkeypatch.setattr(engine, "rank_main", short_of_memory)
+    record = rehearse(_cfg(pp=2, microbatches=2))
+    first, second = record["ranks"]
+    assert "out_of_memory" not in first and len(first["step_seconds"]) == 2
+    assert second["out_of_memory"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert second["coords"]["pp"] == 1 and second["predicted"]["live"] > 0
+    assert main(["rehearse", "--pp", "2", "--microbatches", "2", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 ran out of memory: CUDA out of memory. Tried to allocate 2.00 GiB" in out
