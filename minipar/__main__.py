@@ -411,7 +411,8 @@ def _cmd_plan(args) -> int:
         print(f"     {est.layout.command(args.model)}{model_flags}")
     print(f"(GiB/GPU: what the card holds, the allocator's reserve and the runtime included; "
           f"a layout fits within {1 - args.memory_margin:.0%} of the card's "
-          f"{where.gpu_memory / 2**30:.1f} GiB: --memory-margin {args.memory_margin})")
+          f"{where.gpu_memory / 2**30:.1f} GiB: --memory-margin {args.memory_margin}; "
+          "'rehearse' in place of 'train' tries a command's ranks on one GPU first)")
     print()
     print(result.why())
     if not result.layouts and not args.offload:
