@@ -128,6 +128,9 @@ NOT_YET_RUN = {
     # recomputing all 5 blocks of each chunk it ran at 1.799 s, 60.7 GiB (k2-covering)
     ("gpt-13b", "tp=1 pp=4 dp=1 zero=0 b=1 m=16 interleaved v=2 recompute=full "
                 "recompute-layers=2"),
+    # third since a pipeline's NCCL peers are counted (theory.card.runtime_bytes): on one
+    # H100, rehearsed (rehearsal-1xH100-2026-12-05r2), 64.62 GiB allocated, 66.13 reserved
+    ("gpt-13b", "tp=2 pp=1 dp=2 zero=3 b=8 m=1 sp recompute=full recompute-layers=23"),
 }
 
 
@@ -179,18 +182,28 @@ def test_the_planners_layouts_under_the_defaults_ran_within_their_predictions() 
     """The planner rows run under the CUDA defaults on 4 x H200 (2026-11-28, k1-k4: its
     top 5 for each model before recomputation that saves no memory was dropped, and
     gpt-13b's two pipeline layouts that the refitted reserve let in): every one ran 8-10
-    steps without running out of memory, held the 80 GB card's budget, within 5% of its
-    predicted reserve and 12% of its predicted step (measured: -3.6% .. +3.3%, and
-    -6.6% .. +11.9%)."""
+    steps without running out of memory, within 5% of its predicted reserve and 12% of
+    its predicted step (measured: -3.6% .. +3.3%, and -6.6% .. +11.9%). The planner
+    lets a layout through where its process held the 80 GB card's budget (less the
+    margin) by more than 2 GiB (the reserve's error band at this size), and keeps out
+    one that did not hold it: gpt-13b's interleaved pp 2 dp 2 ZeRO-3 held 74.56 GiB of
+    the process, over the budget's 74.07 (its pipeline peers' NCCL buffers,
+    ``runtime_bytes``); its 1F1B twin, 73.58, is in the band and kept out."""
     rows = [r for r in ROWS if r.row.get("source", "").startswith("preset")
             and r.row["status"] == "ok" and r.layout.optimizer_kernel == "fused"
             and r.card == "H200"]
     assert len(rows) >= 16 and {r.model for r in rows} == {m for m, _ in MODELS}
+    budget = (1 - MEMORY_MARGIN) * H100.gpu_memory
+    over = []
     for r in rows:
         est = _predicted(r)
-        assert est.fits, r.row["label"]
+        held = max(x["device_memory"]["process_used"] for x in r.row["ranks"])
+        if held > budget or held < budget - 2 * 2**30:
+            assert est.fits == (held <= budget), (r.row["label"], held / 2**30)
+        over += [r.row["label"]] if held > budget else []
         assert abs(est.memory["reserved"] / r.reserved - 1) < 0.05, r.row["label"]
         assert abs(est.step_time / r.row["step_median"] - 1) < 0.12, r.row["label"]
+    assert over == ["tp=1 pp=2 dp=2 zero=3 b=1 m=8 interleaved v=2"]
 
 
 def test_the_planner_and_the_fit_check_price_a_layout_alike() -> None:

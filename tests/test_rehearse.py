@@ -8,20 +8,25 @@ compares, rank by rank: the model states' bytes (params, gradients, optimizer), 
 activations the meter saw at their peak, the pipeline's micro-batches in flight, the
 bytes every collective would have put on the wire, and the actions of the step. They are
 equal, to the byte: a rehearsal runs the same code on the same shapes, only the wire is
-missing. The mutation case tells a pipeline's later stage the wrong boundary (the hidden
-states without sequence parallelism's cut) and the comparison catches it.
+missing. The mutation case tells a middle stage the wrong boundary and the comparison
+catches it. Below those, what rehearsals on one H100 measured: the same rank's peaks as
+on four H100s, and the planner's top layouts against the memory model.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from minipar.__main__ import build_parser, train_config
 from minipar.config import TrainConfig
 from minipar.engine import rehearse, stage_ranks, train
 from minipar.step import stage_boundary
+from minipar.theory.card import REHEARSED_RUNTIME_BYTES, card_peak, runtime_bytes
 
 LAYOUTS = {
     "dp2-zero3": dict(dp=2, zero=3),
@@ -133,3 +138,90 @@ def test_a_rank_out_of_memory_is_a_result_not_a_failure(monkeypatch, capsys):
     assert main(["rehearse", "--pp", "2", "--microbatches", "2", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "rank 1 ran out of memory: CUDA out of memory. Tried to allocate 2.00 GiB" in out
+
+
+# --- on one H100 (benchmarks/card_memory.py --rehearse, 2026-12-05 r1, r2, r4) ----------
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+KERNEL_AND_COMPILE = ("--fused", "--no-fused", "--compile", "--no-compile")
+
+
+def _rows(name: str) -> list[dict]:
+    return json.loads((RESULTS / name).read_text())["rows"]
+
+
+def _flags(row: dict) -> tuple:
+    return tuple(f for f in row["command"].split()[4:-2] if f not in KERNEL_AND_COMPILE)
+
+
+def _layout(row: dict):
+    cfg = train_config(build_parser().parse_args(["train", *row["command"].split()[4:-2]]))
+    return cfg.model_config(), cfg.layout("cuda")
+
+
+@pytest.mark.parametrize("rehearsed, ran", [
+    ("rehearsal-1xH100-2026-12-05r1-rerun-h7-planner.json",
+     "card-memory-4xH100-2026-11-27h7-planner.json"),
+    ("rehearsal-1xH100-2026-12-05r4-rerun-h2-covering.json",
+     "card-memory-4xH100-2026-11-27h2-covering.json")])
+def test_on_one_h100_a_rehearsed_rank_held_what_it_held_among_four(rehearsed, ran):
+    """Rows that ran on 4 x H100 80GB (2026-11-27 h7: the planner's picks then, dp with
+    ZeRO-3, pp 2 interleaved and zb; h2: ZeRO-0, tp 4 with and without sp, cp 2),
+    rehearsed on one H100 with the same command, kernel and compilation: 17 ranks. Their
+    peak allocated bytes are the four-GPU rank's within 0.5% (measured -0.48% .. +0.01%:
+    pp 2's last stage 48.32 GiB against 48.52), the allocator's peak reserve within 3%
+    (-0.8% .. +2.7%, cp 2's the largest); what the real rank held outside the allocator
+    beyond what the rehearsed one did, NCCL's buffers for its peers, is
+    ``theory.card.runtime_bytes`` less ``REHEARSED_RUNTIME_BYTES`` within 0.5 GiB (data
+    and tensor parallel 1.96, pp 2 3.17-3.19, cp 2 2.41 against 1.95 and 3.25)."""
+    real = {_flags(r): r for r in _rows(ran) if r.get("status") == "ok"}
+    seen = 0
+    for row in _rows(rehearsed):
+        assert row["status"] == "ok" and row["rehearsed"], row["label"]
+        model, layout = _layout(row)
+        peers = runtime_bytes(layout) - REHEARSED_RUNTIME_BYTES
+        for rank in row["ranks"]:
+            [twin] = [r for r in real[_flags(row)]["ranks"] if r["coords"] == rank["coords"]]
+            alone, among = rank["device_memory"], twin["device_memory"]
+            assert abs(alone["peak_allocated"] / among["peak_allocated"] - 1) < 0.005
+            assert abs(alone["peak_reserved"] / among["peak_reserved"] - 1) < 0.03
+            nccl = ((among["process_used"] - among["peak_reserved"])
+                    - (alone["process_used"] - alone["peak_reserved"]))
+            assert abs(nccl - peers) < 0.5 * 2**30, (row["label"], nccl / 2**30)
+            seen += 1
+    assert seen >= 4
+
+
+def test_the_planners_top_5_rehearsed_on_one_h100():
+    """The planner's top 5 on 4 x H100 for gpt-1.3b, gpt-6.7b and gpt-13b under the CUDA
+    defaults (preset cluster, and the calibrated one's that differ: 17 layouts, each
+    pipeline stage's first rank, 3 steps), rehearsed on one H100 (r2). Against each
+    rank's measured peaks the memory model predicts live bytes within -5.3% .. +2.4%
+    (bounds: -6% .. +3%) and the allocator's reserve within -4.8% .. +6.5% (-6% .. +7%);
+    each fits the card with NCCL's buffers added (the largest, gpt-6.7b pp 2 dp 2 ZeRO-1
+    zb: 72.62 GiB reserved + 4.0 = 76.6 of 79.2).
+
+    One did not fit: gpt-13b tp 2 dp 2 ZeRO-2 sp, 30 of 40 blocks recomputed (the
+    calibrated cluster's fourth): out of memory at 72.05 GiB allocated asking 602 MiB
+    more (a block's fp32 gradient bucket), where the model says 67.55 GiB live. The
+    model misses at least 7% there and the cause is not found yet (its ZeRO-3 twin, the
+    preset's fourth, is predicted within 1.3%); this test holds the record as it is, so
+    that the day the model predicts it the miss is seen."""
+    rows = [r for r in _rows("rehearsal-1xH100-2026-12-05r2-planner.json")
+            if r["status"] in ("ok", "oom")]
+    assert len(rows) == 17 and {r["model"] for r in rows} == {"gpt-1.3b", "gpt-6.7b",
+                                                                "gpt-13b"}
+    ooms = [r["label"] for r in rows if r["status"] == "oom"]
+    assert ooms == ["tp=2 pp=1 dp=2 zero=2 b=8 m=1 sp recompute=full recompute-layers=30"]
+    for row in rows:
+        model, layout = _layout(row)
+        for rank in row["ranks"]:
+            predicted = card_peak(model, layout, stage=rank["coords"]["pp"])
+            held = rank["device_memory"]
+            if row["status"] == "oom":  # the model is short by more than the bounds
+                assert predicted["total"] < 0.94 * held["peak_allocated"]
+                continue
+            live = predicted["total"] / held["peak_allocated"] - 1
+            reserve = predicted["reserved"] / held["peak_reserved"] - 1
+            assert -0.06 < live < 0.03 and -0.06 < reserve < 0.07, (row["label"], live)
+            need = held["peak_reserved"] + runtime_bytes(layout)
+            assert need < held["capacity"], row["label"]

@@ -22,10 +22,22 @@ from minipar.theory.memory import OPTIMIZER_KERNELS, memory_per_stage
 
 # The process's share of the card beyond the caching allocator's reserve: the CUDA
 # context and cuBLAS workspaces, and NCCL's buffers for a rank's peers. Measured with
-# torch 2.11 and NCCL on H100 80GB: every rank of 4 x H100 runs, and every run of one
-# rank, whose communicators have no peer (``card_memory.py --gpus 1``).
+# torch 2.11 and NCCL on H100 80GB, the most any rank held over its peak reserve: in
+# 4 x H100 runs of data, tensor and context parallelism 2.7 GiB (tp 2 3.0, cp 2 3.1),
+# with a pipeline 1.3 GiB more (its point-to-point peers: pp 2 3.9, pp 4 4.0); a run of
+# one rank, whose communicators have no peer (``card_memory.py --gpus 1``), 1.3; a
+# rehearsed rank (``engine.rehearse``), which opens no communicator at all, 0.75.
 CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
+PIPELINE_PEERS_BYTES = int(1.3 * 2**30)
 CUDA_RUNTIME_ALONE_BYTES = int(1.3 * 2**30)
+REHEARSED_RUNTIME_BYTES = int(0.75 * 2**30)
+
+
+def runtime_bytes(layout: Layout) -> int:
+    """What a rank of ``layout`` holds on its GPU outside the caching allocator."""
+    if layout.gpus == 1:
+        return CUDA_RUNTIME_ALONE_BYTES
+    return CUDA_RUNTIME_BYTES + (PIPELINE_PEERS_BYTES if layout.pp > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -95,9 +107,7 @@ def card_bytes(row: dict, layout: Layout, device: str = "cuda") -> dict[str, int
     reserved = reserve_fit(layout.optimizer_kernel).reserved(
         row["total"], row.get("grads", 0), layout.zero, layout.pp,
         row.get("loss_workspace", 0))
-    alone = layout.gpus == 1
-    return {"reserved": reserved,
-            "process": reserved + (CUDA_RUNTIME_ALONE_BYTES if alone else CUDA_RUNTIME_BYTES)}
+    return {"reserved": reserved, "process": reserved + runtime_bytes(layout)}
 
 
 def card_peak(cfg: GPTConfig | str, layout: Layout = Layout(), *, device: str = "cuda",
