@@ -208,12 +208,14 @@ def _cmd_rehearse(args) -> int:
             raise ValueError(f"--ranks must be comma-separated integers, got "
                              f"{args.ranks!r}") from None
     record = rehearse(cfg, ranks)
-    gib = 2**30
+    # GiB for a model that needs a GPU, MiB for one a laptop rehearses
+    big = max(r["predicted"]["live"] for r in record["ranks"]) >= 2**30
+    unit, name = (2**30, "GiB") if big else (2**20, "MiB")
     device = torch.cuda.get_device_name(0) if uses_cuda(cfg) else "the CPU"
     print(f"{cfg.layout_name()} {cfg.dtype}, {cfg.world_size} ranks: each rank below ran "
           f"alone on {device}, its peers imagined (no wire, no waiting)")
-    print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'cp':>3}  {'live GiB':>17}  "
-          f"{'reserved GiB':>17}  {'compute s':>9}")
+    print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'cp':>3}  {'live ' + name:>17}  "
+          f"{'reserved ' + name:>17}  {'compute s':>9}")
     print(f"{'':>20}  {'model':>8} {'measured':>8}  {'model':>8} {'measured':>8}")
     notes = []
     for r in record["ranks"]:
@@ -221,20 +223,21 @@ def _cmd_rehearse(args) -> int:
         live, held = dev.get("peak_allocated"), dev.get("peak_reserved")
         steps = sorted(r.get("step_seconds", [])[1:] or r.get("step_seconds", [])) or [None]
         step = steps[len(steps) // 2]
-        shown = (f"{_opt(live, gib):>8}", f"{_opt(held, gib):>8}",
+        shown = (f"{_opt(live, unit):>8}", f"{_opt(held, unit):>8}",
                  f"{step:>9.3f}" if step is not None else f"{'-':>9}")
         print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {c['cp']:>3}  "
-              f"{p['live'] / gib:>8.2f} {shown[0]}  {p['reserved'] / gib:>8.2f} {shown[1]}  "
-              f"{shown[2]}")
+              f"{p['live'] / unit:>8.2f} {shown[0]}  {p['reserved'] / unit:>8.2f} "
+              f"{shown[1]}  {shown[2]}")
         if r.get("out_of_memory"):
             notes.append(f"rank {r['rank']} ran out of memory: {r['out_of_memory']}")
         elif dev:
-            need = dev["process_used"] + r["nccl_bytes"]
+            need = held + r["runtime_bytes"]
             verdict = "fits" if need <= dev["capacity"] else "does NOT fit"
-            notes.append(f"rank {r['rank']} {verdict}: it held {dev['process_used'] / gib:.1f} "
-                         f"GiB of the card, and NCCL's buffers add about "
-                         f"{r['nccl_bytes'] / gib:.1f}: {need / gib:.1f} of "
-                         f"{dev['capacity'] / gib:.1f} GiB")
+            notes.append(f"rank {r['rank']} {verdict}: its allocator's peak, {held / 2**30:.1f} "
+                         f"GiB, and what a rank of the job holds outside it (the CUDA "
+                         f"context, NCCL's buffers for its peers: "
+                         f"{r['runtime_bytes'] / 2**30:.1f}) make {need / 2**30:.1f} of "
+                         f"{dev['capacity'] / 2**30:.1f} GiB")
     print("\n".join(notes))
     print("(live: the peak of tensors; reserved: the caching allocator's peak; model: "
           "theory.card.card_peak, the planner's; compute: the median step, the first left "

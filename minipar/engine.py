@@ -52,7 +52,7 @@ from minipar.parallel.compile import compile_stats
 from minipar.reshard import ShardReader
 from minipar.sample import write_run_card
 from minipar.step import Parts, build, train_step
-from minipar.theory.card import REHEARSED_RUNTIME_BYTES, card_peak, runtime_bytes
+from minipar.theory.card import card_peak, runtime_bytes
 
 __all__ = ["TrainConfig", "validate", "train", "train_reference", "rank_main", "build",
            "train_step", "Parts", "RunStopped", "rehearse", "stage_ranks"]
@@ -369,8 +369,9 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None) -> dict:
     alone: no wire, no waiting. So a layout meant for four GPUs can be tried on one, each
     rank's peak held against the card and the memory model before the GPUs are rented.
     NCCL's buffers for its peers are the one part a rehearsal cannot hold: each rank's
-    ``nccl_bytes`` is ``theory.card.runtime_bytes`` less what a rehearsed rank holds
-    outside the allocator (``REHEARSED_RUNTIME_BYTES``).
+    ``runtime_bytes`` is what a rank of the job holds outside the caching allocator
+    (``theory.card.runtime_bytes``), to add to the rehearsal's reserve; a rehearsed rank
+    itself holds ``REHEARSED_RUNTIME_BYTES`` there.
 
     ``ranks``: default ``stage_ranks``. Each runs in a process of its own (a fresh
     allocator, a fresh peak) under ``launch``'s deadline. Returns {"config", "ranks"}:
@@ -396,8 +397,8 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None) -> dict:
         row = card_peak(model, layout, device=device, stage=r["coords"]["pp"])
         r["predicted"] = {"live": row["total"], "reserved": row["reserved"],
                           "process": row["process"]}
-        r["nccl_bytes"] = (runtime_bytes(layout) - REHEARSED_RUNTIME_BYTES
-                           if device == "cuda" else 0)
+        # what a rank of the job holds outside the allocator (CUDA, NCCL's peers)
+        r["runtime_bytes"] = runtime_bytes(layout) if device == "cuda" else 0
     return {"config": cfg.to_dict(), "world_size": cfg.world_size, "ranks": records}
 
 

@@ -59,7 +59,7 @@ def test_a_rehearsed_rank_holds_what_the_real_rank_holds(name):
     for r in record["ranks"]:
         assert _held(r) == _held(real[r["rank"]]), f"rank {r['rank']}"
         assert r["memory"]["activations"] > 0
-        assert r["predicted"]["live"] > 0 and r["nccl_bytes"] == 0  # (the CPU: no NCCL)
+        assert r["predicted"]["live"] > 0 and r["runtime_bytes"] == 0  # (the CPU)
 
 
 def test_the_default_ranks_are_the_first_of_each_stage():
