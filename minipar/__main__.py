@@ -195,6 +195,8 @@ def _add_rehearse(sub) -> None:
     p.add_argument("--ranks", help="comma-separated ranks (default: the first rank of "
                    "each pipeline stage)")
     p.add_argument("--json", help="write the ranks' records as JSON")
+    p.add_argument("--memory-snapshot", metavar="PREFIX", help="on CUDA: each rank's "
+                   "allocations, written as PREFIX.rankR.pickle (pytorch.org/memory_viz)")
 
 
 def _cmd_rehearse(args) -> int:
@@ -207,7 +209,7 @@ def _cmd_rehearse(args) -> int:
         except ValueError:
             raise ValueError(f"--ranks must be comma-separated integers, got "
                              f"{args.ranks!r}") from None
-    record = rehearse(cfg, ranks)
+    record = rehearse(cfg, ranks, args.memory_snapshot)
     # GiB for a model that needs a GPU, MiB for one a laptop rehearses
     big = max(r["predicted"]["live"] for r in record["ranks"]) >= 2**30
     unit, name = (2**30, "GiB") if big else (2**20, "MiB")

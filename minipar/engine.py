@@ -27,8 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 (the "fake" backend: rehearse)
+import torch.utils.checkpoint
 
-from minipar import checkpoint, trace
+from minipar import checkpoint, checks, trace
 from minipar.config import (
     TrainConfig,
     device_for,
@@ -359,7 +360,8 @@ def stage_ranks(cfg: TrainConfig) -> list[int]:
     return [mesh.rank(dp=0, pp=stage) for stage in range(cfg.pp)]
 
 
-def rehearse(cfg: TrainConfig, ranks: list[int] | None = None) -> dict:
+def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
+             snapshot: str | None = None) -> dict:
     """Try ranks of ``cfg``'s layout one at a time, each alone on this machine's first
     device (or its CPU), its peers imagined: torch's "fake" process group completes every
     collective at once and moves nothing (torchtitan estimates memory the same way). What
@@ -377,11 +379,20 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None) -> dict:
     allocator, a fresh peak) under ``launch``'s deadline. Returns {"config", "ranks"}:
     per rank ``rank_main``'s record, or, when it ran out of device memory, its coords and
     ``out_of_memory`` (the allocator's first line), with ``device_memory`` either way.
+
+    ``snapshot``: on CUDA, each rank's allocations are recorded from the build to the
+    end (or to running out of memory) and written as ``{snapshot}.rank{R}.pickle``, for
+    https://pytorch.org/memory_viz (``torch.cuda.memory._dump_snapshot``).
     """
     validate(cfg, rehearsal=True)
     if cfg.save:
         raise ValueError("a rehearsal writes no checkpoint (its peers are imagined: its "
                          "weights are not trained); drop --save")
+    if snapshot is not None:
+        if not uses_cuda(cfg):
+            raise ValueError("--memory-snapshot records the CUDA caching allocator: it "
+                             "needs --backend nccl (or --device cuda)")
+        checks.output_file("memory-snapshot", f"{snapshot}.rank0.pickle")
     ranks = stage_ranks(cfg) if ranks is None else list(ranks)
     for rank in ranks:
         if not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
@@ -389,7 +400,7 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None) -> dict:
                              f"{cfg.world_size - 1}, got {rank!r}")
     prepare_data(cfg)
     method = "spawn" if torch.cuda.is_available() else None  # (as in train)
-    records = [launch(_rehearse_rank, 1, args=(cfg, rank), timeout=cfg.timeout,
+    records = [launch(_rehearse_rank, 1, args=(cfg, rank, snapshot), timeout=cfg.timeout,
                       start_method=method)[0] for rank in ranks]
     device = "cuda" if uses_cuda(cfg) else "cpu"
     model, layout = cfg.model_config(), cfg.layout(device)
@@ -402,14 +413,22 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None) -> dict:
     return {"config": cfg.to_dict(), "world_size": cfg.world_size, "ranks": records}
 
 
-def _rehearse_rank(cfg: TrainConfig, rank: int) -> dict:
+def _rehearse_rank(cfg: TrainConfig, rank: int, snapshot: str | None = None) -> dict:
     """One rehearsed rank (inside ``launch``'s one-rank job, which it leaves for a world
     of ``cfg.world_size`` imagined ranks)."""
     dist.destroy_process_group()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank,
                             world_size=cfg.world_size)
+    recording = nullcontext()
+    if snapshot is not None:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        # torch 2.11 loses checkpoint's early-stop exception inside an autograd.Function
+        # while the allocator records Python stacks (pytorch/pytorch#179536); without
+        # early stop recomputation runs each block to its end: the same bytes
+        recording = torch.utils.checkpoint.set_checkpoint_early_stop(False)
     try:
-        return rank_main(cfg)
+        with recording:
+            return rank_main(cfg)
     except torch.OutOfMemoryError as e:
         coords = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep).coords(rank)
         device = device_for(cfg)
@@ -417,6 +436,9 @@ def _rehearse_rank(cfg: TrainConfig, rank: int) -> dict:
                 "out_of_memory": str(e).strip().splitlines()[0],
                 "device_memory": _device_memory(device, None)}
     finally:
+        if snapshot is not None:  # (the moment it ran out of memory included)
+            torch.cuda.memory._dump_snapshot(f"{snapshot}.rank{rank}.pickle")
+            torch.cuda.memory._record_memory_history(enabled=None)
         dist.destroy_process_group()
 
 

@@ -92,6 +92,7 @@ def test_a_wrong_boundary_is_caught(monkeypatch):
     (["--dp", "2", "--ranks", "2"], "has ranks 0 to 1, got 2"),
     (["--dp", "2", "--ranks", "0,x"], "--ranks must be comma-separated integers"),
     (["--save", "somewhere"], "a rehearsal writes no checkpoint"),
+    (["--memory-snapshot", "mem"], "--memory-snapshot records the CUDA caching allocator"),
 ])
 def test_bad_input_is_one_line(argv, says, tmp_path):
     out = subprocess.run([sys.executable, "-m", "minipar", "rehearse", *argv],
