@@ -176,11 +176,9 @@ def rehearsed_row(ranks: list[dict]) -> dict:
     median compute-only step after the first, or the out-of-memory line."""
     out = []
     for r in ranks:
-        times = r.get("step_seconds") or []
-        later = sorted(times[1:] or times)
         out.append({"rank": r["rank"], "coords": r["coords"],
                     "device_memory": r.get("device_memory"), "predicted": r["predicted"],
-                    "compute_seconds": later[len(later) // 2] if later else None,
+                    "compute_seconds": r["compute_seconds"],
                     "out_of_memory": r.get("out_of_memory"),
                     "compiled": r.get("compile") is not None,
                     "optimizer_kernel": r.get("optimizer_kernel")})

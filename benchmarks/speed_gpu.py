@@ -55,12 +55,14 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 
 import multigpu  # noqa: E402
 import torch  # noqa: E402
-import torch.utils.checkpoint  # noqa: E402
 from gpu import DATASHEET_TFLOPS  # noqa: E402
 
+from minipar.engine import imagine_peers  # noqa: E402
+from minipar.meter import record_allocations  # noqa: E402
 from minipar.model import get_config  # noqa: E402
 from minipar.theory.params import model_flops_per_token  # noqa: E402
 
@@ -221,27 +223,16 @@ def _snapshot_rank(spec: dict, keep: str | None) -> dict:
     import torch.distributed as dist
 
     if spec.get("rehearse"):  # launched alone: rank 0 of an imagined world (engine.rehearse)
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
-        dist.destroy_process_group()
-        dist.init_process_group("fake", store=dist.HashStore(), rank=0,
-                                world_size=spec["world"])
+        imagine_peers(0, spec["world"])
     mine = dist.get_rank() == 0 and torch.cuda.is_available()
-    if mine:
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    # Recomputation stops early by default (torch.utils.checkpoint raises inside the
-    # block's forward once its saved tensors are back); torch 2.11 loses that exception
-    # inside a custom autograd.Function while the allocator records Python stacks
-    # (pytorch/pytorch#179536: "apply ... returned NULL without setting an exception").
-    # Without early stop the recomputation runs each block to its end: the same bytes.
-    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+    with record_allocations(max_entries=2_000_000) if mine else nullcontext():
         b = multigpu._speed_build(spec)
         for s in range(2):
             b.step_fn(s)
-    if not mine:
-        return {}
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+        if not mine:
+            return {}
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
     out = {**peak_summary(snap), "max_allocated_gib": torch.cuda.max_memory_allocated() / GiB}
     data = pickle.dumps(snap)
     out["snapshot_mb"] = len(data) / 2**20

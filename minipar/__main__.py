@@ -223,8 +223,7 @@ def _cmd_rehearse(args) -> int:
     for r in record["ranks"]:
         c, p, dev = r["coords"], r["predicted"], r["device_memory"] or {}
         live, held = dev.get("peak_allocated"), dev.get("peak_reserved")
-        steps = sorted(r.get("step_seconds", [])[1:] or r.get("step_seconds", [])) or [None]
-        step = steps[len(steps) // 2]
+        step = r["compute_seconds"]
         shown = (f"{_opt(live, unit):>8}", f"{_opt(held, unit):>8}",
                  f"{step:>9.3f}" if step is not None else f"{'-':>9}")
         print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {c['cp']:>3}  "

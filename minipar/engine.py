@@ -27,7 +27,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 (the "fake" backend: rehearse)
-import torch.utils.checkpoint
 
 from minipar import checkpoint, checks, trace
 from minipar.config import (
@@ -47,7 +46,7 @@ from minipar.evaluate import evaluate, reference_eval
 from minipar.hf import HFCheckpoint
 from minipar.launch import LaunchError, heartbeat, launch, report_progress
 from minipar.mesh import Mesh, RankMesh
-from minipar.meter import ActivationMeter
+from minipar.meter import ActivationMeter, record_allocations
 from minipar.model import GPT, materialize, set_dropout_key
 from minipar.parallel.compile import compile_stats
 from minipar.reshard import ShardReader
@@ -56,7 +55,7 @@ from minipar.step import Parts, build, train_step
 from minipar.theory.card import card_peak, runtime_bytes
 
 __all__ = ["TrainConfig", "validate", "train", "train_reference", "rank_main", "build",
-           "train_step", "Parts", "RunStopped", "rehearse", "stage_ranks"]
+           "train_step", "Parts", "RunStopped", "rehearse", "stage_ranks", "imagine_peers"]
 
 
 class RunStopped(RuntimeError):
@@ -378,7 +377,9 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
     ``ranks``: default ``stage_ranks``. Each runs in a process of its own (a fresh
     allocator, a fresh peak) under ``launch``'s deadline. Returns {"config", "ranks"}:
     per rank ``rank_main``'s record, or, when it ran out of device memory, its coords and
-    ``out_of_memory`` (the allocator's first line), with ``device_memory`` either way.
+    ``out_of_memory`` (the allocator's first line), with ``device_memory`` either way;
+    and ``predicted`` (``card_peak``'s live, reserved and process bytes),
+    ``runtime_bytes`` and ``compute_seconds`` (the median step after the first).
 
     ``snapshot``: on CUDA, each rank's allocations are recorded from the build to the
     end (or to running out of memory) and written as ``{snapshot}.rank{R}.pickle``, for
@@ -410,35 +411,37 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
                           "process": row["process"]}
         # what a rank of the job holds outside the allocator (CUDA, NCCL's peers)
         r["runtime_bytes"] = runtime_bytes(layout) if device == "cuda" else 0
+        # the median step after the first (compilation, the allocator's first fill)
+        later = sorted(r.get("step_seconds", [])[1:] or r.get("step_seconds", []))
+        r["compute_seconds"] = later[len(later) // 2] if later else None
     return {"config": cfg.to_dict(), "world_size": cfg.world_size, "ranks": records}
 
 
-def _rehearse_rank(cfg: TrainConfig, rank: int, snapshot: str | None = None) -> dict:
-    """One rehearsed rank (inside ``launch``'s one-rank job, which it leaves for a world
-    of ``cfg.world_size`` imagined ranks)."""
+def imagine_peers(rank: int, world_size: int) -> None:
+    """Leave this process's one-rank job (``launch``'s) for rank ``rank`` of a world of
+    ``world_size`` imagined ranks: torch's "fake" process group, whose collectives
+    complete at once and move nothing."""
     dist.destroy_process_group()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank,
-                            world_size=cfg.world_size)
-    recording = nullcontext()
-    if snapshot is not None:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-        # torch 2.11 loses checkpoint's early-stop exception inside an autograd.Function
-        # while the allocator records Python stacks (pytorch/pytorch#179536); without
-        # early stop recomputation runs each block to its end: the same bytes
-        recording = torch.utils.checkpoint.set_checkpoint_early_stop(False)
+                            world_size=world_size)
+
+
+def _rehearse_rank(cfg: TrainConfig, rank: int, snapshot: str | None = None) -> dict:
+    """One rehearsed rank (inside ``launch``'s one-rank job)."""
+    imagine_peers(rank, cfg.world_size)
     try:
-        with recording:
-            return rank_main(cfg)
-    except torch.OutOfMemoryError as e:
-        coords = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep).coords(rank)
-        device = device_for(cfg)
-        return {"rank": rank, "coords": coords._asdict(),
-                "out_of_memory": str(e).strip().splitlines()[0],
-                "device_memory": _device_memory(device, None)}
+        with record_allocations() if snapshot is not None else nullcontext():
+            try:
+                return rank_main(cfg)
+            except torch.OutOfMemoryError as e:
+                mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep)
+                return {"rank": rank, "coords": mesh.coords(rank)._asdict(),
+                        "out_of_memory": str(e).strip().splitlines()[0],
+                        "device_memory": _device_memory(device_for(cfg), None)}
+            finally:  # (the moment it ran out of memory included)
+                if snapshot is not None:
+                    torch.cuda.memory._dump_snapshot(f"{snapshot}.rank{rank}.pickle")
     finally:
-        if snapshot is not None:  # (the moment it ran out of memory included)
-            torch.cuda.memory._dump_snapshot(f"{snapshot}.rank{rank}.pickle")
-            torch.cuda.memory._record_memory_history(enabled=None)
         dist.destroy_process_group()
 
 

@@ -17,12 +17,15 @@ import resource
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["ActivationMeter", "HeldBytes", "HeldPeaks", "HostPeak", "rss_bytes",
-           "optimizer_state_bytes", "saved_tensor_elements", "storage_bytes"]
+           "optimizer_state_bytes", "record_allocations", "saved_tensor_elements",
+           "storage_bytes"]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -218,3 +221,21 @@ class HostPeak:
         if _maxrss() > self._max_before:  # a new high-water mark was set in the block
             top = max(top, _maxrss())
         self.peak = max(0, top - self._start)
+
+
+@contextmanager
+def record_allocations(max_entries: int = 1_000_000) -> Iterator[None]:
+    """Inside: the CUDA caching allocator records every allocation with its Python stack
+    (``torch.cuda.memory._snapshot`` / ``_dump_snapshot`` read them, for
+    https://pytorch.org/memory_viz); recording stops on the way out.
+
+    Recomputation's early stop is off meanwhile: torch 2.11 loses checkpoint's early-stop
+    exception inside an autograd.Function while the allocator records Python stacks
+    (pytorch/pytorch#179536). Without early stop recomputation runs each block to its
+    end: the same bytes."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    try:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            yield
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
