@@ -162,7 +162,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 self.inner.add_param_group(group)
             self._inner_group[g] = len(self.inner.param_groups) - 1
-        self.shards.flats = sorted(self.flats + new, key=lambda f: -max(self._pos[id(p)]
+        # the order backward completes them in: a bucket is complete when its earliest
+        # parameter's gradient arrives. (A group of shared ones, sequence parallelism's
+        # norms of every block, completes near the end: ordered by its latest parameter
+        # it would come first and hold back every bucket behind it, and ZeRO-2 would keep
+        # every full-size gradient buffer to the end of the backward.)
+        self.shards.flats = sorted(self.flats + new, key=lambda f: -min(self._pos[id(p)]
                                                                         for p in f.params))
         self._where = {id(p): (i, k) for i, f in enumerate(self.flats)
                        for k, p in enumerate(f.params)}
