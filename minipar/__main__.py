@@ -222,7 +222,8 @@ def _cmd_rehearse(args) -> int:
     notes = []
     for r in record["ranks"]:
         c, p, dev = r["coords"], r["predicted"], r["device_memory"] or {}
-        live, held = dev.get("peak_allocated"), dev.get("peak_reserved")
+        live, held = dev.get("peak_allocated", r.get("cpu_peak_allocated")), dev.get(
+            "peak_reserved")
         step = r["compute_seconds"]
         shown = (f"{_opt(live, unit):>8}", f"{_opt(held, unit):>8}",
                  f"{step:>9.3f}" if step is not None else f"{'-':>9}")
@@ -240,7 +241,8 @@ def _cmd_rehearse(args) -> int:
                          f"{r['runtime_bytes'] / 2**30:.1f}) make {need / 2**30:.1f} of "
                          f"{dev['capacity'] / 2**30:.1f} GiB")
     print("\n".join(notes))
-    print("(live: the peak of tensors; reserved: the caching allocator's peak; model: "
+    print("(live: the peak of tensors, on the CPU as torch's profiler counts them; "
+          "reserved: the caching allocator's peak; model: "
           "theory.card.card_peak, the planner's; compute: the median step, the first left "
           "out, without communication)")
     _write_json(args.json, record)

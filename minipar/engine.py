@@ -46,7 +46,7 @@ from minipar.evaluate import evaluate, reference_eval
 from minipar.hf import HFCheckpoint
 from minipar.launch import LaunchError, heartbeat, launch, report_progress
 from minipar.mesh import Mesh, RankMesh
-from minipar.meter import ActivationMeter, record_allocations
+from minipar.meter import ActivationMeter, cpu_allocations, record_allocations
 from minipar.model import GPT, materialize, set_dropout_key
 from minipar.parallel.compile import compile_stats
 from minipar.reshard import ShardReader
@@ -377,7 +377,8 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
     ``ranks``: default ``stage_ranks``. Each runs in a process of its own (a fresh
     allocator, a fresh peak) under ``launch``'s deadline. Returns {"config", "ranks"}:
     per rank ``rank_main``'s record, or, when it ran out of device memory, its coords and
-    ``out_of_memory`` (the allocator's first line), with ``device_memory`` either way;
+    ``out_of_memory`` (the allocator's first line), with ``device_memory`` either way
+    (on the CPU ``cpu_peak_allocated`` instead, ``meter.cpu_allocations``'s count);
     and ``predicted`` (``card_peak``'s live, reserved and process bytes),
     ``runtime_bytes`` and ``compute_seconds`` (the median step after the first).
 
@@ -430,6 +431,10 @@ def _rehearse_rank(cfg: TrainConfig, rank: int, snapshot: str | None = None) -> 
     """One rehearsed rank (inside ``launch``'s one-rank job)."""
     imagine_peers(rank, cfg.world_size)
     try:
+        if device_for(cfg).type == "cpu":  # no caching allocator to ask: the profiler counts
+            with cpu_allocations() as allocated:
+                record = rank_main(cfg)
+            return {**record, "cpu_peak_allocated": allocated["peak_allocated"]}
         with record_allocations() if snapshot is not None else nullcontext():
             try:
                 return rank_main(cfg)

@@ -21,10 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from minipar.__main__ import build_parser, train_config
 from minipar.config import TrainConfig
 from minipar.engine import rehearse, stage_ranks, train
+from minipar.meter import cpu_allocations
 from minipar.step import stage_boundary
 from minipar.theory.card import REHEARSED_RUNTIME_BYTES, card_peak, runtime_bytes
 
@@ -111,7 +113,22 @@ def test_the_command_prints_each_rank_against_the_model(tmp_path):
     assert "2 ranks: each rank below ran alone on the CPU" in lines[0]
     rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"])]
     assert [row[:5] for row in rows] == [["0", "0", "0", "0", "0"], ["1", "0", "1", "0", "0"]]
-    assert (tmp_path / "r.json").stat().st_size > 0
+    record = json.loads((tmp_path / "r.json").read_text())
+    for row, r in zip(rows, record["ranks"]):  # live MiB: the model's, then the measured
+        assert float(row[6]) == round(r["cpu_peak_allocated"] / 2**20, 2), (row, r)
+        assert r["cpu_peak_allocated"] > r["memory"]["total"]  # states, activations and more
+
+
+def test_the_cpu_allocations_are_counted_to_the_byte():
+    """``meter.cpu_allocations``: the most bytes allocated at once inside the block (what
+    ``rehearse`` reports as a CPU rank's measured live peak)."""
+    with cpu_allocations() as found:
+        a = torch.empty(1_000_000, dtype=torch.uint8)
+        b = torch.empty(2_000_000, dtype=torch.uint8)
+        del a
+        c = torch.empty(500_000, dtype=torch.uint8)
+        del b, c
+    assert found["peak_allocated"] == 3_000_000
 
 
 def test_a_rank_out_of_memory_is_a_result_not_a_failure(monkeypatch, capsys):
