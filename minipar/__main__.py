@@ -351,7 +351,7 @@ def _cmd_memory(args) -> int:
           f"zero={args.zero}{' offload' if args.offload else ''} {args.dtype} "
           f"(stage {mem['stage']}, the most loaded)")
     for key in ("params", "grads", "optimizer", "activations", "loss_workspace",
-                "moe_dispatch", "total", "host"):
+                "moe_dispatch", "in_flight", "total", "host"):
         if key in mem:
             print(f"  {key:<12}{_gb(mem[key])}   {mem[key]:>18,} bytes")
     _write_json(args.json, mem)

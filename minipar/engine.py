@@ -430,22 +430,26 @@ def imagine_peers(rank: int, world_size: int) -> None:
 def _rehearse_rank(cfg: TrainConfig, rank: int, snapshot: str | None = None) -> dict:
     """One rehearsed rank (inside ``launch``'s one-rank job)."""
     imagine_peers(rank, cfg.world_size)
+    device = device_for(cfg)
+    # what measures the rank: the CUDA caching allocator (and its record, when a snapshot
+    # is asked for), or on the CPU, which keeps no counters, the profiler
+    measure = (cpu_allocations() if device.type == "cpu" else
+               record_allocations() if snapshot is not None else nullcontext({}))
     try:
-        if device_for(cfg).type == "cpu":  # no caching allocator to ask: the profiler counts
-            with cpu_allocations() as allocated:
-                record = rank_main(cfg)
-            return {**record, "cpu_peak_allocated": allocated["peak_allocated"]}
-        with record_allocations() if snapshot is not None else nullcontext():
+        with measure as allocated:
             try:
-                return rank_main(cfg)
+                record = rank_main(cfg)
             except torch.OutOfMemoryError as e:
                 mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep)
                 return {"rank": rank, "coords": mesh.coords(rank)._asdict(),
                         "out_of_memory": str(e).strip().splitlines()[0],
-                        "device_memory": _device_memory(device_for(cfg), None)}
+                        "device_memory": _device_memory(device, None)}
             finally:  # (the moment it ran out of memory included)
                 if snapshot is not None:
                     torch.cuda.memory._dump_snapshot(f"{snapshot}.rank{rank}.pickle")
+        if device.type == "cpu":
+            record["cpu_peak_allocated"] = allocated["peak_allocated"]
+        return record
     finally:
         dist.destroy_process_group()
 

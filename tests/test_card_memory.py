@@ -39,7 +39,7 @@ import pytest
 from minipar.config import TrainConfig
 from minipar.theory.card import FIT_OF_KERNEL, MEMORY_MARGIN, RESERVE_FITS
 from minipar.theory.clusters import calibrated, cluster, load_calibration
-from minipar.theory.planner import evaluate, plan
+from minipar.theory.planner import TIE_SHARE, evaluate, plan
 from solutions.course import recompute_layers_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,15 +122,17 @@ NOT_YET_RUN = {
     ("gpt-6.7b", "tp=1 pp=2 dp=2 zero=1 b=2 m=8 zb head-layers=1"),
     # partial recomputation (the planner's bisection, ``_fewest_recomputed``): recomputing
     # 32 and 36 of 40 blocks ran (test_partial_recomputation_within_the_reserve_band), all
-    # 40 at 1.586 s and 56.2 GiB reserved (4xH200, speed-gpu m1)
-    ("gpt-13b", "tp=1 pp=1 dp=4 zero=3 b=4 m=1 recompute=full recompute-layers=23"),
-    ("gpt-13b", "tp=1 pp=1 dp=4 zero=3 b=2 m=2 recompute=full recompute-layers=18"),
+    # 40 at 1.586 s and 56.2 GiB reserved (4xH200, speed-gpu m1); 23 and 18 rehearsed on
+    # one H100 (rehearsal-1xH100-2026-12-05r2: 66.57 and 68.43 GiB reserved)
+    ("gpt-13b", "tp=1 pp=1 dp=4 zero=3 b=4 m=1 recompute=full recompute-layers=22"),
+    ("gpt-13b", "tp=1 pp=1 dp=4 zero=3 b=2 m=2 recompute=full recompute-layers=17"),
     # recomputing all 5 blocks of each chunk it ran at 1.799 s, 60.7 GiB (k2-covering)
     ("gpt-13b", "tp=1 pp=4 dp=1 zero=0 b=1 m=16 interleaved v=2 recompute=full "
                 "recompute-layers=2"),
     # third since a pipeline's NCCL peers are counted (theory.card.runtime_bytes): on one
-    # H100, rehearsed (rehearsal-1xH100-2026-12-05r2), 64.62 GiB allocated, 66.13 reserved
-    ("gpt-13b", "tp=2 pp=1 dp=2 zero=3 b=8 m=1 sp recompute=full recompute-layers=23"),
+    # H100, rehearsed with 23 blocks recomputed (rehearsal-1xH100-2026-12-05r2), 64.62 GiB
+    # allocated, 66.13 reserved
+    ("gpt-13b", "tp=2 pp=1 dp=2 zero=3 b=8 m=1 sp recompute=full recompute-layers=21"),
 }
 
 
@@ -224,7 +226,7 @@ def test_each_row_is_predicted_with_the_kernel_it_ran() -> None:
     """The rows that ran torch's fused AdamW on H100 (gpt-13b pp 4 ZeRO-3 at dp 1,
     2026-11-28 i2) held 60.9 and 61.6 GiB: booked with the multi-tensor kernel's
     temporary (a twelfth of the model's fp32 weights on each stage, 12.7 GiB) and its
-    fragmentation the model is 15% over; with the kernel they ran, within 5%."""
+    fragmentation the model is 14-15% over; with the kernel they ran, within 5%."""
     fused = [r for r in ROWS if r.card == "H100" and r.layout.optimizer_kernel == "fused"
              and r.layout.gpus == 4]
     assert len(fused) >= 2
@@ -233,7 +235,7 @@ def test_each_row_is_predicted_with_the_kernel_it_ran() -> None:
         foreach = evaluate(r.model, H100, r.layout.with_(optimizer_kernel="foreach")).memory
         assert foreach["optimizer_step"] > 12 * 2**30 and memory["optimizer_step"] == 0
         assert abs(memory["reserved"] / r.reserved - 1) < 0.05, r.row["label"]
-        assert foreach["reserved"] / r.reserved - 1 > 0.14, r.row["label"]
+        assert foreach["reserved"] / r.reserved - 1 > 0.12, r.row["label"]
 
 
 def test_data_and_pipeline_parallel_steps_within_a_quarter() -> None:
@@ -383,7 +385,8 @@ def test_a_dry_run_rehearses_a_recorded_files_commands(tmp_path) -> None:
 def test_the_planner_on_one_h100() -> None:
     """The planner's top 5 for gpt-1.3b on one H100 80GB (batch 32 x 2048, the CUDA
     defaults; ``card_memory.py --gpus 1``, 2026-12-05 p2), re-predicted now: each ran 10
-    steps, the measured fastest is the planner's first, every step within 9% of its
+    steps, the planner's first is the measured fastest or ties with it holding less,
+    every step within 9% of its
     prediction (measured -2.9% .. +8.8%), and no process under-predicted by the planner's
     margin (measured -5.3% .. +5.8%: one rank's runtime, 1.3 GiB, is exact). The live
     tensors are predicted to 0.2%; the allocator's reserve over them is what varies: the
@@ -393,17 +396,27 @@ def test_the_planner_on_one_h100() -> None:
     path = RESULTS / "card-memory-defaults-1xH100-2026-12-05p2-planner.json"
     rows = json.loads(path.read_text())["rows"]
     best = plan("gpt-1.3b", one, 32).layouts[:5]
-    assert [r["label"] for r in rows] == [e.layout.label() for e in best]
+    ran = {r["label"]: r for r in rows}
+    assert sorted(ran) == sorted(e.layout.label() for e in best)
     assert all(r["status"] == "ok" for r in rows)
-    fastest = min(rows, key=lambda r: r["step_median"])
-    assert fastest["label"] == best[0].layout.label()
-    for r, est in zip(rows, best):
+    fastest, first = min(rows, key=lambda r: r["step_median"]), ran[best[0].layout.label()]
+    # the first is the measured fastest, or ties with it (``planner.TIE_SHARE``) holding
+    # less: ZeRO-3 over one rank, 3.7% slower than ZeRO-0 and 2.9 GiB lighter
+    assert first is fastest or (
+        first["step_median"] <= fastest["step_median"] * (1 + TIE_SHARE)
+        and _reserved(first) < _reserved(fastest))
+    for est in best:
+        r = ran[est.layout.label()]
         assert est.layout.command("gpt-1.3b") == r["command"]
         assert abs(est.step_time / r["step_median"] - 1) < 0.09, r["label"]
         held = max(x["device_memory"]["process_used"] for x in r["ranks"])
         assert est.memory["process"] / held - 1 > -MEMORY_MARGIN, r["label"]
         allocated = max(x["device_memory"]["peak_allocated"] for x in r["ranks"])
         assert abs(est.memory["total"] / allocated - 1) < 0.01, r["label"]
+
+
+def _reserved(row: dict) -> int:
+    return max(x["device_memory"]["peak_reserved"] for x in row["ranks"])
 
 
 def _run_of(command: str) -> tuple:

@@ -39,6 +39,8 @@ from minipar.checks import positive  # the command line's check (no 0 or -4 rank
 from minipar.mesh import Mesh  # layout only; no process groups
 from minipar.model import GPTConfig
 from minipar.parallel.recompute import MODES as RECOMPUTE
+from minipar.parallel.zero.optimizer import BUCKETS_IN_FLIGHT
+from minipar.parallel.zero.stage3 import UNITS_IN_FLIGHT
 from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-exported
     ACCOUNTINGS,
     deferred_weight_grad_bytes,
@@ -49,6 +51,7 @@ from minipar.theory.layout import Layout
 from minipar.theory.models import get_model
 from minipar.theory.offload import zero_offload_memory
 from minipar.theory.params import (
+    block_params,
     check_divisible,
     stage_expert_params,
     stage_layers,
@@ -392,6 +395,47 @@ def _minipar_grads(grads: int, n: int, shard: int, zero: int, dtype: str,
     return shard * 4 if zero == 2 and microbatches == 1 else full
 
 
+def buffers_in_flight(cfg: GPTConfig, layout: Layout, moe: bool = False) -> tuple[int, int]:
+    """What the data-parallel layer holds in a backward beyond the gradients it keeps,
+    a block's worth at a time (``moe``: the stage has MoE blocks, the larger unit): at
+    the backward's start (its first block) and later in it.
+
+    * ZeRO-3: the unit computing and the one prefetched, gathered in the compute dtype,
+      and the unit's full-size gradient filling; later also ``UNITS_IN_FLIGHT`` more on
+      the wire (``parallel/zero/stage3.py``);
+    * ZeRO-2, in the one backward that reduces (the only one with one micro-batch): the
+      bucket filling; later also ``BUCKETS_IN_FLIGHT`` on the wire, a block's
+      full-size gradient each (``step.data_parallel``'s buckets);
+    * ZeRO 0-1, and ZeRO-2 with more micro-batches: none beyond the full-size buffer
+      counted as their gradients.
+    """
+    unit = block_params(cfg, layout.tp, layout.ep, moe)
+    grad = 2 if layout.grad_dtype == "bf16" else 4
+    if layout.zero == 3:
+        gathered = 2 * unit * _act_bytes(layout.dtype)
+        return gathered + unit * grad, gathered + unit * (1 + UNITS_IN_FLIGHT) * grad
+    if layout.zero == 2 and layout.microbatches == 1:
+        return unit * grad, unit * (1 + BUCKETS_IN_FLIGHT) * grad
+    return 0, 0
+
+
+def recompute_transient(cfg: GPTConfig, layout: Layout, stage: int = 0) -> float:
+    """What recomputation makes again for one block during its backward: the block's
+    stored activations less what it keeps (``none``'s less ``layout.recompute``'s), on
+    a stage with a recomputed block (0 without)."""
+    if layout.recompute == "none" or not stage_recomputed_layers(
+            cfg, layout.pp, stage, layout.virtual, layout.head_layers,
+            layout.recompute_layers)[0]:
+        return 0.0
+    float8_compiled = layout.fp8 is not None and layout.compiled and layout.tp == 1
+
+    def kept(mode: str) -> float:
+        return sum(layer_activations(cfg, layout.microbatch_size, layout.tp, layout.sp, mode,
+                                     layout.dtype, "fused", layout.cp,
+                                     float8_compiled).values())
+    return (kept("none") - kept(layout.recompute)) / layout.cp
+
+
 # Which torch kernel steps the optimizer (``Layout.optimizer_kernel``; a run's is
 # ``config.optimizer_kernel``): ``fused`` (one kernel per tensor list, in place: torch's
 # ``fused=True``, minipar's default on CUDA), ``foreach`` (multi-tensor ``torch._foreach_*``
@@ -499,12 +543,25 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             # made in the backward as it frees activations: one micro-batch holds the
             # larger of the two, with more the first's gradients wait through the next
             # forwards (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved within 3%)
-            both = (row["grads"], row["activations"])
-            held = max(both) if zero != 1 and m == 1 else sum(both)
+            # beside them, a block's worth of the data-parallel layer's buffers: fewer at
+            # a backward's start than later in it; at the start they come after the
+            # loss's workspace is freed (the first block's backward follows the
+            # loss's). With one micro-batch the gradients grow as the activations go;
+            # with more, a backward frees one of the micro-batches (chunks) in flight
+            start, later = buffers_in_flight(cfg, layout, ne > 0)
+            redo = int(recompute_transient(cfg, layout, s)) if accounting == "fused" else 0
+            start, later = start + redo, later + redo
+            grads, acts, ws = row["grads"], row["activations"], row["loss_workspace"]
+            if zero != 1 and m == 1:
+                held = max(acts + max(ws, start), grads + later)
+            else:
+                kept = 1 - 1 / inflight(layout.schedule, pp, m, s, layout.virtual)
+                held = grads + max(acts + max(ws, start), int(acts * kept) + later)
+            row["in_flight"] = later  # the most of them at once (in ``total`` where
+            # they meet the rest)
             moe = moe_layer_activations(cfg, b, layout.recompute, dtype, ep, tp, layout.sp, cp)
             row["moe_dispatch"] = int(moe.get("dispatch", 0))
-            backward = (row["params"] + row["optimizer"] + held + row["loss_workspace"]
-                        + row["moe_dispatch"])
+            backward = row["params"] + row["optimizer"] + held + row["moe_dispatch"]
             # the step: states, the reduced gradients and the optimizer's temporary
             row["optimizer_step"] = 0 if layout.offload else optimizer_step_bytes(
                 n, dp * cp, zero, dtype, optimizer, ne, ep, layout.optimizer_kernel)
@@ -521,14 +578,16 @@ def memory_breakdown(cfg: GPTConfig | str | None = None, layout: Layout = Layout
     """Bytes on the most loaded device (or on ``stage``): keys ``params``, ``grads``,
     ``optimizer``, ``activations``, ``total``, plus ``stage`` and ``n_params``
     (and ``host`` with ``offload``: bytes in host memory, not in ``total``)
-    (and ``loss_workspace`` with ``accounting="fused"``, counted in ``total``).
+    (and with ``accounting="fused"``, counted in ``total`` where they meet the rest:
+    ``loss_workspace``; ``in_flight``, the most that the data-parallel layer's
+    block-sized buffers and recomputation hold at once in a backward,
+    ``buffers_in_flight`` and ``recompute_transient``).
 
     With ``params=N`` and no config: model states only, N / (pp * tp) per rank.
     The most loaded stage is the first (most micro-batches in flight, the embedding)
     or the last (the head and its logits); middle stages hold no more than the first.
-    Not counted: temporary buffers (ZeRO-3's gathered layer, communication buckets),
-    the CUDA context and allocator fragmentation: ``theory.card`` adds what a card
-    holds beyond the tensors.
+    Not counted: the CUDA context and allocator fragmentation: ``theory.card`` adds
+    what a card holds beyond the tensors.
     """
     stages = sorted({0, layout.pp - 1}) if stage is None else [stage]
     rows = memory_per_stage(cfg, layout, params=params, accounting=accounting, stages=stages)

@@ -152,6 +152,19 @@ def stage_layers(n_layer: int, pp: int = 1, stage: int = 0, virtual: int = 1,
     return sum(len(chunks[c]) for c in range(stage, pp * virtual, pp))
 
 
+def block_params(cfg: GPTConfig | str, tp: int = 1, ep: int = 1, moe: bool = False) -> int:
+    """Parameters of one block on one rank after the tp split; ``moe``: an MoE block's
+    (its router and E/ep experts in place of the MLP)."""
+    cfg = get_model(cfg)
+    n = sum(_share(p, tp) for p in param_table(cfg) if p.where == "layer")
+    return n + (_moe_block(cfg, tp, ep)[0] if moe else 0)
+
+
+def _share(p: ParamInfo, tp: int) -> int:
+    """A rank's elements of ``p`` after the tp split (a replicated weight: all)."""
+    return p.numel // tp if p.tp_split else p.numel
+
+
 def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
                  virtual: int = 1, head_layers: int = 0, ep: int = 1) -> int:
     """Parameters held by one rank of pipeline stage ``stage`` after a tp-way split (and
@@ -163,18 +176,14 @@ def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
     cfg = get_model(cfg)
     check_divisible(cfg, tp)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers)
-
-    def share(p: ParamInfo) -> int:
-        return p.numel // tp if p.tp_split else p.numel
-
     table = param_table(cfg)
-    n = layers * sum(share(p) for p in table if p.where == "layer")
+    n = layers * block_params(cfg, tp)
     if cfg.n_expert:
         n += stage_moe_layers(cfg, pp, stage, virtual, head_layers) * _moe_block(cfg, tp, ep)[0]
     if stage == 0:
-        n += sum(share(p) for p in table if p.where == "first")
+        n += sum(_share(p, tp) for p in table if p.where == "first")
     if stage == pp - 1:
-        n += sum(share(p) for p in table if p.where == "last")
+        n += sum(_share(p, tp) for p in table if p.where == "last")
         if cfg.tie_embeddings and pp == 1:
             n -= cfg.vocab_size * cfg.d_model // tp  # the head is the embedding
     return n

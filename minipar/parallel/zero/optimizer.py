@@ -65,6 +65,9 @@ from minipar.parallel.zero.shards import (
 )
 
 MASTER_DTYPE = torch.float32  # the dtype the optimizer updates (mixed precision's masters)
+# ZeRO-2's full-size buckets on the wire at once (beside the one filling): bounded, as the
+# buffer of each is alive until its reduce-scatter completes
+BUCKETS_IN_FLIGHT = 2
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -92,7 +95,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  module: nn.Module | None = None, precision: MixedPrecision | None = None,
                  mode: str = "overlapped", grad_dtype: torch.dtype | None = torch.float32,
                  reduce_dtype: torch.dtype | None = None, average: bool = True,
-                 bucket_mb: float = 25.0, max_inflight: int = 2, broadcast: bool = True,
+                 bucket_mb: float = 25.0, max_inflight: int = BUCKETS_IN_FLIGHT,
+                 broadcast: bool = True,
                  shared: Iterable[Iterable] = (), materialize=None,
                  place: OnDevice | OnHost | None = None,
                  overlap_param_gather: bool = False, **defaults):

@@ -53,6 +53,8 @@ from minipar.parallel.zero.shards import FlatParams, Shards
 from minipar.parallel.zero.units import Unit, default_units, group_weights, who_gathers
 
 MASTER_DTYPE = torch.float32
+# a unit's full-size gradient on the wire at once, beside the one filling
+UNITS_IN_FLIGHT = 1
 
 
 class Zero3(nn.Module):
@@ -84,7 +86,7 @@ class Zero3(nn.Module):
                  reduce_dtype: torch.dtype | None = None,
                  replicate: tuple[type, ...] = (), shared: Iterable[Iterable[str]] = (),
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
-                 max_inflight: int = 1, materialize=None,
+                 max_inflight: int = UNITS_IN_FLIGHT, materialize=None,
                  place: OnDevice | OnHost | None = None, only: Iterable[str] | None = None,
                  gather: InComputeDtype | Float8Weights | None = None):
         super().__init__()
