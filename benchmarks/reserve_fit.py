@@ -17,7 +17,7 @@ per optimizer kernel, it fits
 by least squares on the relative error, over the rows whose measured reserve stayed
 6 GiB under their card's capacity (nearer, the allocator frees its cache and retries:
 those rows say what fits, not what is reserved). It prints the constants and each row's
-error.
+error, and the live-tensor peak's error over every row.
 
     PYTHONPATH=. python benchmarks/reserve_fit.py
 """
@@ -55,6 +55,7 @@ class Row:
     grads: int  # that stage's gradient buffer
     loss: int  # that stage's loss workspace (the logits over the vocabulary)
     reserved: int  # measured: the largest peak reserve over the ranks
+    allocated: int  # measured: the largest live-tensor peak over the ranks
 
     @property
     def in_domain(self) -> bool:
@@ -89,8 +90,10 @@ def recorded_rows(results: Path = RESULTS) -> list[Row]:
                                       stages=sorted({0, lay.pp - 1}))
             busiest = max(stages, key=lambda r: r["total"])
             reserved = max(r["device_memory"]["peak_reserved"] for r in row["ranks"])
+            allocated = max(r["device_memory"]["peak_allocated"] for r in row["ranks"])
             rows.append(Row(card, capacity, row, model, lay, busiest["total"],
-                            busiest["grads"], busiest.get("loss_workspace", 0), reserved))
+                            busiest["grads"], busiest.get("loss_workspace", 0), reserved,
+                            allocated))
     return rows
 
 
@@ -134,6 +137,10 @@ def main() -> int:
                   f"{r.reserved / GiB:5.1f} GiB {e:+.3f}{'' if r.in_domain else ' (outside)'}")
         print(f"{name}: {len(errors)} rows, largest error {max(errors):.3f}, "
               f"median {float(np.median(errors)):.3f}")
+    # before any fit: the memory model's live peak against the measured one
+    live = sorted(r.live / r.allocated - 1 for r in rows)
+    print(f"live peak, every row ({len(live)}): {live[0]:+.3f} .. {live[-1]:+.3f}, median "
+          f"|error| {float(np.median(np.abs(live))):.4f}")
     return 0
 
 
