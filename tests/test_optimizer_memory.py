@@ -69,7 +69,7 @@ def test_the_fit_check_books_the_runs_kernel_as_the_planner_does() -> None:
     """``train``'s prediction (``config.predicted_bytes``, also ``train --json``'s
     ``predicted_peak_bytes``) for a run on CUDA equals the planner's for the same layout
     with the same kernel: fused by default, foreach with ``--no-fused`` (gpt-13b dp 4
-    ZeRO-3, full recompute: 62.1 and 69.3 GiB; its peak is the step's with the temporary)."""
+    ZeRO-3, full recompute: 63.8 and 69.1 GiB; its peak is the step's with the temporary)."""
     cfg = TrainConfig(model="gpt-13b", dp=4, zero=3, recompute="full", batch_size=16,
                       backend="nccl")
     h100 = cluster(4, "H100-80GB", 4)
@@ -78,4 +78,4 @@ def test_the_fit_check_books_the_runs_kernel_as_the_planner_does() -> None:
     for kernel, bytes_ in got.items():
         lay = cfg.layout().with_(optimizer_kernel=kernel)
         assert bytes_ == evaluate("gpt-13b", h100, lay).memory["process"], kernel
-    assert got["foreach"] - got["fused"] > 6 * 2**30
+    assert got["foreach"] - got["fused"] > 4 * 2**30

@@ -411,12 +411,17 @@ def buffers_in_flight(cfg: GPTConfig, layout: Layout, moe: bool = False) -> tupl
     """
     unit = block_params(cfg, layout.tp, layout.ep, moe)
     grad = 2 if layout.grad_dtype == "bf16" else 4
+    # a head tied to the embedding: its weight's gradient waits in the compute dtype,
+    # from the head's backward to the embedding's, for autograd to sum the two uses;
+    # ZeRO-3 keeps the unit gathered as long (its backward ends with the embedding's)
+    tied = (cfg.vocab_size * cfg.d_model // layout.tp * _act_bytes(layout.dtype)
+            * (1 + (layout.zero == 3)) if cfg.tie_embeddings and layout.pp == 1 else 0)
     if layout.zero == 3:
-        gathered = 2 * unit * _act_bytes(layout.dtype)
+        gathered = 2 * unit * _act_bytes(layout.dtype) + tied
         return gathered + unit * grad, gathered + unit * (1 + UNITS_IN_FLIGHT) * grad
     if layout.zero == 2 and layout.microbatches == 1:
-        return unit * grad, unit * (1 + BUCKETS_IN_FLIGHT) * grad
-    return 0, 0
+        return unit * grad + tied, unit * (1 + BUCKETS_IN_FLIGHT) * grad + tied
+    return tied, tied
 
 
 def recompute_transient(cfg: GPTConfig, layout: Layout, stage: int = 0) -> float:
