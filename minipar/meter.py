@@ -25,9 +25,8 @@ import torch.profiler
 import torch.utils.checkpoint
 
 __all__ = ["ActivationMeter", "HeldBytes", "HeldPeaks", "HostPeak", "cpu_allocations",
-           "rss_bytes",
-           "optimizer_state_bytes", "record_allocations", "saved_tensor_elements",
-           "storage_bytes"]
+           "optimizer_state_bytes", "record_allocations", "rss_bytes",
+           "saved_tensor_elements", "storage_bytes"]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

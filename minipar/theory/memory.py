@@ -407,13 +407,14 @@ def buffers_in_flight(cfg: GPTConfig, layout: Layout, moe: bool = False) -> tupl
       bucket filling; later also ``BUCKETS_IN_FLIGHT`` on the wire, a block's
       full-size gradient each (``step.data_parallel``'s buckets);
     * ZeRO 0-1, and ZeRO-2 with more micro-batches: none beyond the full-size buffer
-      counted as their gradients.
+      counted as their gradients;
+    * with a head tied to the embedding on one stage, every stage of ZeRO: the head's
+      weight gradient, waiting in the compute dtype from the head's backward to the
+      embedding's for autograd to sum the two uses (ZeRO-3 keeps the unit gathered as
+      long: its backward ends with the embedding's).
     """
     unit = block_params(cfg, layout.tp, layout.ep, moe)
     grad = 2 if layout.grad_dtype == "bf16" else 4
-    # a head tied to the embedding: its weight's gradient waits in the compute dtype,
-    # from the head's backward to the embedding's, for autograd to sum the two uses;
-    # ZeRO-3 keeps the unit gathered as long (its backward ends with the embedding's)
     tied = (cfg.vocab_size * cfg.d_model // layout.tp * _act_bytes(layout.dtype)
             * (1 + (layout.zero == 3)) if cfg.tie_embeddings and layout.pp == 1 else 0)
     if layout.zero == 3:
@@ -554,7 +555,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             # loss's). With one micro-batch the gradients grow as the activations go;
             # with more, a backward frees one of the micro-batches (chunks) in flight
             start, later = buffers_in_flight(cfg, layout, ne > 0)
-            redo = int(recompute_transient(cfg, layout, s)) if accounting == "fused" else 0
+            redo = int(recompute_transient(cfg, layout, s))
             start, later = start + redo, later + redo
             grads, acts, ws = row["grads"], row["activations"], row["loss_workspace"]
             if zero != 1 and m == 1:
