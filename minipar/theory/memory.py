@@ -327,6 +327,17 @@ def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
     return min(m, pp - stage)
 
 
+def block_activations(cfg: GPTConfig, layout: Layout, mode: str,
+                      accounting: str = "fused") -> float:
+    """What one block of ``layout`` stores for its backward under recomputation
+    ``mode`` (``layer_activations``, summed), per micro-batch, before cp's split."""
+    # (tp's float8 linears gather or keep their inputs themselves: not counted as gone)
+    float8_compiled = layout.fp8 is not None and layout.compiled and layout.tp == 1
+    return sum(layer_activations(cfg, layout.microbatch_size, layout.tp, layout.sp, mode,
+                                 layout.dtype, accounting, layout.cp,
+                                 float8_compiled).values())
+
+
 def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: int = 0,
                       accounting: str = "korthikanti") -> float:
     """Peak activation bytes on one rank of pipeline stage ``stage``: per-layer bytes x
@@ -343,19 +354,14 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
                             layout.dtype)
     pp, virtual, head, schedule = layout.pp, layout.virtual, layout.head_layers, layout.schedule
 
-    # (tp's float8 linears gather or keep their inputs themselves: not counted as gone)
-    float8_compiled = layout.fp8 is not None and layout.compiled and tp == 1
-
-    def per_layer(mode: str) -> float:
-        return sum(layer_activations(cfg, b, tp, sp, mode, dtype, accounting, cp,
-                                     float8_compiled).values())
     chunks = inflight(schedule, pp, layout.microbatches, stage, virtual)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
     # per chunk (a mean over the stage's chunks): the blocks that recompute, and the rest
     redone, moe_redone = (n / virtual for n in stage_recomputed_layers(
         cfg, pp, stage, virtual, head, layout.recompute_layers))
     rest = layout.recompute_rest  # what the blocks past the first N do (none, cheap)
-    total = (per_layer(layout.recompute) * redone + per_layer(rest) * (layers - redone)) * chunks
+    total = (block_activations(cfg, layout, layout.recompute, accounting) * redone
+             + block_activations(cfg, layout, rest, accounting) * (layers - redone)) * chunks
 
     def per_moe_layer(mode: str) -> float:
         moe = moe_layer_activations(cfg, b, mode, dtype, layout.ep, tp, sp, cp)
@@ -433,13 +439,8 @@ def recompute_transient(cfg: GPTConfig, layout: Layout, stage: int = 0) -> float
             cfg, layout.pp, stage, layout.virtual, layout.head_layers,
             layout.recompute_layers)[0]:
         return 0.0
-    float8_compiled = layout.fp8 is not None and layout.compiled and layout.tp == 1
-
-    def kept(mode: str) -> float:
-        return sum(layer_activations(cfg, layout.microbatch_size, layout.tp, layout.sp, mode,
-                                     layout.dtype, "fused", layout.cp,
-                                     float8_compiled).values())
-    return (kept("none") - kept(layout.recompute)) / layout.cp
+    return (block_activations(cfg, layout, "none")
+            - block_activations(cfg, layout, layout.recompute)) / layout.cp
 
 
 # Which torch kernel steps the optimizer (``Layout.optimizer_kernel``; a run's is
