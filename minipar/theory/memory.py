@@ -572,8 +572,10 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             # the step: states, the reduced gradients and the optimizer's temporary
             row["optimizer_step"] = 0 if layout.offload else optimizer_step_bytes(
                 n, dp * cp, zero, dtype, optimizer, ne, ep, layout.optimizer_kernel)
+            # (ZeRO-1 keeps its full-size buffer beside the reduced shard it steps with)
             step = (row["params"] + row["optimizer"] + row["optimizer_step"]
-                    + (row["grads"] if zero != 2 or m == 1 else shard * 4))
+                    + (row["grads"] if zero != 2 or m == 1 else shard * 4)
+                    + (shard * 4 if zero == 1 and pw < 4 else 0))
             row["total"] = max(backward, step)
         out.append(row)
     return out
