@@ -222,8 +222,8 @@ def _cmd_rehearse(args) -> int:
     notes = []
     for r in record["ranks"]:
         c, p, dev = r["coords"], r["predicted"], r["device_memory"] or {}
-        live, held = dev.get("peak_allocated", r.get("cpu_peak_allocated")), dev.get(
-            "peak_reserved")
+        live = dev.get("peak_allocated", r.get("cpu_peak_allocated"))
+        held = dev.get("peak_reserved")
         step = r["compute_seconds"]
         shown = (f"{_opt(live, unit):>8}", f"{_opt(held, unit):>8}",
                  f"{step:>9.3f}" if step is not None else f"{'-':>9}")

@@ -421,8 +421,10 @@ def buffers_in_flight(cfg: GPTConfig, layout: Layout, moe: bool = False) -> tupl
     """
     unit = block_params(cfg, layout.tp, layout.ep, moe)
     grad = 2 if layout.grad_dtype == "bf16" else 4
-    tied = (cfg.vocab_size * cfg.d_model // layout.tp * _act_bytes(layout.dtype)
-            * (1 + (layout.zero == 3)) if cfg.tie_embeddings and layout.pp == 1 else 0)
+    tied = 0
+    if cfg.tie_embeddings and layout.pp == 1:  # the head's gradient (and ZeRO-3's unit)
+        tied = cfg.vocab_size * cfg.d_model // layout.tp * _act_bytes(layout.dtype)
+        tied *= 2 if layout.zero == 3 else 1
     if layout.zero == 3:
         gathered = 2 * unit * _act_bytes(layout.dtype) + tied
         return gathered + unit * grad, gathered + unit * (1 + UNITS_IN_FLIGHT) * grad
@@ -546,15 +548,14 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             row["loss_workspace"] = int(round(ws))
             row["grads"] = _minipar_grads(row["grads"], n, shard, zero, dtype,
                                           layout.grad_dtype, m)
-            # only ZeRO-1's full buffer lives across steps; the others are
-            # made in the backward as it frees activations: one micro-batch holds the
-            # larger of the two, with more the first's gradients wait through the next
-            # forwards (2 and 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved within 3%)
-            # beside them, a block's worth of the data-parallel layer's buffers: fewer at
-            # a backward's start than later in it; at the start they come after the
-            # loss's workspace is freed (the first block's backward follows the
-            # loss's). With one micro-batch the gradients grow as the activations go;
-            # with more, a backward frees one of the micro-batches (chunks) in flight
+            # Only ZeRO-1's full buffer lives across steps; the others are made in the
+            # backward as it frees activations: one micro-batch holds the larger of the
+            # two, with more the first's gradients wait through the next forwards (2 and
+            # 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved within 3%) and a backward
+            # frees only one of the micro-batches (chunks) in flight. Beside them, a
+            # block's worth of buffers (``buffers_in_flight``, ``recompute_transient``):
+            # fewer at a backward's start, where they follow the loss's workspace (the
+            # first block's backward follows the loss's), than later in it.
             start, later = buffers_in_flight(cfg, layout, ne > 0)
             redo = int(recompute_transient(cfg, layout, s))
             start, later = start + redo, later + redo
@@ -564,8 +565,7 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             else:
                 kept = 1 - 1 / inflight(layout.schedule, pp, m, s, layout.virtual)
                 held = grads + max(acts + max(ws, start), int(acts * kept) + later)
-            row["in_flight"] = later  # the most of them at once (in ``total`` where
-            # they meet the rest)
+            row["in_flight"] = later  # the most of those buffers at once
             moe = moe_layer_activations(cfg, b, layout.recompute, dtype, ep, tp, layout.sp, cp)
             row["moe_dispatch"] = int(moe.get("dispatch", 0))
             backward = row["params"] + row["optimizer"] + held + row["moe_dispatch"]
