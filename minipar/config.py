@@ -303,6 +303,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
     if cfg.zero == 3 and cfg.schedule == "zb":  # at every pp: W runs at pp = 1 too
         raise ValueError("--zero 3 with --schedule zb is not supported: the split weight "
                          "gradient (W) runs after ZeRO-3 has freed the layer's weights")
+    if cfg.recompute == "full" and cfg.schedule == "zb":
+        raise ValueError("--recompute full with --schedule zb is not supported: W needs the "
+                         "inputs recomputation frees, and each module's split backward "
+                         "would run the block again (try --recompute selective or cheap)")
     if cfg.chunked_loss and cfg.tp > 1:
         raise ValueError("--chunked-loss with --tp > 1 is not supported: tensor parallelism "
                          "has its own loss over logits split by vocabulary")

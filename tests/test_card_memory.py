@@ -117,9 +117,14 @@ def _ran(kernel: str, compiled: bool) -> dict:
 # The layouts among the planner's first three that no call has run yet, each with the
 # measured row nearest to it: an entry here is a device call owed (docs/benchmarks.md).
 NOT_YET_RUN = {
-    # third since the ZeRO-1 reserve was refitted to two ZeRO-1 layouts; its ZeRO-2 twin,
-    # second, ran (4xH200-2026-11-28k1-planner): 66.6 GiB reserved, 1.271 s
+    # ZB-H1's rows ran (4xH200-2026-11-28k1-planner: ZeRO-2, 66.6 GiB reserved, 1.271 s)
+    # while its split backward held every module's output; the engine as it is now was
+    # rehearsed on one H100 (rehearsal-1xH100-2026-12-06r2-zb: 61.2 GiB reserved)
     ("gpt-6.7b", "tp=1 pp=2 dp=2 zero=1 b=2 m=8 zb head-layers=1"),
+    ("gpt-6.7b", "tp=1 pp=2 dp=2 zero=2 b=2 m=8 zb head-layers=1"),
+    # ZeRO-2 under sp, since its buckets reduce during the backward: rehearsed on one
+    # H100 (rehearsal-1xH100-2026-12-06r1-planner: 74.2 GiB reserved, 77.4 with NCCL's)
+    ("gpt-13b", "tp=2 pp=1 dp=2 zero=2 b=8 m=1 sp recompute=full recompute-layers=30"),
     # partial recomputation (the planner's bisection, ``_fewest_recomputed``): recomputing
     # 32 and 36 of 40 blocks ran (test_partial_recomputation_within_the_reserve_band), all
     # 40 at 1.586 s and 56.2 GiB reserved (4xH200, speed-gpu m1); 23 and 18 rehearsed on

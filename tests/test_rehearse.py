@@ -234,6 +234,8 @@ def test_the_planners_top_5_rehearsed_on_one_h100():
     assert ooms == ["tp=2 pp=1 dp=2 zero=2 b=8 m=1 sp recompute=full recompute-layers=30"]
     for row in rows:
         model, layout = _layout(row)
+        if layout.schedule == "zb":  # its split backward then held every module's output:
+            continue                 # the next test's record measures the engine as it is
         for rank in row["ranks"]:
             predicted = card_peak(model, layout, stage=rank["coords"]["pp"])
             held = rank["device_memory"]
@@ -245,6 +247,36 @@ def test_the_planners_top_5_rehearsed_on_one_h100():
             assert -0.06 < live < 0.03 and -0.06 < reserve < 0.07, (row["label"], live)
             need = held["peak_reserved"] + runtime_bytes(layout)
             assert need < held["capacity"], row["label"]
+
+
+def test_the_planners_13b_picks_and_zero_bubble_rehearsed_on_one_h100():
+    """Rehearsed on one H100 (2026-12-06, torch 2.11): the planner's gpt-13b top 5 (preset
+    and calibrated, r1) all fit now, the ZeRO-2 sp layout that ran out of memory among
+    them (74.7 GiB reserved + 2.7 of NCCL's = 77.4 of 79.2); live within -1.3% .. +2.1%.
+    ZB-H1 (r2), its split backward keeping graph nodes, not module outputs: gpt-6.7b pp 2
+    dp 2 stage 0 holds 60.39 GiB (65.92 before), the model -0.4% / +3.6% on its two
+    stages; gpt-1.3b pp 4 within -1.9% .. +3.7%. Its cheap recomputation is not yet
+    followed: the model is short by 4.8% and 6.4%, held here as recorded."""
+    planner = [r for r in _rows("rehearsal-1xH100-2026-12-06r1-planner.json")
+               if r.get("status") in ("ok", "oom")]
+    assert len(planner) == 12 and all(r["status"] == "ok" for r in planner)
+    zb = json.loads((RESULTS / "rehearsal-1xH100-2026-12-06r2-zb.json").read_text())["rows"]
+    runs = [(r, (-0.03, 0.03)) for r in planner if r["model"] == "gpt-13b"] + [
+        (zb[name], (-0.03, 0.05)) for name in ("zb67_z1", "zb67_z2", "zb13_pp4")] + [
+        (zb["zb67_cheap"], (-0.07, -0.03))]
+    for row, (low, high) in runs:
+        model, layout = _layout(row) if "command" in row else _config_layout(row)
+        for rank in row["ranks"]:
+            held = rank["device_memory"]
+            live = card_peak(model, layout, stage=rank["coords"]["pp"])["total"]
+            assert low < live / held["peak_allocated"] - 1 < high, (layout.label(), rank)
+            assert held["peak_reserved"] + runtime_bytes(layout) < held["capacity"]
+
+
+def _config_layout(record: dict):
+    """A ``rehearse --json`` record's model and layout (as the planner states it)."""
+    cfg = TrainConfig(**record["config"])
+    return cfg.model_config(), cfg.layout("cuda")
 
 
 # gpt-13b's shape at 1/16 of its width (8 blocks), small enough for the laptop's CPU

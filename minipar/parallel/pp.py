@@ -298,9 +298,13 @@ class PipelineExecutor:
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"{type(module).__name__} returns {type(output).__name__}; the "
                             "split backward (W actions) needs modules that return a tensor")
-        joined = output if cut is None else _Stitch.apply((output, cut[1]), *cut[0])
-        if output.requires_grad:
-            self._capture.append((module, output, joined))
+        # Only graph nodes are kept, never the outputs themselves: a tensor no backward
+        # saves (the attention's and the MLP's projections, added into the residual) is
+        # freed in the forward, as without the split
+        node = get_gradient_edge(output) if output.requires_grad else None
+        joined = output if cut is None else _Stitch.apply((output, node, cut[1]), *cut[0])
+        if node is not None:
+            self._capture.append((module, node, get_gradient_edge(joined)))
         return joined
 
     # --- point to point, with a shape header the first time ----------------------
@@ -440,10 +444,7 @@ class PipelineExecutor:
             wrt = ([x] if needs_dx else []) + [joined for _, _, joined in work]
             grads = list(torch.autograd.grad(out, wrt, grad, allow_unused=True))
             dx = grads.pop(0) if needs_dx else None
-            # W starts from each module's graph node, not its output: the outputs no
-            # node saved (q|k|v once attention's graph is gone) are freed now
-            st.weight_work[key] = [(mod, get_gradient_edge(o), g)
-                                   for (mod, o, _), g in zip(work, grads)]
+            st.weight_work[key] = [(mod, node, g) for (mod, node, _), g in zip(work, grads)]
         if dx is not None:
             if rank_of(a.chunk - 1, self.pp) == self.rank:  # the previous chunk is here
                 st.out_grads[(a.mb, a.chunk - 1)] = dx
@@ -490,17 +491,18 @@ def _needs_grad(t) -> bool:
 class _Stitch(torch.autograd.Function):
     """Joins a module's output, computed from detached inputs, to the chunk's graph.
     Its backward is the module's input gradient, from the module's own graph (kept for
-    W: only the input products run here). ``inner`` is (output, detached inputs)."""
+    W: only the input products run here). ``inner`` is (output, its graph node, detached
+    inputs); the node is kept, not the output (whose memory goes when the chunk is done
+    with it)."""
 
     @staticmethod
     def forward(ctx, inner: tuple, *inputs: torch.Tensor) -> torch.Tensor:
-        ctx.inner = inner
-        return inner[0].detach()
+        output, ctx.node, ctx.detached = inner
+        return output.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out, detached = ctx.inner
-        return None, *torch.autograd.grad(out, detached, grad, retain_graph=True,
+        return None, *torch.autograd.grad(ctx.node, ctx.detached, grad, retain_graph=True,
                                           allow_unused=True)
 
 
@@ -513,7 +515,8 @@ class _StepState:
     inputs: dict = field(default_factory=dict)  # chunk input, or (pending, buffer)
     out_grads: dict = field(default_factory=dict)  # grad of chunk output, likewise
     saved: dict = field(default_factory=dict)  # (input, output) until the backward
-    weight_work: dict = field(default_factory=dict)  # [(module, output, grad)]; then its edge
+    weight_work: dict = field(default_factory=dict)  # [(module, node, joined's node)],
+    # after B [(module, node, output gradient)]
     input_grads: dict = field(default_factory=dict)  # grad of chunk input, to send
     sends: list = field(default_factory=list)
     losses: list = field(default_factory=list)

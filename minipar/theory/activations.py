@@ -44,15 +44,16 @@ def activation_elements_per_layer(cfg: GPTConfig, batch: int, tp: int,
 def deferred_weight_grad_bytes(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
                                sp: bool = False, dtype: str = "bf16") -> float:
     """Bytes one layer keeps per micro-batch between its B and W passes under ZB-H1:
-    the gradient of each linear layer's output (W multiplies it by the stored input).
-    Column-parallel outputs (q|k|v, the MLP's first) are split by tp; row-parallel
-    ones (the attention projection, the MLP's second) only with sequence parallelism.
-    ``theory.memory`` counts it once per pending W pass (ZB-H1: s + 1 on stage s): gpt-1.3b
-    pp 4, m 16, b 2 on 4 x H200, the ZB-H1 peak within 2.1% (7.9% with balanced stages)."""
+    the gradient of each parameter-owning module's output (W multiplies a linear's by
+    its stored input; a layer norm's weights need theirs too). Column-parallel outputs
+    (q|k|v, the MLP's first) are split by tp; row-parallel ones (the attention
+    projection, the MLP's second) and the two layer norms' only with sequence
+    parallelism. ``theory.memory.stage_activations`` counts it with what the same W
+    keeps of the forward."""
     cfg = get_model(cfg)
     e = 2 if dtype in ("bf16", "fp16") else 4
     h, f = cfg.d_model, cfg.d_ff
-    width = (3 * h + f) / tp + 2 * h / (tp if sp else 1)
+    width = (3 * h + f) / tp + 4 * h / (tp if sp else 1)
     return e * cfg.seq_len * microbatch_size * width
 
 

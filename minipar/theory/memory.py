@@ -128,6 +128,11 @@ def model_states(n_params: int, dp: int = 1, zero: int = 0, dtype: str = "bf16",
 # What a layer norm or GELU makes for the next linear: a pass over memory to make again
 CHEAP_TO_RECOMPUTE = ("qkv input (ln1 output)", "fc input (ln2 output)",
                       "mlp proj input (gelu output)")
+# What the weight gradients of a block read: the inputs (and the layer norms' statistics)
+# of its parameter-owning modules, dW = dy^T x for a linear
+WEIGHT_PASS_INPUTS = ("ln1 input", "qkv input (ln1 output)", "attention proj input",
+                      "ln2 input", "fc input (ln2 output)", "mlp proj input (gelu output)",
+                      "layer-norm mean and 1/std")
 
 
 def layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1, tp: int = 1,
@@ -328,14 +333,30 @@ def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
 
 
 def block_activations(cfg: GPTConfig, layout: Layout, mode: str,
-                      accounting: str = "fused") -> float:
+                      accounting: str = "fused", weight_pass: bool = False) -> float:
     """What one block of ``layout`` stores for its backward under recomputation
-    ``mode`` (``layer_activations``, summed), per micro-batch, before cp's split."""
+    ``mode`` (``layer_activations``, summed), per micro-batch, before cp's split.
+    ``weight_pass``: only what its weight gradients read (``WEIGHT_PASS_INPUTS``; where
+    the cheap recomputation made GELU's output a recipe, the recipe's input)."""
     # (tp's float8 linears gather or keep their inputs themselves: not counted as gone)
     float8_compiled = layout.fp8 is not None and layout.compiled and layout.tp == 1
-    return sum(layer_activations(cfg, layout.microbatch_size, layout.tp, layout.sp, mode,
-                                 layout.dtype, accounting, layout.cp,
-                                 float8_compiled).values())
+    items = layer_activations(cfg, layout.microbatch_size, layout.tp, layout.sp, mode,
+                              layout.dtype, accounting, layout.cp, float8_compiled)
+    if not weight_pass:
+        return sum(items.values())
+    recipe = items["gelu input"] if "mlp proj input (gelu output)" not in items else 0
+    return recipe + sum(v for k, v in items.items() if k in WEIGHT_PASS_INPUTS)
+
+
+def zb_in_flight(pp: int, microbatches: int, stage: int) -> tuple[int, int]:
+    """What stage ``stage`` of minipar's ZB-H1 (``schedules.zb_h1``) holds before the
+    backward B(i) that finds it fullest, i = min(s, m - 1): (the micro-batches whose B
+    has run and whose W has not, each keeping what its W reads and its output
+    gradients; the micro-batches whose forward has run and whose B has not, B(i)'s
+    own among them, each keeping all it stored). On every stage the two add up to
+    min(m, p), as ``inflight``'s zb count."""
+    done = min(stage, microbatches - 1)
+    return done, min(microbatches - done, pp - stage)
 
 
 def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: int = 0,
@@ -370,10 +391,21 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     moe = stage_moe_layers(cfg, pp, stage, virtual, head) / virtual
     total += (per_moe_layer(layout.recompute) * moe_redone
               + per_moe_layer(rest) * (moe - moe_redone)) * chunks
-    fused = accounting == "fused"  # minipar's ZB-H1: s + 1 W passes pending on stage s,
-    if schedule == "zb":  # each keeping its output gradients; the paper's: all in flight
-        pending = min(layout.microbatches, stage + 1) if fused else chunks
-        total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * pending
+    fused = accounting == "fused"
+    if schedule == "zb" and not fused:  # the paper's: every one in flight keeps its dy
+        total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * chunks
+    elif schedule == "zb":  # minipar's ZB-H1: B(i) ends holding one more W's worth
+        done, busy = zb_in_flight(pp, layout.microbatches, stage)
+        kept = (block_activations(cfg, layout, layout.recompute, accounting, True)
+                + deferred_weight_grad_bytes(cfg, b, tp, sp, dtype)) * layers
+        if stage == pp - 1:  # the head's W reads the logits' gradient
+            kept += cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
+        whole_mb = total / chunks
+        if layout.recompute == "cheap":  # (until B the stitches hold every module's input)
+            whole_mb = block_activations(cfg, layout, "none", accounting) * layers
+        # (on the first stage W(i) makes the embedding's whole 16-bit gradient beside)
+        made = cfg.vocab_size * cfg.d_model * _act_bytes(dtype) / tp if stage == 0 else 0
+        total = done * kept + max(busy * whole_mb, (busy - 1) * whole_mb + kept + made)
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
         total += whole * sum(edge_activations(cfg, "first", b, tp, sp, dtype,

@@ -449,6 +449,10 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                             continue
                         kept: Estimate | None = None  # the layout recomputing nothing
                         for ep, rc in ((e, r) for e in _eps(cfg, dp) for r in recomputes):
+                            if rc == "full" and schedule == "zb":  # config.validate, too
+                                reject("full recomputation frees what zb's W pass needs",
+                                       f"recompute=full with zb, pp={pp}")
+                                continue
                             # pp: stages balanced for the head
                             k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
                             lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=zero,
