@@ -483,15 +483,19 @@ def _outputs_alive_after_a_forward() -> dict:
         torch.manual_seed(0)
         model = GPT(CFG)
         made: list = []
-        for block in model.blocks:
-            for proj in (block.attn.proj, block.mlp.proj):  # (before the executor's hooks)
-                proj.register_forward_hook(lambda m, a, y: made.append(weakref.ref(y)))
-        ex = PipelineExecutor(build_stage(model, 0, 1), Comm(), make_schedule(name, 1, 2))
         seen: list[int] = []
 
-        def before(mb: int) -> None:  # before F0, then before B0
+        def note(module, args, y, made=made) -> None:
+            made.append(weakref.ref(y))
+
+        def before(mb: int, made=made, seen=seen) -> None:  # before F0, then before B0
             gc.collect()
             seen.append(sum(r() is not None for r in made))
+
+        for block in model.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):  # (before the executor's hooks)
+                proj.register_forward_hook(note)
+        ex = PipelineExecutor(build_stage(model, 0, 1), Comm(), make_schedule(name, 1, 2))
 
         ex.step(split_batch(*_batch(), 0, 1, 2), before_compute=before)
         ex.close()
