@@ -94,8 +94,9 @@ def stage_memory(cfg: GPTConfig | str, stage: int, dp: int = 1, pp: int = 1, tp:
     # HINT: k = in_flight(...) for this stage; activations = (per_layer * layers on this
     # stage (stage_layers(cfg.n_layer, pp, stage)) + edge_bytes(...)) * k, rounded with
     # int(round(...)); add model_state_bytes(n_params, dp, zero, dtype) and a "total".
-    # zb also keeps, for each deferred weight pass, the gradients of the linear layers'
-    # outputs: add deferred_weight_grad_bytes(cfg, 1, tp, sp, dtype) to per_layer.
+    # zb also keeps, for each deferred weight pass, the gradients of the outputs of the
+    # modules with weights (linears, layer norms): add deferred_weight_grad_bytes(cfg, 1,
+    # tp, sp, dtype) to per_layer.
     if schedule == "zb":
         per_layer += deferred_weight_grad_bytes(cfg, 1, tp, sp, dtype)
     k = in_flight(schedule, pp, microbatches, stage)

@@ -336,15 +336,18 @@ def block_activations(cfg: GPTConfig, layout: Layout, mode: str,
                       accounting: str = "fused", weight_pass: bool = False) -> float:
     """What one block of ``layout`` stores for its backward under recomputation
     ``mode`` (``layer_activations``, summed), per micro-batch, before cp's split.
-    ``weight_pass``: only what its weight gradients read (``WEIGHT_PASS_INPUTS``; where
-    the cheap recomputation made GELU's output a recipe, the recipe's input)."""
+    ``weight_pass``: only what its weight gradients read under ZB-H1's split backward
+    (``WEIGHT_PASS_INPUTS``). There each module runs on a detached input, a leaf of its
+    own graph, which holds it till W: a cheap recomputation's recipe frees nothing
+    then, and keeps GELU's input besides."""
     # (tp's float8 linears gather or keep their inputs themselves: not counted as gone)
     float8_compiled = layout.fp8 is not None and layout.compiled and layout.tp == 1
-    items = layer_activations(cfg, layout.microbatch_size, layout.tp, layout.sp, mode,
+    held = "none" if weight_pass and mode == "cheap" else mode
+    items = layer_activations(cfg, layout.microbatch_size, layout.tp, layout.sp, held,
                               layout.dtype, accounting, layout.cp, float8_compiled)
     if not weight_pass:
         return sum(items.values())
-    recipe = items["gelu input"] if "mlp proj input (gelu output)" not in items else 0
+    recipe = items["gelu input"] if mode == "cheap" else 0
     return recipe + sum(v for k, v in items.items() if k in WEIGHT_PASS_INPUTS)
 
 
