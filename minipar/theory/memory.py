@@ -351,6 +351,12 @@ def block_activations(cfg: GPTConfig, layout: Layout, mode: str,
     return recipe + sum(v for k, v in items.items() if k in WEIGHT_PASS_INPUTS)
 
 
+def embedding_grad_bytes(cfg: GPTConfig, tp: int, dtype: str) -> int:
+    """The embedding's (or a tied head's) whole weight gradient on one tp rank, in the
+    compute dtype, as autograd makes it: dense, every row of the vocabulary."""
+    return cfg.vocab_size * cfg.d_model // tp * _act_bytes(dtype)
+
+
 def zb_in_flight(pp: int, microbatches: int, stage: int) -> tuple[int, int]:
     """What stage ``stage`` of minipar's ZB-H1 (``schedules.zb_h1``) holds before the
     backward B(i) that finds it fullest, i = min(s, m - 1): (the micro-batches whose B
@@ -383,8 +389,13 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     # per chunk (a mean over the stage's chunks): the blocks that recompute, and the rest
     redone, moe_redone = (n / virtual for n in stage_recomputed_layers(
         cfg, pp, stage, virtual, head, layout.recompute_layers))
-    rest = layout.recompute_rest  # what the blocks past the first N do (none, cheap)
-    total = (block_activations(cfg, layout, layout.recompute, accounting) * redone
+    # what the blocks past the first N do (none, cheap); minipar's ZB-H1 runs each module
+    # on a detached input, a leaf of the module's graph that holds it till W, so a cheap
+    # recomputation's recipe frees none of it
+    stitched = schedule == "zb" and accounting == "fused"
+    mode, rest = ("none" if stitched and m == "cheap" else m
+                  for m in (layout.recompute, layout.recompute_rest))
+    total = (block_activations(cfg, layout, mode, accounting) * redone
              + block_activations(cfg, layout, rest, accounting) * (layers - redone)) * chunks
 
     def per_moe_layer(mode: str) -> float:
@@ -392,10 +403,9 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
         moe.pop("dispatch", None)
         return sum(moe.values())
     moe = stage_moe_layers(cfg, pp, stage, virtual, head) / virtual
-    total += (per_moe_layer(layout.recompute) * moe_redone
+    total += (per_moe_layer(mode) * moe_redone
               + per_moe_layer(rest) * (moe - moe_redone)) * chunks
-    fused = accounting == "fused"
-    if schedule == "zb" and not fused:  # the paper's: every one in flight keeps its dy
+    if schedule == "zb" and not stitched:  # the paper's: every one in flight keeps its dy
         total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * chunks
     elif schedule == "zb":  # minipar's ZB-H1: B(i) ends holding one more W's worth
         done, busy = zb_in_flight(pp, layout.microbatches, stage)
@@ -404,10 +414,8 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
         if stage == pp - 1:  # the head's W reads the logits' gradient
             kept += cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
         whole_mb = total / chunks
-        if layout.recompute == "cheap":  # (until B the stitches hold every module's input)
-            whole_mb = block_activations(cfg, layout, "none", accounting) * layers
-        # (on the first stage W(i) makes the embedding's whole 16-bit gradient beside)
-        made = cfg.vocab_size * cfg.d_model * _act_bytes(dtype) / tp if stage == 0 else 0
+        # (on the first stage W(i) makes the embedding's whole gradient beside)
+        made = embedding_grad_bytes(cfg, tp, dtype) if stage == 0 else 0
         total = done * kept + max(busy * whole_mb, (busy - 1) * whole_mb + kept + made)
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
@@ -418,7 +426,7 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
         loss = last.pop("logits (fp32, for the loss)")  # head's input): 1F1B's one
         if layout.chunked_loss:  # the logits kept as the head made them, no fp32 copy
             loss *= _act_bytes(dtype) / 4
-        total += whole * sum(last.values()) + (1 if schedule == "zb" and fused else whole) * loss
+        total += whole * sum(last.values()) + (1 if stitched else whole) * loss
     return total
 
 
@@ -458,7 +466,7 @@ def buffers_in_flight(cfg: GPTConfig, layout: Layout, moe: bool = False) -> tupl
     grad = 2 if layout.grad_dtype == "bf16" else 4
     tied = 0
     if cfg.tie_embeddings and layout.pp == 1:  # the head's gradient (and ZeRO-3's unit)
-        tied = cfg.vocab_size * cfg.d_model // layout.tp * _act_bytes(layout.dtype)
+        tied = embedding_grad_bytes(cfg, layout.tp, layout.dtype)
         tied *= 2 if layout.zero == 3 else 1
     if layout.zero == 3:
         gathered = 2 * unit * _act_bytes(layout.dtype) + tied

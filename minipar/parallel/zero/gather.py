@@ -98,9 +98,7 @@ class Float8Weights(InComputeDtype):
         _, wire, scales = self._flats[id(f)]
         wire.untyped_storage().resize_(f.padded)
         own = wire[f.lo:f.hi]
-        # the values one device's linear would cast (the master is a parameter: detached,
-        # or the cast would join an autograd graph)
-        shard = f.shard.detach().to(f.full.dtype)
+        shard = f.shard.to(f.full.dtype)  # the values one device's linear would cast
         with torch.no_grad():
             for k, a, b in f.owned():
                 own[a:b].view(E4M3).copy_(to_float8(shard[a:b], scales[k], E4M3))
@@ -140,8 +138,7 @@ def _shard_amax(f: FlatParams) -> torch.Tensor:
     """Per weight of ``f``, the largest |value| of its part in this rank's shard, in the
     compute dtype (0 where the shard holds none of it)."""
     amax = torch.zeros(len(f.names), dtype=torch.float32, device=f.shard.device)
-    shard = f.shard.detach().to(f.full.dtype)  # (else amax, and the scales after it,
-    # join a graph that keeps this copy, and the next rescale's graph keeps that one)
+    shard = f.shard.to(f.full.dtype)
     for k, a, b in f.owned():
         amax[k] = torch.linalg.vector_norm(shard[a:b], float("inf"), dtype=torch.float32)
     return amax

@@ -33,8 +33,9 @@ class OnDevice:
         return master
 
     def working_copy(self, master: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
-        """What ZeRO-3's gather reads this rank's slot from: the master (cast then)."""
-        return master
+        """What ZeRO-3's gather reads this rank's slot from: the master (cast then), its
+        very storage but detached, so that no read of it joins an autograd graph."""
+        return master.detach()
 
     def grad_in(self, i: int, shard: torch.Tensor, master: nn.Parameter,
                 more: bool = False) -> None:
