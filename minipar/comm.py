@@ -30,6 +30,17 @@ the rank). So under gloo every CUDA tensor is *staged*: copied to the host, sent
 the result copied back (when an async op is waited on). Counted bytes are unchanged.
 The other way round, NCCL moves device memory only: a host tensor (a checkpoint's
 gathered state) is staged on this rank's GPU.
+
+**Imagined peers** (a rehearsal, ``engine.rehearse``: torch's "fake" backend, whose
+collectives complete at once and write nothing). An output left as it was holds zeros
+or stale bytes, and a GPU multiplies zeros faster than trained values (an H100's bf16
+product runs about 17% faster on zeros: the chip draws less power and keeps its clock),
+so a rehearsed step would read fast. Each imagined op therefore writes a *stand-in*
+for what the peers would have sent: an all-gather a copy of this rank's own shard in
+every peer's place, a reduce-scatter this rank's own slice, an all-to-all this rank's
+own rows, a receive (which has no local twin) values drawn from N(0, 1). The stand-ins'
+own time is counted apart (``CommLog.step_stand_in_seconds``), so that the rehearsed
+compute can leave it out: a real collective writes its output on its own stream.
 """
 
 from __future__ import annotations
@@ -120,6 +131,9 @@ class CommLog:
     on_exit: Callable[[CommRecord], None] | None = None
     step_wire_bytes: array = field(default_factory=lambda: array("d"))
     step_seconds: array = field(default_factory=lambda: array("d"))
+    # imagined peers: the seconds each step spent writing stand-ins (module docstring)
+    step_stand_in_seconds: array = field(default_factory=lambda: array("d"))
+    _stand_ins: list = field(default_factory=list)  # this step's: CUDA event pairs, floats
     _folded: dict = field(default_factory=dict)  # (dim, op) -> [calls, bytes, wire, s]
     _kept: int = 0  # records[:_kept] are already folded (kept for a trace)
 
@@ -149,9 +163,25 @@ class CommLog:
         if self.on_exit is not None:
             self.on_exit(rec)
 
+    def stand_in(self, t: torch.Tensor, write: Callable[[], object]) -> None:
+        """Run ``write`` (an imagined op's stand-in for ``t``) and count its time."""
+        if t.is_cuda:  # on the stream, without waiting for it
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            write()
+            end.record()
+            self._stand_ins.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            write()
+            self._stand_ins.append(time.perf_counter() - t0)
+
     def clear(self) -> None:
         self.records.clear()
         self.step_wire_bytes, self.step_seconds = array("d"), array("d")
+        self.step_stand_in_seconds = array("d")
+        self._stand_ins.clear()
         self._folded.clear()
         self._kept = 0
 
@@ -168,6 +198,9 @@ class CommLog:
             wire, seconds = wire + r.wire_bytes, seconds + took
         self.step_wire_bytes.append(wire)
         self.step_seconds.append(seconds)
+        if self._stand_ins:  # (a rehearsal's)
+            self.step_stand_in_seconds.append(sum(map(_seconds, self._stand_ins)))
+            self._stand_ins.clear()
         if not keep:
             self.records = new  # the last step's records only
         self._kept = len(self.records)
@@ -205,6 +238,15 @@ class CommLog:
 
     def to_dicts(self) -> list[dict]:
         return [asdict(r) for r in self.records]
+
+
+def _seconds(timed) -> float:
+    """A stand-in's seconds: counted on the host, or between two CUDA events."""
+    if isinstance(timed, float):
+        return timed
+    start, end = timed
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _add_rows(total: list[int] | None, row) -> list[int] | None:
@@ -249,6 +291,8 @@ class Comm:
         self.ranks = list(ranks) if ranks is not None else dist.get_process_group_ranks(
             self.group)
         backend = dist.get_backend(self.group)  # where tensors must be (module docstring)
+        self.imagined = backend == "fake"  # its peers too: ops write stand-ins
+        self._draws: torch.Generator | None = None  # (a receive's stand-in values)
         self._wire: torch.device | None = None
         if backend == "gloo":
             self._wire = torch.device("cpu")
@@ -271,15 +315,26 @@ class Comm:
         return None if h is t else (lambda: t.copy_(h))
 
     def _run(self, op, t, fn, async_op, nbytes=None, peer=None, then=None, wire=None,
-             sent_to=None):
+             sent_to=None, stand_in=None):
         rec = self.log.enter(op, self.dim, t, self.size, nbytes, peer, wire, sent_to)
         work = fn()
+        if self.imagined and stand_in is not None:  # what the peers would have sent
+            self.log.stand_in(t, stand_in)
         if async_op:
             return Pending(work, rec, then, self.log.finish)
         self.log.finish(rec)
         if then is not None:
             then()
         return None
+
+    def _drawn(self, t: torch.Tensor):
+        """A receive's stand-in: ``t`` filled from N(0, 1) (a floating tensor; a shape
+        header or other integers stay as they are), from this Comm's own generator."""
+        if not t.is_floating_point():
+            return None
+        if self._draws is None:
+            self._draws = torch.Generator(t.device).manual_seed(0)
+        return lambda: t.normal_(generator=self._draws)
 
     # --- collectives -------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
@@ -300,7 +355,7 @@ class Comm:
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
                           device=src.device)
         self._run("all_gather", out, lambda: _all_gather_flat(out, src, group=self.group),
-                  False)
+                  False, stand_in=lambda: _copies(out, src))
         out = out.to(t.device)
         if dim == 0:
             return out
@@ -315,7 +370,7 @@ class Comm:
         h_out, h_in = self._on_wire(out), self._on_wire(t)
         return self._run("all_gather", out, lambda: _all_gather_flat(
             h_out, h_in, group=self.group, async_op=async_op), async_op,
-            then=self._back(out, h_out))
+            then=self._back(out, h_out), stand_in=lambda: _copies(h_out, h_in))
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tensor:
         """Sum ``t`` across ranks and return this rank's equal slice along ``dim``."""
@@ -337,7 +392,8 @@ class Comm:
         out = torch.empty(shape, dtype=t.dtype, device=src.device)
         flat_out = out.view(-1) if dim else out
         self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
-            flat_out, src, rop, group=self.group), False)
+            flat_out, src, rop, group=self.group), False,
+            stand_in=lambda: _own_slice(flat_out, src, self.rank))
         return out.to(t.device)
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum",
@@ -350,7 +406,7 @@ class Comm:
         h_out, h_in = self._on_wire(out), self._on_wire(t)
         return self._run("reduce_scatter", t, lambda: _reduce_scatter_flat(
             h_out, h_in, rop, group=self.group, async_op=async_op), async_op,
-            then=self._back(out, h_out))
+            then=self._back(out, h_out), stand_in=lambda: _own_slice(h_out, h_in, self.rank))
 
     def all_to_all(self, t: torch.Tensor, send_rows: list[int],
                    recv_rows: list[int]) -> torch.Tensor:
@@ -368,7 +424,8 @@ class Comm:
         wire = (sum(send_rows) - send_rows[self.rank]) * row
         self._run("all_to_all", src, lambda: dist.all_to_all_single(
             out, src, list(recv_rows), list(send_rows), group=self.group), False,
-            wire=wire, sent_to=tuple(int(n) * row for n in send_rows))
+            wire=wire, sent_to=tuple(int(n) * row for n in send_rows),
+            stand_in=(lambda: _own_rows(out, src)) if len(src) else self._drawn(out))
         return out.to(t.device)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -392,7 +449,7 @@ class Comm:
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
         peer, h = self.ranks[src], self._on_wire(t)
         self._run("recv", t, lambda: dist.recv(h, peer, group=self.group), False, peer=peer,
-                  then=self._back(t, h))
+                  then=self._back(t, h), stand_in=self._drawn(h))
         return t
 
     def isend(self, t: torch.Tensor, dst: int) -> Pending:
@@ -403,4 +460,24 @@ class Comm:
     def irecv(self, t: torch.Tensor, src: int) -> Pending:
         peer, h = self.ranks[src], self._on_wire(t)
         return self._run("recv", t, lambda: dist.irecv(h, peer, group=self.group), True,
-                         peer=peer, then=self._back(t, h))
+                         peer=peer, then=self._back(t, h), stand_in=self._drawn(h))
+
+
+# --- what imagined peers send (module docstring) ---------------------------------------
+def _copies(out: torch.Tensor, shard: torch.Tensor) -> None:
+    """An all-gather's stand-in: this rank's shard in every rank's place."""
+    n = out.numel() // shard.numel()
+    out.view(n, -1).copy_(shard.reshape(1, -1).expand(n, -1))
+
+
+def _own_slice(out: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+    """A reduce-scatter's stand-in: this rank's slice of its own input."""
+    out.view(-1).copy_(full.view(-1, out.numel())[rank])
+
+
+def _own_rows(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """An all-to-all's stand-in: this rank's own rows (some), repeated to fill the
+    output."""
+    for start in range(0, len(out), len(rows)):
+        part = out[start:start + len(rows)]
+        part.copy_(rows[:len(part)])

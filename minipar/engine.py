@@ -153,6 +153,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         "timeline": last_step,
         "trace": {"timeline": timeline, "comm_records": rm.log.to_dicts()}
         if cfg.trace else None,
+        # a rehearsal's: each step's seconds writing its imagined peers' stand-ins
+        **({"stand_in_seconds": list(rm.log.step_stand_in_seconds)} if rm.rehearsal else {}),
     }
 
 
@@ -365,9 +367,11 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
     device (or its CPU), its peers imagined: torch's "fake" process group completes every
     collective at once and moves nothing (torchtitan estimates memory the same way). What
     the rank holds and computes is real: its shards, activations, buffers and kernels.
-    Its values are not (a later pipeline stage computes on what no neighbour sent; the
-    losses mean nothing, and a non-finite one stops nothing), and its step is compute
-    alone: no wire, no waiting. So a layout meant for four GPUs can be tried on one, each
+    Its values are not: what a peer would send is a stand-in (a copy of the rank's own
+    shard, N(0, 1) for what a neighbouring stage sends: ``comm``), so the losses mean
+    nothing and a non-finite one stops nothing. The stand-ins keep the kernels' work
+    real (a GPU multiplies zeros faster than values), and its step is compute alone:
+    no wire, no waiting. So a layout meant for four GPUs can be tried on one, each
     rank's peak held against the card and the memory model before the GPUs are rented.
     NCCL's buffers for its peers are the one part a rehearsal cannot hold: each rank's
     ``runtime_bytes`` is what a rank of the job holds outside the caching allocator
@@ -380,7 +384,7 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
     ``out_of_memory`` (the allocator's first line), with ``device_memory`` either way
     (on the CPU ``cpu_peak_allocated`` instead, ``meter.cpu_allocations``'s count);
     and ``predicted`` (``card_peak``'s live, reserved and process bytes),
-    ``runtime_bytes`` and ``compute_seconds`` (the median step after the first).
+    ``runtime_bytes`` and ``compute_seconds`` (``_compute_seconds``).
 
     ``snapshot``: on CUDA, each rank's allocations are recorded from the build to the
     end (or to running out of memory) and written as ``{snapshot}.rank{R}.pickle``, for
@@ -412,10 +416,19 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
                           "process": row["process"]}
         # what a rank of the job holds outside the allocator (CUDA, NCCL's peers)
         r["runtime_bytes"] = runtime_bytes(layout) if device == "cuda" else 0
-        # the median step after the first (compilation, the allocator's first fill)
-        later = sorted(r.get("step_seconds", [])[1:] or r.get("step_seconds", []))
-        r["compute_seconds"] = later[len(later) // 2] if later else None
+        r["compute_seconds"] = _compute_seconds(r)
     return {"config": cfg.to_dict(), "world_size": cfg.world_size, "ranks": records}
+
+
+def _compute_seconds(record: dict) -> float | None:
+    """A rehearsed rank's compute: the median step after the first (compilation, the
+    allocator's first fill), less the time it spent writing its imagined peers'
+    stand-ins (``comm``: a real collective writes its output on its own stream)."""
+    steps = record.get("step_seconds", [])
+    stand_ins = record.get("stand_in_seconds") or [0.0] * len(steps)
+    computed = [s - w for s, w in zip(steps, stand_ins)]
+    later = sorted(computed[1:] or computed)
+    return later[len(later) // 2] if later else None
 
 
 def imagine_peers(rank: int, world_size: int) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from minipar.comm import Comm, CommLog, CommRecord, wire_bytes
+from minipar.engine import _compute_seconds  # (registers the "fake" backend too)
 from minipar.launch import launch
 
 SHAPE = (4, 8)  # both dims divisible by 2 and 4
@@ -299,3 +300,53 @@ def test_log_calls_its_hook_before_recording_and_can_be_disabled():
     assert len(log.records) == 2 and len(seen) == 3  # not recorded, still reported
     log.clear()
     assert log.records == [] and log.summary() == {} and log.total() == 0
+
+
+@pytest.fixture
+def imagined_world():
+    """Rank 1 of 4 in this process, its three peers imagined (torch's "fake" backend,
+    as ``engine.imagine_peers`` sets up for a rehearsal; importing the engine registers
+    the backend)."""
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=1, world_size=4)
+    try:
+        yield Comm()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_imagined_peers_send_stand_ins_not_zeros(imagined_world):
+    """Under the fake backend each op writes what real peers like this rank would have
+    sent (a GPU multiplies zeros faster than values: a rehearsal's step would read
+    fast), and the time it took is counted apart, step by step."""
+    comm = imagined_world
+    x = _input(1)
+    assert comm.imagined
+    assert torch.equal(comm.all_gather(x, dim=0), torch.cat([x] * 4))
+    out = torch.zeros(4 * x.numel())
+    comm.all_gather_into(out, x.reshape(-1), async_op=True).wait()
+    assert torch.equal(out, x.reshape(-1).repeat(4))
+    assert torch.equal(comm.reduce_scatter(x, dim=0), x[1:2])
+    assert torch.equal(comm.reduce_scatter(x, dim=1), x[:, 2:4])
+    shard = torch.zeros(x.numel() // 4)
+    comm.reduce_scatter_into(shard, x.reshape(-1))
+    assert torch.equal(shard, x.reshape(-1)[8:16])
+    rows = comm.all_to_all(x, [1, 1, 1, 1], [2, 2, 1, 1])
+    assert torch.equal(rows, x[torch.tensor([0, 1, 2, 3, 0, 1])])
+    got = torch.zeros(SHAPE)
+    comm.irecv(got, 0).wait()
+    assert got.std() > 0.5 and torch.isfinite(got).all()
+    header = torch.zeros(8, dtype=torch.long)
+    comm.recv(header, 0)  # integers (a shape header) are left as they are
+    assert not header.any()
+    assert len(comm.log.step_stand_in_seconds) == 0
+    comm.log.end_step()
+    assert len(comm.log.step_stand_in_seconds) == 1
+    assert comm.log.step_stand_in_seconds[0] > 0
+
+
+def test_a_rehearsed_step_leaves_out_its_stand_ins():
+    """``compute_seconds``: the median step after the first, less its stand-ins' time."""
+    record = {"step_seconds": [9.0, 1.5, 1.7, 1.6], "stand_in_seconds": [0.5, 0.5, 0.6, 0.1]}
+    assert _compute_seconds(record) == pytest.approx(1.1)
+    assert _compute_seconds({"step_seconds": [9.0, 1.5, 1.7, 1.6]}) == 1.6

@@ -321,9 +321,9 @@ class PipelineExecutor:
 
     def _recv_activation(self, chunk: int, key: tuple) -> tuple[Pending, torch.Tensor]:
         peer = rank_of(chunk - 1, self.pp)
-        if self.boundary is not None:  # told, not sent: nothing arrives in the buffer
+        if self.boundary is not None:  # told, not sent (a rehearsal's imagined peer)
             shape, dtype = self.boundary(key)
-            buf = torch.zeros(shape, dtype=dtype, device=self.device)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
             return self.comm.irecv(buf, peer), buf
         if (chunk, key) not in self._shapes_known:
             header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
@@ -388,9 +388,7 @@ class PipelineExecutor:
         st.inputs[(a.mb, a.chunk)] = self._recv_activation(a.chunk, st.shape_key(a.mb))
 
     def _recv_b(self, a: Action, st: _StepState) -> None:
-        # (a rehearsal's starts at zero: nothing arrives in it)
-        make = torch.empty_like if self.boundary is None else torch.zeros_like
-        buf = make(st.saved[(a.mb, a.chunk)][1])
+        buf = torch.empty_like(st.saved[(a.mb, a.chunk)][1])
         st.out_grads[(a.mb, a.chunk)] = (self.comm.irecv(buf, rank_of(a.chunk + 1, self.pp)),
                                          buf)
 
