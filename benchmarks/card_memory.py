@@ -28,7 +28,7 @@ of this machine, each pipeline stage's first rank alone, its peers imagined
 (``engine.rehearse``). Its rows hold per rank what the card held and the compute-only
 step (``compute_seconds``), never the job's step time; they do not count as recorded
 for ``--skip-recorded``. ``--rerun FILE`` takes its rows from the commands of FILE's
-finished rows (a recorded 4-GPU run, to hold the rehearsal to it).
+finished rows (a recorded 4-GPU run, to hold the rehearsal to it, or a rehearsal).
 """
 
 from __future__ import annotations
@@ -193,8 +193,9 @@ def _compute(rec: dict) -> float:
 
 
 def rerun_rows(path: str) -> list[tuple[str, str, list[str]]]:
-    """(model, source, train flags) of every finished row of a recorded file, with the
-    optimizer kernel and compilation it ran with made explicit (the defaults move)."""
+    """(model, source, train flags) of every finished row of a recorded file (run or
+    rehearsed), with the optimizer kernel and compilation it ran with made explicit (the
+    defaults move)."""
     with open(path) as f:
         rows = json.load(f)["rows"]
     return [(r["model"], r.get("source", ""), [
@@ -202,7 +203,7 @@ def rerun_rows(path: str) -> list[tuple[str, str, list[str]]]:
                                                              "--no-compile")),
         "--fused" if r.get("optimizer_kernel", "foreach") == "fused" else "--no-fused",
         "--compile" if r.get("compiled") else "--no-compile"])
-        for r in rows if r.get("status") == "ok" and not r.get("rehearsed")]
+        for r in rows if r.get("status") == "ok"]
 
 
 def recorded(results: str) -> set:

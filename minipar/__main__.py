@@ -405,8 +405,12 @@ def _cmd_plan(args) -> int:
         where = where.with_(host_memory=int(args.host_memory * 2**30))
     modes = tuple(args.recompute_modes.split(","))
     checks.choices("recompute-modes", modes, RECOMPUTE)
+    degrees = {d: getattr(args, d) for d in ("dp", "pp", "tp", "cp")
+               if getattr(args, d) is not None}
+    for dim, n in degrees.items():
+        checks.positive(dim, n)
     result = plan(cfg, where, args.batch, offload=args.offload,
-                  memory_margin=args.memory_margin, recomputes=modes)
+                  memory_margin=args.memory_margin, recomputes=modes, degrees=degrees)
     model_flags = _model_flags(args)
     shown = result.layouts[: args.top]
     wide = max([60] + [len(est.layout.label()) for est in shown])  # the layout column
@@ -422,7 +426,7 @@ def _cmd_plan(args) -> int:
     print()
     print(result.why())
     if not result.layouts and not args.offload:
-        _offload_hint(cfg, where, args, model_flags)
+        _offload_hint(cfg, where, args, model_flags, degrees)
     _write_json(args.json, {"best": result.best.to_dict() if result.best else None,
                             "layouts": [{**x.to_dict(), "command": x.layout.command(args.model)
                                          + model_flags} for x in result.layouts[: args.top]],
@@ -430,10 +434,11 @@ def _cmd_plan(args) -> int:
     return 0
 
 
-def _offload_hint(cfg, where, args, model_flags: str) -> None:
+def _offload_hint(cfg, where, args, model_flags: str, degrees: dict[str, int]) -> None:
     """Where nothing fits, whether ZeRO-Offload (the fp32 states and the step on the
     host) would, and what it would cost: the first such layout and its command."""
-    spilled = plan(cfg, where, args.batch, offload=True, memory_margin=args.memory_margin)
+    spilled = plan(cfg, where, args.batch, offload=True, memory_margin=args.memory_margin,
+                   degrees=degrees)
     if not spilled.layouts:
         if HOST_SHORT in spilled.examples:
             print(f"\nNor does --offload fit: its host states exceed the node's "
@@ -523,6 +528,8 @@ def _add_theory(sub) -> None:
                    "data sheet; not checked for --gpus)")
     p.add_argument("--calibrate", metavar="FILE", help="measured rates of a machine "
                    "(benchmarks/multigpu.py --sections calibrate) instead of the preset's")
+    for dim in ("dp", "pp", "tp", "cp"):
+        p.add_argument(f"--{dim}", type=int, help=f"only layouts with this {dim} degree")
 
 
 # --- the parser and the dispatch ----------------------------------------------------------

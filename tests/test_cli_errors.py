@@ -157,6 +157,8 @@ CASES = [
     ("plan zero top", "plan --top 0", "--top must be a positive integer, got 0"),
     ("plan gpus not filling nodes", "plan --gpus 12", "12 GPUs do not fill nodes of 8"),
     ("plan unknown cluster", "plan --cluster nope", "unknown cluster 'nope'"),
+    ("plan pp no layout has", "plan --gpus 4 --pp 3", "no layout of 4 GPUs has pp=3"),
+    ("plan pp zero", "plan --gpus 4 --pp 0", "--pp must be a positive integer, got 0"),
     ("plan layers zero", "plan --layers 0", "--layers must be a positive integer"),
     ("plan json dir missing", f"plan --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- doctor and the program itself ---------------------------------------------

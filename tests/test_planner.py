@@ -15,6 +15,7 @@ from minipar.theory.clusters import CLUSTERS, calibrated, cluster, get_cluster
 from minipar.theory.examples import EXAMPLES, get_model
 from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_breakdown
+from minipar.theory.params import head_layers_for
 from minipar.theory.planner import TIE_SHARE, TIME_KEYS, evaluate, plan
 from minipar.theory.rates import chunk_seconds
 from minipar.theory.tables import render_plan
@@ -86,6 +87,21 @@ def test_one_point_three_b_on_8_gpus_is_data_parallel():
     ex = EXAMPLES["1.3b-on-8"]
     best = plan(ex.model, ex.cluster, ex.global_batch).best
     assert (best.layout.tp, best.layout.pp, best.layout.dp) == (1, 1, 8)
+
+
+def test_plan_keeps_the_degrees_asked_for():
+    """``degrees``: the best pipelines of four stages for gpt-1.3b on 4 x H100 are all
+    pp 4, every schedule's stages balanced for the head (interleaved's too: its last
+    chunk's rank runs the head); degrees no layout has are refused, with the rule."""
+    result = plan("gpt-1.3b", cluster(4, "H100-80GB"), 32, degrees={"pp": 4})
+    assert result.layouts and all(e.layout.pp == 4 for e in result.layouts)
+    assert all(e.layout.head_layers == head_layers_for("gpt-1.3b", e.layout.recompute) > 0
+               for e in result.layouts)
+    assert {"zb", "interleaved"} <= {e.layout.schedule for e in result.layouts[:5]}
+    with pytest.raises(ValueError, match="no layout of 4 GPUs has pp=3: dp x pp x tp"):
+        plan("gpt-1.3b", cluster(4, "H100-80GB"), 32, degrees={"pp": 3})
+    with pytest.raises(ValueError, match=r"\['ep'\] are not dp, pp, tp or cp"):
+        plan("gpt-1.3b", cluster(4, "H100-80GB"), 32, degrees={"ep": 2})
 
 
 def test_syllabus_1t_layout_is_rejected():

@@ -375,7 +375,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
          schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb"),
          max_microbatch_size: int = 8, sp: bool = True, min_cp_tokens: int = 4096,
          offload: bool = False, dtype: str = "bf16", optimizer: str = "adam",
-         optimizer_kernel: str = "fused", order: str = "megatron", **settings) -> Plan:
+         optimizer_kernel: str = "fused", order: str = "megatron",
+         degrees: dict[str, int] | None = None, **settings) -> Plan:
     """Enumerate, filter and rank the layouts of ``cfg`` on ``cluster``.
 
     Rejected (and counted by reason): tp above the GPUs of one node (its collectives
@@ -390,12 +391,22 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     experts).
     Every layout trains in ``dtype`` with ``optimizer`` stepped by ``optimizer_kernel``
     (torch's fused kernel, the CUDA default; ZeRO-Offload's on the host), its ranks in
-    ``order``;
+    ``order``; ``degrees`` keeps only the layouts with these degrees (``{"pp": 4}``:
+    the best pipelines of four stages; keys dp, pp, tp, cp);
     ``settings`` go to ``evaluate`` (matmul_efficiency, memory_margin, accounting,
     overlap).
     """
     cfg, cluster = get_model(cfg), get_cluster(cluster)
     gpus = cluster.gpus
+    fixed = dict(degrees or {})
+    unknown = set(fixed) - {"dp", "pp", "tp", "cp"}
+    if unknown:
+        raise ValueError(f"degrees: {sorted(unknown)} are not dp, pp, tp or cp")
+
+    shapes = 0  # (tp, pp, cp, dp) that divide the GPUs and the model, with ``degrees``
+
+    def allowed(**dims: int) -> bool:
+        return all(fixed.get(name, n) == n for name, n in dims.items())
     global_batch = gpus if global_batch is None else global_batch
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
@@ -409,7 +420,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
         examples.setdefault(reason, example)
 
     for tp in _powers_of_two(min(gpus, 64)):
-        if gpus % tp:
+        if gpus % tp or not allowed(tp=tp):
             continue
         if tp > cluster.gpus_per_node:
             reject("tp larger than a node", f"tp={tp} > {cluster.gpus_per_node} GPUs per node")
@@ -423,13 +434,15 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
             cfg.seq_len % (2 * c) == 0 and cfg.seq_len // c >= min_cp_tokens
             and tp * c <= cluster.gpus_per_node)]
         for pp, cp in ((p, c) for c in cps for p in range(1, cfg.n_layer + 1)):
-            if (gpus // (tp * cp)) % pp:
+            if (gpus // (tp * cp)) % pp or not allowed(
+                    pp=pp, cp=cp, dp=gpus // (tp * cp) // pp):
                 continue
             if cfg.n_layer % pp:
                 if cp == 1:
                     reject("pp does not divide the layers", f"pp={pp}, {cfg.n_layer} layers")
                 continue
             dp = gpus // (tp * pp * cp)
+            shapes += 1
             if global_batch % dp:
                 reject("batch does not split over dp", f"batch {global_batch}, dp={dp}")
                 continue
@@ -453,8 +466,9 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                 reject("full recomputation frees what zb's W pass needs",
                                        f"recompute=full with zb, pp={pp}")
                                 continue
-                            # pp: stages balanced for the head
-                            k = head_layers_for(cfg, rc) if pp > 1 and v == 1 else 0
+                            # pp: stages balanced for the head (interleaved: the
+                            # last chunk, whose rank runs the head)
+                            k = head_layers_for(cfg, rc) if pp > 1 else 0
                             lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=zero,
                                          microbatch_size=b, microbatches=m,
                                          schedule=schedule, virtual=v, head_layers=k,
@@ -482,6 +496,11 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                 if (smallest is None
                                         or est.memory["process"] < smallest.memory["process"]):
                                     smallest = est
+    if fixed and not shapes:
+        asked = ", ".join(f"{k}={v}" for k, v in fixed.items())
+        raise ValueError(f"no layout of {gpus} GPUs has {asked}: dp x pp x tp x cp must "
+                         f"make {gpus}, pp divide the {cfg.n_layer} layers, tp the heads, "
+                         "FFN and vocabulary")
     rests = ("none", "cheap") if "cheap" in recomputes else ("none",)
     layouts += _partial_recomputation(cfg, cluster, partial_candidates, layouts, settings,
                                       rests)
