@@ -12,6 +12,15 @@ compute kernel beside them), the idle time, the kernel time by kind (gemm, atten
 nccl, other), NCCL's time and exposed time per collective (all-to-all runs as SendRecv),
 the 15 costliest kernels, the caching allocator's retries, and the host's
 costliest operators. With ``--trace-dir`` every rank's Chrome trace is kept (Perfetto).
+
+``--rehearse R``: no torchrun, one GPU: rank R of the layout alone in this process, its
+peers imagined (``engine.rehearse``'s fake process group, whose ops write stand-ins for
+what the peers would send: ``minipar.comm``), profiled the same way. What one rank of a
+four-GPU layout computes, kernel by kernel, on one GPU:
+
+    python benchmarks/profile_train.py --rehearse 0 --out $OUT/13b.json -- \
+        --model gpt-13b --dp 4 --zero 3 --batch-size 16 --recompute full \
+        --recompute-layers 22 --dtype bf16 --backend nccl --steps 4
 """
 
 from __future__ import annotations
@@ -23,9 +32,11 @@ import sys
 import tempfile
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-import minipar.engine as engine
+import minipar.engine as engine  # (registers the "fake" backend)
+from minipar.__main__ import build_parser, train_config
 from minipar.__main__ import main as minipar_main
 
 KINDS = (("nccl", ("nccl",)), ("gemm", ("gemm", "cutlass", "sm90_xmma", "matmul", "s16816")),
@@ -115,6 +126,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--trace-dir")
+    ap.add_argument("--rehearse", type=int, metavar="RANK",
+                    help="this rank alone on this GPU, its peers imagined (no torchrun)")
     args, train_flags = ap.parse_args(argv[:cut]), argv[cut + 1:]
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                    schedule=schedule(wait=1, warmup=1, active=2, repeat=1))
@@ -128,10 +141,19 @@ def main() -> int:
         return out
 
     engine.train_step = train_step_profiled
-    with prof:
-        code = minipar_main(["train", *train_flags, "--json",
-                             os.path.join(tempfile.mkdtemp(), "record.json")])
-    rank = int(os.environ.get("RANK", "0"))
+    if args.rehearse is not None:
+        cfg = train_config(build_parser().parse_args(["train", *train_flags]))
+        dist.init_process_group("fake", store=dist.HashStore(), rank=args.rehearse,
+                                world_size=cfg.world_size)
+        with prof:
+            record = engine.rank_main(cfg)
+        dist.destroy_process_group()
+        code, rank = 0, args.rehearse
+    else:
+        with prof:
+            code = minipar_main(["train", *train_flags, "--json",
+                                 os.path.join(tempfile.mkdtemp(), "record.json")])
+        rank = int(os.environ.get("RANK", "0"))
     path = os.path.join(args.trace_dir or tempfile.mkdtemp(), f"rank{rank}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     prof.export_chrome_trace(path)
@@ -140,6 +162,9 @@ def main() -> int:
     if not args.trace_dir:
         os.remove(path)
     mine["rank"], mine["exit"] = rank, code
+    if args.rehearse is not None:  # the steps, and the stand-ins' share of each
+        mine["step_seconds"] = record["step_seconds"]
+        mine["stand_in_seconds"] = record.get("stand_in_seconds")
     if torch.cuda.is_available():
         mine["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     mine["host_top"] = [
