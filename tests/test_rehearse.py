@@ -121,6 +121,20 @@ def test_the_command_prints_each_rank_against_the_model(tmp_path):
         assert r["cpu_peak_allocated"] > r["memory"]["total"]  # states, activations and more
 
 
+def test_the_profiler_runs_one_rehearsed_rank(tmp_path):
+    """``benchmarks/profile_train.py --rehearse R``: rank R of a layout alone in one
+    process, its peers imagined, under torch's profiler; its record keeps each step's
+    seconds and the share its peers' stand-ins took (``minipar.comm``)."""
+    out = subprocess.run([sys.executable, "benchmarks/profile_train.py", "--rehearse", "1",
+                          "--out", str(tmp_path / "p.json"), "--", "--dp", "2", "--zero",
+                          "3", "--steps", "4"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr
+    record = json.loads((tmp_path / "p-rank1.json").read_text())
+    assert record["rank"] == 1 and len(record["step_seconds"]) == 4
+    assert all(0 < w < s for w, s in zip(record["stand_in_seconds"], record["step_seconds"]))
+
+
 def test_the_cpu_allocations_are_counted_to_the_byte():
     """``meter.cpu_allocations``: the most bytes allocated at once inside the block (what
     ``rehearse`` reports as a CPU rank's measured live peak)."""
