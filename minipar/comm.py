@@ -33,8 +33,8 @@ gathered state) is staged on this rank's GPU.
 
 **Imagined peers** (a rehearsal, ``engine.rehearse``: torch's "fake" backend, whose
 collectives complete at once and write nothing). An output left as it was holds zeros
-or stale bytes, and a GPU multiplies zeros faster than trained values (an H100's bf16
-product runs about 17% faster on zeros: the chip draws less power and keeps its clock),
+or stale bytes, and a GPU multiplies zeros faster than trained values (the chip draws
+less power and keeps its clock; ``benchmarks/gemm_values.py`` measures by how much),
 so a rehearsed step would read fast. Each imagined op therefore writes a *stand-in*
 for what the peers would have sent: an all-gather a copy of this rank's own shard in
 every peer's place, a reduce-scatter this rank's own slice, an all-to-all this rank's
@@ -329,8 +329,9 @@ class Comm:
 
     def _drawn(self, t: torch.Tensor):
         """A receive's stand-in: ``t`` filled from N(0, 1) (a floating tensor; a shape
-        header or other integers stay as they are), from this Comm's own generator."""
-        if not t.is_floating_point():
+        header or other integers stay as they are), from this Comm's own generator; None
+        where the peers are real."""
+        if not (self.imagined and t.is_floating_point()):
             return None
         if self._draws is None:
             self._draws = torch.Generator(t.device).manual_seed(0)
