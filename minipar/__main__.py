@@ -217,19 +217,20 @@ def _cmd_rehearse(args) -> int:
     print(f"{cfg.layout_name()} {cfg.dtype}, {cfg.world_size} ranks: each rank below ran "
           f"alone on {device}, its peers imagined (no wire, no waiting)")
     print(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'cp':>3}  {'live ' + name:>17}  "
-          f"{'reserved ' + name:>17}  {'compute s':>9}")
-    print(f"{'':>20}  {'model':>8} {'measured':>8}  {'model':>8} {'measured':>8}")
+          f"{'reserved ' + name:>17}  {'compute s':>17}")
+    print(f"{'':>20}  {'model':>8} {'measured':>8}  {'model':>8} {'measured':>8}  "
+          f"{'model':>8} {'measured':>8}")
     notes = []
     for r in record["ranks"]:
         c, p, dev = r["coords"], r["predicted"], r["device_memory"] or {}
         live = dev.get("peak_allocated", r.get("cpu_peak_allocated"))
         held = dev.get("peak_reserved")
-        step = r["compute_seconds"]
         shown = (f"{_opt(live, unit):>8}", f"{_opt(held, unit):>8}",
-                 f"{step:>9.3f}" if step is not None else f"{'-':>9}")
+                 f"{_opt(p.get('compute_seconds'), 1, 3):>8}",
+                 f"{_opt(r.get('compute_seconds'), 1, 3):>8}")
         print(f"{r['rank']:>4} {c['dp']:>3} {c['pp']:>3} {c['tp']:>3} {c['cp']:>3}  "
               f"{p['live'] / unit:>8.2f} {shown[0]}  {p['reserved'] / unit:>8.2f} "
-              f"{shown[1]}  {shown[2]}")
+              f"{shown[1]}  {shown[2]} {shown[3]}")
         if r.get("out_of_memory"):
             notes.append(f"rank {r['rank']} ran out of memory: {r['out_of_memory']}")
         elif dev:
@@ -244,13 +245,13 @@ def _cmd_rehearse(args) -> int:
     print("(live: the peak of tensors, on the CPU as torch's profiler counts them; "
           "reserved: the caching allocator's peak; model: "
           "theory.card.card_peak, the planner's; compute: the median step, the first left "
-          "out, without communication)")
+          "out, without communication, and on a GPU the planner's step model of it)")
     _write_json(args.json, record)
     return 0
 
 
-def _opt(x: float | None, unit: float) -> str:
-    return "-" if x is None else f"{x / unit:.2f}"
+def _opt(x: float | None, unit: float, digits: int = 2) -> str:
+    return "-" if x is None else f"{x / unit:.{digits}f}"
 
 
 # --- sample and export ------------------------------------------------------------------

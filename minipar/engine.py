@@ -52,7 +52,9 @@ from minipar.parallel.compile import compile_stats
 from minipar.reshard import ShardReader
 from minipar.sample import write_run_card
 from minipar.step import Parts, build, train_step
+from minipar.theory import clusters
 from minipar.theory.card import card_peak, runtime_bytes
+from minipar.theory.planner import stage_compute
 
 __all__ = ["TrainConfig", "validate", "train", "train_reference", "rank_main", "build",
            "train_step", "Parts", "RunStopped", "rehearse", "stage_ranks", "imagine_peers"]
@@ -383,7 +385,9 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
     per rank ``rank_main``'s record, or, when it ran out of device memory, its coords and
     ``out_of_memory`` (the allocator's first line), with ``device_memory`` either way
     (on the CPU ``cpu_peak_allocated`` instead, ``meter.cpu_allocations``'s count);
-    and ``predicted`` (``card_peak``'s live, reserved and process bytes),
+    and ``predicted`` (``card_peak``'s live, reserved and process bytes; on a GPU the
+    step model's compute, ``planner.stage_compute``, on a cluster of the job's GPUs of
+    this GPU's kind),
     ``runtime_bytes`` and ``compute_seconds`` (``_compute_seconds``).
 
     ``snapshot``: on CUDA, each rank's allocations are recorded from the build to the
@@ -410,10 +414,15 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
                       start_method=method)[0] for rank in ranks]
     device = "cuda" if uses_cuda(cfg) else "cpu"
     model, layout = cfg.model_config(), cfg.layout(device)
-    for r in records:  # what the planner's memory model says of the same rank
+    # the planner's cluster of this job's GPUs, of this one's kind (none for a CPU)
+    where = clusters.cluster(cfg.world_size, clusters.gpu_for_device(
+        torch.cuda.get_device_name(0)), cfg.world_size) if device == "cuda" else None
+    for r in records:  # what the planner's models say of the same rank
         row = card_peak(model, layout, device=device, stage=r["coords"]["pp"])
         r["predicted"] = {"live": row["total"], "reserved": row["reserved"],
-                          "process": row["process"]}
+                          "process": row["process"],
+                          "compute_seconds": where and stage_compute(
+                              model, where, layout, r["coords"]["pp"])}
         # what a rank of the job holds outside the allocator (CUDA, NCCL's peers)
         r["runtime_bytes"] = runtime_bytes(layout) if device == "cuda" else 0
         r["compute_seconds"] = _compute_seconds(r)

@@ -32,9 +32,7 @@ from minipar.step import stage_boundary
 from minipar.theory import memory as theory_memory
 from minipar.theory.card import REHEARSED_RUNTIME_BYTES, card_peak, runtime_bytes
 from minipar.theory.clusters import cluster
-from minipar.theory.params import stage_params
-from minipar.theory.planner import evaluate
-from minipar.theory.rates import chunk_seconds, optimizer_seconds
+from minipar.theory.planner import evaluate, stage_compute
 
 LAYOUTS = {
     "dp2-zero3": dict(dp=2, zero=3),
@@ -312,15 +310,15 @@ def test_rehearsed_compute_answers_to_the_step_model_once_peers_send_values():
     computes in 1.330 s, and the step model's compute and update (1.384 s) are within
     +2.0% .. +4.5% of every gpt-13b pick, within 6% of gpt-1.3b's dp 4 picks.
 
-    Pipelines: each stage's compute (``rates.chunk_seconds`` over its micro-batches, and
-    its optimizer step) against gpt-1.3b pp 4's rehearsed stages, 32 x 2048 in micro-
-    batches of 2 (or 4): the model reads high by 5.9% .. 8.9% on every stage of every
-    schedule, with and without the head balanced (``--head-layers 2``), so it ranks the
-    stages as they ran: within one layout the errors spread by 1.9 points at most. The
-    head costs its 2 layers' worth: the slowest stage falls from 0.377 s (the last, its
-    6 blocks and the head) to 0.307 (zb, micro-batches of 4) .. 0.326 s. One run, t4's
-    zb m 16 with the head balanced, read 20-35% slow on stages 0-2 at steady steps; its
-    rerun (t5) did not, and this pins the rerun."""
+    Pipelines: each stage's compute (``planner.stage_compute``: its chunks over the
+    micro-batches and its optimizer step) against gpt-1.3b pp 4's rehearsed stages, 32 x
+    2048 in micro-batches of 2 (or 4): the model reads high by 5.9% .. 8.9% on every stage
+    of every schedule, with and without the head balanced (``--head-layers 2``), so it ranks
+    the stages as they ran: within one layout the errors spread by 1.9 points at most. The
+    head costs its 2 layers' worth: the slowest stage falls from 0.377 s (the last, its 6
+    blocks and the head) to 0.307 (zb, micro-batches of 4) .. 0.326 s. One run, t4's zb m 16
+    with the head balanced, read 20-35% slow on stages 0-2 at steady steps; its rerun (t5)
+    did not, and this pins the rerun."""
     record = json.loads((RESULTS / STAND_INS).read_text())
     products = {}
     for row in record["gemm_values_t4"]["rows"]:
@@ -330,8 +328,9 @@ def test_rehearsed_compute_answers_to_the_step_model_once_peers_send_values():
     h100 = cluster(4, "H100-80GB")
     for row in _rows("rehearsal-1xH100-2026-12-06t4-planner.json"):
         model, layout = _layout(row)
-        est = evaluate(model, h100, layout)
-        computed = est.time["compute"] + est.time["update"]
+        computed = stage_compute(model, h100, layout)
+        est = evaluate(model, h100, layout)  # the same compute the planner's step counts
+        assert computed == pytest.approx(est.time["compute"] + est.time["update"])
         low, high = (0.01, 0.06) if row["model"] == "gpt-13b" else (-0.07, 0.07)
         assert low < computed / row["ranks"][0]["compute_seconds"] - 1 < high, row["label"]
     stages = {k: v for k, v in record["pp4_stage_compute"].items() if "(t4)" not in k
@@ -341,14 +340,8 @@ def test_rehearsed_compute_answers_to_the_step_model_once_peers_send_values():
         cfg = TrainConfig(model="gpt-1.3b", pp=4, dtype="bf16", backend="nccl",
                           **row["config"])
         model, layout = cfg.model_config(), cfg.layout("cuda")
-        per_chunk = chunk_seconds(model, h100, layout, 0.5)
-        errors = []
-        for rank in row["ranks"]:
-            s = rank["rank"]
-            held = stage_params(model, 4, 1, s, layout.virtual, layout.head_layers)
-            predicted = (sum(per_chunk[s::4]) * layout.microbatches
-                         + optimizer_seconds(h100, held, 1, 0))
-            errors.append(predicted / rank["compute_seconds"] - 1)
+        errors = [stage_compute(model, h100, layout, rank["rank"]) / rank["compute_seconds"]
+                  - 1 for rank in row["ranks"]]
         assert all(0.05 < e < 0.095 for e in errors), (name, errors)
         assert max(errors) - min(errors) < 0.03, (name, errors)
         slowest = max(rank["compute_seconds"] for rank in row["ranks"])

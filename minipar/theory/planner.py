@@ -76,6 +76,7 @@ from minipar.theory.params import (
     head_layers_for,
     model_flops_per_token,
     stage_layers,
+    stage_params,
     stage_recomputed_layers,
 )
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
@@ -255,6 +256,21 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
                for d in ("tp", "ep", "cp", "pp", "dp")}
     traffic["dp"] += sum(x["wire_bytes"] for x in vol.get("edp", {}).values())
     return Estimate(layout, memory=mem, time=time, traffic=traffic, mfu=mfu, fits=fits)
+
+
+def stage_compute(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout,
+                  stage: int = 0, matmul_efficiency: float = 0.7) -> float:
+    """Seconds a rank of pipeline ``stage`` computes a step, as ``evaluate`` prices it:
+    its chunks over the micro-batches (``rates.chunk_seconds``) and its optimizer step,
+    with no communication and no bubble: what a rehearsed rank measures alone
+    (``engine.rehearse``'s ``compute_seconds``)."""
+    cfg, cluster = get_model(cfg), get_cluster(cluster)
+    chunks = chunk_seconds(cfg, cluster, layout, matmul_efficiency)
+    held = stage_params(cfg, layout.pp, layout.tp, stage, layout.virtual, layout.head_layers,
+                        layout.ep)
+    return (sum(chunks[stage::layout.pp]) * layout.microbatches
+            + (0.0 if layout.offload else optimizer_seconds(
+                cluster, held, layout.dp * layout.cp, layout.zero)))
 
 
 def card_fit(cfg: GPTConfig, cluster: Cluster, layout: Layout, *,
