@@ -202,6 +202,7 @@ def _add_rehearse(sub) -> None:
 def _cmd_rehearse(args) -> int:
     cfg = train_config(args)
     checks.output_file("json", args.json)
+    checks.distinct({"json": args.json, "trace": cfg.trace}, {"data": cfg.data})
     ranks = None
     if args.ranks:
         try:
@@ -247,6 +248,9 @@ def _cmd_rehearse(args) -> int:
           "theory.card.card_peak, the planner's; compute: the median step, the first left "
           "out, without communication, and on a GPU the planner's step model of it)")
     _write_json(args.json, record)
+    if record.get("trace_error"):
+        print(f"minipar rehearse: {record['trace_error']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -257,16 +257,23 @@ def _assemble(cfg: TrainConfig, ranks: list[dict], seconds: float) -> dict:
               "first_step": ranks[last].get("first_step", 0),
               "eval": ranks[last].get("eval", []), "seconds": seconds,
               "world_size": cfg.world_size, "ranks": ranks}
+    _write_trace(cfg, ranks, record)
+    if stopped:
+        record["stopped"] = stopped
+    return record
+
+
+def _write_trace(cfg: TrainConfig, ranks: list[dict], record: dict) -> None:
+    """``--trace``: the ranks' timelines as one Chrome trace (a rank without one, out of
+    memory in a rehearsal, left out); then each rank's record drops its trace."""
     if cfg.trace:
         try:  # a trace that cannot be written must not lose the run's record
-            trace.write_chrome_trace(cfg.trace, [{**r, **r["trace"]} for r in ranks])
+            trace.write_chrome_trace(cfg.trace, [{**r, **r["trace"]} for r in ranks
+                                                 if r.get("trace")])
         except OSError as e:
             record["trace_error"] = f"--trace {cfg.trace}: not written ({e.strerror or e})"
     for r in ranks:
         r.pop("trace", None)
-    if stopped:
-        record["stopped"] = stopped
-    return record
 
 
 def train(cfg: TrainConfig, progress=None, report=None) -> dict:
@@ -390,6 +397,9 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
     this GPU's kind),
     ``runtime_bytes`` and ``compute_seconds`` (``_compute_seconds``).
 
+    ``cfg.trace``: the rehearsed ranks' actions as one Chrome trace, a lane per rank,
+    each on its own clock (they ran one after another).
+
     ``snapshot``: on CUDA, each rank's allocations are recorded from the build to the
     end (or to running out of memory) and written as ``{snapshot}.rank{R}.pickle``, for
     https://pytorch.org/memory_viz (``torch.cuda.memory._dump_snapshot``).
@@ -426,7 +436,9 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
         # what a rank of the job holds outside the allocator (CUDA, NCCL's peers)
         r["runtime_bytes"] = runtime_bytes(layout) if device == "cuda" else 0
         r["compute_seconds"] = _compute_seconds(r)
-    return {"config": cfg.to_dict(), "world_size": cfg.world_size, "ranks": records}
+    result = {"config": cfg.to_dict(), "world_size": cfg.world_size, "ranks": records}
+    _write_trace(cfg, records, result)  # each rank alone: its own lanes, its own clock
+    return result
 
 
 def _compute_seconds(record: dict) -> float | None:

@@ -110,9 +110,11 @@ def test_bad_input_is_one_line(argv, says, tmp_path):
 def test_the_command_prints_each_rank_against_the_model(tmp_path):
     out = subprocess.run([sys.executable, "-m", "minipar", "rehearse", "--pp", "2",
                           "--microbatches", "2", "--steps", "2", "--json",
-                          str(tmp_path / "r.json")], capture_output=True, text=True,
-                         timeout=120)
+                          str(tmp_path / "r.json"), "--trace", str(tmp_path / "t.json")],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}  # a lane for each rehearsed rank
     lines = out.stdout.splitlines()
     assert "2 ranks: each rank below ran alone on the CPU" in lines[0]
     rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"])]
