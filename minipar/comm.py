@@ -118,7 +118,8 @@ class CommLog:
     **Bounded over long runs.** ``records`` holds every call since the log was made,
     until the engine calls ``end_step()`` after each training step: that folds the
     step's records into running totals (what ``summary`` and ``total`` report) and one
-    line per step (``step_wire_bytes``, ``step_seconds``: 16 bytes a step), and keeps
+    line per step (``step_wire_bytes``, ``step_seconds``: 16 bytes a step; a rehearsal's
+    ``step_stand_in_seconds`` too), and keeps
     only the last step's records, unless ``keep=True`` (``--trace`` wants every event).
     A 100,000-step run then holds a few MB, not millions of records. An all-to-all's
     record also keeps the bytes it sent to each rank of its group (``sent_to``), summed
