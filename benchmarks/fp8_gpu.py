@@ -16,6 +16,10 @@ after every row; one row failing records its error and the run goes on; rows pas
   ``--fp8 tensorwise``: gpt-13b dp N ZeRO-3 full recompute (4 sequences per GPU), then
   gpt-1.3b dp N ZeRO-3 (8 per GPU); median of 6 steps after 2 warm-ups, per step the
   slowest rank. ``mfu`` is over the dense bf16 peak for every row (989 TFLOP/s).
+* ``fit`` (N GPUs, ~4 min): gpt-13b as a user on 80 GB cards would run each recipe: dp N
+  ZeRO-3, 4 sequences a GPU, recomputing the fewest blocks that fit (``fitted_layout``:
+  22 of 40 in bf16, 10 in float8, whose compiled blocks keep less), tokens/s against
+  bf16's in the same job.
 * ``loss`` (N GPUs, ~2 min): 300 steps of gpt2-125m on Python's own sources
   (``--data pystdlib``, bytes) at dp N ZeRO-1, bf16 against both recipes: the losses,
   and the ratio of the last 20 steps' mean loss to bf16's (target: within 1%); with
@@ -64,11 +68,13 @@ import torch  # noqa: E402
 from gpu import DATASHEET_TFLOPS, RandomTokens, _timed  # noqa: E402
 
 from minipar.model import get_config  # noqa: E402
+from minipar.theory import clusters  # noqa: E402
 from minipar.theory.comm_volume import comm_volume  # noqa: E402
 from minipar.theory.layout import Layout  # noqa: E402
 from minipar.theory.params import model_flops_per_token  # noqa: E402
+from minipar.theory.planner import card_fit, fewest_recomputed  # noqa: E402
 
-SECTIONS = ("kernel", "speed", "loss", "peer", "speed1")
+SECTIONS = ("kernel", "speed", "fit", "loss", "peer", "speed1")
 RECIPES = (None, "rowwise", "tensorwise")  # None: bf16
 GiB = 2**30
 
@@ -207,11 +213,15 @@ def _predicted_dp(model: str, recipe: str | None, layout: dict) -> tuple[int, in
 
 
 def _speed_rows(run: multigpu.Run, state: dict, section: str, model: str, world: int,
-                batch: int, overrides: dict | None = None, **layout) -> None:
+                batch: int, overrides: dict | None = None, layout_of=None,
+                **layout) -> None:
+    """bf16, then each float8 recipe, in ``layout`` (``layout_of(recipe)``: each its own),
+    every float8 row beside the bf16 one."""
     base = None
     overrides = overrides or {}
-    base_gather = _predicted_dp(model, None, layout)[0]
+    base_gather = _predicted_dp(model, None, layout_of(None) if layout_of else layout)[0]
     for recipe in RECIPES:
+        layout = layout_of(recipe) if layout_of else layout
         gather, amax = _predicted_dp(model, recipe, layout)
         spec = multigpu.minipar_spec(run, model, world, batch, overrides, fp8=recipe, **layout,
                                      fp8_emulate=recipe is not None and not run.cuda)
@@ -254,6 +264,29 @@ def section_speed(run: multigpu.Run, state: dict) -> None:
     big, small = ("gpt-13b", "gpt-1.3b") if run.cuda else ("small", "tiny")
     _speed_rows(run, state, "speed", big, n, 4 * n, dp=n, zero=3, recompute="full")
     _speed_rows(run, state, "speed", small, n, 8 * n, dp=n, zero=3)
+
+
+def fitted_layout(model: str, world: int, recipe: str | None) -> dict:
+    """dp ``world`` ZeRO-3, 4 sequences a GPU, recomputing the fewest blocks (the first
+    N) that fit an 80 GB H100 with ``recipe``'s activations (a compiled float8 block
+    keeps fewer: ``theory.memory``), as the planner finds them
+    (``planner.fewest_recomputed``); none recomputed where all fit."""
+    cfg = get_config(model)
+    layout = Layout(dp=world, zero=3, microbatch_size=4, recompute="full", dtype="bf16",
+                    optimizer_kernel="fused", fp8=recipe, compiled=True)
+    h100 = clusters.cluster(world, "H100-80GB", world)
+    if card_fit(cfg, h100, layout.with_(recompute="none"))[1]:
+        return dict(dp=world, zero=3)
+    n = fewest_recomputed(cfg, h100, layout, {})
+    return dict(dp=world, zero=3, recompute="full",
+                **({"recompute_layers": n} if n is not None else {}))
+
+
+def section_fit(run: multigpu.Run, state: dict) -> None:
+    n = run.n
+    big = "gpt-13b" if run.cuda else "small"
+    _speed_rows(run, state, "fit", big, n, 4 * n,
+                layout_of=lambda recipe: fitted_layout(big, n, recipe))
 
 
 def _slice(overrides: dict) -> str:

@@ -129,7 +129,7 @@ NOT_YET_RUN = {
     # ZeRO-2 under sp, since its buckets reduce during the backward: rehearsed on one
     # H100 (rehearsal-1xH100-2026-12-06r1-planner: 74.2 GiB reserved, 77.4 with NCCL's)
     ("gpt-13b", "tp=2 pp=1 dp=2 zero=2 b=8 m=1 sp recompute=full recompute-layers=30"),
-    # partial recomputation (the planner's bisection, ``_fewest_recomputed``): recomputing
+    # partial recomputation (the planner's bisection, ``fewest_recomputed``): recomputing
     # 32 and 36 of 40 blocks ran (test_partial_recomputation_within_the_reserve_band), all
     # 40 at 1.586 s and 56.2 GiB reserved (4xH200, speed-gpu m1); 23 and 18 rehearsed on
     # one H100 (rehearsal-1xH100-2026-12-05r2: 66.57 and 68.43 GiB reserved)

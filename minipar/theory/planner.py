@@ -539,7 +539,7 @@ def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
     """For each candidate (the layout recomputing no block, which does not fit, and the
     same recomputing all, which does) and each way the other blocks may go (``rests``:
     keep everything, or recompute cheaply), the fewest recomputed blocks that fit
-    (``_fewest_recomputed``), priced where it may rank among the first ``EXACT_TOP``
+    (``fewest_recomputed``), priced where it may rank among the first ``EXACT_TOP``
     layouts: its step lies between the two, about linearly in the share of blocks
     recomputed, and one whose so interpolated step is slower than the ``EXACT_TOP``-th
     layout found (with ``TIE_SHARE`` to spare) is not priced. A plan's top is exact; its
@@ -548,7 +548,7 @@ def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
     found: list[Estimate] = []
     for (kept, full), rest in itertools.product(
             sorted(candidates, key=lambda c: c[0].step_time), rests):
-        n = _fewest_recomputed(cfg, cluster, full.layout.with_(recompute_rest=rest), settings)
+        n = fewest_recomputed(cfg, cluster, full.layout.with_(recompute_rest=rest), settings)
         if n is None:
             continue
         lay = full.layout.with_(recompute_layers=n, recompute_rest=rest)
@@ -561,8 +561,8 @@ def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
     return found
 
 
-def _fewest_recomputed(cfg: GPTConfig, cluster: Cluster, full: Layout,
-                       settings: dict) -> int | None:
+def fewest_recomputed(cfg: GPTConfig, cluster: Cluster, full: Layout,
+                      settings: dict) -> int | None:
     """Partial recomputation (Megatron's ``--recompute-num-layers``; Korthikanti et al.
     2022, arXiv 2205.05198) for a layout that fits with every block recomputed and not
     with none: the fewest recomputed blocks, the first N of each chunk, that still fit
