@@ -394,7 +394,7 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
     (on the CPU ``cpu_peak_allocated`` instead, ``meter.cpu_allocations``'s count);
     and ``predicted`` (``card_peak``'s live, reserved and process bytes; on a GPU the
     step model's compute, ``planner.stage_compute``, on a cluster of the job's GPUs of
-    this GPU's kind),
+    this GPU's kind; None for float8 blocks, whose pace it does not hold),
     ``runtime_bytes`` and ``compute_seconds`` (``_compute_seconds``).
 
     ``cfg.trace``: the rehearsed ranks' actions as one Chrome trace, a lane per rank,
@@ -424,15 +424,17 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
                       start_method=method)[0] for rank in ranks]
     device = "cuda" if uses_cuda(cfg) else "cpu"
     model, layout = cfg.model_config(), cfg.layout(device)
-    # the planner's cluster of this job's GPUs, of this one's kind (none for a CPU)
+    # the planner's cluster of this job's GPUs, of this one's kind: its step model prices
+    # a rank's compute on a GPU (not float8's, whose pace it does not hold)
     where = clusters.cluster(cfg.world_size, clusters.gpu_for_device(
-        torch.cuda.get_device_name(0)), cfg.world_size) if device == "cuda" else None
+        torch.cuda.get_device_name(0)), cfg.world_size) if (
+        device == "cuda" and layout.fp8 is None) else None
     for r in records:  # what the planner's models say of the same rank
-        row = card_peak(model, layout, device=device, stage=r["coords"]["pp"])
+        stage = r["coords"]["pp"]
+        row = card_peak(model, layout, device=device, stage=stage)
         r["predicted"] = {"live": row["total"], "reserved": row["reserved"],
-                          "process": row["process"],
-                          "compute_seconds": where and stage_compute(
-                              model, where, layout, r["coords"]["pp"])}
+                          "process": row["process"], "compute_seconds": None if where is None
+                          else stage_compute(model, where, layout, stage)}
         # what a rank of the job holds outside the allocator (CUDA, NCCL's peers)
         r["runtime_bytes"] = runtime_bytes(layout) if device == "cuda" else 0
         r["compute_seconds"] = _compute_seconds(r)
