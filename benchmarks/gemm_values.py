@@ -20,7 +20,9 @@ import torch
 
 
 def time_product(a: torch.Tensor, b: torch.Tensor, calls: int = 100) -> float:
-    """Milliseconds of one ``a @ b`` (the mean of ``calls``, after 10 to warm up)."""
+    """Milliseconds of one ``a @ b`` (the mean of ``calls``, after 10 to warm up). Back
+    to back under one pair of events, not each call timed apart (``fp8_gpu._cuda_seconds``
+    waits after every call): the clock a chip holds under sustained load is the point."""
     for _ in range(10):
         a @ b
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

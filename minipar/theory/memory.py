@@ -409,8 +409,9 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
         total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * chunks
     elif schedule == "zb":  # minipar's ZB-H1: B(i) ends holding one more W's worth
         done, busy = zb_in_flight(pp, layout.microbatches, stage)
-        kept = (block_activations(cfg, layout, layout.recompute, accounting, True)
-                + deferred_weight_grad_bytes(cfg, b, tp, sp, dtype)) * layers
+        kept = (block_activations(cfg, layout, layout.recompute, accounting, True) * redone
+                + block_activations(cfg, layout, layout.recompute_rest, accounting, True)
+                * (layers - redone) + deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers)
         if stage == pp - 1:  # the head's W reads the logits' gradient
             kept += cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
         whole_mb = total / chunks

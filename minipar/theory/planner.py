@@ -245,7 +245,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     n, shards = mem["n_params"], dp * cp  # offload: the host steps (its own pricing)
     t["offload"] = offload_seconds(n, shards, zero, dtype, m, compute,
                                    cluster.host_adam_params_per_s) if layout.offload else 0.0
-    t["update"] = 0.0 if layout.offload else optimizer_seconds(cluster, n, shards, zero)
+    t["update"] = update_seconds(cluster, layout, n)
     time = {"compute": compute, "bubble": bubble, **t, "host": 0.0}
     busy = sum(time[k] for k in TIME_KEYS)
     time["host"] = max(0.0, host_seconds(cfg, cluster, layout) - busy)
@@ -268,9 +268,15 @@ def stage_compute(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout,
     chunks = chunk_seconds(cfg, cluster, layout, matmul_efficiency)
     held = stage_params(cfg, layout.pp, layout.tp, stage, layout.virtual, layout.head_layers,
                         layout.ep)
-    return (sum(chunks[stage::layout.pp]) * layout.microbatches
-            + (0.0 if layout.offload else optimizer_seconds(
-                cluster, held, layout.dp * layout.cp, layout.zero)))
+    return sum(chunks[stage::layout.pp]) * layout.microbatches + update_seconds(
+        cluster, layout, held)
+
+
+def update_seconds(cluster: Cluster, layout: Layout, n_params: int) -> float:
+    """The optimizer step of a rank holding ``n_params`` (its shard over dp x cp under
+    ZeRO), on the GPU; 0 under ZeRO-Offload, whose host steps (``offload_seconds``)."""
+    return 0.0 if layout.offload else optimizer_seconds(
+        cluster, n_params, layout.dp * layout.cp, layout.zero)
 
 
 def card_fit(cfg: GPTConfig, cluster: Cluster, layout: Layout, *,
