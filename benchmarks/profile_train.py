@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-import minipar.engine as engine  # (registers the "fake" backend)
+import minipar.engine as engine
 from minipar.__main__ import build_parser, train_config
 from minipar.__main__ import main as minipar_main
 
@@ -143,8 +143,7 @@ def main() -> int:
     engine.train_step = train_step_profiled
     if args.rehearse is not None:
         cfg = train_config(build_parser().parse_args(["train", *train_flags]))
-        dist.init_process_group("fake", store=dist.HashStore(), rank=args.rehearse,
-                                world_size=cfg.world_size)
+        engine.imagine_peers(args.rehearse, cfg.world_size)
         with prof:
             record = engine.rank_main(cfg)
         dist.destroy_process_group()

@@ -457,8 +457,9 @@ def _compute_seconds(record: dict) -> float | None:
 def imagine_peers(rank: int, world_size: int) -> None:
     """Leave this process's one-rank job (``launch``'s) for rank ``rank`` of a world of
     ``world_size`` imagined ranks: torch's "fake" process group, whose collectives
-    complete at once and move nothing."""
-    dist.destroy_process_group()
+    complete at once and move nothing (from no job at all, too: a profiler's process)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank,
                             world_size=world_size)
 

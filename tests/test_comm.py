@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from minipar.comm import Comm, CommLog, CommRecord, wire_bytes
-from minipar.engine import _compute_seconds  # (registers the "fake" backend too)
+from minipar.engine import _compute_seconds, imagine_peers
 from minipar.launch import launch
 
 SHAPE = (4, 8)  # both dims divisible by 2 and 4
@@ -305,10 +305,9 @@ def test_log_calls_its_hook_before_recording_and_can_be_disabled():
 @pytest.fixture
 def imagined_world():
     """Rank 1 of 4 in this process, its three peers imagined (torch's "fake" backend,
-    as ``engine.imagine_peers`` sets up for a rehearsal; importing the engine registers
-    the backend)."""
+    ``engine.imagine_peers``, as a rehearsal)."""
     assert not dist.is_initialized()
-    dist.init_process_group("fake", store=dist.HashStore(), rank=1, world_size=4)
+    imagine_peers(1, 4)
     try:
         yield Comm()
     finally:
