@@ -405,14 +405,16 @@ def test_held_gradient_bytes_are_counted_one_flat_at_a_time():
 
 def _first_arrival_copies() -> dict:
     """Three accumulated bf16 backwards into ZeRO's fp32 buffers (1 rank, stage 1, two
-    steps): which arrivals were told ``first``, and the gradients against fp32 sums."""
-    firsts, add_grad = [], FlatParams.add_grad
+    steps): which arrivals found their slot unwritten, and the gradients against fp32
+    sums."""
+    firsts, slot = [], FlatParams._slot
 
-    def recorded(self, k, g, dtype, first):
-        firsts.append(first)
-        return add_grad(self, k, g, dtype, first)
+    def recorded(self, k, dtype, device):
+        out = slot(self, k, dtype, device)
+        firsts.append(out[2])
+        return out
 
-    FlatParams.add_grad = recorded
+    FlatParams._slot = recorded
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).bfloat16()
     opt = ZeroOptimizer(model, torch.optim.SGD, stage=1, comm=Comm(), lr=0.1,
@@ -434,14 +436,77 @@ def _first_arrival_copies() -> dict:
                                 for n, g in opt.grad_shards()))
         opt.step()
         opt.zero_grad()
-    FlatParams.add_grad = add_grad
+    FlatParams._slot = slot
     return out
 
 
-def test_a_first_arrival_is_copied_into_the_zeroed_buffer_bit_for_bit():
+def test_a_first_arrival_is_copied_into_the_buffer_bit_for_bit():
     """The first gradient of a parameter in a step is copied into its slot, not added
-    to zeros (an fp32 read less); later ones add. Every step, and the sums are exactly
-    the fp32 sums of the bf16 gradients."""
+    to zeros (no fill, no fp32 read); later ones add. Every step (stage 1 keeps its
+    buffer: restarted, not zeroed), and the sums are exactly the fp32 sums of the bf16
+    gradients."""
     out = launch(_first_arrival_copies, 1, timeout=60)[0]
     assert out["firsts"] == [[True] * 4 + [False] * 8] * 2  # 4 parameters, 3 backwards
     assert out["equal"] == [True, True]
+
+
+def _poisoned_buffers(specs: list[dict], skip_zeroing: bool) -> list[dict]:
+    """``train_zero`` with every new gradient buffer made of NaN instead of whatever
+    the allocator held: a slot read before its first gradient wrote it (an add, a GEMM
+    with beta 1), padding sent unzeroed or an unused weight's slot left unfilled turns
+    the run's weights into NaN. ``skip_zeroing``: the mutation, ``reduced_grad`` leaves
+    the unwritten slots as they are."""
+    slot, reduced = FlatParams._slot, FlatParams.reduced_grad
+
+    def poisoned_slot(self, k, dtype, device):
+        empty = torch.empty
+        torch.empty = lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+        try:
+            return slot(self, k, dtype, device)
+        finally:
+            torch.empty = empty
+
+    def unzeroed(self, dtype, device):
+        self._unwritten.clear()
+        return reduced(self, dtype, device)
+
+    FlatParams._slot = poisoned_slot
+    if skip_zeroing:
+        FlatParams.reduced_grad = unzeroed
+    return run_all(train_zero, specs)
+
+
+POISON_SPECS = [dict(stage=s, model=m, opt="sgd", dtype=d, world=2, micro=mb)
+                for s in (0, 1, 2, 3) for m, d, mb in (("edge", "fp32", 2),
+                                                       ("gpt", "bf16", 2))]
+
+
+def test_gradient_buffers_are_written_before_they_are_read():
+    """A gradient buffer is made unfilled: each slot is written by its parameter's first
+    gradient (a copy, a GEMM with beta 0), the padding and the slots of weights no
+    gradient reached (the edge model's unused ones) are zeroed before the reduction.
+    Poisoned with NaN, every stage still trains to the reference (tolerances of
+    ``test_dp.py``, plain SGD, no clipping), two micro-batches accumulated."""
+    check(POISON_SPECS, launch(_poisoned_buffers, 2, args=(POISON_SPECS, False), timeout=120))
+
+
+def test_the_padding_goes_out_as_zeros(monkeypatch):
+    """Five weights in two shards of three: the sixth element is padding, which no
+    gradient writes and the reduce-scatter sends; a new buffer made of NaN sends it as
+    zero, and the unused second weight's slot too."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
+    f = FlatParams(params, ["a", "b"], 0, [p.detach() for p in params], 0, 2, torch.float32)
+    f.add_grad(0, torch.ones(3), torch.float32)
+    assert torch.equal(f.reduced_grad(torch.float32, torch.device("cpu")),
+                       torch.tensor([1.0, 1, 1, 0, 0, 0]))
+
+
+def test_an_unzeroed_unused_slot_fails_the_poisoned_check():
+    """Mutation: the unwritten slots sent as they were made (NaN here, stale bytes on a
+    GPU). The edge model's unused weights carry it into every stage's result."""
+    specs = [s for s in POISON_SPECS if s["model"] == "edge"]
+    results = launch(_poisoned_buffers, 2, args=(specs, True), timeout=120)
+    for spec, res in zip(specs, results[0]):
+        assert any(torch.isnan(v).any() for v in res["params"].values()), spec

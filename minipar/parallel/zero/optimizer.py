@@ -222,7 +222,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # --- gradients: hook, reduce (in bucket order), accumulate into the shard ---------
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is not None:  # (None: a fused weight, whose product arrived already)
-            self._accumulate(p, lambda f, k, dtype, first: f.add_grad(k, p.grad, dtype, first))
+            self._accumulate(p, lambda f, k, dtype: f.add_grad(k, p.grad, dtype))
             p.grad = None
 
     def fusable(self, linear: nn.Linear) -> bool:
@@ -230,14 +230,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def accumulate_product(self, p: nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> None:
         """p's gradient is dy^T x: add it to the sum in one GEMM (``wgrad_fusion.py``)."""
-        self._accumulate(p, lambda f, k, dtype, first: f.add_product(k, dy, x, dtype, first))
+        self._accumulate(p, lambda f, k, dtype: f.add_product(k, dy, x, dtype))
 
     def _accumulate(self, p: nn.Parameter, add: Callable) -> None:
         i, k = self._where[id(p)]
         f = self.flats[i]
         self._reducer.check_open(i)
-        # first: no arrival of p since zero_grad or finish_gradient_sync zeroed its slot
-        if add(f, k, self.grad_dtype or p.dtype, id(p) not in self._arrivals):
+        if add(f, k, self.grad_dtype or p.dtype):
             self._held(f)
         self._synced = False
         arrived = self._arrivals[id(p)] = self._arrivals.get(id(p), 0) + 1
@@ -246,11 +245,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _start(self, i: int) -> Pending:
         f = self.flats[i]
-        if f.grad is None:  # nothing arrived here: this rank contributes zeros
-            f.grad = torch.zeros(f.padded, dtype=self.grad_dtype or f.full.dtype,
-                                 device=f.full.device)
+        made = f.grad is None  # nothing arrived here: this rank contributes zeros
+        wire = f.reduced_grad(self.grad_dtype or f.full.dtype, f.full.device)
+        if made:
             self._held(f, peak=False)  # (its peak is the one once reduced)
-        wire = f.grad
         if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:
             wire = wire.to(self.reduce_dtype)
         if self.average:
@@ -268,7 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         _, out = self._inflight.pop(i)
         self.place.grad_in(i, out, f.master)  # the shard's sum (or on its way to the host)
         if self.stage == 1:
-            f.grad.zero_()  # stage 1 keeps the full-size gradient buffer
+            f.restart_grad()  # stage 1 keeps the full-size gradient buffer
         else:
             f.grad = None
         self._held(f)
@@ -321,10 +319,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gathers.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for f in self.flats:  # stage 1 keeps its full buffer (_complete zeroed it if reduced)
+        for f in self.flats:  # stage 1 keeps its full buffer (_complete restarted it)
             f.master.grad = None
             if f.grad is not None and (self.stage != 1 or not self._synced):
-                f.grad = f.grad.zero_() if self.stage == 1 else None
+                if self.stage == 1:
+                    f.restart_grad()
+                else:
+                    f.grad = None
         for p in [p for group in self.param_groups for p in group["params"]]:
             p.grad = None
         if self.inner is not None:

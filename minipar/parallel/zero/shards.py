@@ -50,6 +50,7 @@ class FlatParams:
         size = self.padded // parts
         self.lo, self.hi = rank * size, (rank + 1) * size
         self.grad: torch.Tensor | None = None
+        self._unwritten: set[int] = set()  # slots of ``grad`` no gradient has reached yet
         if not keep_full:  # ZeRO-3: only this rank's shard is ever made, value by value
             self._shard_only(sources, master_dtype, dtype, parts)
             return
@@ -108,21 +109,22 @@ class FlatParams:
         for p, o, n in zip(self.params, self.offsets, self.numels):
             realize(p, self.full[o:o + n].view(p.shape))
 
-    def add_grad(self, k: int, g: torch.Tensor, dtype: torch.dtype, first: bool) -> bool:
-        """Accumulate parameter k's gradient ``g`` into ``grad`` (made of zeros if there is
-        none: returns True then). ``first``: k's slot holds no gradient yet, so ``g`` is
-        copied, not added to zeros; a copy reads no fp32 zeros (2 + 4 bytes an element, an
-        add 2 + 4 + 4): on two H100s, 1.3 ms of a 1F1B step's 26 ms of accumulation."""
-        slot, made = self._slot(k, dtype, g.device)
-        (slot.copy_ if first else slot.add_)(g.reshape(-1))  # both exact: 0 + x is x
+    def add_grad(self, k: int, g: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Accumulate parameter k's gradient ``g`` into ``grad`` (made if there is none:
+        returns True then). The first gradient of k since the buffer was made or restarted
+        is copied into its slot, later ones added: a copy reads nothing (2 + 4 bytes an
+        element, an add to zeros 2 + 4 + 4, after a fill of 4)."""
+        slot, made, first = self._slot(k, dtype, g.device)
+        (slot.copy_ if first else slot.add_)(g.reshape(-1))
         return made
 
-    def add_product(self, k: int, dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
-                    first: bool) -> bool:
+    def add_product(self, k: int, dy: torch.Tensor, x: torch.Tensor,
+                    dtype: torch.dtype) -> bool:
         """As ``add_grad`` for g = dy^T x (a linear layer's weight gradient, dy [t, out],
         x [t, in]), in one matrix multiply that reads and writes the sum: no 16-bit g is
-        made (``wgrad_fusion.py``). ``first``: beta 0, the slot is written, not read."""
-        slot, made = self._slot(k, dtype, dy.device)
+        made (``wgrad_fusion.py``). A first product is written with beta 0: the slot is
+        not read (whatever it held, NaN included, is ignored, as ``addmm`` documents)."""
+        slot, made, first = self._slot(k, dtype, dy.device)
         out, beta = slot.view(dy.shape[-1], x.shape[-1]), 0.0 if first else 1.0
         if dy.dtype == dtype:
             out.addmm_(dy.t(), x, beta=beta)
@@ -133,13 +135,35 @@ class FlatParams:
         return made
 
     def _slot(self, k: int, dtype: torch.dtype, device: torch.device
-              ) -> tuple[torch.Tensor, bool]:
-        """Parameter k's part of the gradient buffer, made of zeros if there is none
-        (True then)."""
+              ) -> tuple[torch.Tensor, bool, bool]:
+        """Parameter k's part of the gradient buffer; whether the buffer was made now;
+        whether k's slot holds no gradient yet. A new buffer is left unfilled (its
+        slots are written by their first gradient, ``reduced_grad`` zeroes the rest) but
+        for the padding, which no parameter writes and a reduction sends."""
         made = self.grad is None
         if made:
+            self.grad = torch.empty(self.padded, dtype=dtype, device=device)
+            self.grad[self.numel:].zero_()
+            self.restart_grad()
+        first = k in self._unwritten
+        self._unwritten.discard(k)
+        return self.grad[self.offsets[k]:self.offsets[k] + self.numels[k]], made, first
+
+    def reduced_grad(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The gradient buffer, complete, for a reduction: the slots of parameters that
+        received no gradient (unused this step) zeroed; a buffer of zeros if none did."""
+        if self.grad is None:
+            self._unwritten.clear()
             self.grad = torch.zeros(self.padded, dtype=dtype, device=device)
-        return self.grad[self.offsets[k]:self.offsets[k] + self.numels[k]], made
+        for k in sorted(self._unwritten):
+            self.grad[self.offsets[k]:self.offsets[k] + self.numels[k]].zero_()
+        self._unwritten.clear()
+        return self.grad
+
+    def restart_grad(self) -> None:
+        """Keep the buffer, but count every slot unwritten: the next gradients are copied
+        in, not added (what a ``zero_()`` would do, without writing the zeros)."""
+        self._unwritten = set(range(len(self.numels)))
 
     def owned(self) -> Iterator[tuple[int, int, int]]:
         """(k, a, b): the part of parameter k inside this rank's shard, as [a, b) of it."""

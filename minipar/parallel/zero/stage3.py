@@ -268,7 +268,7 @@ class Zero3(nn.Module):
     def _on_grad(self, t: torch.Tensor) -> None:
         if t.grad is not None:  # (None: a fused weight, whose product arrived already)
             g, t.grad = t.grad, None
-            self._add(t, lambda f, k: f.add_grad(k, g, self.grad_dtype, first=False))
+            self._add(t, lambda f, k: f.add_grad(k, g, self.grad_dtype))
 
     def fusable(self, linear: nn.Linear) -> bool:
         """Whether ``wgrad_fusion`` may replace ``linear``: not when its own call gathers
@@ -278,12 +278,11 @@ class Zero3(nn.Module):
 
     def accumulate_product(self, t: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         """t's gradient is dy^T x: add it to the unit's sum in one GEMM."""
-        self._add(t, lambda f, k: f.add_product(k, dy, x, self.grad_dtype, first=False))
+        self._add(t, lambda f, k: f.add_product(k, dy, x, self.grad_dtype))
 
     def _add(self, t: torch.Tensor, add) -> None:
         f, k = self._where[id(t)]
-        # (no count of arrivals per weight here: always added, to zeros the first time)
-        if add(f, k):
+        if add(f, k):  # (the buffer knows which slots a gradient reached: ``FlatParams``)
             self.shards.held("grads", 0, self._grads_held)
         self._arrived(t)
 
@@ -307,8 +306,7 @@ class Zero3(nn.Module):
     def _reduce(self, u: Unit) -> None:
         u.dirty = False
         for f in u.flats:
-            wire = f.grad if f.grad is not None else torch.zeros(
-                f.padded, dtype=self.grad_dtype, device=f.full.device)
+            wire = f.reduced_grad(self.grad_dtype, f.full.device)
             # the buffer now belongs to the collective: the next micro-batch's gradients
             # go to a new one (it may arrive while this one is still on the wire)
             f.grad, wire = None, wire.to(self.reduce_dtype)
