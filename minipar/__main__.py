@@ -527,7 +527,7 @@ def _add_theory(sub) -> None:
                    f"{MEMORY_MARGIN}: the largest under-prediction measured on 4 x H100)")
     p.add_argument("--recompute-modes", default=",".join(RECOMPUTES), metavar="MODES",
                    help="the recomputation modes to try, comma-separated (default "
-                   f"{','.join(RECOMPUTES)}; cheap's first picks have not run on 4 GPUs)")
+                   f"{','.join(RECOMPUTES)})")
     p.add_argument("--host-memory", type=float, metavar="GIB", help="host memory of a node "
                    "(GiB), which --offload's states must fit (default: the named clusters' "
                    "data sheet; not checked for --gpus)")

@@ -81,10 +81,10 @@ from minipar.theory.params import (
 )
 from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
 
-# The recomputation modes the search tries unless told: cheap recomputation's cost was
-# measured on one GPU (``rates.cheap_recompute_seconds``), but the layouts it would put
-# first on four have not run there
-RECOMPUTES = ("none", "selective", "full")
+# The recomputation modes the search tries unless told (``plan --recompute-modes``).
+# Cheap recomputation (``parallel/recompute.py``) redoes only the elementwise work between
+# the products; its cost is ``rates.cheap_recompute_seconds``
+RECOMPUTES = ("none", "selective", "cheap", "full")
 # The rejection of a ZeRO-Offload layout whose host states do not fit the node
 HOST_SHORT = "offload's host states exceed the node's memory"
 TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update", "host")
