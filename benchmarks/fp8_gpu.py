@@ -18,8 +18,8 @@ after every row; one row failing records its error and the run goes on; rows pas
   slowest rank. ``mfu`` is over the dense bf16 peak for every row (989 TFLOP/s).
 * ``fit`` (N GPUs, ~4 min): gpt-13b as a user on 80 GB cards would run each recipe: dp N
   ZeRO-3, 4 sequences a GPU, recomputing the fewest blocks that fit (``fitted_layout``:
-  22 of 40 in bf16, 10 in float8, whose compiled blocks keep less), tokens/s against
-  bf16's in the same job.
+  bf16 10 of 40 in full and the rest cheaply, as the planner; float8 9 in full, its
+  compiled blocks keeping less), tokens/s against bf16's in the same job.
 * ``loss`` (N GPUs, ~2 min): 300 steps of gpt2-125m on Python's own sources
   (``--data pystdlib``, bytes) at dp N ZeRO-1, bf16 against both recipes: the losses,
   and the ratio of the last 20 steps' mean loss to bf16's (target: within 1%); with
@@ -268,18 +268,21 @@ def section_speed(run: multigpu.Run, state: dict) -> None:
 
 def fitted_layout(model: str, world: int, recipe: str | None) -> dict:
     """dp ``world`` ZeRO-3, 4 sequences a GPU, recomputing the fewest blocks (the first
-    N) that fit an 80 GB H100 with ``recipe``'s activations (a compiled float8 block
-    keeps fewer: ``theory.memory``), as the planner finds them
-    (``planner.fewest_recomputed``); none recomputed where all fit."""
+    N) that fit an 80 GB H100, as the planner finds them (``planner.fewest_recomputed``):
+    bf16 as the planner puts it first, the other blocks recomputed cheaply (eager: a
+    compiled block cannot recompute cheaply); float8 with its compiled blocks, which keep
+    less (``theory.memory``), the others kept. None recomputed where all fit."""
     cfg = get_config(model)
     layout = Layout(dp=world, zero=3, microbatch_size=4, recompute="full", dtype="bf16",
                     optimizer_kernel="fused", fp8=recipe, compiled=True)
+    rest = {} if recipe else {"recompute_rest": "cheap"}
+    layout = layout.with_(compiled=recipe is not None, **rest)
     h100 = clusters.cluster(world, "H100-80GB", world)
-    if card_fit(cfg, h100, layout.with_(recompute="none"))[1]:
+    if card_fit(cfg, h100, layout.with_(recompute="none", recompute_rest="none"))[1]:
         return dict(dp=world, zero=3)
     n = fewest_recomputed(cfg, h100, layout, {})
     return dict(dp=world, zero=3, recompute="full",
-                **({"recompute_layers": n} if n is not None else {}))
+                **({"recompute_layers": n} if n is not None else {}), **rest)
 
 
 def section_fit(run: multigpu.Run, state: dict) -> None:
