@@ -64,7 +64,9 @@ from gpu import DATASHEET_TFLOPS  # noqa: E402
 from minipar.engine import imagine_peers  # noqa: E402
 from minipar.meter import record_allocations  # noqa: E402
 from minipar.model import get_config  # noqa: E402
+from minipar.theory.clusters import cluster  # noqa: E402
 from minipar.theory.params import model_flops_per_token  # noqa: E402
+from minipar.theory.planner import plan  # noqa: E402
 
 SECTIONS = ("speed", "memory", "slice")
 GiB = 2**30
@@ -151,6 +153,17 @@ def section_speed(run: multigpu.Run) -> None:
     for k in (layers - layers // 10, layers - layers // 5):  # 36 and 32 of 40
         cli_row(run, f"minipar {big} dp{n} zero3 compiled recompute-layers {k}", big, 4 * n,
                 full + ["--compile", "--recompute-layers", str(k)])
+    cli_row(run, f"minipar {big} dp{n} the planner's pick", big, 4 * n,
+            planner_flags(big, n, 4 * n))
+
+
+def planner_flags(model: str, n: int, batch: int) -> list[str]:
+    """The ``train`` flags of the planner's first data-parallel layout of ``model`` on n
+    80 GB H100s (its recomputation, ZeRO stage, micro-batches), less those ``cli_row``
+    sets itself."""
+    first = plan(model, cluster(n, "H100-80GB", n), batch, degrees={"dp": n}).layouts[0]
+    flags, mine = first.layout.train_flags(model), {"--model", "--batch-size", "--dtype"}
+    return [f for i, f in enumerate(flags) if f not in mine and flags[i - 1] not in mine]
 
 
 # --- slice: one GPU, a model's blocks at full width ----------------------------------------
