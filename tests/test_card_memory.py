@@ -143,7 +143,7 @@ NOT_YET_RUN = {
     # allocated, 66.13 reserved
     ("gpt-13b", "tp=2 pp=1 dp=2 zero=3 b=8 m=1 sp recompute=full recompute-layers=21"),
     # cheap recomputation in the search: the first picks rehearsed on one H100
-    # (rehearsal-1xH100-2026-12-06u1-u3: compute, live and reserved peaks as predicted)
+    # (rehearsal-1xH100-2026-12-06u1-u4: compute, live and reserved peaks as predicted)
     ("gpt-1.3b", "tp=1 pp=1 dp=4 zero=2 b=8 m=1 recompute=cheap"),
     ("gpt-1.3b", "tp=1 pp=1 dp=4 zero=1 b=8 m=1 recompute=cheap"),
     ("gpt-6.7b", "tp=1 pp=1 dp=4 zero=2 b=2 m=4 recompute=full recompute-layers=1 "
@@ -155,8 +155,6 @@ NOT_YET_RUN = {
                 "recompute-rest=cheap"),
     ("gpt-13b", "tp=2 pp=1 dp=2 zero=3 b=8 m=1 sp recompute=full recompute-layers=8 "
                 "recompute-rest=cheap"),
-    # not rehearsed: its twin recomputing 18 blocks in full and the rest not at all was
-    # (rehearsal-1xH100-2026-12-05r2, 68.43 GiB reserved)
     ("gpt-13b", "tp=1 pp=1 dp=4 zero=3 b=2 m=2 recompute=full recompute-layers=3 "
                 "recompute-rest=cheap"),
 }
