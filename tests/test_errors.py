@@ -80,13 +80,13 @@ def test_per_gpu_memory_decides_under_cuda(monkeypatch) -> None:
     ok = TrainConfig(tp=4, sp=True, recompute="full", **big)
     config.check_fits(ok, ok.model_config())
     bad = TrainConfig(dp=4, **big)
-    first = TrainConfig(dp=4, zero=3, **big)  # the planner's answer, in the memory model
+    first = TrainConfig(dp=4, zero=3, recompute="cheap", **big)  # the planner's answer
     need, fits = (config.predicted_bytes(c, c.model_config(), device="cuda") / 2**30
                   for c in (bad, first))
     with pytest.raises(ValueError, match=rf"needs {need:.1f} GiB per rank of memory per "
                                          r"GPU, which has 80.0 GiB; --dp 4 --pp 1 --tp 1 "
-                                         r"--zero 3 --microbatches 1 --batch-size 8 --dtype "
-                                         rf"bf16 would need {fits:.1f} GiB"):
+                                         r"--zero 3 --microbatches 1 --batch-size 8 --recompute "
+                                         rf"cheap --dtype bf16 would need {fits:.1f} GiB"):
         config.check_fits(bad, bad.model_config())
 
 
