@@ -21,6 +21,7 @@ from test_dp import (
     GPT_CFG,
     STEPS,
     assert_close,
+    check,
     initial,
     make_model,
     optimizer_kwargs,
@@ -122,14 +123,6 @@ def train_zero(spec: dict) -> dict:
             "unit_modules": [len(u.modules) for u in units],
             "unit_bytes": [sum(f.padded for f in u.flats) for u in units],
             "max_flat": max(f.padded for f in sync.flats)}
-
-
-def check(specs: list[dict], results: list[list[dict]]) -> None:
-    keys = [(s["model"], s["opt"], s["dtype"], s["world"], True) for s in specs]
-    refs = references(keys)
-    for spec, key, res in zip(specs, keys, results[0]):
-        assert_close(res["params"], refs[key], initial(spec["model"]), spec["opt"],
-                     spec["dtype"], str(spec))
 
 
 def specs_for(world: int, stages=(0, 1, 2, 3)) -> list[dict]:
