@@ -1073,6 +1073,26 @@ def cli_flags(layout: dict) -> list[str]:
     return flags
 
 
+def train_json(run: Run, cmd: list[str], path: str, cap: float, mc, batch: int) -> dict:
+    """Run ``cmd`` (``python -m minipar train ... --json path``) and read its record: the
+    per-step time of the slowest rank (``step_s_all``), the median after the warm-up
+    (``step_s``), tokens a step and MFU over the data sheet's dense bf16 peak (``mc``: the
+    model as it ran); or ``{"status": "error", "error": ...}``."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=cap)
+    if done.returncode != 0:
+        return {"status": "error", "error": (done.stderr or done.stdout)[-2000:]}
+    with open(path) as f:
+        rec = json.load(f)
+    ranks = rec["ranks"]
+    per_step = [max(r["step_seconds"][i] for r in ranks)
+                for i in range(len(ranks[0]["step_seconds"]))]
+    step = statistics.median(per_step[run.sizes.warmup:])
+    tokens = batch * mc.seq_len
+    mfu = tokens / step * model_flops_per_token(mc) / (run.n * DATASHEET_TFLOPS * 1e12)
+    return {"record": rec, "ranks": ranks, "step_s_all": per_step, "step_s": step,
+            "tokens": tokens, "mfu": mfu}
+
+
 def cli_row(run: Run, model: str, batch: int, layout: dict) -> dict | None:
     """The big model trained by the command line itself (what an engineer types): its
     JSON's per-rank build seconds, host and device peaks, step times and losses."""
@@ -1086,18 +1106,12 @@ def cli_row(run: Run, model: str, batch: int, layout: dict) -> dict | None:
            str(int(cap - 10))] + cli_flags(layout) + (["--fused"] if run.cuda else [])
 
     def go() -> dict:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=cap)
-        if done.returncode != 0:
-            return {"status": "error", "error": (done.stderr or done.stdout)[-2000:]}
-        with open(path) as f:
-            rec = json.load(f)
-        ranks = rec["ranks"]
-        per_step = [max(r["step_seconds"][i] for r in ranks)
-                    for i in range(len(ranks[0]["step_seconds"]))][s.warmup:]
-        step = statistics.median(per_step)
-        mc = get_config(model)
-        tokens = batch * mc.seq_len
-        mfu = tokens / step * model_flops_per_token(mc) / (run.n * DATASHEET_TFLOPS * 1e12)
+        done = train_json(run, cmd, path, cap, get_config(model), batch)
+        if "error" in done:
+            return done
+        rec, ranks, step, mfu, tokens = (done[k] for k in ("record", "ranks", "step_s",
+                                                             "mfu", "tokens"))
+        per_step = done["step_s_all"][s.warmup:]
         peaks = [r.get("device_peak_bytes") or 0 for r in ranks]
         return {"command": " ".join(["python"] + cmd[1:]), "step_s": step,
                 "step_s_all": per_step, "tokens_per_step": tokens,

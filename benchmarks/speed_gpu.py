@@ -48,10 +48,7 @@ os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
                    "NVSHMEM_DISABLE_NVLS": "1"})  # NVLink multicast off, in every rank
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import pickle  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -59,13 +56,11 @@ from contextlib import nullcontext  # noqa: E402
 
 import multigpu  # noqa: E402
 import torch  # noqa: E402
-from gpu import DATASHEET_TFLOPS  # noqa: E402
 
 from minipar.engine import imagine_peers  # noqa: E402
 from minipar.meter import record_allocations  # noqa: E402
 from minipar.model import get_config  # noqa: E402
 from minipar.theory.clusters import cluster  # noqa: E402
-from minipar.theory.params import model_flops_per_token  # noqa: E402
 from minipar.theory.planner import plan  # noqa: E402
 
 SECTIONS = ("speed", "memory", "slice")
@@ -94,19 +89,14 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
 
     def go() -> dict:
         cap = run.timeout(540.0 if "13b" in model else 300.0)
-        done = subprocess.run(cmd + ["--timeout", str(int(cap - 10))], capture_output=True,
-                              text=True, timeout=cap)
-        if done.returncode != 0:
-            return {"status": "error", "error": (done.stderr or done.stdout)[-2000:]}
-        with open(path) as f:
-            rec = json.load(f)
-        ranks = rec["ranks"]
-        per_step = [max(r["step_seconds"][i] for r in ranks)
-                    for i in range(len(ranks[0]["step_seconds"]))]
-        step = statistics.median(per_step[s.warmup:])
         mc = get_config(model).with_(**({"n_layer": layers} if layers else {}))
-        tokens = batch * mc.seq_len
-        mfu = tokens / step * model_flops_per_token(mc) / (run.n * DATASHEET_TFLOPS * 1e12)
+        done = multigpu.train_json(run, cmd + ["--timeout", str(int(cap - 10))], path, cap,
+                                   mc, batch)
+        if "error" in done:
+            return done
+        rec, ranks, step, mfu, tokens = (done[k] for k in ("record", "ranks", "step_s",
+                                                             "mfu", "tokens"))
+        per_step = done["step_s_all"]
         peaks = [r.get("device_peak_bytes") or 0 for r in ranks]
         held = [r.get("device_memory") or {} for r in ranks]  # the allocator's, the process's
         comp = ranks[0].get("compile")
