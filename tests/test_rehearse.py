@@ -369,13 +369,15 @@ SCALED_LAYOUTS = {
                                            recompute="cheap", recompute_layers=2),
     "cp2-dp2-zero1": dict(cp=2, dp=2, zero=1),
     "dp4-zero1": dict(dp=4, zero=1),
+    "dp2-zero1-fp32": dict(dp=2, zero=1, dtype="fp32"),
+    "dp2-zero2-fp32": dict(dp=2, zero=2, dtype="fp32"),
 }
 
 
 def _live_errors(layout: dict) -> list[float]:
     """Each rehearsed rank's live peak as the memory model predicts it, against the CPU
     allocator's (``meter.cpu_allocations``), as a relative error."""
-    ranks = rehearse(TrainConfig(**SCALED_13B, **layout))["ranks"]
+    ranks = rehearse(TrainConfig(**{**SCALED_13B, **layout}))["ranks"]
     return [r["predicted"]["live"] / r["cpu_peak_allocated"] - 1 for r in ranks]
 
 
@@ -389,7 +391,9 @@ def test_the_memory_model_holds_a_rehearsed_cpu_rank(name):
     +0.0% on every rank, zb's two stages -4.4% and +3.8%, -2.2% and +4.9% with the
     first 2 blocks of each stage's 4 recomputed cheaply (the CPU's attention and loss
     kernels keep a little more than the GPU's, which the model follows, and it widens a
-    weight gradient's operands to fp32, which the GPU's GEMM does not). Band: 6%."""
+    weight gradient's operands to fp32, which the GPU's GEMM does not). In fp32, ZeRO-1
+    and 2 within 0.01% (-6.0% and -6.9% while the engine kept an fp32 master shard beside
+    fp32 weights; ``test_zero`` pins that it keeps none). Band: 6%."""
     for error in _live_errors(SCALED_LAYOUTS[name]):
         assert abs(error) < 0.06, (name, error)
 

@@ -214,8 +214,8 @@ def test_memory_and_communication_match_theory():
         pad = res["flats"] * (n - 1)  # at most n-1 padding elements per flat buffer
         shard = psi if s == 0 else psi / n
         held[spec["model"], spec["dtype"], s] = mem
-        # the fp32 master is separate unless it *is* the weights (fp32, unsharded or ZeRO-3)
-        master = 0 if w == 4 and s in (0, 3) else 4 * shard
+        # the fp32 master is separate unless it *is* the weights (fp32: its slot of them)
+        master = 0 if w == 4 else 4 * shard
         assert 8 * shard + master <= mem["optimizer"] <= 8 * shard + master + pad * 12, spec
         flight = 3 * 4 * res["max_flat"]  # buckets/units being reduced at once
         if s <= 1:

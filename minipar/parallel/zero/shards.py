@@ -62,19 +62,22 @@ class FlatParams:
         """``full`` (compute dtype) and the ``master`` shard, filled parameter by
         parameter from ``make(k)``: parameter k's value, given or made when asked
         (sharded initialisation, ``materialize.py``). Only one such value is alive at a
-        time: no fp32 copy of the bucket, let alone of the model, beside the two."""
-        one = parts == 1 and dtype == master_dtype  # unsharded fp32: master *is* full
+        time: no fp32 copy of the bucket, let alone of the model, beside the two. Weights
+        already in the master dtype (fp32) need no master of their own: the shard is this
+        rank's slot of ``full`` (a view), which the optimizer updates in place and the
+        all-gather then sends."""
+        own = dtype == master_dtype  # fp32 weights: the master is their slot of full
         full = master = None
         with torch.no_grad():
             for k, (o, n) in enumerate(zip(self.offsets, self.numels)):
                 src = make(k).reshape(-1)
                 if full is None:  # zeros: the padding holds no weight
                     full = torch.zeros(self.padded, dtype=dtype, device=src.device)
-                    master = full if one else torch.zeros(
+                    master = full[self.lo:self.hi] if own else torch.zeros(
                         self.hi - self.lo, dtype=master_dtype, device=src.device)
                 full[o:o + n].copy_(src)  # the cast rounds as .to(dtype) would
                 a, b = max(o, self.lo), min(o + n, self.hi)
-                if not one and a < b:
+                if not own and a < b:
                     master[a - self.lo:b - self.lo].copy_(src[a - o:b - o])
                 del src
         self.full, self.master = full, nn.Parameter(master)
