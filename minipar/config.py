@@ -224,7 +224,9 @@ def sized(cfg: GPTConfig, layers: int | None = None, hidden: int | None = None,
           heads: int | None = None, ffn: int | None = None, vocab: int | None = None,
           seq_len: int | None = None) -> GPTConfig:
     """``cfg`` with the sizes given (``--layers --hidden --heads --ffn --vocab
-    --seq-len``); a new hidden size without ``--ffn`` gets the usual 4 x hidden."""
+    --seq-len``); a new hidden size without ``--ffn`` gets the usual 4 x hidden, and an
+    expert's hidden size keeps its share of the MLP's (a preset's experts as wide as its
+    MLP stay so)."""
     sizes = {"n_layer": layers, "d_model": hidden, "n_head": heads, "d_ff": ffn,
              "vocab_size": vocab, "seq_len": seq_len}
     for flag, value in sizes.items():
@@ -233,7 +235,9 @@ def sized(cfg: GPTConfig, layers: int | None = None, hidden: int | None = None,
                     "d_ff": "ffn", "vocab_size": "vocab", "seq_len": "seq-len"}[flag]
             raise ValueError(f"--{name} must be a positive integer, got {value!r}")
     if hidden is not None and ffn is None:
-        sizes["d_ff"] = 0  # GPTConfig makes it 4 * d_model
+        sizes["d_ff"] = 4 * hidden  # (what GPTConfig makes of 0)
+    if sizes["d_ff"] is not None:
+        sizes["expert_d_ff"] = max(1, cfg.expert_d_ff * sizes["d_ff"] // cfg.d_ff)
     return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
 
 

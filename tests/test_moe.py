@@ -547,3 +547,18 @@ def test_planner_places_a_long_moe_sequence_with_cp_and_sp(tmp_path, monkeypatch
         assert (want.optimizer, cfg.optimizer) == ("adam", "adamw")
         assert cfg.layout() == want.with_(optimizer="adamw")
         assert cfg.model_config() == long
+
+
+def test_a_resized_model_keeps_its_experts_share_of_the_mlp():
+    """``--hidden`` (or ``--ffn``) resizes the MLP, and the experts with it: gpt-13b at
+    1/16 of its width with experts has experts as wide as its MLP (1,280), not the
+    preset's 20,480; moe-1.3b's experts stay half its MLP."""
+    from minipar.config import sized
+    from minipar.model import get_config
+
+    narrow = sized(get_config("gpt-13b"), hidden=320)
+    assert narrow.d_ff == narrow.expert_d_ff == 1280
+    half = sized(get_config("moe-1.3b"), hidden=256)
+    assert (half.d_ff, half.expert_d_ff) == (1024, 512)
+    assert sized(get_config("moe-1.3b"), ffn=1000).expert_d_ff == 500
+    assert sized(get_config("moe-1.3b"), layers=4) == get_config("moe-1.3b").with_(n_layer=4)
