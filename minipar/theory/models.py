@@ -26,6 +26,8 @@ MODELS: dict[str, GPTConfig] = {
 def get_model(name_or_config: str | GPTConfig) -> GPTConfig:
     """A config by name from ``MODELS`` (the engine's presets plus the Llama-like ones),
     or the config itself."""
-    if isinstance(name_or_config, str) and name_or_config in MODELS:
+    if isinstance(name_or_config, GPTConfig):  # (the common case: a planner's every call)
+        return name_or_config
+    if name_or_config in MODELS:
         return MODELS[name_or_config]
     return get_config(name_or_config)

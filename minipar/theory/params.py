@@ -33,6 +33,7 @@ gradient with the first stage), so tying saves memory only when pp = 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from minipar.model import GPTConfig
 from minipar.parallel.pp import partition_layers  # the pipeline's own split rule
@@ -56,9 +57,13 @@ class ParamInfo:
     where: str
 
 
-def param_table(cfg: GPTConfig | str) -> list[ParamInfo]:
+def param_table(cfg: GPTConfig | str) -> tuple[ParamInfo, ...]:
     """Every parameter of ``GPT(cfg)``: the layer's once, then embeddings and head."""
-    cfg = get_model(cfg)
+    return _param_table(get_model(cfg))
+
+
+@cache  # (a planner asks for the same model's table for every layout it prices)
+def _param_table(cfg: GPTConfig) -> tuple[ParamInfo, ...]:
     h, f, v, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
     layer = [
         ("ln1.weight", h, False), ("ln1.bias", h, False),
@@ -77,7 +82,7 @@ def param_table(cfg: GPTConfig | str) -> list[ParamInfo]:
         # With tied embeddings this is the same tensor as tok_emb on a single stage.
         ParamInfo("head.weight", v * h, True, "last"),
     ]
-    return table
+    return tuple(table)
 
 
 def layer_params(cfg: GPTConfig | str) -> int:
@@ -155,7 +160,11 @@ def stage_layers(n_layer: int, pp: int = 1, stage: int = 0, virtual: int = 1,
 def block_params(cfg: GPTConfig | str, tp: int = 1, ep: int = 1, moe: bool = False) -> int:
     """Parameters of one block on one rank after the tp split; ``moe``: an MoE block's
     (its router and E/ep experts in place of the MLP)."""
-    cfg = get_model(cfg)
+    return _block_params(get_model(cfg), tp, ep, moe)
+
+
+@cache  # (asked for every layout and stage a planner prices)
+def _block_params(cfg: GPTConfig, tp: int, ep: int, moe: bool) -> int:
     n = sum(_share(p, tp) for p in param_table(cfg) if p.where == "layer")
     return n + (_moe_block(cfg, tp, ep)[0] if moe else 0)
 
