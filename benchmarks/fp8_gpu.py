@@ -273,10 +273,9 @@ def fitted_layout(model: str, world: int, recipe: str | None) -> dict:
     compiled block cannot recompute cheaply); float8 with its compiled blocks, which keep
     less (``theory.memory``), the others kept. None recomputed where all fit."""
     cfg = get_config(model)
-    layout = Layout(dp=world, zero=3, microbatch_size=4, recompute="full", dtype="bf16",
-                    optimizer_kernel="fused", fp8=recipe, compiled=True)
     rest = {} if recipe else {"recompute_rest": "cheap"}
-    layout = layout.with_(compiled=recipe is not None, **rest)
+    layout = Layout(dp=world, zero=3, microbatch_size=4, recompute="full", dtype="bf16",
+                    optimizer_kernel="fused", fp8=recipe, compiled=recipe is not None, **rest)
     h100 = clusters.cluster(world, "H100-80GB", world)
     if card_fit(cfg, h100, layout.with_(recompute="none", recompute_rest="none"))[1]:
         return dict(dp=world, zero=3)

@@ -152,8 +152,9 @@ def planner_flags(model: str, n: int, batch: int) -> list[str]:
     80 GB H100s (its recomputation, ZeRO stage, micro-batches), less those ``cli_row``
     sets itself."""
     first = plan(model, cluster(n, "H100-80GB", n), batch, degrees={"dp": n}).layouts[0]
-    flags, mine = first.layout.train_flags(model), {"--model", "--batch-size", "--dtype"}
-    return [f for i, f in enumerate(flags) if f not in mine and flags[i - 1] not in mine]
+    flags = first.layout.train_flags(model)
+    mine = {i for i, f in enumerate(flags) if f in ("--model", "--batch-size", "--dtype")}
+    return [f for i, f in enumerate(flags) if i not in mine and i - 1 not in mine]
 
 
 # --- slice: one GPU, a model's blocks at full width ----------------------------------------

@@ -235,10 +235,11 @@ def sized(cfg: GPTConfig, layers: int | None = None, hidden: int | None = None,
                     "d_ff": "ffn", "vocab_size": "vocab", "seq_len": "seq-len"}[flag]
             raise ValueError(f"--{name} must be a positive integer, got {value!r}")
     if hidden is not None and ffn is None:
-        sizes["d_ff"] = 4 * hidden  # (what GPTConfig makes of 0)
-    if sizes["d_ff"] is not None:
-        sizes["expert_d_ff"] = max(1, cfg.expert_d_ff * sizes["d_ff"] // cfg.d_ff)
-    return cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
+        sizes["d_ff"] = 0  # GPTConfig makes it 4 * d_model
+    out = cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
+    if out.d_ff == cfg.d_ff:
+        return out
+    return out.with_(expert_d_ff=max(1, cfg.expert_d_ff * out.d_ff // cfg.d_ff))
 
 
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
