@@ -710,3 +710,26 @@ def test_a_calibration_file_knows_its_nodes_host_memory() -> None:
     assert node.host_memory == 100 * 2**30
     assert not plan("gpt-6.7b", node, 32, offload=True).layouts
     assert plan("gpt-6.7b", node.with_(host_memory=128 * 2**30), 32, offload=True).layouts
+
+
+def test_the_host_s_launch_floor_runs_through_the_pipeline_s_schedule() -> None:
+    """A pipeline's stages wait for each other's launches as for their kernels: with one
+    micro-batch 1F1B launches stage after stage, so a host-bound pp 2 step is the whole
+    model's launches, not half of them (the floor used to take the busiest stage alone,
+    and ranked a pipeline of a tiny model ahead of data parallelism for nothing). With
+    many micro-batches the stages launch side by side and the floor nears one stage's
+    share plus the fill; without a pipeline it is every layer's launches."""
+    from minipar.theory.planner import host_seconds
+
+    h100 = cluster(4, "H100-80GB")
+    per_layer = h100.host_s_per_layer
+    n = get_model("small").n_layer
+    assert per_layer > 0
+    plain = host_seconds(get_model("small"), h100, Layout(dp=4))
+    assert plain == pytest.approx(n * per_layer)
+    one = host_seconds(get_model("small"), h100, Layout(pp=2, dp=2, schedule="1f1b"))
+    assert one == pytest.approx(n * per_layer)  # stage 0's launches, then stage 1's
+    many = host_seconds(get_model("small"), h100,
+                        Layout(pp=2, dp=2, microbatches=8, schedule="1f1b"))
+    # 8 micro-batches of half the layers each, and the fill: one stage's F + B once more
+    assert many == pytest.approx((8 + 1) * n / 2 * per_layer)

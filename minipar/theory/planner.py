@@ -60,7 +60,7 @@ import bisect
 import itertools
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from functools import cache, lru_cache
+from functools import lru_cache
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
@@ -301,25 +301,24 @@ def zero3_local_seconds(n_params: int, microbatches: int, cluster: Cluster) -> f
 
 
 def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
-    """The least a step takes when the host launches every kernel: the busiest stage's
-    layers times the micro-batches at the host's measured seconds per layer, more with
-    tensor parallelism's, sp's and cp's extra launches (``HOST_LAYER_EXTRA``); 0 where
-    the host was not measured. A collective waits for every rank's host only while the
-    host is behind the GPU: the step is the larger of this and the GPU's work, never
-    their sum, and the collectives keep their calibrated seconds."""
+    """The least a step takes when the host launches every kernel: each chunk's layers at
+    the host's measured seconds per layer, more with tensor parallelism's, sp's and cp's
+    extra launches (``HOST_LAYER_EXTRA``), run through the schedule like the GPU's work
+    (a pipeline's stages wait for each other's launches as for their kernels: with one
+    micro-batch, pp stages launch one after another); 0 where the host was not measured.
+    A collective waits for every rank's host only while the host is behind the GPU: the
+    step is the larger of this and the GPU's work, never their sum, and the collectives
+    keep their calibrated seconds."""
     if not cluster.host_s_per_layer:
         return 0.0
     extra = HOST_LAYER_EXTRA
     per_layer = cluster.host_s_per_layer * (
         1.0 + (layout.tp > 1) * extra["tp"] + layout.sp * extra["sp"]
         + (layout.cp > 1) * extra["cp"])
-    layers = _busiest_stage_layers(cfg.n_layer, layout.pp, layout.virtual)
-    return layers * layout.microbatches * per_layer
-
-
-@cache
-def _busiest_stage_layers(n_layer: int, pp: int, virtual: int) -> int:
-    return max(stage_layers(n_layer, pp, s, virtual) for s in range(pp))
+    chunks = tuple(len(layers) * per_layer for layers in partition_layers(
+        cfg.n_layer, layout.pp * layout.virtual, layout.head_layers))
+    return pipeline_seconds(layout.schedule, layout.pp, layout.microbatches, layout.virtual,
+                            chunks)[1]
 
 
 def recomputed_share(cfg: GPTConfig, layout: Layout) -> float:
