@@ -17,6 +17,8 @@ import os
 import tempfile
 from collections.abc import Collection
 
+from minipar.parallel.schedules import check_schedule
+
 SEED_MAX = 2**32 - 1  # seeds mix into torch generators as seed * 1_000_003 + step
 GPUS_MAX = 2**18  # plan's clusters: the largest built are about 10^5 GPUs
 BUBBLE_TABLE_CELLS = 20_000  # pipeline actions simulated for the table; beyond: formulas
@@ -164,14 +166,10 @@ def layout(cfg, dp: int, pp: int, tp: int, virtual: int = 1, sp: bool = False) -
 def bubble(schedule: str, pp: int, microbatches: int, virtual: int) -> bool:
     """Check ``bubble``'s sizes; True when the schedule is small enough to simulate and
     draw (beyond ``BUBBLE_TABLE_CELLS`` actions only the closed forms are printed, so
-    the schedule is never built: its two shape rules are checked here instead)."""
+    the schedule is never built: its rules are checked here instead)."""
     for flag, value in (("pp", pp), ("microbatches", microbatches), ("virtual", virtual)):
         positive(flag, value)
-    if virtual != 1 and schedule != "interleaved":
-        raise ValueError(f"--virtual {virtual} needs --schedule interleaved (got {schedule})")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"--schedule interleaved needs --microbatches divisible by --pp "
-                         f"({microbatches} % {pp} != 0)")
+    check_schedule(schedule, pp, microbatches, virtual)
     return pp * microbatches * virtual <= BUBBLE_TABLE_CELLS
 
 

@@ -30,6 +30,7 @@ from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
 from minipar.parallel.fp8 import check_fp8
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.recompute import MODES as RECOMPUTE
+from minipar.parallel.schedules import check_schedule
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
 from minipar.theory.card import card_peak, host_fit
@@ -291,27 +292,15 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
     model = cfg.model_config()
     check_tp(model, cfg.tp, cfg.sp)
     checks.layout(model, cfg.dp, cfg.pp, cfg.tp, cfg.virtual, cfg.sp)
-    if cfg.virtual > 1 and cfg.schedule != "interleaved":
-        raise ValueError(f"--virtual {cfg.virtual} needs --schedule interleaved "
-                         f"(got {cfg.schedule})")
-    if cfg.schedule == "interleaved" and cfg.pp > 1:
-        if cfg.virtual < 2:
-            raise ValueError("--schedule interleaved needs --virtual 2 or more "
-                             "(chunks per rank)")
-        if cfg.microbatches % cfg.pp:
-            raise ValueError(f"--schedule interleaved needs --microbatches divisible by "
-                             f"--pp ({cfg.microbatches} % {cfg.pp} != 0)")
+    if cfg.schedule == "interleaved" and cfg.pp > 1 and cfg.virtual < 2:
+        raise ValueError("--schedule interleaved needs --virtual 2 or more "
+                         "(chunks per rank)")
+    check_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual, zero=cfg.zero,
+                   recompute=cfg.recompute)
     if not isinstance(cfg.head_layers, int) or cfg.head_layers < 0:
         raise ValueError(f"--head-layers must be 0 or a positive integer, got "
                          f"{cfg.head_layers!r}")
     partition_layers(model.n_layer, cfg.pp * cfg.virtual, cfg.head_layers)  # (or says why)
-    if cfg.zero == 3 and cfg.schedule == "zb":  # at every pp: W runs at pp = 1 too
-        raise ValueError("--zero 3 with --schedule zb is not supported: the split weight "
-                         "gradient (W) runs after ZeRO-3 has freed the layer's weights")
-    if cfg.recompute == "full" and cfg.schedule == "zb":
-        raise ValueError("--recompute full with --schedule zb is not supported: W needs the "
-                         "inputs recomputation frees, and each module's split backward "
-                         "would run the block again (try --recompute selective or cheap)")
     if cfg.chunked_loss and cfg.tp > 1:
         raise ValueError("--chunked-loss with --tp > 1 is not supported: tensor parallelism "
                          "has its own loss over logits split by vocabulary")

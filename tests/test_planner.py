@@ -696,7 +696,8 @@ def test_cheap_recomputation_is_planned_and_can_be_left_out(capsys) -> None:
     assert "--recompute-rest cheap" in capsys.readouterr().out
     assert main(["plan", "--model", "gpt-13b", "--gpus", "4", "--gpu", "H100-80GB",
                  "--batch", "16", "--top", "3", "--recompute-modes", "none,full"]) == 0
-    assert "cheap" not in capsys.readouterr().out
+    out = capsys.readouterr().out  # (a refusal's advice may name it: not a layout)
+    assert not any("cheap" in line for line in out.splitlines() if "Rejected" not in line)
 
 
 def test_a_calibration_file_knows_its_nodes_host_memory() -> None:

@@ -15,6 +15,7 @@ from minipar.parallel.schedules import (
     SCHEDULES,
     Action,
     ScheduleError,
+    check_schedule,
     make_schedule,
     validate,
 )
@@ -100,6 +101,36 @@ def test_schedules_that_need_it_refuse_clearly():
         make_schedule("dualpipe", 2, 4)
     with pytest.raises(ValueError, match="positive"):
         make_schedule("1f1b", 0, 4)
+
+
+def test_one_rule_book_for_train_bubble_and_the_planner():
+    """``check_schedule`` holds the rules: ``train`` refuses with its line, ``bubble``
+    with the same, and the planner's rejection reason is that line (so the planner never
+    ranks what ``train`` would refuse, whatever the rule becomes)."""
+    from minipar.__main__ import build_parser, train_config
+    from minipar.config import validate as validate_config
+    from minipar.theory.planner import plan
+
+    check_schedule("zb", 2, 4, zero=2, recompute="selective")  # runs: no error
+    check_schedule("interleaved", 2, 4, 2, zero=3, recompute="full")
+    rules = {("zb", 1, 2, 1, 3, "none"): "--zero 3 with --schedule zb",
+             ("zb", 2, 4, 1, 0, "full"): "--recompute full with --schedule zb",
+             ("1f1b", 2, 4, 2, 0, "none"): "--virtual 2 needs --schedule interleaved",
+             ("interleaved", 4, 6, 2, 0, "none"): "divisible by --pp \\(6 % 4"}
+    for (name, pp, m, v, zero, rc), line in rules.items():
+        with pytest.raises(ValueError, match=line) as refused:
+            check_schedule(name, pp, m, v, zero=zero, recompute=rc)
+        words = (f"--model tiny --pp {pp} --dp 2 --microbatches {m} --batch-size {2 * m} "
+                 f"--schedule {name} --virtual {v} --zero {zero} --recompute {rc}").split()
+        with pytest.raises(ValueError) as trained:
+            validate_config(train_config(build_parser().parse_args(["train", *words])))
+        assert str(trained.value) == str(refused.value)
+    found = plan("gpt-1.3b", "dgx-h100", 64, degrees={"pp": 2})
+    reasons = set(found.rejected)
+    for rc, zero in (("none", 3), ("full", 0)):
+        with pytest.raises(ValueError) as refused:
+            check_schedule("zb", 2, 4, zero=zero, recompute=rc)
+        assert str(refused.value) in reasons
 
 
 # --- bubble theory ------------------------------------------------------------------------

@@ -268,6 +268,31 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 }
 
 
+def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1, *,
+                   zero: int = 0, recompute: str = "none") -> None:
+    """Refuse, in one line, what a schedule cannot run with (the rules of the schedules
+    live here: ``config.validate``, ``bubble`` and the planner ask). Virtual stages are
+    interleaved 1F1B's alone, and its micro-batches come in whole groups of pp
+    (Megatron's rule). ZB-H1's W pass runs after B, on the layer's weights and the
+    inputs its products saved: ZeRO-3 frees the weights between the two, and full
+    recomputation frees the inputs (each module's split backward would run the block
+    again)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}")
+    if virtual != 1 and name != "interleaved":
+        raise ValueError(f"--virtual {virtual} needs --schedule interleaved (got {name})")
+    if name == "interleaved" and microbatches % pp:
+        raise ValueError(f"--schedule interleaved needs --microbatches divisible by --pp "
+                         f"({microbatches} % {pp} != 0)")
+    if name == "zb" and zero == 3:  # at every pp: W runs at pp = 1 too
+        raise ValueError("--zero 3 with --schedule zb is not supported: the split weight "
+                         "gradient (W) runs after ZeRO-3 has freed the layer's weights")
+    if name == "zb" and recompute == "full":
+        raise ValueError("--recompute full with --schedule zb is not supported: W needs the "
+                         "inputs recomputation frees, and each module's split backward "
+                         "would run the block again (try --recompute selective or cheap)")
+
+
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The per-rank action lists of the schedule called ``name`` (see ``SCHEDULES``)."""
     try:

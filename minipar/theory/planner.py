@@ -60,10 +60,11 @@ import bisect
 import itertools
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
+from minipar.parallel.schedules import check_schedule
 from minipar.theory.bubble import partition_layers, pipeline_seconds
 from minipar.theory.card import MEMORY_MARGIN, card_peak, host_fit
 from minipar.theory.clusters import Cluster, get_cluster
@@ -474,18 +475,16 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                 m = local // b
                 for schedule, v in _schedules(schedules, cfg, pp, m):
                     for zero in zero_stages:
-                        if zero == 3 and schedule == "zb":  # config.validate refuses it
-                            reject("ZeRO-3 frees the weights zb's W pass needs",
-                                   f"zero=3 with zb, pp={pp}")
+                        if refused := _refusal(schedule, pp, m, v, zero, "none"):
+                            reject(refused, f"zero={zero} with {schedule}, pp={pp}")
                             continue
                         if zero in (1, 2) and dp * cp == 1:  # shards of one: ZeRO-0
                             reject("ZeRO-1/2 over one rank is ZeRO-0", f"zero={zero}, dp=1")
                             continue
                         kept: Estimate | None = None  # the layout recomputing nothing
                         for ep, rc in ((e, r) for e in _eps(cfg, dp) for r in recomputes):
-                            if rc == "full" and schedule == "zb":  # config.validate, too
-                                reject("full recomputation frees what zb's W pass needs",
-                                       f"recompute=full with zb, pp={pp}")
+                            if refused := _refusal(schedule, pp, m, v, zero, rc):
+                                reject(refused, f"recompute={rc} with {schedule}, pp={pp}")
                                 continue
                             # pp: stages balanced for the head (interleaved: the
                             # last chunk, whose rank runs the head)
@@ -600,6 +599,18 @@ def _idle_recomputation(layouts: list[Estimate]) -> list[Estimate]:
         RECOMPUTE_ORDER[x.layout.recompute] < RECOMPUTE_ORDER[est.layout.recompute]
         and x.memory["process"] <= est.memory["process"] and x.step_time <= est.step_time
         for x in same[without_recompute(est)])]
+
+
+@cache
+def _refusal(schedule: str, pp: int, microbatches: int, virtual: int, zero: int,
+             recompute: str) -> str | None:
+    """Why ``train`` would refuse the schedule with these settings (``check_schedule``'s
+    line), or None."""
+    try:
+        check_schedule(schedule, pp, microbatches, virtual, zero=zero, recompute=recompute)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _ties_by_memory(layouts: list[Estimate]) -> list[Estimate]:
