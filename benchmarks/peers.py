@@ -107,21 +107,24 @@ def init_like_gpt(model: nn.Module, n_layer: int) -> None:
                 local.normal_(0.0, std)
 
 
-def fsdp2(model: GPT, mesh, *, bf16: bool = False, recompute: bool = False,
+def fsdp2(model: GPT, mesh, *, bf16: bool = False, recompute: bool | int = False,
           meta: bool = False, device: torch.device | None = None) -> GPT:
     """FSDP2: ``fully_shard`` per block then the root; bf16 parameters with fp32 reduction
-    when ``bf16``; every block checkpointed when ``recompute``. ``meta``: ``model`` was
+    when ``bf16``; every block checkpointed when ``recompute`` is True, the first N when
+    it is N (Megatron's ``--recompute-num-layers``, as minipar's ``--recompute-layers``:
+    the peer at the fewest recomputed blocks that fit a card). ``meta``: ``model`` was
     built on the meta device; its shards are materialised on ``device`` and initialised."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 else MixedPrecisionPolicy())
-    if recompute:
+    if recompute is not False:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             checkpoint_wrapper,
         )
 
-        for i, block in enumerate(model.blocks):
+        first = len(model.blocks) if recompute is True else int(recompute)
+        for i, block in enumerate(model.blocks[:first]):
             model.blocks[i] = checkpoint_wrapper(block)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)

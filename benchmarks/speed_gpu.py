@@ -12,7 +12,10 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
   compiled / compiled with ``--recompute-layers`` 36 and 32 of 40; and the FSDP2 peer
   (``benchmarks/peers.fsdp2``: ``fully_shard`` per block, bf16 parameters, fp32
   reduction, meta-device init, ``checkpoint_wrapper`` per block for 13B; torch's AdamW,
-  and at 13B fused AdamW too, as minipar steps) in the same job.
+  and at 13B fused AdamW too, as minipar steps) in the same job; the planner's first
+  data-parallel pick beside FSDP2 at its own fit (fused AdamW, checkpointing the first N
+  blocks, N the fewest whole blocks the planner's pick without cheap recomputation
+  recomputes, and N + 4).
 * ``memory``: one rank's allocations over build + 2 steps (``torch.cuda.memory.
   _record_memory_history``), replayed to the peak: the live bytes there grouped by the
   allocating call site (innermost frame in minipar, the benchmarks, torch.distributed,
@@ -116,7 +119,7 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
     run.row(section, name, go, model=model, batch=batch, flags=flags)
 
 
-def peer_row(run: multigpu.Run, name: str, model: str, batch: int, recompute: bool,
+def peer_row(run: multigpu.Run, name: str, model: str, batch: int, recompute: bool | int,
              fused: bool = False) -> None:
     spec = multigpu.peer_spec(run, "fsdp2", model, run.n, batch, recompute=recompute,
                               fused=fused)
@@ -145,6 +148,13 @@ def section_speed(run: multigpu.Run) -> None:
                 full + ["--compile", "--recompute-layers", str(k)])
     cli_row(run, f"minipar {big} dp{n} the planner's pick", big, 4 * n,
             planner_flags(big, n, 4 * n))
+    # the peer at its own fit: FSDP2 has no cheap recomputation, so its fastest layout on
+    # the card checkpoints the fewest whole blocks that fit, as the planner's pick without
+    # cheap recomputation does (and 4 more, should the peer hold more than minipar)
+    k = fewest_recomputed(big, n, 4 * n)
+    for first in sorted({k, min(k + 4, layers)}):
+        peer_row(run, f"FSDP2 {big} dp{n} + checkpointing the first {first}, fused AdamW",
+                 big, 4 * n, recompute=first, fused=True)
 
 
 def planner_flags(model: str, n: int, batch: int) -> list[str]:
@@ -155,6 +165,16 @@ def planner_flags(model: str, n: int, batch: int) -> list[str]:
     flags = first.layout.train_flags(model)
     mine = {i for i, f in enumerate(flags) if f in ("--model", "--batch-size", "--dtype")}
     return [f for i, f in enumerate(flags) if i not in mine and i - 1 not in mine]
+
+
+def fewest_recomputed(model: str, n: int, batch: int) -> int:
+    """The blocks the planner's first data-parallel layout recomputes in full when cheap
+    recomputation is left out (on n 80 GB H100s; every block where it recomputes all)."""
+    first = plan(model, cluster(n, "H100-80GB", n), batch, degrees={"dp": n},
+                 recomputes=("none", "selective", "full")).layouts[0].layout
+    if first.recompute != "full":
+        return 0
+    return first.recompute_layers or get_config(model).n_layer
 
 
 # --- slice: one GPU, a model's blocks at full width ----------------------------------------
