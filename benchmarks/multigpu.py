@@ -106,6 +106,7 @@ from minipar.config import TrainConfig, validate  # noqa: E402
 from minipar.doctor import host_memory  # noqa: E402
 from minipar.launch import launch  # noqa: E402
 from minipar.model import get_config  # noqa: E402
+from minipar.parallel.schedules import SPLIT_BACKWARD, VIRTUAL_STAGES  # noqa: E402
 from minipar.theory.clusters import rising  # noqa: E402
 from minipar.theory.params import (  # noqa: E402
     head_layers_for,
@@ -936,15 +937,16 @@ def speed_pp(run: Run) -> None:
     s, n, model = run.sizes, run.n, run.sizes.speed_model
     b = s.per_gpu_batch * n
     m = b // s.pp_micro
-    for sched in ("1f1b", "interleaved", "zb"):
-        v = 2 if sched == "interleaved" else 1
+    for sched in ("1f1b", "interleaved", "zb", "interleaved-zb"):
+        v = 2 if sched in VIRTUAL_STAGES else 1
         ov = _untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched, virtual=v)
         speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else ""),
                   minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
                                schedule=sched, virtual=v), "pp")
-        if sched != "zb":  # eager by default (``config.use_compile``): compiled blocks,
-            # and compiled without the fused weight gradient, whose breaks split a block
-            # into several graphs (one graph a block: the host's cost per call is less)
+        if sched not in SPLIT_BACKWARD:  # eager by default (``config.use_compile``):
+            # compiled blocks, and compiled without the fused weight gradient, whose breaks
+            # split a block into several graphs (one graph a block: the host's cost per
+            # call is less)
             for tag, extra in ((" compiled", {}),
                                (" compiled no-wgrad-fusion", {"wgrad_fusion": False})):
                 speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else "")
@@ -964,11 +966,12 @@ def speed_pp(run: Run) -> None:
                                    schedule=sched, virtual=1, wgrad_fusion=False), "pp")
     # balanced stages: the last holds k layers fewer (its head and loss cost ~k), both
     k = head_layers_for(model)
-    for sched in ("1f1b", "zb"):
-        ov = _untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched)
+    for sched in ("1f1b", "zb", "interleaved-zb"):
+        v = 2 if sched in VIRTUAL_STAGES else 1
+        ov = _untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched, virtual=v)
         speed_row(run, "speed", f"minipar pp{n} {sched} head-layers {k}",
                   minipar_spec(run, model, n, b, ov, pp=n, microbatches=m, schedule=sched,
-                               virtual=1, head_layers=k), "pp")
+                               virtual=v, head_layers=k), "pp")
         speed_row(run, "speed", f"torch pipelining pp{n} {sched} head-layers {k}",
                   peer_spec(run, "torch-pp", model, n, b, ov, schedule=sched,
                             microbatches=m, head_layers=k), "pp")

@@ -38,10 +38,12 @@ from minipar.model import GPT, embed_tokens
 from minipar.parallel.tp import shard_tensor
 
 # minipar schedule -> torch.distributed.pipelining class and chunks per rank. torch has
-# no single-chunk ZB-H1; its zero-bubble schedule for looped stages is the closest peer.
+# no single-chunk ZB-H1; its zero-bubble schedule for looped stages, the peer of
+# interleaved-zb, is the closest.
 TORCH_SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
                    "interleaved": ("ScheduleInterleaved1F1B", 2),
-                   "zb": ("ScheduleInterleavedZeroBubble", 2)}
+                   "zb": ("ScheduleInterleavedZeroBubble", 2),
+                   "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2)}
 
 
 class MasterWeights:

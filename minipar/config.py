@@ -30,14 +30,14 @@ from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
 from minipar.parallel.fp8 import check_fp8
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.recompute import MODES as RECOMPUTE
-from minipar.parallel.schedules import check_schedule
+from minipar.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, check_schedule
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
 from minipar.theory.card import card_peak, host_fit
 from minipar.theory.layout import Layout
 from minipar.theory.planner import plan
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULE_NAMES = tuple(SCHEDULES)
 DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -292,8 +292,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
     model = cfg.model_config()
     check_tp(model, cfg.tp, cfg.sp)
     checks.layout(model, cfg.dp, cfg.pp, cfg.tp, cfg.virtual, cfg.sp)
-    if cfg.schedule == "interleaved" and cfg.pp > 1 and cfg.virtual < 2:
-        raise ValueError("--schedule interleaved needs --virtual 2 or more "
+    if cfg.schedule in VIRTUAL_STAGES and cfg.pp > 1 and cfg.virtual < 2:
+        raise ValueError(f"--schedule {cfg.schedule} needs --virtual 2 or more "
                          "(chunks per rank)")
     check_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual, zero=cfg.zero,
                    recompute=cfg.recompute)
@@ -372,7 +372,7 @@ def use_compile(cfg: TrainConfig, on_cuda: bool | None = None) -> bool:
     if cfg.compile is not None:
         return cfg.compile
     on_cuda = uses_cuda(cfg) if on_cuda is None else on_cuda
-    return (on_cuda and not cfg.dropout and cfg.schedule != "zb" and cfg.pp == 1
+    return (on_cuda and not cfg.dropout and cfg.schedule not in SPLIT_BACKWARD and cfg.pp == 1
             and cfg.tp == 1 and cfg.cp == 1 and not cheap_recompute(cfg))
 
 
@@ -385,9 +385,10 @@ def cheap_recompute(cfg: TrainConfig) -> bool:
 def _check_compile(cfg: TrainConfig) -> None:
     if not cfg.compile:
         return
-    if cfg.schedule == "zb":
-        raise ValueError("--compile with --schedule zb is not supported: its split weight "
-                         "gradient (W) needs each linear's own backward; use --no-compile")
+    if cfg.schedule in SPLIT_BACKWARD:
+        raise ValueError(f"--compile with --schedule {cfg.schedule} is not supported: its "
+                         "split weight gradient (W) needs each linear's own backward; use "
+                         "--no-compile")
     if cfg.dropout:
         raise ValueError("--compile with --dropout recompiles the blocks at every step (the "
                          "masks' keys change); use --no-compile")

@@ -126,6 +126,9 @@ NOT_YET_RUN = {
     # schedule's stages now): rehearsed on one H100 (rehearsal-1xH100-2026-12-06t4)
     ("gpt-6.7b", "tp=1 pp=2 dp=2 zero=2 b=2 m=8 interleaved v=2 head-layers=1"),
     ("gpt-6.7b", "tp=1 pp=2 dp=2 zero=1 b=2 m=8 interleaved v=2 head-layers=1"),
+    # interleaved with its weight passes deferred (``schedules.interleaved_zero_bubble``)
+    ("gpt-6.7b", "tp=1 pp=2 dp=2 zero=2 b=2 m=8 interleaved-zb v=2 head-layers=1"),
+    ("gpt-6.7b", "tp=1 pp=2 dp=2 zero=1 b=2 m=8 interleaved-zb v=2 head-layers=1"),
     # ZeRO-2 under sp, since its buckets reduce during the backward: rehearsed on one
     # H100 (rehearsal-1xH100-2026-12-06r1-planner: 74.2 GiB reserved, 77.4 with NCCL's)
     ("gpt-13b", "tp=2 pp=1 dp=2 zero=2 b=8 m=1 sp recompute=full recompute-layers=30"),

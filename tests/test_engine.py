@@ -103,6 +103,9 @@ COVERING = [
     dict(tp=2, sp=True, pp=2, microbatches=2, recompute="cheap", recompute_layers=1),
     # W runs each module on its own graph and reads inputs a cheap recipe makes again
     dict(pp=2, schedule="zb", microbatches=2, recompute="cheap"),
+    # the weight passes deferred on interleaved chunks, ZeRO-1 over their replicas
+    dict(dp=2, pp=2, microbatches=4, zero=1, schedule="interleaved-zb", virtual=2,
+         recompute="cheap"),
 ]
 
 
@@ -136,6 +139,7 @@ SGD_COVERING = [
     dict(tp=2, sp=True),
     dict(pp=2, schedule="1f1b", microbatches=4),
     dict(pp=2, schedule="zb", microbatches=2),
+    dict(pp=2, schedule="interleaved-zb", virtual=2, microbatches=4, head_layers=1),
     dict(pp=2, microbatches=4, head_layers=1),  # balanced stages: the last one shorter
     dict(dp=2, pp=2, tp=2, microbatches=2, zero=1, schedule="interleaved", virtual=2),
 ]

@@ -91,13 +91,14 @@ def test_one_point_three_b_on_8_gpus_is_data_parallel():
 
 def test_plan_keeps_the_degrees_asked_for():
     """``degrees``: the best pipelines of four stages for gpt-1.3b on 4 x H100 are all
-    pp 4, every schedule's stages balanced for the head (interleaved's too: its last
-    chunk's rank runs the head); degrees no layout has are refused, with the rule."""
+    pp 4, every schedule's stages balanced for the head (the interleaved ones' too: the
+    last chunk's rank runs the head), the zero-bubble ones first, interleaved and not;
+    degrees no layout has are refused, with the rule."""
     result = plan("gpt-1.3b", cluster(4, "H100-80GB"), 32, degrees={"pp": 4})
     assert result.layouts and all(e.layout.pp == 4 for e in result.layouts)
     assert all(e.layout.head_layers == head_layers_for("gpt-1.3b", e.layout.recompute) > 0
                for e in result.layouts)
-    assert {"zb", "interleaved"} <= {e.layout.schedule for e in result.layouts[:5]}
+    assert {"zb", "interleaved-zb"} <= {e.layout.schedule for e in result.layouts[:5]}
     with pytest.raises(ValueError, match="no layout of 4 GPUs has pp=3: dp x pp x tp"):
         plan("gpt-1.3b", cluster(4, "H100-80GB"), 32, degrees={"pp": 3})
     with pytest.raises(ValueError, match=r"\['ep'\] are not dp, pp, tp or cp"):
@@ -516,7 +517,7 @@ def test_zero_bubble_stages_hold_the_deferred_weight_gradients_inputs():
     """Rehearsed on one H100 (gpt-1.3b, pp 4, 16 micro-batches of 2, bf16, each stage's
     rank alone; rehearsal-1xH100-2026-12-06r2-zb): live peaks 13.61 / 12.05 / 12.40 /
     17.61 GiB per stage; the model: 13.44 / 11.82 / 12.19 / 18.26 (-1.9% .. +3.7%;
-    ``memory.zb_in_flight``: before the B that finds stage s fullest, s micro-batches wait
+    ``memory.split_in_flight``: before the B that finds stage s fullest, s micro-batches wait
     for their W with what it reads and their output gradients, beside p - s whole ones;
     the first stage's W makes the embedding's gradient, the last's reads the logits').
     The model it replaced (every stage holding p whole micro-batches and s + 1 W passes'

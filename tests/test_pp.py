@@ -86,17 +86,18 @@ def _parity_rank(configs: list[tuple[str, int, int]], wrap: bool = False) -> lis
 
 FAST = {
     2: [("gpipe", 1, 1), ("gpipe", 3, 1), ("1f1b", 1, 1), ("1f1b", 3, 1), ("1f1b", 4, 1),
-        ("zb", 1, 1), ("zb", 3, 1), ("zb", 4, 1), ("interleaved", 2, 2), ("interleaved", 4, 2)],
+        ("zb", 1, 1), ("zb", 3, 1), ("zb", 4, 1), ("interleaved", 2, 2), ("interleaved", 4, 2),
+        ("interleaved-zb", 2, 2), ("interleaved-zb", 4, 2)],
     4: [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 6, 1), ("zb", 3, 1), ("zb", 6, 1),
-        ("interleaved", 4, 2), ("interleaved", 8, 2)],
+        ("interleaved", 4, 2), ("interleaved", 8, 2), ("interleaved-zb", 8, 2)],
 }
 FULL = {
     2: [(n, m, 1) for n in ("gpipe", "1f1b", "zb") for m in (2, 6, 8)]
-    + [("interleaved", m, v) for m in (2, 6, 8) for v in (1, 2, 4)],
+    + [(n, m, v) for n in ("interleaved", "interleaved-zb") for m in (2, 6, 8) for v in (1, 2, 4)],
     3: [(n, m, 1) for n in ("gpipe", "1f1b", "zb") for m in (1, 2, 4, 8)]
-    + [("interleaved", m, v) for m in (3, 6) for v in (1, 2)],
+    + [(n, m, v) for n in ("interleaved", "interleaved-zb") for m in (3, 6) for v in (1, 2)],
     4: [(n, m, 1) for n in ("gpipe", "1f1b", "zb") for m in (1, 3, 4, 8)]
-    + [("interleaved", 4, 1), ("interleaved", 12, 2)],
+    + [("interleaved", 4, 1), ("interleaved", 12, 2), ("interleaved-zb", 12, 2)],
 }
 
 
@@ -140,7 +141,7 @@ def test_parity_full_matrix(pp):
 def test_wrapper_hooks_fire_and_each_gradient_accumulates_once_per_microbatch():
     """The engine wraps chunks (DP/ZeRO) after build_stage: their forward hooks and the
     parameters' gradient hooks must fire, W actions included."""
-    configs = [("1f1b", 3, 1), ("zb", 3, 1), ("interleaved", 2, 2)]
+    configs = [("1f1b", 3, 1), ("zb", 3, 1), ("interleaved", 2, 2), ("interleaved-zb", 2, 2)]
     results = launch(_parity_rank, 2, args=(configs,), kwargs={"wrap": True}, timeout=120)
     _check_parity(2, results)
     for rank in results:
@@ -368,7 +369,8 @@ def _tied_rank(pp: int, tp: int, configs: list[tuple[str, int, int]],
 
 
 def _tied_configs(pp: int) -> list[tuple[str, int, int]]:
-    return [("gpipe", pp, 1), ("1f1b", pp, 1), ("zb", pp, 1), ("interleaved", pp, 2)]
+    return [("gpipe", pp, 1), ("1f1b", pp, 1), ("zb", pp, 1), ("interleaved", pp, 2),
+            ("interleaved-zb", pp, 2)]
 
 
 # pp 4 x tp 2 (8 ranks) in make test-full: pp 4 (middle stages without the embedding) and

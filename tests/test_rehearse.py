@@ -367,6 +367,8 @@ SCALED_LAYOUTS = {
     "pp2-dp2-zero1-zb": dict(pp=2, dp=2, zero=1, microbatches=4, schedule="zb"),
     "pp2-dp2-zero1-zb-cheap-first-2": dict(pp=2, dp=2, zero=1, microbatches=4, schedule="zb",
                                            recompute="cheap", recompute_layers=2),
+    "pp2-dp2-zero1-interleaved-zb": dict(pp=2, dp=2, zero=1, microbatches=4,
+                                         schedule="interleaved-zb", virtual=2),
     "cp2-dp2-zero1": dict(cp=2, dp=2, zero=1),
     "dp4-zero1": dict(dp=4, zero=1),
     "dp2-zero1-fp32": dict(dp=2, zero=1, dtype="fp32"),

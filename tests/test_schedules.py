@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from minipar.parallel.schedules import (
     COMPUTE,
     SCHEDULES,
+    SPLIT_BACKWARD,
+    VIRTUAL_STAGES,
     Action,
     ScheduleError,
     check_schedule,
@@ -34,7 +36,7 @@ def layouts(draw, max_pp: int = 8, max_m: int = 16):
     """(name, pp, microbatches, virtual) that the schedule accepts."""
     name = draw(st.sampled_from(sorted(SCHEDULES)))
     pp = draw(st.integers(1, max_pp))
-    if name == "interleaved":
+    if name in VIRTUAL_STAGES:
         return name, pp, pp * draw(st.integers(1, max(1, max_m // pp))), draw(st.integers(1, 4))
     return name, pp, draw(st.integers(1, max_m)), 1
 
@@ -50,7 +52,8 @@ def test_every_pass_exactly_once_on_its_rank(layout):
         got = sorted((a.mb, a.chunk) for acts in actions for a in acts if a.kind == kind)
         assert got == sorted((mb, c) for mb in range(m) for c in range(pp * v)), kind
     ws = sorted((a.mb, a.chunk) for acts in actions for a in acts if a.kind == "W")
-    assert ws == (sorted((mb, c) for mb in range(m) for c in range(pp)) if name == "zb" else [])
+    assert ws == (sorted((mb, c) for mb in range(m) for c in range(pp * v))
+                  if name in SPLIT_BACKWARD else [])
     for r, acts in enumerate(actions):
         assert all(a.chunk % pp == r for a in acts)
     validate(actions, m, v)

@@ -315,13 +315,42 @@ def test_embedding_and_output_terms():
 
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
-                                               ("interleaved", 3), ("zb", 1)])
+                                               ("interleaved", 3), ("zb", 1),
+                                               ("interleaved-zb", 2), ("interleaved-zb", 3)])
 @pytest.mark.parametrize("pp", [2, 4])
 def test_inflight_matches_the_schedules(schedule, virtual, pp):
     """The formula agrees with the peak counted from the executed action lists."""
     for m in (pp, 2 * pp, 3 * pp):
         peaks = peak_in_flight(make_schedule(schedule, pp, m, virtual))
         assert peaks == [inflight(schedule, pp, m, s, virtual) for s in range(pp)]
+
+
+@pytest.mark.parametrize("schedule, virtual", [("zb", 1), ("interleaved-zb", 2),
+                                               ("interleaved-zb", 3)])
+def test_the_fullest_moment_of_a_split_backward_is_the_schedules_own(schedule, virtual):
+    """``split_in_flight``'s (deferred, whole) pair is the fullest moment of a walk along
+    each stage's action list: before every B, the chunks whose B ran and whose W has not
+    (each keeping a fraction of a whole one) and those whose F ran and whose B has not.
+    For every pp, m and kept share, no B finds the stage fuller."""
+    from minipar.theory.memory import split_in_flight
+
+    step = 1 if schedule == "zb" else None
+    for pp in (2, 3, 4, 6, 8):
+        for m in range(step or pp, 4 * pp + 1, step or pp):
+            actions = make_schedule(schedule, pp, m, virtual)
+            for stage in range(pp):
+                pairs, busy, done = set(), 0, 0
+                for a in actions[stage]:
+                    busy += a.kind == "F"
+                    if a.kind == "B":
+                        pairs.add((done, busy))
+                        busy, done = busy - 1, done + 1
+                    done -= a.kind == "W"
+                got = split_in_flight(schedule, pp, m, stage, virtual)
+                assert got in pairs, (pp, m, stage, got)
+                for kept in (0.1, 0.5, 0.9):
+                    assert max(d * kept + b for d, b in pairs) == pytest.approx(
+                        got[0] * kept + got[1]), (pp, m, stage, kept)
 
 
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B and ZB-H1, plus a validator.
+"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and interleaved zero
+bubble, plus a validator.
 
 A pipeline cuts the model into ``pp * virtual`` chunks of consecutive layers; rank ``r``
 holds chunks ``r, r + pp, ...`` (Megatron's virtual stages). A *schedule* is, for every
@@ -263,33 +264,96 @@ def zb_h1(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     return with_communication(out)
 
 
+def defer_weight_passes(compute: Schedule) -> Schedule:
+    """Split every backward of a schedule in B and W and move the W into the holes: the
+    zero-bubble idea (Qi et al. 2024, section 3) applied to any order of F and B.
+
+    Each rank keeps its order of F and B. Rank ``r`` defers at most ``r`` weight passes:
+    a deferred W runs where the rank would otherwise wait for a neighbour, or as soon as
+    ``r`` others wait, and the rest at the end. Where to wait is read off a simulation at
+    equal unit costs (F = B = W, the paper's), the earliest start first. Rank 0, whose
+    neighbours wait on it the longest, runs each W right after its B; a later rank idles
+    more in 1F1B, has more holes and defers more. So every rank holds at most rank 0's
+    peak of activations (a micro-batch's are held until its W), as ZB-H1 does by hand for
+    1F1B (``zb_h1``; this function, given 1F1B, finds a step of the same length).
+    """
+    pp = len(compute)
+    order = [[a for a in acts if a.kind in ("F", "B")] for acts in compute]
+    n_chunks = pp * schedule_shape(compute)[2]
+    finish: dict[Action, int] = {}
+    clock, pos = [0] * pp, [0] * pp
+    deferred: list[list[Action]] = [[] for _ in range(pp)]
+    out: Schedule = [[] for _ in range(pp)]
+
+    def inputs_at(a: Action) -> int | None:
+        times = [finish.get(d) for d in data_deps(a, n_chunks)]
+        return None if None in times else max(times, default=0)
+
+    while any(pos[r] < len(order[r]) or deferred[r] for r in range(pp)):
+        moves = []  # (start, rank, action; None: the oldest deferred W)
+        for r in range(pp):
+            nxt = order[r][pos[r]] if pos[r] < len(order[r]) else None
+            t = None if nxt is None else inputs_at(nxt)
+            if t is not None and len(deferred[r]) <= r and (t <= clock[r] or not deferred[r]):
+                moves.append((max(clock[r], t), r, nxt))
+            elif deferred[r]:  # it would wait, or defers too many: a W first
+                moves.append((clock[r], r, None))
+        if not moves:
+            raise ScheduleError("compute order violates dependencies, no rank can proceed")
+        start, r, a = min(moves, key=lambda move: move[:2])
+        if a is None:
+            a = deferred[r].pop(0)
+        else:
+            pos[r] += 1
+            if a.kind == "B":
+                deferred[r].append(Action("W", a.mb, a.chunk))
+        out[r].append(a)
+        clock[r] = finish[a] = start + 1
+    return with_communication(out)
+
+
+def interleaved_zero_bubble(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Interleaved 1F1B with its weight passes deferred into the holes
+    (``defer_weight_passes``): ZB-H1's third of the bubble on chunks v times smaller,
+    (p-1)/(3 v m) of the work at F = B = W. torch.distributed.pipelining's
+    ``ScheduleInterleavedZeroBubble`` builds the same kind of step."""
+    _check("interleaved-zb", pp, microbatches, virtual, True)
+    return defer_weight_passes(interleaved_1f1b(pp, microbatches, virtual))
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb": zb_h1,
+    "interleaved-zb": interleaved_zero_bubble,
 }
+# the schedules that run several chunks per rank (--virtual), and those whose backward is
+# split in B and W (W runs later, on the weights and inputs the layer kept)
+VIRTUAL_STAGES = ("interleaved", "interleaved-zb")
+SPLIT_BACKWARD = ("zb", "interleaved-zb")
 
 
 def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1, *,
                    zero: int = 0, recompute: str = "none") -> None:
     """Refuse, in one line, what a schedule cannot run with (the rules of the schedules
     live here: ``config.validate``, ``bubble`` and the planner ask). Virtual stages are
-    interleaved 1F1B's alone, and its micro-batches come in whole groups of pp
-    (Megatron's rule). ZB-H1's W pass runs after B, on the layer's weights and the
+    interleaved schedules' alone, and their micro-batches come in whole groups of pp
+    (Megatron's rule). A zero-bubble W pass runs after B, on the layer's weights and the
     inputs its products saved: ZeRO-3 frees the weights between the two, and full
     recomputation frees the inputs (each module's split backward would run the block
     again)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}")
-    if virtual != 1 and name != "interleaved":
-        raise ValueError(f"--virtual {virtual} needs --schedule interleaved (got {name})")
-    if name == "interleaved" and microbatches % pp:
-        raise ValueError(f"--schedule interleaved needs --microbatches divisible by --pp "
+    if virtual != 1 and name not in VIRTUAL_STAGES:
+        raise ValueError(f"--virtual {virtual} needs --schedule interleaved or "
+                         f"interleaved-zb (got {name})")
+    if name in VIRTUAL_STAGES and microbatches % pp:
+        raise ValueError(f"--schedule {name} needs --microbatches divisible by --pp "
                          f"({microbatches} % {pp} != 0)")
-    if name == "zb" and zero == 3:  # at every pp: W runs at pp = 1 too
-        raise ValueError("--zero 3 with --schedule zb is not supported: the split weight "
-                         "gradient (W) runs after ZeRO-3 has freed the layer's weights")
-    if name == "zb" and recompute == "full":
-        raise ValueError("--recompute full with --schedule zb is not supported: W needs the "
-                         "inputs recomputation frees, and each module's split backward "
+    if name in SPLIT_BACKWARD and zero == 3:  # at every pp: W runs at pp = 1 too
+        raise ValueError(f"--zero 3 with --schedule {name} is not supported: the split "
+                         "weight gradient (W) runs after ZeRO-3 has freed the layer's weights")
+    if name in SPLIT_BACKWARD and recompute == "full":
+        raise ValueError(f"--recompute full with --schedule {name} is not supported: W needs "
+                         "the inputs recomputation frees, and each module's split backward "
                          "would run the block again (try --recompute selective or cheap)")
 
 

@@ -8,7 +8,8 @@ its neighbour idles. That idle time is the *bubble*. Two ways to quote it:
 * ``bubble_ratio``: idle over useful work, the form Megatron-LM quotes:
   (p-1)/m for 1F1B, (p-1)/(v m) for interleaved 1F1B with v chunks per rank
   (Narayanan et al., arXiv 2104.04473, section 2.2), and (p-1)/(3m) for ZB-H1 with
-  t_F = t_B = t_W (Qi et al., arXiv 2401.10241, section 3: (p-1)(t_F + t_B - t_W)).
+  t_F = t_B = t_W (Qi et al., arXiv 2401.10241, section 3: (p-1)(t_F + t_B - t_W)),
+  (p-1)/(3vm) for interleaved zero bubble (the same on chunks v times smaller).
 
 The closed forms assume a clean pipeline; ``simulate`` makes no assumption: it runs the
 schedule's own action lists (``minipar.parallel.schedules``) on unit times (forward 1,
@@ -166,6 +167,8 @@ def bubble_ratio_formula(schedule: str, pp: int, microbatches: int, virtual: int
         return (p - 1) / (v * m)
     if schedule == "zb":
         return (p - 1) / (3 * m)
+    if schedule == "interleaved-zb":  # ZB-H1's third, on chunks v times smaller
+        return (p - 1) / (3 * v * m)
     raise ValueError(f"no closed form for schedule {schedule!r}")
 
 
@@ -277,7 +280,8 @@ def pipeline_seconds(schedule: str, pp: int, microbatches: int, virtual: int,
 # stage, which runs the head, is the busiest; up to 6% above it when a lighter last stage
 # lets the others overlap their cool-downs.
 SIMULATED_PP = 8
-IDLE_SHARE = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0, "zb": 1 / 3}
+IDLE_SHARE = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0, "zb": 1 / 3,
+              "interleaved-zb": 1 / 3}
 
 
 _actions = lru_cache(maxsize=256)(make_schedule)  # read only: one list per shape

@@ -39,6 +39,7 @@ from minipar.checks import positive  # the command line's check (no 0 or -4 rank
 from minipar.mesh import Mesh  # layout only; no process groups
 from minipar.model import GPTConfig
 from minipar.parallel.recompute import MODES as RECOMPUTE
+from minipar.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES
 from minipar.parallel.zero.optimizer import BUCKETS_IN_FLIGHT
 from minipar.parallel.zero.stage3 import UNITS_IN_FLIGHT
 from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-exported
@@ -70,7 +71,6 @@ _OPTIMIZER_STATES = {  # fp32 values per parameter the optimizer keeps
 }
 _ALIASES = {"adamw": "adam", "fp16": "bf16"}
 PRECISIONS = ("fp32", "bf16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 def _act_bytes(dtype: str) -> int:
@@ -312,6 +312,9 @@ def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
       its weight-gradient pass W, and stage s defers s of them, so every stage holds
       min(m, p): the first stage's 1F1B peak, now on all stages (the paper's "peak
       memory no more than 1F1B's" is about the worst stage).
+    * interleaved zero bubble: interleaved 1F1B's count plus the s weight passes stage
+      s defers (``split_in_flight``): min(m v, 2(p - 1) + (v - 1)p + 1 - s) with enough
+      micro-batches, one less per stage (not the same on all, as ZB-H1's).
 
     ``minipar.theory.bubble`` derives the same counts from the schedules' action lists
     (a test checks they agree when that module is present).
@@ -320,15 +323,15 @@ def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
-    if virtual > 1 and schedule != "interleaved":
-        raise ValueError(f"virtual={virtual} chunks need the interleaved schedule")
+    if virtual > 1 and schedule not in VIRTUAL_STAGES:
+        raise ValueError(f"virtual={virtual} chunks need an interleaved schedule")
     m = microbatches
     if schedule == "gpipe":
         return m
     if schedule == "interleaved":
         return min(m * virtual, 2 * (pp - stage - 1) + (virtual - 1) * pp + 1)
-    if schedule == "zb":
-        return min(m, pp)
+    if schedule in SPLIT_BACKWARD:
+        return sum(split_in_flight(schedule, pp, m, stage, virtual))
     return min(m, pp - stage)
 
 
@@ -357,15 +360,23 @@ def embedding_grad_bytes(cfg: GPTConfig, tp: int, dtype: str) -> int:
     return cfg.vocab_size * cfg.d_model // tp * _act_bytes(dtype)
 
 
-def zb_in_flight(pp: int, microbatches: int, stage: int) -> tuple[int, int]:
-    """What stage ``stage`` of minipar's ZB-H1 (``schedules.zb_h1``) holds before the
-    backward B(i) that finds it fullest, i = min(s, m - 1): (the micro-batches whose B
-    has run and whose W has not, each keeping what its W reads and its output
-    gradients; the micro-batches whose forward has run and whose B has not, B(i)'s
-    own among them, each keeping all it stored). On every stage the two add up to
-    min(m, p), as ``inflight``'s zb count."""
-    done = min(stage, microbatches - 1)
-    return done, min(microbatches - done, pp - stage)
+def split_in_flight(schedule: str, pp: int, microbatches: int, stage: int,
+                    virtual: int = 1) -> tuple[int, int]:
+    """What stage ``stage`` of a split-backward schedule (ZB-H1, interleaved zero bubble)
+    holds before the backward B that finds it fullest: (the micro-batches, or chunks,
+    whose B has run and whose W has not, each keeping what its W reads and its output
+    gradients; those whose forward has run and whose B has not, that B's own among them,
+    each keeping all it stored).
+
+    The F and B run in the order of the schedule they split (1F1B, interleaved 1F1B),
+    whose warm-up leaves ``warm`` forwards in flight (``inflight``); the steady state keeps
+    that many while forwards remain, and stage s defers its first s weight passes
+    (``schedules.zb_h1``, ``schedules.defer_weight_passes``). The fullest B is the one
+    after min(s, f) of them, f the forwards left after the warm-up: ZB-H1 with m >= p
+    holds (s, p - s), p on every stage. (Tested against a walk along the action lists.)"""
+    base = "interleaved" if schedule in VIRTUAL_STAGES else "1f1b"
+    warm = inflight(base, pp, microbatches, stage, virtual)
+    return min(stage, microbatches * virtual - warm), warm
 
 
 def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: int = 0,
@@ -392,7 +403,7 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     # what the blocks past the first N do (none, cheap); minipar's ZB-H1 runs each module
     # on a detached input, a leaf of the module's graph that holds it till W, so a cheap
     # recomputation's recipe frees none of it
-    stitched = schedule == "zb" and accounting == "fused"
+    stitched = schedule in SPLIT_BACKWARD and accounting == "fused"
     mode, rest = ("none" if stitched and m == "cheap" else m
                   for m in (layout.recompute, layout.recompute_rest))
     total = (block_activations(cfg, layout, mode, accounting) * redone
@@ -405,10 +416,10 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     moe = stage_moe_layers(cfg, pp, stage, virtual, head) / virtual
     total += (per_moe_layer(mode) * moe_redone
               + per_moe_layer(rest) * (moe - moe_redone)) * chunks
-    if schedule == "zb" and not stitched:  # the paper's: every one in flight keeps its dy
+    if schedule in SPLIT_BACKWARD and not stitched:  # the paper's: each in flight keeps dy
         total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * chunks
-    elif schedule == "zb":  # minipar's ZB-H1: B(i) ends holding one more W's worth
-        done, busy = zb_in_flight(pp, layout.microbatches, stage)
+    elif schedule in SPLIT_BACKWARD:  # minipar's: B(i) ends holding one more W's worth
+        done, busy = split_in_flight(schedule, pp, layout.microbatches, stage, virtual)
         kept = (block_activations(cfg, layout, layout.recompute, accounting, True) * redone
                 + block_activations(cfg, layout, layout.recompute_rest, accounting, True)
                 * (layers - redone) + deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers)

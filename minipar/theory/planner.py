@@ -64,7 +64,7 @@ from functools import cache, lru_cache
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
-from minipar.parallel.schedules import check_schedule
+from minipar.parallel.schedules import VIRTUAL_STAGES, check_schedule
 from minipar.theory.bubble import partition_layers, pipeline_seconds
 from minipar.theory.card import MEMORY_MARGIN, card_peak, host_fit
 from minipar.theory.clusters import Cluster, get_cluster
@@ -394,7 +394,7 @@ def _powers_of_two(limit: int) -> list[int]:
 def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None = None,
          *, zero_stages: tuple[int, ...] = (0, 1, 2, 3),
          recomputes: tuple[str, ...] = RECOMPUTES,
-         schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb"),
+         schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb", "interleaved-zb"),
          max_microbatch_size: int = 8, sp: bool = True, min_cp_tokens: int = 4096,
          offload: bool = False, dtype: str = "bf16", optimizer: str = "adam",
          optimizer_kernel: str = "fused", order: str = "megatron",
@@ -654,7 +654,7 @@ def _schedules(names: tuple[str, ...], cfg: GPTConfig, pp: int, m: int):
         yield "1f1b", 1  # no pipeline: m is plain gradient accumulation
         return
     for name in names:
-        if name == "interleaved":
+        if name in VIRTUAL_STAGES:
             if m % pp == 0 and cfg.n_layer % (2 * pp) == 0:
                 yield name, 2
         else:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from minipar.parallel.schedules import make_schedule
+from minipar.parallel.schedules import VIRTUAL_STAGES, make_schedule
 from minipar.theory.bubble import UNIT_COST, bubble_fraction_formula, simulate
 
 COLOURS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B", "idle": "#D9D9D9"}
@@ -134,7 +134,7 @@ def schedule_timeline(schedule: str, pp: int, microbatches: int,
     forward of a whole stage takes 1, its backward 2 (split: B 1 + W 1). A chunk of an
     interleaved schedule is 1/v of a stage, so its actions take 1/v of those times:
     interleaving shortens the step instead of seeming to stretch it."""
-    v = virtual if schedule == "interleaved" else 1
+    v = virtual if schedule in VIRTUAL_STAGES else 1
     cost = {k: c / v for k, c in UNIT_COST.items()}
     return simulate(make_schedule(schedule, pp, microbatches, v), cost)
 
@@ -147,7 +147,7 @@ def bubble_curve_figure(pp: int = 4, max_microbatches: int = 32,
     fig = go.Figure()
     ms = list(range(1, max_microbatches + 1))
     for s in schedules:
-        v = virtual if s == "interleaved" else 1
+        v = virtual if s in VIRTUAL_STAGES else 1
         fig.add_trace(go.Scatter(x=ms, y=[bubble_fraction_formula(s, pp, m, v) for m in ms],
                                  mode="lines+markers", name=s + (f" v={v}" if v > 1 else "")))
     fig.update_layout(xaxis_title="micro-batches m", yaxis_title="bubble fraction",

@@ -22,7 +22,7 @@ from functools import lru_cache
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from minipar.parallel.schedules import make_schedule
+from minipar.parallel.schedules import SCHEDULES, VIRTUAL_STAGES, make_schedule
 from minipar.theory.bubble import bubble_stats, peak_in_flight
 from minipar.theory.clusters import CLUSTERS
 from minipar.theory.layout import Layout
@@ -107,7 +107,7 @@ def mesh_dashboard() -> Dashboard:
 
 def pipeline_text(schedule: str, pp: int, microbatches: int, virtual: int) -> str:
     """The numbers behind the pipeline dashboard's picture, as one line of HTML."""
-    v = virtual if schedule == "interleaved" else 1
+    v = virtual if schedule in VIRTUAL_STAGES else 1
     st = bubble_stats(schedule_timeline(schedule, pp, microbatches, v))
     held = peak_in_flight(make_schedule(schedule, pp, microbatches, v))
     unit = "chunks of 1/v stage" if v > 1 else "micro-batches"
@@ -119,16 +119,16 @@ def pipeline_text(schedule: str, pp: int, microbatches: int, virtual: int) -> st
 def pipeline_dashboard() -> Dashboard:
     """The theoretical timeline of a schedule; the bubble shows as grey. Every schedule
     is drawn in one unit (a whole stage's forward = 1), and the v slider shows only for
-    the interleaved schedule, the one it applies to."""
+    the interleaved schedules, the ones it applies to."""
     def make(schedule, pp, microbatches, virtual):
-        v = virtual if schedule == "interleaved" else 1
+        v = virtual if schedule in VIRTUAL_STAGES else 1
         return timeline_figure(schedule_timeline(schedule, pp, microbatches, v), v,
                                unit="time (one stage's forward = 1)")
     v = _slider("v", 2, 4, 2)
-    pick = _pick("schedule", ["gpipe", "1f1b", "interleaved", "zb"], "1f1b")
+    pick = _pick("schedule", list(SCHEDULES), "1f1b")
 
     def show_v(_change=None) -> None:
-        v.layout.display = None if pick.value == "interleaved" else "none"
+        v.layout.display = None if pick.value in VIRTUAL_STAGES else "none"
     pick.observe(show_v, names="value")
     show_v()
     return Dashboard({"schedule": pick, "pp": _slider("pp", 2, 8, 4),
