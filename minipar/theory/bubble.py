@@ -284,7 +284,7 @@ IDLE_SHARE = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0, "zb": 1 / 3,
               "interleaved-zb": 1 / 3}
 
 
-_actions = lru_cache(maxsize=256)(make_schedule)  # read only: one list per shape
+schedule_actions = lru_cache(maxsize=256)(make_schedule)  # read only: one list per shape
 
 
 @lru_cache(maxsize=4096)
@@ -293,7 +293,7 @@ def _idle(schedule: str, pp: int, microbatches: int, virtual: int,
     """The busiest rank's idle time in the simulated timeline, chunks at ``weights``
     (a chunk's F + B, or F + B + W, in the units of the weights)."""
     per_unit = UNIT_COST["F"] + UNIT_COST["B"]  # a chunk's F + B in unit costs
-    timeline = simulate(_actions(schedule, pp, microbatches, virtual),
+    timeline = simulate(schedule_actions(schedule, pp, microbatches, virtual),
                         chunk_weight=[w / per_unit for w in weights])
     busy = max(sum(s.end - s.start for s in row) for row in timeline)
     return bubble_stats(timeline)["step_time"] - busy

@@ -34,12 +34,17 @@ an MoE block runs (``moe_layer_activations``).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 from minipar.mesh import Mesh  # layout only; no process groups
 from minipar.model import GPTConfig
 from minipar.parallel.recompute import MODES as RECOMPUTE
-from minipar.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES
+from minipar.parallel.schedules import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    VIRTUAL_STAGES,
+)
 from minipar.parallel.zero.optimizer import BUCKETS_IN_FLIGHT
 from minipar.parallel.zero.stage3 import UNITS_IN_FLIGHT
 from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-exported
@@ -47,6 +52,7 @@ from minipar.theory.activations import (  # loss_workspace, ACCOUNTINGS: re-expo
     deferred_weight_grad_bytes,
     loss_workspace,
 )
+from minipar.theory.bubble import SIMULATED_PP, schedule_actions
 from minipar.theory.context import ring_kept_bytes
 from minipar.theory.layout import Layout
 from minipar.theory.models import get_model
@@ -54,6 +60,7 @@ from minipar.theory.offload import zero_offload_memory
 from minipar.theory.params import (
     block_params,
     check_divisible,
+    partition_layers,
     stage_expert_params,
     stage_layers,
     stage_moe_layers,
@@ -363,10 +370,10 @@ def embedding_grad_bytes(cfg: GPTConfig, tp: int, dtype: str) -> int:
 def split_in_flight(schedule: str, pp: int, microbatches: int, stage: int,
                     virtual: int = 1) -> tuple[int, int]:
     """What stage ``stage`` of a split-backward schedule (ZB-H1, interleaved zero bubble)
-    holds before the backward B that finds it fullest: (the micro-batches, or chunks,
-    whose B has run and whose W has not, each keeping what its W reads and its output
-    gradients; those whose forward has run and whose B has not, that B's own among them,
-    each keeping all it stored).
+    holds before the backward B that finds it fullest, chunks of equal size: (the
+    micro-batches, or chunks, whose B has run and whose W has not, each keeping what its
+    W reads and its output gradients; those whose forward has run and whose B has not,
+    that B's own among them, each keeping all it stored).
 
     The F and B run in the order of the schedule they split (1F1B, interleaved 1F1B),
     whose warm-up leaves ``warm`` forwards in flight (``inflight``); the steady state keeps
@@ -377,6 +384,48 @@ def split_in_flight(schedule: str, pp: int, microbatches: int, stage: int,
     base = "interleaved" if schedule in VIRTUAL_STAGES else "1f1b"
     warm = inflight(base, pp, microbatches, stage, virtual)
     return min(stage, microbatches * virtual - warm), warm
+
+
+Moment = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def split_moments(schedule: str, pp: int, microbatches: int, stage: int,
+                  virtual: int = 1) -> tuple[Moment, ...]:
+    """The moments before each B of a split-backward stage, chunk by chunk, where its
+    chunks differ in size (interleaved: the first holds the embedding's layers, the last
+    rank's last the head's fewer): (per local chunk, the B's run whose W has not; per
+    local chunk, the F's run whose B has not, the coming B's own among them; the coming
+    B's local chunk). Walked along the schedule's own list (``schedules.make_schedule``)
+    at up to 4 pp micro-batches (the warm-up and the first steady rounds, where a stage is
+    fullest, are the same with more). Past ``SIMULATED_PP`` stages the list costs seconds
+    to build: one moment then, ``split_in_flight``'s, its chunks told apart in closed form
+    (interleaved 1F1B runs the forwards pp micro-batches of a local chunk at a time, and
+    its first backwards are of the last local chunk)."""
+    if pp > SIMULATED_PP:
+        done, warm = split_in_flight(schedule, pp, microbatches, stage, virtual)
+        groups, rest = divmod(warm + done, pp * virtual)  # the forwards run by then
+        busy = [groups * pp + min(pp, max(0, rest - j * pp)) for j in range(virtual)]
+        busy[-1] -= done
+        return ((0,) * (virtual - 1) + (done,), tuple(busy), virtual - 1),
+    return _walked_moments(schedule, pp, min(microbatches, 4 * pp), stage, virtual)
+
+
+@lru_cache(maxsize=1024)
+def _walked_moments(schedule: str, pp: int, microbatches: int, stage: int,
+                    virtual: int) -> tuple[Moment, ...]:
+    done, busy = [0] * virtual, [0] * virtual
+    moments = set()
+    for a in schedule_actions(schedule, pp, microbatches, virtual)[stage]:
+        local = a.chunk // pp
+        if a.kind == "F":
+            busy[local] += 1
+        elif a.kind == "B":
+            moments.add((tuple(done), tuple(busy), local))
+            busy[local] -= 1
+            done[local] += 1
+        elif a.kind == "W":
+            done[local] -= 1
+    return tuple(sorted(moments))
 
 
 def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: int = 0,
@@ -419,16 +468,25 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     if schedule in SPLIT_BACKWARD and not stitched:  # the paper's: each in flight keeps dy
         total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * chunks
     elif schedule in SPLIT_BACKWARD:  # minipar's: B(i) ends holding one more W's worth
-        done, busy = split_in_flight(schedule, pp, layout.microbatches, stage, virtual)
         kept = (block_activations(cfg, layout, layout.recompute, accounting, True) * redone
                 + block_activations(cfg, layout, layout.recompute_rest, accounting, True)
                 * (layers - redone) + deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers)
-        if stage == pp - 1:  # the head's W reads the logits' gradient
-            kept += cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
         whole_mb = total / chunks
+        # each local chunk at its own size (the mean's share of it); the head's W, on the
+        # last rank's last chunk, reads the logits' gradient
+        share = [len(partition_layers(cfg.n_layer, pp * virtual, head)[stage + j * pp])
+                 / layers for j in range(virtual)]
+        keeps = [kept * x for x in share]
+        if stage == pp - 1:
+            keeps[-1] += cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
         # (on the first stage W(i) makes the embedding's whole gradient beside)
         made = embedding_grad_bytes(cfg, tp, dtype) if stage == 0 else 0
-        total = done * kept + max(busy * whole_mb, (busy - 1) * whole_mb + kept + made)
+        total = max(
+            sum(d * k for d, k in zip(done, keeps))
+            + sum(n * whole_mb * x for n, x in zip(busy, share))
+            + max(0.0, keeps[now] + made - whole_mb * share[now])
+            for done, busy, now in split_moments(schedule, pp, layout.microbatches, stage,
+                                                 virtual))
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
         total += whole * sum(edge_activations(cfg, "first", b, tp, sp, dtype,

@@ -104,6 +104,8 @@ def stage_moe_layers(cfg: GPTConfig | str, pp: int = 1, stage: int = 0, virtual:
                      head_layers: int = 0) -> int:
     """Mixture-of-experts blocks held by pipeline ``stage`` (``stage_layers``' rule)."""
     cfg = get_model(cfg)
+    if not cfg.n_expert:
+        return 0
     chunks = partition_layers(cfg.n_layer, pp * virtual, head_layers)
     return sum(cfg.is_moe(i) for c in range(stage, pp * virtual, pp) for i in chunks[c])
 

@@ -249,7 +249,7 @@ def evaluate(cfg: GPTConfig | str, cluster: Cluster | str, layout: Layout, *,
     t["update"] = update_seconds(cluster, layout, n)
     time = {"compute": compute, "bubble": bubble, **t, "host": 0.0}
     busy = sum(time[k] for k in TIME_KEYS)
-    time["host"] = max(0.0, host_seconds(cfg, cluster, layout) - busy)
+    time["host"] = max(0.0, host_seconds(cfg, cluster, layout, busy) - busy)
     time["step"] = busy + time["host"]
     mfu = (model_flops_per_token(cfg) * global_batch * cfg.seq_len / time["step"]
            / (cluster.gpus * cluster.peak_flops))
@@ -301,7 +301,7 @@ def zero3_local_seconds(n_params: int, microbatches: int, cluster: Cluster) -> f
     return n_params * microbatches * ZERO3_LOCAL_BYTES / bandwidth if bandwidth else 0.0
 
 
-def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
+def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout, busy: float = 0.0) -> float:
     """The least a step takes when the host launches every kernel: each chunk's layers at
     the host's measured seconds per layer, more with tensor parallelism's, sp's and cp's
     extra launches (``HOST_LAYER_EXTRA``), run through the schedule like the GPU's work
@@ -309,7 +309,9 @@ def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
     micro-batch, pp stages launch one after another); 0 where the host was not measured.
     A collective waits for every rank's host only while the host is behind the GPU: the
     step is the larger of this and the GPU's work, never their sum, and the collectives
-    keep their calibrated seconds."""
+    keep their calibrated seconds. Where even every micro-batch's launches stage after
+    stage, (m + p - 1) of the slowest stage's, stay under ``busy`` (the GPU's step), that
+    bound is returned and the schedule is not simulated."""
     if not cluster.host_s_per_layer:
         return 0.0
     extra = HOST_LAYER_EXTRA
@@ -318,8 +320,11 @@ def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout) -> float:
         + (layout.cp > 1) * extra["cp"])
     chunks = tuple(len(layers) * per_layer for layers in partition_layers(
         cfg.n_layer, layout.pp * layout.virtual, layout.head_layers))
-    return pipeline_seconds(layout.schedule, layout.pp, layout.microbatches, layout.virtual,
-                            chunks)[1]
+    pp, m = layout.pp, layout.microbatches
+    slowest = max(sum(chunks[r::pp]) for r in range(pp))
+    if (m + pp - 1) * slowest <= busy:  # under the GPU's step even launched stage by stage
+        return (m + pp - 1) * slowest
+    return pipeline_seconds(layout.schedule, pp, m, layout.virtual, chunks)[1]
 
 
 def recomputed_share(cfg: GPTConfig, layout: Layout) -> float:
