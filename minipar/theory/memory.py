@@ -429,15 +429,19 @@ def _walked_moments(schedule: str, pp: int, microbatches: int, stage: int,
 
 
 def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: int = 0,
-                      accounting: str = "korthikanti") -> float:
+                      accounting: str = "korthikanti", during_loss: bool = False) -> float:
     """Peak activation bytes on one rank of pipeline stage ``stage``: per-layer bytes x
     layers per chunk x chunks in flight (interleaved: chunks in flight / v, as Megatron's
-    estimator; uneven chunks: their mean size), plus the embedding terms on the first
+    estimator; uneven chunks: their mean size, each at its own under a split backward,
+    ``split_moments``), plus the embedding terms on the first
     stage and the head terms on the last, times its micro-batches in flight. An MoE
     block's stored rows replace its MLP's (``moe_layer_activations``; its all-to-all
     buffers are ``memory_per_stage``'s). ``recompute_layers`` N: only the first N blocks
     of each chunk recompute, the rest keep everything (Megatron's partial recomputation)
-    or recompute cheaply (``recompute_rest``)."""
+    or recompute cheaply (``recompute_rest``).
+    ``during_loss``: the peak while the last stage runs the loss's backward (its workspace
+    beside it): the same peak, but under interleaved zero bubble, whose last stage's
+    fullest moment can be another chunk's B, where no loss runs."""
     cfg = get_model(cfg)
     check_divisible(cfg, layout.tp)
     b, tp, sp, cp, dtype = (layout.microbatch_size, layout.tp, layout.sp, layout.cp,
@@ -481,12 +485,14 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
             keeps[-1] += cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
         # (on the first stage W(i) makes the embedding's whole gradient beside)
         made = embedding_grad_bytes(cfg, tp, dtype) if stage == 0 else 0
+        head_only = during_loss and stage == pp - 1  # (its last chunk runs the loss)
         total = max(
             sum(d * k for d, k in zip(done, keeps))
             + sum(n * whole_mb * x for n, x in zip(busy, share))
             + max(0.0, keeps[now] + made - whole_mb * share[now])
             for done, busy, now in split_moments(schedule, pp, layout.microbatches, stage,
-                                                 virtual))
+                                                 virtual)
+            if not head_only or now == virtual - 1)
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
     if stage == 0:
         total += whole * sum(edge_activations(cfg, "first", b, tp, sp, dtype,
@@ -634,11 +640,13 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
     for s in stages:
         if cfg is None:  # model states only, the parameters spread evenly
             n, ne = math.ceil(params / (pp * tp)), 0
-            act = 0.0
+            act = at_loss = 0.0
         else:
             n = stage_params(cfg, pp, tp, s, layout.virtual, layout.head_layers, ep)
             ne = stage_expert_params(cfg, pp, s, layout.virtual, layout.head_layers, ep, tp)
             act = stage_activations(cfg, layout, s, accounting) / cp
+            at_loss = (stage_activations(cfg, layout, s, accounting, during_loss=True) / cp
+                       if s == pp - 1 and layout.schedule in SPLIT_BACKWARD else act)
         shard = sharded(n, dp * cp, ne, ep)
         row = {"stage": s, "n_params": n,
                **model_states(n, dp * cp, zero, dtype, optimizer, ne, ep),
@@ -673,11 +681,13 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
             redo = int(recompute_transient(cfg, layout, s))
             start, later = start + redo, later + redo
             grads, acts, ws = row["grads"], row["activations"], row["loss_workspace"]
+            # the loss's workspace beside what is held while the loss runs
+            peak = max(int(round(at_loss)) + ws, acts + start)
             if zero != 1 and m == 1:
-                held = max(acts + max(ws, start), grads + later)
+                held = max(peak, grads + later)
             else:
                 kept = 1 - 1 / inflight(layout.schedule, pp, m, s, layout.virtual)
-                held = grads + max(acts + max(ws, start), int(acts * kept) + later)
+                held = grads + max(peak, int(acts * kept) + later)
             row["in_flight"] = later  # the most of those buffers at once
             moe = moe_layer_activations(cfg, b, layout.recompute, dtype, ep, tp, layout.sp, cp)
             row["moe_dispatch"] = int(moe.get("dispatch", 0))
