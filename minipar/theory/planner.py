@@ -500,7 +500,16 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                          sp=sp and tp > 1, recompute=rc, dtype=dtype,
                                          optimizer=optimizer,
                                          optimizer_kernel=optimizer_kernel, order=order)
-                            est = evaluate(cfg, cluster, lay, **settings)
+                            # the memory first: a layout that does not fit is not
+                            # priced (but recomputing none is: partial recomputation
+                            # interpolates from its step)
+                            est = None
+                            if rc != "none" and not offload:
+                                mem, fits = card_fit(cfg, cluster, lay, **settings)
+                                if not fits:
+                                    est = Estimate(lay, memory=mem, fits=False)
+                            if est is None:
+                                est = evaluate(cfg, cluster, lay, **settings)
                             if rc == "none":
                                 kept = est
                             elif rc == "full" and est.fits and kept and not kept.fits:
