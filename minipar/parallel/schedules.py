@@ -270,7 +270,7 @@ def defer_weight_passes(compute: Schedule) -> Schedule:
 
     Each rank keeps its order of F and B. Rank ``r`` defers at most ``r`` weight passes:
     a deferred W runs where the rank would otherwise wait for a neighbour, or as soon as
-    ``r`` others wait, and the rest at the end. Where to wait is read off a simulation at
+    more than ``r`` wait, and the rest at the end. Where to wait is read off a simulation at
     equal unit costs (F = B = W, the paper's), the earliest start first. Rank 0, whose
     neighbours wait on it the longest, runs each W right after its B; a later rank idles
     more in 1F1B, has more holes and defers more. So every rank holds at most rank 0's
