@@ -481,15 +481,20 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
         share = [len(partition_layers(cfg.n_layer, pp * virtual, head)[stage + j * pp])
                  / layers for j in range(virtual)]
         keeps = [kept * x for x in share]
-        if stage == pp - 1:
-            keeps[-1] += cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
+        logits_grad = (cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
+                       if stage == pp - 1 else 0)
+        keeps[-1] += logits_grad
         # (on the first stage W(i) makes the embedding's whole gradient beside)
         made = embedding_grad_bytes(cfg, tp, dtype) if stage == 0 else 0
         head_only = during_loss and stage == pp - 1  # (its last chunk runs the loss)
+        # the B in flight: what it will keep; while the loss runs, the head's logits
+        # gradient is still the loss's workspace (counted beside, memory_per_stage)
+        making = [k - (logits_grad if head_only and j == virtual - 1 else 0)
+                  for j, k in enumerate(keeps)]
         total = max(
             sum(d * k for d, k in zip(done, keeps))
             + sum(n * whole_mb * x for n, x in zip(busy, share))
-            + max(0.0, keeps[now] + made - whole_mb * share[now])
+            + max(0.0, making[now] + made - whole_mb * share[now])
             for done, busy, now in split_moments(schedule, pp, layout.microbatches, stage,
                                                  virtual)
             if not head_only or now == virtual - 1)
