@@ -30,7 +30,7 @@ from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
 from minipar.parallel.fp8 import check_fp8
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.recompute import MODES as RECOMPUTE
-from minipar.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, check_schedule
+from minipar.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
 from minipar.theory.card import card_peak, host_fit
@@ -292,9 +292,6 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
     model = cfg.model_config()
     check_tp(model, cfg.tp, cfg.sp)
     checks.layout(model, cfg.dp, cfg.pp, cfg.tp, cfg.virtual, cfg.sp)
-    if cfg.schedule in VIRTUAL_STAGES and cfg.pp > 1 and cfg.virtual < 2:
-        raise ValueError(f"--schedule {cfg.schedule} needs --virtual 2 or more "
-                         "(chunks per rank)")
     check_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual, zero=cfg.zero,
                    recompute=cfg.recompute)
     if not isinstance(cfg.head_layers, int) or cfg.head_layers < 0:

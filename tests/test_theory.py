@@ -331,8 +331,9 @@ def test_the_fullest_moment_of_a_split_backward_is_the_schedules_own(schedule, v
     """``split_in_flight``'s (deferred, whole) pair is the fullest moment of a walk along
     each stage's action list: before every B, the chunks whose B ran and whose W has not
     (each keeping a fraction of a whole one) and those whose F ran and whose B has not.
-    For every pp, m and kept share, no B finds the stage fuller."""
-    from minipar.theory.memory import split_in_flight
+    For every pp, m and kept share, no B finds the stage fuller; and ``split_moment``,
+    the closed form the planner uses past 8 stages, is one of the walk's moments."""
+    from minipar.theory.memory import split_in_flight, split_moment, split_moments
 
     step = 1 if schedule == "zb" else None
     for pp in (2, 3, 4, 6, 8):
@@ -348,6 +349,9 @@ def test_the_fullest_moment_of_a_split_backward_is_the_schedules_own(schedule, v
                     done -= a.kind == "W"
                 got = split_in_flight(schedule, pp, m, stage, virtual)
                 assert got in pairs, (pp, m, stage, got)
+                # the same moment chunk by chunk (past 8 stages the planner's one)
+                assert split_moment(schedule, pp, m, stage, virtual) in split_moments(
+                    schedule, pp, m, stage, virtual), (pp, m, stage)
                 for kept in (0.1, 0.5, 0.9):
                     assert max(d * kept + b for d, b in pairs) == pytest.approx(
                         got[0] * kept + got[1]), (pp, m, stage, kept)

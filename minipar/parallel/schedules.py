@@ -335,16 +335,18 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1, *,
                    zero: int = 0, recompute: str = "none") -> None:
     """Refuse, in one line, what a schedule cannot run with (the rules of the schedules
     live here: ``config.validate``, ``bubble`` and the planner ask). Virtual stages are
-    interleaved schedules' alone, and their micro-batches come in whole groups of pp
-    (Megatron's rule). A zero-bubble W pass runs after B, on the layer's weights and the
-    inputs its products saved: ZeRO-3 frees the weights between the two, and full
-    recomputation frees the inputs (each module's split backward would run the block
-    again)."""
+    interleaved schedules' alone, which need two or more, and their micro-batches come
+    in whole groups of pp (Megatron's rule). A zero-bubble W pass runs after B, on the
+    layer's weights and the inputs its products saved: ZeRO-3 frees the weights between
+    the two, and full recomputation frees the inputs (each module's split backward would
+    run the block again)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}")
     if virtual != 1 and name not in VIRTUAL_STAGES:
         raise ValueError(f"--virtual {virtual} needs --schedule interleaved or "
                          f"interleaved-zb (got {name})")
+    if name in VIRTUAL_STAGES and pp > 1 and virtual < 2:  # (one chunk a rank: 1F1B's)
+        raise ValueError(f"--schedule {name} needs --virtual 2 or more (chunks per rank)")
     if name in VIRTUAL_STAGES and microbatches % pp:
         raise ValueError(f"--schedule {name} needs --microbatches divisible by --pp "
                          f"({microbatches} % {pp} != 0)")

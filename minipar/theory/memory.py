@@ -398,16 +398,23 @@ def split_moments(schedule: str, pp: int, microbatches: int, stage: int,
     B's local chunk). Walked along the schedule's own list (``schedules.make_schedule``)
     at up to 4 pp micro-batches (the warm-up and the first steady rounds, where a stage is
     fullest, are the same with more). Past ``SIMULATED_PP`` stages the list costs seconds
-    to build: one moment then, ``split_in_flight``'s, its chunks told apart in closed form
-    (interleaved 1F1B runs the forwards pp micro-batches of a local chunk at a time, and
-    its first backwards are of the last local chunk)."""
+    to build: one moment then, ``split_moment``'s closed form."""
     if pp > SIMULATED_PP:
-        done, warm = split_in_flight(schedule, pp, microbatches, stage, virtual)
-        groups, rest = divmod(warm + done, pp * virtual)  # the forwards run by then
-        busy = [groups * pp + min(pp, max(0, rest - j * pp)) for j in range(virtual)]
-        busy[-1] -= done
-        return ((0,) * (virtual - 1) + (done,), tuple(busy), virtual - 1),
+        return split_moment(schedule, pp, microbatches, stage, virtual),
     return _walked_moments(schedule, pp, min(microbatches, 4 * pp), stage, virtual)
+
+
+def split_moment(schedule: str, pp: int, microbatches: int, stage: int,
+                 virtual: int = 1) -> Moment:
+    """``split_in_flight``'s moment told chunk by chunk, in closed form: its deferred
+    passes are all of the last local chunk (whose backwards come first), and its forwards
+    run pp micro-batches of a local chunk at a time. (One of ``split_moments``' walked
+    ones: tested.)"""
+    done, warm = split_in_flight(schedule, pp, microbatches, stage, virtual)
+    groups, rest = divmod(warm + done, pp * virtual)  # the forwards run by then
+    busy = [groups * pp + min(pp, max(0, rest - j * pp)) for j in range(virtual)]
+    busy[-1] -= done
+    return (0,) * (virtual - 1) + (done,), tuple(busy), virtual - 1
 
 
 @lru_cache(maxsize=1024)
@@ -442,6 +449,13 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     ``during_loss``: the peak while the last stage runs the loss's backward (its workspace
     beside it): the same peak, but under interleaved zero bubble, whose last stage's
     fullest moment can be another chunk's B, where no loss runs."""
+    peak, at_loss = _stage_activation_peaks(cfg, layout, stage, accounting)
+    return at_loss if during_loss else peak
+
+
+def _stage_activation_peaks(cfg: GPTConfig | str, layout: Layout, stage: int,
+                            accounting: str) -> tuple[float, float]:
+    """``stage_activations``' peak, and its peak while the loss's backward runs."""
     cfg = get_model(cfg)
     check_divisible(cfg, layout.tp)
     b, tp, sp, cp, dtype = (layout.microbatch_size, layout.tp, layout.sp, layout.cp,
@@ -449,6 +463,7 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     pp, virtual, head, schedule = layout.pp, layout.virtual, layout.head_layers, layout.schedule
 
     chunks = inflight(schedule, pp, layout.microbatches, stage, virtual)
+    at_loss = None  # (unless a split backward's last stage says otherwise: the peak)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
     # per chunk (a mean over the stage's chunks): the blocks that recompute, and the rest
     redone, moe_redone = (n / virtual for n in stage_recomputed_layers(
@@ -486,29 +501,31 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
         keeps[-1] += logits_grad
         # (on the first stage W(i) makes the embedding's whole gradient beside)
         made = embedding_grad_bytes(cfg, tp, dtype) if stage == 0 else 0
-        head_only = during_loss and stage == pp - 1  # (its last chunk runs the loss)
-        # the B in flight: what it will keep; while the loss runs, the head's logits
-        # gradient is still the loss's workspace (counted beside, memory_per_stage)
-        making = [k - (logits_grad if head_only and j == virtual - 1 else 0)
-                  for j, k in enumerate(keeps)]
-        total = max(
-            sum(d * k for d, k in zip(done, keeps))
-            + sum(n * whole_mb * x for n, x in zip(busy, share))
-            + max(0.0, making[now] + made - whole_mb * share[now])
-            for done, busy, now in split_moments(schedule, pp, layout.microbatches, stage,
-                                                 virtual)
-            if not head_only or now == virtual - 1)
+        moments = split_moments(schedule, pp, layout.microbatches, stage, virtual)
+
+        def held(done, busy, now, loss_runs: bool) -> float:
+            # the B in flight: what it will keep; while the loss runs, the head's logits
+            # gradient is still the loss's workspace (counted beside, memory_per_stage)
+            making = keeps[now] - (logits_grad if loss_runs else 0)
+            return (sum(d * k for d, k in zip(done, keeps))
+                    + sum(n * whole_mb * x for n, x in zip(busy, share))
+                    + max(0.0, making + made - whole_mb * share[now]))
+        total = max(held(*moment, False) for moment in moments)
+        if stage == pp - 1:  # its last chunk runs the loss: at that chunk's B alone
+            at_loss = max(held(d, n, now, True) for d, n, now in moments if now == virtual - 1)
+    at_loss = total if at_loss is None else at_loss
     whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
+    edges = 0.0
     if stage == 0:
-        total += whole * sum(edge_activations(cfg, "first", b, tp, sp, dtype,
+        edges += whole * sum(edge_activations(cfg, "first", b, tp, sp, dtype,
                                               accounting).values())
     if stage == pp - 1:  # minipar's ZB-H1 frees the fp32 logits with B (W needs only the
         last = edge_activations(cfg, "last", b, tp, sp, dtype, accounting)
         loss = last.pop("logits (fp32, for the loss)")  # head's input): 1F1B's one
         if layout.chunked_loss:  # the logits kept as the head made them, no fp32 copy
             loss *= _act_bytes(dtype) / 4
-        total += whole * sum(last.values()) + (1 if stitched else whole) * loss
-    return total
+        edges += whole * sum(last.values()) + (1 if stitched else whole) * loss
+    return total + edges, at_loss + edges
 
 
 # --- the whole picture -------------------------------------------------------------------
@@ -649,9 +666,8 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
         else:
             n = stage_params(cfg, pp, tp, s, layout.virtual, layout.head_layers, ep)
             ne = stage_expert_params(cfg, pp, s, layout.virtual, layout.head_layers, ep, tp)
-            act = stage_activations(cfg, layout, s, accounting) / cp
-            at_loss = (stage_activations(cfg, layout, s, accounting, during_loss=True) / cp
-                       if s == pp - 1 and layout.schedule in SPLIT_BACKWARD else act)
+            act, at_loss = (x / cp for x in _stage_activation_peaks(cfg, layout, s,
+                                                                     accounting))
         shard = sharded(n, dp * cp, ne, ep)
         row = {"stage": s, "n_params": n,
                **model_states(n, dp * cp, zero, dtype, optimizer, ne, ep),
