@@ -12,7 +12,8 @@ On each rank, a configuration of the speed rows (the same construction code,
 * exposed: communication that no compute covers (what the step waits for);
 * busy: the union of all device work; hidden share = overlapped / communication.
 
-Configurations: gpt-1.3b at the speed rows' sizes, minipar dp N with ZeRO-1, 2 and 3,
+Configurations: gpt-1.3b at the speed rows' sizes, minipar dp N with ZeRO-1, 2 and 3
+(and ZeRO-3 with ``--separate-reduce-group``: its reduce-scatters beside the gathers),
 torch DDP and FSDP2 at dp N (per-GPU batch ``Sizes.per_gpu_batch``), minipar tp N with
 sequence parallelism against DTensor tp N sp (global batch ``Sizes.tp_batch``), and
 moe-1.3b at dp N with ep 1 and N (ZeRO-1, one sequence a micro-batch): ``a2a_s`` the
@@ -313,6 +314,8 @@ def section_overlap(run) -> None:
     b = s.per_gpu_batch
     rows = [(f"minipar dp{n} zero{z}", "dp", mg.minipar_spec(run, model, n, b * n, dp=n,
                                                              zero=z)) for z in (1, 2, 3)]
+    rows += [(f"minipar dp{n} zero3 separate reduce group", "dp", mg.minipar_spec(
+        run, model, n, b * n, dp=n, zero=3, separate_reduce_group=True))]
     rows += [(f"torch DDP dp{n}", "dp", mg.peer_spec(run, "ddp", model, n, b * n)),
              (f"torch FSDP2 dp{n}", "dp", mg.peer_spec(run, "fsdp2", model, n, b * n)),
              (f"minipar tp{n} sp", "tp", mg.minipar_spec(run, model, n, s.tp_batch, tp=n,

@@ -1078,12 +1078,15 @@ def cli_flags(layout: dict) -> list[str]:
     return flags
 
 
-def train_json(run: Run, cmd: list[str], path: str, cap: float, mc, batch: int) -> dict:
-    """Run ``cmd`` (``python -m minipar train ... --json path``) and read its record: the
-    per-step time of the slowest rank (``step_s_all``), the median after the warm-up
-    (``step_s``), tokens a step and MFU over the data sheet's dense bf16 peak (``mc``: the
-    model as it ran); or ``{"status": "error", "error": ...}``."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=cap)
+def train_json(run: Run, cmd: list[str], path: str, cap: float, mc, batch: int,
+               env: dict[str, str] | None = None) -> dict:
+    """Run ``cmd`` (``python -m minipar train ... --json path``; ``env``: variables set for
+    it alone) and read its record: the per-step time of the slowest rank
+    (``step_s_all``), the median after the warm-up (``step_s``), tokens a step and MFU
+    over the data sheet's dense bf16 peak (``mc``: the model as it ran); or
+    ``{"status": "error", "error": ...}``."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=cap,
+                          env={**os.environ, **env} if env else None)
     if done.returncode != 0:
         return {"status": "error", "error": (done.stderr or done.stdout)[-2000:]}
     with open(path) as f:

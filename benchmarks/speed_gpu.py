@@ -8,8 +8,11 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
   the slowest rank, median of 6 after 2 warm-ups, the first of which compiles), per row
   the command, step time, MFU over 989 TFLOP/s, peak memory, compile seconds and cache
   hits: gpt-1.3b dp N ZeRO-3, 8 sequences per GPU, eager / compiled / compiled without
-  weight-gradient fusion; gpt-13b dp N ZeRO-3 full recompute, 4 per GPU, eager /
-  compiled / compiled with ``--recompute-layers`` 36 and 32 of 40; and the FSDP2 peer
+  weight-gradient fusion / compiled with ``--separate-reduce-group``; gpt-13b dp N ZeRO-3
+  full recompute, 4 per GPU, eager / compiled / compiled with ``--recompute-layers`` 36
+  and 32 of 40, the planner's first pick with and without ``--separate-reduce-group``
+  (planned with it: its buffers counted) and under ``NCCL_MAX_CTAS`` 8 and 16 (NCCL's
+  kernels on fewer SMs, the overlapped blocks on more); and the FSDP2 peer
   (``benchmarks/peers.fsdp2``: ``fully_shard`` per block, bf16 parameters, fp32
   reduction, meta-device init, ``checkpoint_wrapper`` per block for 13B; torch's AdamW,
   and at 13B fused AdamW too, as minipar steps) in the same job; the planner's first
@@ -74,9 +77,11 @@ WHERE = ("minipar/", "benchmarks/", "torch/distributed/", "torch/utils/checkpoin
 
 # --- speed: the command line's own JSON -------------------------------------------------
 def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[str],
-            layers: int | None = None, section: str = "speed") -> None:
+            layers: int | None = None, section: str = "speed",
+            env: dict[str, str] | None = None) -> None:
     """One ``python -m minipar train ... --json`` run; ``layers``: the preset's width with
-    this many blocks (``--layers``), for a one-GPU slice of a model too big for one."""
+    this many blocks (``--layers``), for a one-GPU slice of a model too big for one;
+    ``env``: environment variables of that run alone (recorded in the row)."""
     s = run.sizes
     if layers:
         flags = flags + ["--layers", str(layers)]
@@ -94,7 +99,7 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
         cap = run.timeout(540.0 if "13b" in model else 300.0)
         mc = get_config(model).with_(**({"n_layer": layers} if layers else {}))
         done = multigpu.train_json(run, cmd + ["--timeout", str(int(cap - 10))], path, cap,
-                                   mc, batch)
+                                   mc, batch, env)
         if "error" in done:
             return done
         rec, ranks, step, mfu, tokens = (done[k] for k in ("record", "ranks", "step_s",
@@ -103,7 +108,9 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
         peaks = [r.get("device_peak_bytes") or 0 for r in ranks]
         held = [r.get("device_memory") or {} for r in ranks]  # the allocator's, the process's
         comp = ranks[0].get("compile")
-        return {"command": " ".join(["python"] + cmd[1:]), "step_s": step,
+        command = " ".join([f"{k}={v}" for k, v in (env or {}).items()] + ["python"]
+                           + cmd[1:])
+        return {"command": command, "step_s": step,
                 "step_s_all": per_step, "tokens_per_s": tokens / step, "mfu": mfu,
                 "peak_gib": max(peaks) / GiB,
                 "reserved_gib": max(h.get("peak_reserved", 0) for h in held) / GiB,
@@ -134,6 +141,8 @@ def section_speed(run: multigpu.Run) -> None:
     for what, extra in (("eager", ["--no-compile"]), ("compiled", ["--compile"]),
                         ("compiled, no wgrad fusion", ["--compile", "--no-wgrad-fusion"])):
         cli_row(run, f"minipar {small} dp{n} zero3 {what}", small, 8 * n, zero3 + extra)
+    cli_row(run, f"minipar {small} dp{n} zero3 compiled, separate reduce group", small, 8 * n,
+            zero3 + ["--compile", "--separate-reduce-group"])
     peer_row(run, f"FSDP2 {small} dp{n}", small, 8 * n, recompute=False)
     full = zero3 + ["--recompute", "full"]
     layers = get_config(big).n_layer
@@ -148,6 +157,13 @@ def section_speed(run: multigpu.Run) -> None:
                 full + ["--compile", "--recompute-layers", str(k)])
     cli_row(run, f"minipar {big} dp{n} the planner's pick", big, 4 * n,
             planner_flags(big, n, 4 * n))
+    # the reduce-scatters on a second communicator (its buffers counted by the planner)
+    cli_row(run, f"minipar {big} dp{n} the planner's pick, separate reduce group", big, 4 * n,
+            planner_flags(big, n, 4 * n, separate_reduce_group=True))
+    # fewer thread blocks per NCCL kernel: fewer SMs taken from the overlapped compute
+    for ctas in (8, 16):
+        cli_row(run, f"minipar {big} dp{n} the planner's pick, NCCL_MAX_CTAS={ctas}", big,
+                4 * n, planner_flags(big, n, 4 * n), env={"NCCL_MAX_CTAS": str(ctas)})
     # the peer at its own fit: FSDP2 has no cheap recomputation, so its fastest layout on
     # the card checkpoints the fewest whole blocks that fit, as the planner's pick without
     # cheap recomputation does (and 4 more, should the peer hold more than minipar)
@@ -157,11 +173,13 @@ def section_speed(run: multigpu.Run) -> None:
                  big, 4 * n, recompute=first, fused=True)
 
 
-def planner_flags(model: str, n: int, batch: int) -> list[str]:
+def planner_flags(model: str, n: int, batch: int, separate_reduce_group: bool = False
+                  ) -> list[str]:
     """The ``train`` flags of the planner's first data-parallel layout of ``model`` on n
     80 GB H100s (its recomputation, ZeRO stage, micro-batches), less those ``cli_row``
     sets itself."""
-    first = plan(model, cluster(n, "H100-80GB", n), batch, degrees={"dp": n}).layouts[0]
+    first = plan(model, cluster(n, "H100-80GB", n), batch, degrees={"dp": n},
+                 separate_reduce_group=separate_reduce_group).layouts[0]
     flags = first.layout.train_flags(model)
     mine = {i for i, f in enumerate(flags) if f in ("--model", "--batch-size", "--dtype")}
     return [f for i, f in enumerate(flags) if i not in mine and i - 1 not in mine]

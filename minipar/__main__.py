@@ -415,7 +415,8 @@ def _cmd_plan(args) -> int:
     for dim, n in degrees.items():
         checks.positive(dim, n)
     result = plan(cfg, where, args.batch, offload=args.offload,
-                  memory_margin=args.memory_margin, recomputes=modes, degrees=degrees)
+                  memory_margin=args.memory_margin, recomputes=modes, degrees=degrees,
+                  separate_reduce_group=args.separate_reduce_group)
     model_flags = _model_flags(args)
     shown = result.layouts[: args.top]
     wide = max([60] + [len(est.layout.label()) for est in shown])  # the layout column
@@ -533,6 +534,9 @@ def _add_theory(sub) -> None:
                    "data sheet; not checked for --gpus)")
     p.add_argument("--calibrate", metavar="FILE", help="measured rates of a machine "
                    "(benchmarks/multigpu.py --sections calibrate) instead of the preset's")
+    p.add_argument("--separate-reduce-group", action="store_true",
+                   help="ZeRO-3 layouts reduce on a second communicator (train's flag): "
+                   "its buffers counted")
     for dim in ("dp", "pp", "tp", "cp"):
         p.add_argument(f"--{dim}", type=int, help=f"only layouts with this {dim} degree")
 

@@ -86,6 +86,11 @@ class TrainConfig:
     grad_dtype: str = option("fp32", "where bf16 gradients are summed and reduced: fp32 "
                              "(exact, default) or bf16 (half the bytes and traffic, as "
                              "torch's peers do)", choices=DTYPES)
+    separate_reduce_group: bool = option(False, "ZeRO-3: reduce-scatter gradients on a "
+                                         "second communicator over the dp ranks, beside "
+                                         "the weights' all-gathers instead of queued "
+                                         "behind them (one more communicator's buffers; "
+                                         "minipar.mesh)")
     wgrad_fusion: bool = option(True, "add each linear weight gradient to its fp32 sum in "
                                 "the GEMM that makes it (default on; "
                                 "parallel/wgrad_fusion.py)")
@@ -198,6 +203,7 @@ class TrainConfig:
                       recompute_rest=self.recompute_rest,
                       offload=self.offload, dtype=self.dtype, optimizer=self.optimizer,
                       grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order,
+                      separate_reduce_group=self.separate_reduce_group,
                       chunked_loss=self.chunked_loss, compiled=use_compile(self, on_cuda),
                       optimizer_kernel=optimizer_kernel(self, on_cuda))
 
@@ -301,6 +307,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
     if cfg.chunked_loss and cfg.tp > 1:
         raise ValueError("--chunked-loss with --tp > 1 is not supported: tensor parallelism "
                          "has its own loss over logits split by vocabulary")
+    if cfg.separate_reduce_group and (cfg.zero != 3 or cfg.dp * cfg.cp == 1):
+        raise ValueError("--separate-reduce-group needs --zero 3 over more than one "
+                         "data-parallel rank: it moves ZeRO-3's reduce-scatters to a "
+                         "second communicator")
     if not (isinstance(cfg.dropout, (int, float)) and 0.0 <= cfg.dropout < 1.0):
         raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
     check_batch_split(cfg.batch_size, cfg.dp, cfg.microbatches)

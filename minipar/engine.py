@@ -78,7 +78,7 @@ def _with_total(mem: dict) -> dict:
 def rank_main(cfg: TrainConfig) -> dict:
     """Train on this rank (inside ``launch`` or torchrun); return this rank's record."""
     mesh = Mesh(cfg.dp, cfg.pp, cfg.tp, cfg.order, cp=cfg.cp, ep=cfg.ep)
-    rm = mesh.connect()
+    rm = mesh.connect(separate_reductions=cfg.separate_reduce_group)
     reader, start = None, 0
     if cfg.resume:  # each rank reads only the shards it needs
         reader = ShardReader(cfg.resume, cfg.model_config(), rm.coords.tp, cfg.tp)

@@ -207,11 +207,14 @@ class Mesh:
             )
         return "\n".join(lines)
 
-    def connect(self, rank: int | None = None, log: CommLog | None = None) -> RankMesh:
+    def connect(self, rank: int | None = None, log: CommLog | None = None,
+                separate_reductions: bool = False) -> RankMesh:
         """Create the process groups (collectively, on every rank) for this rank.
 
         ``torch.distributed.new_group`` must be called by every rank for every group, in
         the same order, even for groups the rank is not in; that is why we loop over all.
+        ``separate_reductions``: a second group over each dp x cp group's ranks, for
+        ZeRO-3's reduce-scatters (``RankMesh.reductions``).
         """
         if not dist.is_initialized():
             raise RuntimeError("Mesh.connect needs torch.distributed to be initialised "
@@ -230,6 +233,11 @@ class Mesh:
                 if rank in ranks:
                     comms[dim] = Comm(group, dim, log, ranks)
         comms.setdefault("dp_cp", comms["dp"])
+        # its own communicator even over the whole world (never WORLD: that is one already)
+        for ranks in self.groups("dp_cp" if self.cp > 1 else "dp") if separate_reductions else ():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                comms["reductions"] = Comm(group, comms["dp_cp"].dim, log, ranks)
         for dim in ("ep", "edp") if self.ep > 1 else ():  # (ep = 1: no experts split)
             for ranks in self.groups(dim):
                 group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
@@ -282,6 +290,16 @@ class RankMesh:
         """dp x cp: the replicas of this rank's weights; the data-parallel layer's group
         (the same group as ``dp`` when cp = 1)."""
         return self.comms["dp_cp"]
+
+    @property
+    def reductions(self) -> Comm:
+        """Where ZeRO-3 reduce-scatters its gradients: ``dp_cp`` itself, or a second
+        communicator over the same ranks (``connect(separate_reductions=True)``). NCCL
+        runs one collective at a time per communicator, so on one a unit's reduce-scatter
+        queues ahead of the next unit's all-gather, which the backward waits for; on two
+        they run side by side (FSDP2's ``set_separate_reduce_scatter_group``, fairscale's
+        ``process_group_reduce_scatter``). Counted as ``dp_cp``'s traffic."""
+        return self.comms.get("reductions", self.dp_cp)
 
     @property
     def ep(self) -> Comm | None:

@@ -229,17 +229,19 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
         # cast (parallel/zero/gather.py); rowwise ones in the compute dtype, as torchao
         matmuls = float8_weights(model) if cfg.fp8 == "tensorwise" else {}
 
-        def zero3(comm, place, names=None):
+        def zero3(comm, place, names=None, reduce_comm=None):
             return Zero3(model, comm, units=units, param_dtype=torch.bfloat16 if bf16 else None,
                          shared=shared, average=False, materialize=materialize,
                          place=place, grad_dtype=grad_dtype, only=names,
-                         gather=Float8Weights(matmuls) if matmuls else None)
+                         gather=Float8Weights(matmuls) if matmuls else None,
+                         reduce_comm=reduce_comm)
+        # (rm.reductions: dp_cp, or its twin with --separate-reduce-group)
         if cfg.ep > 1:  # two wrappers of the model: dense weights over dp x cp, experts
             dense, experts = split_experts(model)  # over their replicas (each its host)
-            sync = ExpertDataParallel(zero3(rm.dp_cp, offload, dense),
+            sync = ExpertDataParallel(zero3(rm.dp_cp, offload, dense, rm.reductions),
                                       zero3(rm.edp, offload and OnHost(), experts), rm.ep)
         else:
-            sync = zero3(rm.dp_cp, offload)
+            sync = zero3(rm.dp_cp, offload, reduce_comm=rm.reductions)
         sync.backwards_per_step = cfg.microbatches  # OnHost: shards leave at the last
         optimizer = opt_cls(sync.parameters(), **opt_kwargs)
         sync.publish_after(optimizer)

@@ -504,3 +504,24 @@ def test_cheap_recomputation_and_the_chunked_loss_on_one_h100() -> None:
                                             "cheap") * cfg.batch_size * model.seq_len
             measured = r["step_s"] - eager["step_s"]
             assert extra * model.n_layer == pytest.approx(measured, rel=0.25), key
+
+
+def test_a_second_communicator_is_counted_where_a_run_asks_for_it() -> None:
+    """``--separate-reduce-group`` opens one more NCCL communicator over the dp ranks: the
+    fit check counts its buffers (a rank's first communicator with peers, measured: what
+    a dp run held above a lone rank), and the planner's command carries the flag."""
+    from minipar.theory.card import (
+        CUDA_RUNTIME_ALONE_BYTES,
+        CUDA_RUNTIME_BYTES,
+        runtime_bytes,
+    )
+    from minipar.theory.layout import Layout
+
+    shared = TrainConfig(model="gpt-13b", dp=4, zero=3, batch_size=16, dtype="bf16",
+                         backend="nccl")
+    twin = TrainConfig(**{**shared.to_dict(), "separate_reduce_group": True}).layout("cuda")
+    assert twin == shared.layout("cuda").with_(separate_reduce_group=True)
+    assert runtime_bytes(twin) - runtime_bytes(shared.layout("cuda")) == (
+        CUDA_RUNTIME_BYTES - CUDA_RUNTIME_ALONE_BYTES)
+    assert "--separate-reduce-group" in twin.train_flags("gpt-13b")
+    assert runtime_bytes(Layout(dp=4, zero=3)) == CUDA_RUNTIME_BYTES

@@ -86,6 +86,8 @@ SETUPS = {
 # (id, arguments with {name} for a path made by SETUPS[name], what the one line says)
 CASES = [
     # --- train: outputs --------------------------------------------------------------
+    ("train separate reduce group without zero 3", "train --dp 2 --zero 2 "
+     "--separate-reduce-group", "--separate-reduce-group needs --zero 3 over more than"),
     ("train json dir missing", f"train --json {NOWHERE}", f"directory {NOWHERE_DIR} does not"),
     ("train trace dir missing", f"train --trace {NOWHERE}", f"--trace {NOWHERE}"),
     ("train json is a dir", "train --json {empty}", "is a directory; give a file name"),

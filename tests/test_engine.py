@@ -136,6 +136,8 @@ SGD_COVERING = [
     dict(dp=2, zero=1),
     dict(dp=2, zero=2, microbatches=2),
     dict(dp=2, zero=3, microbatches=2),
+    # the reduce-scatters on a communicator of their own, beside the all-gathers
+    dict(dp=2, zero=3, microbatches=2, separate_reduce_group=True),
     dict(tp=2, sp=True),
     dict(pp=2, schedule="1f1b", microbatches=4),
     dict(pp=2, schedule="zb", microbatches=2),

@@ -232,3 +232,28 @@ def test_connect_builds_counted_cp_and_dp_cp_groups():
         assert res["cp"] == (mesh.group_ranks("cp", rank), "cp", sum(res["cp"][0]))
         assert res["dp"][0] == mesh.group_ranks("dp", rank)
         assert res["dp_cp"] == ([0, 1, 2, 3], "dp_cp", 6.0)
+
+
+def _connect_reductions(cp: int, separate: bool) -> dict:
+    rm = Mesh(2, 2, 1, cp=cp).connect(separate_reductions=separate)
+    t = torch.tensor([float(rm.rank)])
+    rm.reductions.all_reduce(t)
+    return {"ranks": rm.reductions.ranks, "dim": rm.reductions.dim, "sum": t.item(),
+            "own": rm.reductions.group is not rm.dp_cp.group,
+            "logged": sorted({(r.op, r.dim) for r in rm.log.records})}
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("separate", [False, True])
+def test_reductions_get_a_communicator_of_their_own_over_the_same_ranks(cp, separate):
+    """``separate_reductions``: a second group over each dp x cp group (ZeRO-3's
+    reduce-scatters run beside its all-gathers), counted as that group's traffic;
+    without it, the reductions' group is dp_cp itself."""
+    mesh = Mesh(2, 2, 1, cp=cp)
+    results = launch(_connect_reductions, mesh.world_size, args=(cp, separate), timeout=60)
+    dim = "dp_cp" if cp > 1 else "dp"
+    for rank, res in enumerate(results):
+        ranks = mesh.dp_cp_ranks(rank)
+        assert res["ranks"] == ranks and res["sum"] == sum(ranks)
+        assert res["own"] is separate and res["dim"] == dim
+        assert res["logged"] == [("all_reduce", dim)]

@@ -31,13 +31,17 @@ CUDA_RUNTIME_BYTES = int(2.7 * 2**30)
 PIPELINE_PEERS_BYTES = int(1.3 * 2**30)
 CUDA_RUNTIME_ALONE_BYTES = int(1.3 * 2**30)
 REHEARSED_RUNTIME_BYTES = int(0.75 * 2**30)
+# A second communicator over the data-parallel ranks (``--separate-reduce-group``), priced
+# as what a rank's communicators with peers added above one alone: 2.7 - 1.3 GiB.
+SECOND_COMMUNICATOR_BYTES = CUDA_RUNTIME_BYTES - CUDA_RUNTIME_ALONE_BYTES
 
 
 def runtime_bytes(layout: Layout) -> int:
     """What a rank of ``layout`` holds on its GPU outside the caching allocator."""
     if layout.gpus == 1:
         return CUDA_RUNTIME_ALONE_BYTES
-    return CUDA_RUNTIME_BYTES + (PIPELINE_PEERS_BYTES if layout.pp > 1 else 0)
+    return (CUDA_RUNTIME_BYTES + (PIPELINE_PEERS_BYTES if layout.pp > 1 else 0)
+            + (SECOND_COMMUNICATOR_BYTES if layout.separate_reduce_group else 0))
 
 
 @dataclass(frozen=True)

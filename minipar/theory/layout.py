@@ -43,6 +43,9 @@ class Layout:
     # tensor), forloop (one tensor at a time), host (ZeRO-Offload's step on the CPU)
     optimizer_kernel: str = "fused"
     grad_dtype: str = "fp32"  # where 16-bit gradients are summed and reduced
+    # ZeRO-3's reduce-scatters on a second communicator over the same ranks, beside the
+    # all-gathers instead of queued behind them (``RankMesh.reductions``)
+    separate_reduce_group: bool = False
     fp8: str | None = None  # the blocks' linears in float8: rowwise or tensorwise
     chunked_loss: bool = False  # the loss keeps no fp32 logits (``parallel/chunked_loss``)
     compiled: bool = False  # blocks through torch.compile (``parallel/compile.py``)
@@ -79,7 +82,8 @@ class Layout:
             f" recompute-rest={self.recompute_rest}" if self.recompute_rest != "none"
             else "") + (
             f" head-layers={self.head_layers}" if self.head_layers else "") + (
-            " chunked-loss" if self.chunked_loss else "")
+            " chunked-loss" if self.chunked_loss else "") + (
+            " separate-reduce-group" if self.separate_reduce_group else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
         # the kernel only where it is not the default's (fused; offload's host step)
@@ -112,6 +116,7 @@ class Layout:
         flags += ["--order", self.order] if self.order != "megatron" else []
         flags += ["--fp8", self.fp8] if self.fp8 else []
         flags += ["--chunked-loss"] if self.chunked_loss else []
+        flags += ["--separate-reduce-group"] if self.separate_reduce_group else []
         return flags + ["--dtype", self.dtype]
 
     def command(self, model: str, backend: str = "nccl") -> str:

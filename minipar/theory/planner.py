@@ -403,7 +403,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
          max_microbatch_size: int = 8, sp: bool = True, min_cp_tokens: int = 4096,
          offload: bool = False, dtype: str = "bf16", optimizer: str = "adam",
          optimizer_kernel: str = "fused", order: str = "megatron",
-         degrees: dict[str, int] | None = None, **settings) -> Plan:
+         degrees: dict[str, int] | None = None, separate_reduce_group: bool = False,
+         **settings) -> Plan:
     """Enumerate, filter and rank the layouts of ``cfg`` on ``cluster``.
 
     Rejected (and counted by reason): tp above the GPUs of one node (its collectives
@@ -420,6 +421,8 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     (torch's fused kernel, the CUDA default; ZeRO-Offload's on the host), its ranks in
     ``order``; ``degrees`` keeps only the layouts with these degrees (``{"pp": 4}``:
     the best pipelines of four stages; keys dp, pp, tp, cp);
+    ``separate_reduce_group``: ZeRO-3 over more than one rank reduces on a communicator
+    of its own (its buffers counted; its step priced as the shared one's);
     ``settings`` go to ``evaluate`` (matmul_efficiency, memory_margin, accounting,
     overlap).
     """
@@ -499,7 +502,9 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                          schedule=schedule, virtual=v, head_layers=k,
                                          sp=sp and tp > 1, recompute=rc, dtype=dtype,
                                          optimizer=optimizer,
-                                         optimizer_kernel=optimizer_kernel, order=order)
+                                         optimizer_kernel=optimizer_kernel, order=order,
+                                         separate_reduce_group=separate_reduce_group
+                                         and zero == 3 and dp * cp > 1)
                             # the memory first: a layout that does not fit is not
                             # priced (but recomputing none is: partial recomputation
                             # interpolates from its step)

@@ -69,7 +69,9 @@ class Zero3(nn.Module):
     pair): a unit's weights of one group share a flat of their own, laid out alike on
     every rank of that group, so that its shard is the same slice there (one gather and
     one reduction a unit, not one a weight). ``average``: divide the gradient sum by the
-    dp size.
+    dp size. ``reduce_comm``: where the gradients are reduced (default ``comm``): a
+    second group over the same ranks (``RankMesh.reductions``) lets a unit's
+    reduce-scatter run beside the next unit's all-gather rather than ahead of it.
     ``materialize``: ``values(name, p) -> tensor`` for a ``module`` built on the meta
     device (``parallel/materialize.py``): each weight is made when its unit is built and
     only this rank's shard kept (the local model never exists whole); nothing is
@@ -88,10 +90,15 @@ class Zero3(nn.Module):
                  prefetch: bool = True, average: bool = True, broadcast: bool = True,
                  max_inflight: int = UNITS_IN_FLIGHT, materialize=None,
                  place: OnDevice | OnHost | None = None, only: Iterable[str] | None = None,
-                 gather: InComputeDtype | Float8Weights | None = None):
+                 gather: InComputeDtype | Float8Weights | None = None,
+                 reduce_comm: Comm | None = None):
         super().__init__()
         self.shards = Shards(comm or Comm(), place or OnDevice())
         self.comm, self.place = self.shards.comm, self.shards.place
+        self.reduce_comm = reduce_comm or self.comm
+        if self.reduce_comm.ranks != self.comm.ranks:
+            raise ValueError(f"reduce_comm spans ranks {self.reduce_comm.ranks}, the weights "
+                             f"are sharded over {self.comm.ranks}: they must be the same")
         self.gather = gather or InComputeDtype()
         self.module = module
         self.grad_dtype, self.reduce_dtype = grad_dtype, reduce_dtype or grad_dtype
@@ -313,10 +320,10 @@ class Zero3(nn.Module):
             if self.average:
                 wire.div_(self.comm.size)
             if u.replicated:
-                out, pending = wire, self.comm.all_reduce(wire, async_op=True)
+                out, pending = wire, self.reduce_comm.all_reduce(wire, async_op=True)
             else:
                 out = torch.empty(f.hi - f.lo, dtype=wire.dtype, device=wire.device)
-                pending = self.comm.reduce_scatter_into(out, wire, async_op=True)
+                pending = self.reduce_comm.reduce_scatter_into(out, wire, async_op=True)
             while len(self._inflight) >= self.max_inflight:  # make room first: the
                 self._complete_oldest()  # buffers in flight are all the memory it costs
             self._inflight.append((f, wire, out, pending))
