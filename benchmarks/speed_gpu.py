@@ -11,7 +11,8 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
   weight-gradient fusion / compiled with ``--separate-reduce-group``; gpt-13b dp N ZeRO-3
   full recompute, 4 per GPU, eager / compiled / compiled with ``--recompute-layers`` 36
   and 32 of 40, the planner's first pick with and without ``--separate-reduce-group``
-  (planned with it: its buffers counted) and under ``NCCL_MAX_CTAS`` 8 and 16 (NCCL's
+  (planned with it: its buffers counted), with ``--grad-dtype bf16`` (half the
+  reduce-scatters' bytes) and under ``NCCL_MAX_CTAS`` 8 and 16 (NCCL's
   kernels on fewer SMs, the overlapped blocks on more); and the FSDP2 peer
   (``benchmarks/peers.fsdp2``: ``fully_shard`` per block, bf16 parameters, fp32
   reduction, meta-device init, ``checkpoint_wrapper`` per block for 13B; torch's AdamW,
@@ -160,6 +161,10 @@ def section_speed(run: multigpu.Run) -> None:
     # the reduce-scatters on a second communicator (its buffers counted by the planner)
     cli_row(run, f"minipar {big} dp{n} the planner's pick, separate reduce group", big, 4 * n,
             planner_flags(big, n, 4 * n, separate_reduce_group=True))
+    # the gradients summed and reduce-scattered in bf16 (half the reduction's bytes, as
+    # FSDP2 does with its default reduce dtype; the peer here reduces in fp32)
+    cli_row(run, f"minipar {big} dp{n} the planner's pick, bf16 gradient sums", big, 4 * n,
+            planner_flags(big, n, 4 * n) + ["--grad-dtype", "bf16"])
     # fewer thread blocks per NCCL kernel: fewer SMs taken from the overlapped compute
     for ctas in (8, 16):
         cli_row(run, f"minipar {big} dp{n} the planner's pick, NCCL_MAX_CTAS={ctas}", big,
