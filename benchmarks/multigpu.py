@@ -690,7 +690,8 @@ def _speed_build(spec: dict) -> types.SimpleNamespace:
 
         model = GPT(mc, device="meta")  # FSDP2 materialises its shards
         model = fsdp2(model, init_device_mesh(device.type, (world,)), bf16=True,
-                      recompute=spec.get("recompute", False), meta=True, device=device)
+                      recompute=spec.get("recompute", False), meta=True, device=device,
+                      separate_reduce_group=spec.get("separate_reduce_group", False))
         # torch's default kernel (multi-tensor), or ``fused`` as minipar steps on CUDA
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4,
                                 fused=(spec.get("fused", False) and cuda) or None)

@@ -110,12 +110,16 @@ def init_like_gpt(model: nn.Module, n_layer: int) -> None:
 
 
 def fsdp2(model: GPT, mesh, *, bf16: bool = False, recompute: bool | int = False,
-          meta: bool = False, device: torch.device | None = None) -> GPT:
+          meta: bool = False, device: torch.device | None = None,
+          separate_reduce_group: bool = False) -> GPT:
     """FSDP2: ``fully_shard`` per block then the root; bf16 parameters with fp32 reduction
     when ``bf16``; every block checkpointed when ``recompute`` is True, the first N when
     it is N (Megatron's ``--recompute-num-layers``, as minipar's ``--recompute-layers``:
     the peer at the fewest recomputed blocks that fit a card). ``meta``: ``model`` was
-    built on the meta device; its shards are materialised on ``device`` and initialised."""
+    built on the meta device; its shards are materialised on ``device`` and initialised.
+    ``separate_reduce_group``: its reduce-scatters on a communicator of their own
+    (``FSDPModule.set_separate_reduce_scatter_group``, minipar's
+    ``--separate-reduce-group``); a torch without it raises."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -131,6 +135,11 @@ def fsdp2(model: GPT, mesh, *, bf16: bool = False, recompute: bool | int = False
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if separate_reduce_group:
+        if not hasattr(model, "set_separate_reduce_scatter_group"):
+            raise RuntimeError(f"torch {torch.__version__}'s FSDP2 has no "
+                               "set_separate_reduce_scatter_group")
+        model.set_separate_reduce_scatter_group(True)
     if meta:
         model.to_empty(device=device)
         init_like_gpt(model, len(model.blocks))

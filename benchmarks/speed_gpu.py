@@ -19,7 +19,8 @@ past ``--budget-s`` are recorded as skipped. Sections (``--sections``):
   and at 13B fused AdamW too, as minipar steps) in the same job; the planner's first
   data-parallel pick beside FSDP2 at its own fit (fused AdamW, checkpointing the first N
   blocks, N the fewest whole blocks the planner's pick without cheap recomputation
-  recomputes, and N + 4).
+  recomputes, and N + 4; at N + 4 also with FSDP2's own separate reduce-scatter group,
+  where the torch has it).
 * ``memory``: one rank's allocations over build + 2 steps (``torch.cuda.memory.
   _record_memory_history``), replayed to the peak: the live bytes there grouped by the
   allocating call site (innermost frame in minipar, the benchmarks, torch.distributed,
@@ -128,11 +129,12 @@ def cli_row(run: multigpu.Run, name: str, model: str, batch: int, flags: list[st
 
 
 def peer_row(run: multigpu.Run, name: str, model: str, batch: int, recompute: bool | int,
-             fused: bool = False) -> None:
+             fused: bool = False, separate_reduce_group: bool = False) -> None:
     spec = multigpu.peer_spec(run, "fsdp2", model, run.n, batch, recompute=recompute,
-                              fused=fused)
+                              fused=fused, separate_reduce_group=separate_reduce_group)
     run.row("speed", name, lambda: multigpu._measure(run, spec, run.timeout(540.0)),
-            model=model, batch=batch, impl="fsdp2", recompute=recompute, fused=fused)
+            model=model, batch=batch, impl="fsdp2", recompute=recompute, fused=fused,
+            separate_reduce_group=separate_reduce_group)
 
 
 def section_speed(run: multigpu.Run) -> None:
@@ -176,6 +178,10 @@ def section_speed(run: multigpu.Run) -> None:
     for first in sorted({k, min(k + 4, layers)}):
         peer_row(run, f"FSDP2 {big} dp{n} + checkpointing the first {first}, fused AdamW",
                  big, 4 * n, recompute=first, fused=True)
+    # the peer's own opt-in twin of --separate-reduce-group (torch 2.13 has it)
+    peer_row(run, f"FSDP2 {big} dp{n} + checkpointing the first {min(k + 4, layers)}, "
+             "fused AdamW, separate reduce-scatter group", big, 4 * n,
+             recompute=min(k + 4, layers), fused=True, separate_reduce_group=True)
 
 
 def planner_flags(model: str, n: int, batch: int, separate_reduce_group: bool = False
