@@ -233,11 +233,12 @@ class Mesh:
                 if rank in ranks:
                     comms[dim] = Comm(group, dim, log, ranks)
         comms.setdefault("dp_cp", comms["dp"])
-        # its own communicator even over the whole world (never WORLD: that is one already)
-        for ranks in self.groups("dp_cp" if self.cp > 1 else "dp") if separate_reductions else ():
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                comms["reductions"] = Comm(group, comms["dp_cp"].dim, log, ranks)
+        if separate_reductions:  # its own communicator even over the whole world (never
+            # WORLD: that is one already); counted as the dp x cp group's traffic
+            for ranks in self.groups("dp_cp" if self.cp > 1 else "dp"):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    comms["reductions"] = Comm(group, comms["dp_cp"].dim, log, ranks)
         for dim in ("ep", "edp") if self.ep > 1 else ():  # (ep = 1: no experts split)
             for ranks in self.groups(dim):
                 group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD

@@ -735,3 +735,20 @@ def test_the_host_s_launch_floor_runs_through_the_pipeline_s_schedule() -> None:
                         Layout(pp=2, dp=2, microbatches=8, schedule="1f1b"))
     # 8 micro-batches of half the layers each, and the fill: one stage's F + B once more
     assert many == pytest.approx((8 + 1) * n / 2 * per_layer)
+
+
+def test_the_order_of_the_recompute_modes_asked_for_does_not_change_the_plan() -> None:
+    """Partial recomputation pairs a layout recomputing every block with its twin
+    recomputing none, of the same expert-parallel size: the plan is the same whichever
+    order ``plan --recompute-modes`` names the modes in, for a dense model and for an
+    MoE one (whose layouts differ by ep too)."""
+    for model, cl, batch, micro in (("gpt-13b", "dgx-h100", 32, 4),
+                                    ("moe-1.3b", cluster(4, "A100-40GB", 4), 32, 8)):
+        plans = [plan(model, cl, batch, zero_stages=(3,), schedules=("1f1b",),
+                      recomputes=modes, degrees={"pp": 1}, max_microbatch_size=micro)
+                 for modes in (("none", "full"), ("full", "none"))]
+        first, second = ([(e.layout, round(e.step_time, 9)) for e in p.layouts]
+                         for p in plans)
+        assert first == second, model
+        partial = {e.layout.ep for e in plans[0].layouts if e.layout.recompute_layers}
+        assert partial == ({1} if model == "gpt-13b" else {1, 2, 4}), (model, partial)

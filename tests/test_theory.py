@@ -376,7 +376,7 @@ def test_a_run_and_the_theory_describe_it_with_one_layout():
     run = dict(dp=2, pp=2, tp=2, cp=2, ep=2, zero=3, microbatches=4, schedule="interleaved",
                virtual=2, head_layers=1, sp=True, recompute="full", recompute_layers=3,
                recompute_rest="cheap", offload=True, dtype="fp32", optimizer="sgd",
-               grad_dtype="bf16",
+               grad_dtype="bf16", separate_reduce_group=True,
                fp8="tensorwise", order="pp-inside-dp", chunked_loss=True)
     assert set(run) == shared and all(v != getattr(Layout(), k) for k, v in run.items())
     layout = TrainConfig(batch_size=64, compile=True, **run).layout()
@@ -494,6 +494,27 @@ def test_fused_accounting_adds_the_loss_backward_workspace_on_the_last_stage():
         assert r["total"] == sum(r[k] for k in ("params", "grads", "optimizer",
                                                 "activations", "loss_workspace"))
     assert "loss_workspace" not in memory_breakdown("tiny", Layout(microbatch_size=3))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_cp_rank_counts_its_own_tokens_once_and_whole_tensors_whole(cp, monkeypatch):
+    """Context parallelism splits what is per token, and only that: an MoE layer's rows
+    (the router's, the experts') fall to 1/cp of one rank's at cp 1, as a dense layer's
+    activations do; the embedding's weight gradient, which a zero-bubble first stage makes
+    beside its activations, is the whole V x h on every cp rank."""
+    import minipar.theory.memory as memory
+
+    def acts(model: str, c: int, **kw) -> float:
+        return memory_per_stage(model, Layout(cp=c, microbatch_size=2, **kw), stages=[0],
+                                accounting="fused")[0]["activations"]
+    moe = {c: acts("moe-tiny", c) - acts("tiny", c) for c in (1, cp)}
+    assert moe[cp] == pytest.approx(moe[1] / cp, rel=1e-9)
+    zb = dict(pp=2, schedule="zb", microbatches=4)
+    with_grad = acts("gpt-1.3b", cp, **zb)
+    monkeypatch.setattr(memory, "embedding_grad_bytes", lambda *a: 0)
+    made = with_grad - acts("gpt-1.3b", cp, **zb)
+    cfg = get_model("gpt-1.3b")
+    assert made == pytest.approx(cfg.vocab_size * cfg.d_model * 2, abs=1)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

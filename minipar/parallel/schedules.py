@@ -174,7 +174,13 @@ def _check(name: str, pp: int, microbatches: int, virtual: int, virtual_ok: bool
             raise ValueError(f"{name}: {label} must be a positive integer, got {v!r}")
     if virtual != 1 and not virtual_ok:
         raise ValueError(f"{name} runs one chunk per rank (virtual=1), got virtual={virtual}; "
-                         "use 'interleaved' for virtual stages")
+                         f"use one of {list(VIRTUAL_STAGES)} for virtual stages")
+
+
+def _whole_groups(name: str, pp: int, microbatches: int) -> None:
+    if microbatches % pp:
+        raise ValueError(f"{name} needs microbatches divisible by pp (Megatron's rule): got "
+                         f"microbatches={microbatches}, pp={pp}")
 
 
 def gpipe(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
@@ -216,9 +222,7 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
     As in Megatron-LM, micro-batches must come in whole groups of ``pp``.
     """
     _check("interleaved", pp, microbatches, virtual, True)
-    if microbatches % pp:
-        raise ValueError(f"interleaved 1F1B needs microbatches divisible by pp (Megatron's "
-                         f"rule): got microbatches={microbatches}, pp={pp}")
+    _whole_groups("interleaved", pp, microbatches)
     total = microbatches * virtual  # forward (and backward) actions per rank
 
     def action(kind: str, k: int, r: int) -> Action:
@@ -318,6 +322,7 @@ def interleaved_zero_bubble(pp: int, microbatches: int, virtual: int = 2) -> Sch
     (p-1)/(3 v m) of the work at F = B = W. torch.distributed.pipelining's
     ``ScheduleInterleavedZeroBubble`` builds the same kind of step."""
     _check("interleaved-zb", pp, microbatches, virtual, True)
+    _whole_groups("interleaved-zb", pp, microbatches)
     return defer_weight_passes(interleaved_1f1b(pp, microbatches, virtual))
 
 
@@ -333,10 +338,12 @@ SPLIT_BACKWARD = ("zb", "interleaved-zb")
 
 def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1, *,
                    zero: int = 0, recompute: str = "none") -> None:
-    """Refuse, in one line, what a schedule cannot run with (the rules of the schedules
-    live here: ``config.validate``, ``bubble`` and the planner ask). Virtual stages are
-    interleaved schedules' alone, which need two or more, and their micro-batches come
-    in whole groups of pp (Megatron's rule). A zero-bubble W pass runs after B, on the
+    """Refuse, in one line, what a run cannot use a schedule with (``config.validate``,
+    ``bubble`` and the planner ask here; the generators above check only what they need
+    to build a list, and build an interleaved one of one chunk a rank, 1F1B's order, which
+    a run is refused as pointless). Virtual stages are interleaved schedules' alone, which
+    need two or more beyond one stage, and their micro-batches come in whole groups of pp
+    (Megatron's rule). A zero-bubble W pass runs after B, on the
     layer's weights and the inputs its products saved: ZeRO-3 frees the weights between
     the two, and full recomputation frees the inputs (each module's split backward would
     run the block again)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 from minipar.checks import positive  # the command line's check (no 0 or -4 ranks)
 from minipar.mesh import Mesh  # layout only; no process groups
@@ -257,7 +258,9 @@ def moe_layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1,
     g, k, n = cfg.expert_d_ff, cfg.moe_top_k, cfg.n_expert
     slots = (n * math.ceil(cfg.capacity_factor * k * cfg.seq_len / n)
              if cfg.capacity_factor > 0 else 0)
-    per_seq = k * s if not slots else (slots if ep > 1 else min(k * s, slots))
+    # (under cp the capacity is decided over the whole sequence, ``cp_plan.ShardQueues``:
+    # a rank's experts fill their share, slots / cp, of its sequences' slots)
+    per_seq = k * s if not slots else (slots / cp if ep > 1 else min(k * s, slots))
     rows = b * per_seq
     dense = layer_activations(cfg, microbatch_size, tp, False, recompute, dtype, "fused", cp)
     return {
@@ -266,8 +269,10 @@ def moe_layer_activations(cfg: GPTConfig | str, microbatch_size: int = 1,
         "expert outputs (for the gate)": rows * h * e,
         "router probabilities (fp32)": s * b * n * 4,
         "routing indices (int64)": 2 * rows * 8,
-        "less the MLP's": -(dense["gelu input"]  # (cheap recomputation keeps no GELU output)
-                            + dense.get("mlp proj input (gelu output)", 0)),
+        # (cheap recomputation keeps no GELU output; a dense layer's rows count the whole
+        # sequence's, as ``layer_activations``' do: this rank's s / cp of them)
+        "less the MLP's": -(dense["gelu input"]
+                            + dense.get("mlp proj input (gelu output)", 0)) / cp,
         "the gathered sequence (sp)": s * b * h * e * (1 - 1 / tp) if sp else 0,
         "dispatch": 2 * rows * h * e if ep > 1 else 0,
     }
@@ -327,7 +332,7 @@ def inflight(schedule: str, pp: int, microbatches: int, stage: int = 0,
     (a test checks they agree when that module is present).
     """
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
     if virtual > 1 and schedule not in VIRTUAL_STAGES:
@@ -386,19 +391,26 @@ def split_in_flight(schedule: str, pp: int, microbatches: int, stage: int,
     return min(stage, microbatches * virtual - warm), warm
 
 
-Moment = tuple[tuple[int, ...], tuple[int, ...], int]
+class Moment(NamedTuple):
+    """A split-backward stage just before one of its B: per local chunk, the micro-batches
+    whose B has run and whose W has not (``deferred``), and those whose F has run and
+    whose B has not, the coming B's own among them (``in_flight``); and the coming B's
+    local chunk (``chunk``)."""
+
+    deferred: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    chunk: int
 
 
 def split_moments(schedule: str, pp: int, microbatches: int, stage: int,
                   virtual: int = 1) -> tuple[Moment, ...]:
-    """The moments before each B of a split-backward stage, chunk by chunk, where its
-    chunks differ in size (interleaved: the first holds the embedding's layers, the last
-    rank's last the head's fewer): (per local chunk, the B's run whose W has not; per
-    local chunk, the F's run whose B has not, the coming B's own among them; the coming
-    B's local chunk). Walked along the schedule's own list (``schedules.make_schedule``)
-    at up to 4 pp micro-batches (the warm-up and the first steady rounds, where a stage is
-    fullest, are the same with more). Past ``SIMULATED_PP`` stages the list costs seconds
-    to build: one moment then, ``split_moment``'s closed form."""
+    """The moments (``Moment``) before each B of a split-backward stage, chunk by chunk,
+    where its chunks differ in size (interleaved: the first holds the embedding's layers,
+    the last rank's last the head's fewer). Walked along the schedule's own list
+    (``schedules.make_schedule``) at up to 4 pp micro-batches (the warm-up and the first
+    steady rounds, where a stage is fullest, are the same with more). Past
+    ``SIMULATED_PP`` stages the list costs seconds to build: one moment then,
+    ``split_moment``'s closed form."""
     if pp > SIMULATED_PP:
         return split_moment(schedule, pp, microbatches, stage, virtual),
     return _walked_moments(schedule, pp, min(microbatches, 4 * pp), stage, virtual)
@@ -414,12 +426,13 @@ def split_moment(schedule: str, pp: int, microbatches: int, stage: int,
     groups, rest = divmod(warm + done, pp * virtual)  # the forwards run by then
     busy = [groups * pp + min(pp, max(0, rest - j * pp)) for j in range(virtual)]
     busy[-1] -= done
-    return (0,) * (virtual - 1) + (done,), tuple(busy), virtual - 1
+    return Moment((0,) * (virtual - 1) + (done,), tuple(busy), virtual - 1)
 
 
 @lru_cache(maxsize=1024)
 def _walked_moments(schedule: str, pp: int, microbatches: int, stage: int,
                     virtual: int) -> tuple[Moment, ...]:
+    """Every distinct ``Moment`` before a B of ``stage``, read off the schedule's list."""
     done, busy = [0] * virtual, [0] * virtual
     moments = set()
     for a in schedule_actions(schedule, pp, microbatches, virtual)[stage]:
@@ -427,7 +440,7 @@ def _walked_moments(schedule: str, pp: int, microbatches: int, stage: int,
         if a.kind == "F":
             busy[local] += 1
         elif a.kind == "B":
-            moments.add((tuple(done), tuple(busy), local))
+            moments.add(Moment(tuple(done), tuple(busy), local))
             busy[local] -= 1
             done[local] += 1
         elif a.kind == "W":
@@ -447,8 +460,11 @@ def stage_activations(cfg: GPTConfig | str, layout: Layout = Layout(), stage: in
     of each chunk recompute, the rest keep everything (Megatron's partial recomputation)
     or recompute cheaply (``recompute_rest``).
     ``during_loss``: the peak while the last stage runs the loss's backward (its workspace
-    beside it): the same peak, but under interleaved zero bubble, whose last stage's
-    fullest moment can be another chunk's B, where no loss runs."""
+    beside it). Under a split backward (fused accounting) the B in flight there keeps no
+    logits gradient, which is still the loss's workspace; under interleaved zero bubble
+    the last stage's fullest moment can be another chunk's B, where no loss runs.
+    Counted before context parallelism's split (``memory_per_stage`` divides by cp): what
+    each cp rank holds whole, an embedding's gradient, an MoE layer's rows, cp times."""
     peak, at_loss = _stage_activation_peaks(cfg, layout, stage, accounting)
     return at_loss if during_loss else peak
 
@@ -462,8 +478,8 @@ def _stage_activation_peaks(cfg: GPTConfig | str, layout: Layout, stage: int,
                             layout.dtype)
     pp, virtual, head, schedule = layout.pp, layout.virtual, layout.head_layers, layout.schedule
 
-    chunks = inflight(schedule, pp, layout.microbatches, stage, virtual)
-    at_loss = None  # (unless a split backward's last stage says otherwise: the peak)
+    chunks_in_flight = inflight(schedule, pp, layout.microbatches, stage, virtual)
+    at_loss = None  # (a split backward's own; else the peak)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
     # per chunk (a mean over the stage's chunks): the blocks that recompute, and the rest
     redone, moe_redone = (n / virtual for n in stage_recomputed_layers(
@@ -472,60 +488,76 @@ def _stage_activation_peaks(cfg: GPTConfig | str, layout: Layout, stage: int,
     # on a detached input, a leaf of the module's graph that holds it till W, so a cheap
     # recomputation's recipe frees none of it
     stitched = schedule in SPLIT_BACKWARD and accounting == "fused"
-    mode, rest = ("none" if stitched and m == "cheap" else m
-                  for m in (layout.recompute, layout.recompute_rest))
+    mode, rest = ("none" if stitched and r == "cheap" else r
+                  for r in (layout.recompute, layout.recompute_rest))
     total = (block_activations(cfg, layout, mode, accounting) * redone
-             + block_activations(cfg, layout, rest, accounting) * (layers - redone)) * chunks
+             + block_activations(cfg, layout, rest, accounting) * (layers - redone)
+             ) * chunks_in_flight
 
     def per_moe_layer(mode: str) -> float:
         moe = moe_layer_activations(cfg, b, mode, dtype, layout.ep, tp, sp, cp)
         moe.pop("dispatch", None)
-        return sum(moe.values())
-    moe = stage_moe_layers(cfg, pp, stage, virtual, head) / virtual
+        return cp * sum(moe.values())  # a rank's, counted as the whole sequence's (/ cp)
+    moe_layers = stage_moe_layers(cfg, pp, stage, virtual, head) / virtual
     total += (per_moe_layer(mode) * moe_redone
-              + per_moe_layer(rest) * (moe - moe_redone)) * chunks
+              + per_moe_layer(rest) * (moe_layers - moe_redone)) * chunks_in_flight
     if schedule in SPLIT_BACKWARD and not stitched:  # the paper's: each in flight keeps dy
-        total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * chunks
+        total += deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers * chunks_in_flight
     elif schedule in SPLIT_BACKWARD:  # minipar's: B(i) ends holding one more W's worth
         kept = (block_activations(cfg, layout, layout.recompute, accounting, True) * redone
                 + block_activations(cfg, layout, layout.recompute_rest, accounting, True)
                 * (layers - redone) + deferred_weight_grad_bytes(cfg, b, tp, sp, dtype) * layers)
-        whole_mb = total / chunks
-        # each local chunk at its own size (the mean's share of it); the head's W, on the
-        # last rank's last chunk, reads the logits' gradient
-        share = [len(partition_layers(cfg.n_layer, pp * virtual, head)[stage + j * pp])
-                 / layers for j in range(virtual)]
-        keeps = [kept * x for x in share]
-        logits_grad = (cfg.seq_len * b * cfg.vocab_size * _act_bytes(dtype) / tp
-                       if stage == pp - 1 else 0)
-        keeps[-1] += logits_grad
-        # (on the first stage W(i) makes the embedding's whole gradient beside)
-        made = embedding_grad_bytes(cfg, tp, dtype) if stage == 0 else 0
-        moments = split_moments(schedule, pp, layout.microbatches, stage, virtual)
-
-        def held(done, busy, now, loss_runs: bool) -> float:
-            # the B in flight: what it will keep; while the loss runs, the head's logits
-            # gradient is still the loss's workspace (counted beside, memory_per_stage)
-            making = keeps[now] - (logits_grad if loss_runs else 0)
-            return (sum(d * k for d, k in zip(done, keeps))
-                    + sum(n * whole_mb * x for n, x in zip(busy, share))
-                    + max(0.0, making + made - whole_mb * share[now]))
-        total = max(held(*moment, False) for moment in moments)
-        if stage == pp - 1:  # its last chunk runs the loss: at that chunk's B alone
-            at_loss = max(held(d, n, now, True) for d, n, now in moments if now == virtual - 1)
+        total, at_loss = _split_backward_peaks(cfg, layout, stage, total / chunks_in_flight,
+                                               kept)
     at_loss = total if at_loss is None else at_loss
-    whole = max(1, math.ceil(chunks / virtual))  # micro-batches in flight on the stage
+    whole = max(1, math.ceil(chunks_in_flight / virtual))  # micro-batches in flight
     edges = 0.0
     if stage == 0:
         edges += whole * sum(edge_activations(cfg, "first", b, tp, sp, dtype,
                                               accounting).values())
-    if stage == pp - 1:  # minipar's ZB-H1 frees the fp32 logits with B (W needs only the
+    if stage == pp - 1:
+        # minipar's ZB-H1 frees the fp32 logits with B (W needs only the head's input):
+        # one micro-batch's, as 1F1B's
         last = edge_activations(cfg, "last", b, tp, sp, dtype, accounting)
-        loss = last.pop("logits (fp32, for the loss)")  # head's input): 1F1B's one
+        loss = last.pop("logits (fp32, for the loss)")
         if layout.chunked_loss:  # the logits kept as the head made them, no fp32 copy
             loss *= _act_bytes(dtype) / 4
         edges += whole * sum(last.values()) + (1 if stitched else whole) * loss
     return total + edges, at_loss + edges
+
+
+def _split_backward_peaks(cfg: GPTConfig, layout: Layout, stage: int, per_chunk: float,
+                          kept: float) -> tuple[float, float]:
+    """A split-backward stage's fullest moment (``split_moments``), and its fullest while
+    the loss runs (the last stage's last chunk's B), each local chunk at its own size:
+    ``per_chunk`` is what a chunk of the stage's mean size stores for a micro-batch,
+    ``kept`` what its W reads. On the last stage the head's W reads the logits' gradient
+    too; on the first, W makes the embedding's whole gradient."""
+    pp, virtual, head, tp = layout.pp, layout.virtual, layout.head_layers, layout.tp
+    mean = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
+    share = [len(partition_layers(cfg.n_layer, pp * virtual, head)[stage + j * pp]) / mean
+             for j in range(virtual)]
+    keeps = [kept * x for x in share]
+    logits_grad = (cfg.seq_len * layout.microbatch_size * cfg.vocab_size
+                   * _act_bytes(layout.dtype) / tp if stage == pp - 1 else 0)
+    keeps[-1] += logits_grad
+    # the embedding's gradient: every cp rank makes all of it, counted here as the whole
+    # sequence's (memory_per_stage divides by cp)
+    made = layout.cp * embedding_grad_bytes(cfg, tp, layout.dtype) if stage == 0 else 0
+
+    def held(moment: Moment, loss_runs: bool) -> float:
+        """The deferred W's inputs, the micro-batches in flight, and the coming B's own
+        growth: what it will keep beyond what its forward stored (while the loss runs,
+        the head's logits gradient is still the loss's workspace, counted beside)."""
+        making = keeps[moment.chunk] - (logits_grad if loss_runs else 0)
+        return (sum(d * k for d, k in zip(moment.deferred, keeps))
+                + sum(n * per_chunk * x for n, x in zip(moment.in_flight, share))
+                + max(0.0, making + made - per_chunk * share[moment.chunk]))
+    moments = split_moments(layout.schedule, pp, layout.microbatches, stage, virtual)
+    peak = max(held(moment, False) for moment in moments)
+    if stage != pp - 1:
+        return peak, peak
+    return peak, max(held(moment, True) for moment in moments if moment.chunk == virtual - 1)
 
 
 # --- the whole picture -------------------------------------------------------------------
@@ -692,9 +724,9 @@ def memory_per_stage(cfg: GPTConfig | str | None = None, layout: Layout = Layout
                                           layout.grad_dtype, m)
             # Only ZeRO-1's full buffer lives across steps; the others are made in the
             # backward as it frees activations: one micro-batch holds the larger of the
-            # two, with more the first's gradients wait through the next forwards (2 and
-            # 4 x H100/H200: gpt-1.3b dp, 1F1B, interleaved within 3%) and a backward
-            # frees only one of the micro-batches (chunks) in flight. Beside them, a
+            # two, with more the first's gradients wait through the next forwards (as
+            # measured on 2 and 4 GPUs, docs/benchmarks.md) and a backward frees only one
+            # of the micro-batches (chunks) in flight. Beside them, a
             # block's worth of buffers (``buffers_in_flight``, ``recompute_transient``):
             # fewer at a backward's start, where they follow the loss's workspace (the
             # first block's backward follows the loss's), than later in it.

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 from minipar.theory.rates import stepped_params
 
-# ZeRO-Offload's two costs (``offload``), measured on GPU hosts: the host step of
-# ``train --offload`` (torch's fused CPU AdamW, 16 threads per rank, plus the host's
-# landing, norm and cast passes) ran at about 1.3e9 parameters a second per rank on the
-# 2 x H100 host (gpt-1.3b dp 2 ZeRO-1: 0.876 s a step against 0.326 s without offload,
-# 0.55 s for a 0.66 B shard, 2026-11-26); torch's default per-tensor AdamW had done
-# 0.4e9 on the 4 x H100 host. A GPU's copies to and from pinned host memory run at PCIe
-# Gen5's effective ~25 GB/s a direction.
+# ZeRO-Offload's two costs (``offload``), measured on GPU hosts (docs/benchmarks.md):
+# the host step of ``train --offload`` (torch's fused CPU AdamW, 16 threads per rank,
+# plus the host's landing, norm and cast passes) in parameters a second per rank, as
+# gpt-1.3b dp 2 ZeRO-1 ran it on a 2 x H100 host (torch's default per-tensor AdamW is
+# about three times slower); a GPU's copies to and from pinned host memory at PCIe
+# Gen5's effective bandwidth a direction.
 HOST_ADAM_PARAMS_PER_S = 1.3e9
 PCIE_BANDWIDTH = 25e9
 

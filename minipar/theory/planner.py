@@ -86,47 +86,40 @@ from minipar.theory.rates import call_seconds, chunk_seconds, optimizer_seconds
 # Cheap recomputation (``parallel/recompute.py``) redoes only the elementwise work between
 # the products; its cost is ``rates.cheap_recompute_seconds``
 RECOMPUTES = ("none", "selective", "cheap", "full")
+RECOMPUTE_ORDER = {"none": 0, "cheap": 1, "selective": 2, "full": 3}  # by what they redo
 # The rejection of a ZeRO-Offload layout whose host states do not fit the node
 HOST_SHORT = "offload's host states exceed the node's memory"
 TIME_KEYS = ("compute", "bubble", "tp", "ep", "cp", "pp", "dp", "offload", "update", "host")
-# NCCL's share of its calibrated bandwidth while compute kernels run beside it. Measured
-# on 4 x H100 (benchmarks/multigpu.py, docs/benchmarks.md): gpt-13b ZeRO-3 at micro-batch
-# 1 takes 1.99 s against 1.23 s of compute, its per-layer backward transfers (4.5 ms at
-# full bandwidth) exceeding the 5.1 ms of backward compute once halved.
+# NCCL's share of its calibrated bandwidth while compute kernels run beside it: halved,
+# as gpt-13b ZeRO-3 at micro-batches of 1 measured on 4 x H100 (its per-layer backward
+# transfers then outlast the layer's backward; docs/benchmarks.md, the four-GPU results).
 OVERLAP_BANDWIDTH = 0.5
-# What the engine's step shows beyond the isolated rates, measured on 4 x H100 with
-# torch.profiler (benchmarks/profile_train.py, docs/benchmarks.md "Where the model
-# missed"). ZeRO-3 overlaps its per-unit gathers and reductions with compute, yet about
-# half of their full-bandwidth seconds stays on the critical path (gpt-6.7b and gpt-13b
-# rows: 0.48-0.64 of it): each unit's fp32 reduce-scatter contends with the backward's
-# kernels and waits for the slowest rank.
+# ZeRO-3 overlaps its per-unit gathers and reductions with compute, yet about half of
+# their full-bandwidth seconds stays on the critical path: each unit's fp32
+# reduce-scatter contends with the backward's kernels and waits for the slowest rank.
+# Fitted to the gpt-6.7b and gpt-13b rows profiled on 4 x H100 (benchmarks/profile_train.py;
+# docs/benchmarks.md, "The step model, after").
 ZERO3_EXPOSED_SHARE = 0.55
 # ZeRO-3 over a data-parallel group of one rank (pp or tp alone, to drop the 16-bit copy
 # of the weights) still gathers and reduces every unit each micro-batch, as work in the
 # GPU's own memory that no collective curve prices: the cast of the fp32 master into the
 # unit's buffer and its copy onto itself (forward and backward), the gradient's scaling,
 # copy and accumulation into the master's. Bytes per parameter and micro-batch at the
-# data sheet's memory bandwidth, fitted to gpt-13b pp 4 dp 1 ZeRO-3 full recompute
-# (benchmarks/results/card-memory-defaults-4xH100-2026-11-28i2-planner, m 16 and m 8, and
-# card-memory-defaults-4xH200-2026-11-28k2-covering, m 8 under three schedules): what
-# the step model left unexplained is 28-37 bytes a parameter on the H100 rows and 23-28
-# on the H200 rows, each at its card's bandwidth; 32 puts all five within 4%.
+# data sheet's memory bandwidth, fitted to gpt-13b pp 4 dp 1 ZeRO-3 with full
+# recomputation on H100 and H200 (docs/benchmarks.md, `planner.ZERO3_LOCAL_BYTES`).
 ZERO3_LOCAL_BYTES = 32
 # Layouts of one shape whose predicted steps differ by less than this share rank by
-# memory (the spread of repeated measurements of one layout: ZeRO-1 and ZeRO-2 at one
-# micro-batch size differ by 1-8%).
+# memory (the spread of repeated measurements of one layout: ZeRO-1 against ZeRO-2 at
+# one micro-batch size).
 TIE_SHARE = 0.05
 # The first layouts of a plan found exactly, partial recomputation's included (the plan
 # command and the dashboards show at most this many).
 EXACT_TOP = 20
 # What a layer pass costs the host beyond a data-parallel one, in ``host_s_per_layer``s:
 # tp's collectives and split kernels, sp's extra gathers and scatters, cp's ring. Fitted
-# to the host-bound rows of benchmarks/results/card-memory-*: tp from gpt-1.3b tp 4 b 4 m 8
-# selective (4xH100-2026-11-27h2-covering, 1.18 s) and gpt-6.7b tp 4 b 2 m 2
-# (4xH200-2026-11-28k3-covering, 0.24 s), which bound it to 0.44-0.49; sp from gpt-1.3b
-# tp 4 sp b 4 m 8 (h2-covering, 1.47 s), the isolated tp block's ratio with and without sp
-# at 2048 tokens (calibration-h100.json ``tp_blocks``: 1.46-1.51) times tp's; cp from
-# gpt-1.3b dp 2 cp 2 ZeRO-1 b 4 m 4 (h2-covering, 0.78 s for 96 layer passes).
+# to the host-bound rows of benchmarks/results/card-memory-* (gpt-1.3b tp 4 with and
+# without sp, gpt-6.7b tp 4, gpt-1.3b dp 2 cp 2) and the calibration's isolated tp
+# block with and without sp (docs/benchmarks.md, `planner.HOST_LAYER_EXTRA`).
 HOST_LAYER_EXTRA = {"tp": 0.47, "sp": 0.7, "cp": 1.5}
 
 
@@ -449,6 +442,21 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
         rejected[reason] += 1
         examples.setdefault(reason, example)
 
+    def keep(est: Estimate) -> None:
+        """A layout that fits joins the ranking; one that does not is counted (and the
+        smallest such remembered, for the message when nothing fits)."""
+        nonlocal smallest
+        if est.fits:
+            layouts.append(est)
+        elif est.layout.offload and not host_fit(est.memory["host"], cluster.gpus_per_node,
+                                                 cluster.host_memory):
+            reject(HOST_SHORT, f"{est.layout.label()}: {est.memory['host'] / 2**30:.0f} GiB a "
+                               f"rank x {cluster.gpus_per_node}")
+        else:
+            reject("does not fit in memory", est.layout.label())
+            if smallest is None or est.memory["process"] < smallest.memory["process"]:
+                smallest = est
+
     for tp in _powers_of_two(min(gpus, 64)):
         if gpus % tp or not allowed(tp=tp):
             continue
@@ -489,52 +497,34 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                         if zero in (1, 2) and dp * cp == 1:  # shards of one: ZeRO-0
                             reject("ZeRO-1/2 over one rank is ZeRO-0", f"zero={zero}, dp=1")
                             continue
-                        kept: Estimate | None = None  # the layout recomputing nothing
-                        for ep, rc in ((e, r) for e in _eps(cfg, dp) for r in recomputes):
-                            if refused := _refusal(schedule, pp, m, v, zero, rc):
-                                reject(refused, f"recompute={rc} with {schedule}, pp={pp}")
-                                continue
-                            # pp: stages balanced for the head (interleaved: the
-                            # last chunk, whose rank runs the head)
-                            k = head_layers_for(cfg, rc) if pp > 1 else 0
-                            lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=zero,
-                                         microbatch_size=b, microbatches=m,
-                                         schedule=schedule, virtual=v, head_layers=k,
-                                         sp=sp and tp > 1, recompute=rc, dtype=dtype,
-                                         optimizer=optimizer,
-                                         optimizer_kernel=optimizer_kernel, order=order,
-                                         separate_reduce_group=separate_reduce_group
-                                         and zero == 3 and dp * cp > 1)
-                            # the memory first: a layout that does not fit is not
-                            # priced (but recomputing none is: partial recomputation
-                            # interpolates from its step)
-                            est = None
-                            if rc != "none" and not offload:
-                                mem, fits = card_fit(cfg, cluster, lay, **settings)
-                                if not fits:
-                                    est = Estimate(lay, memory=mem, fits=False)
-                            if est is None:
-                                est = evaluate(cfg, cluster, lay, **settings)
-                            if rc == "none":
-                                kept = est
-                            elif rc == "full" and est.fits and kept and not kept.fits:
-                                partial_candidates.append((kept, est))
-                            if not est.fits and offload:
-                                est = evaluate(cfg, cluster, lay.with_(
-                                    offload=True, optimizer_kernel="host"), **settings)
-                            if est.fits:
-                                layouts.append(est)
-                            elif est.layout.offload and not host_fit(
-                                    est.memory["host"], cluster.gpus_per_node,
-                                    cluster.host_memory):
-                                reject(HOST_SHORT,
-                                       f"{est.layout.label()}: {est.memory['host'] / 2**30:.0f}"
-                                       f" GiB a rank x {cluster.gpus_per_node}")
-                            else:
-                                reject("does not fit in memory", est.layout.label())
-                                if (smallest is None
-                                        or est.memory["process"] < smallest.memory["process"]):
-                                    smallest = est
+                        for ep in _eps(cfg, dp):
+                            # "none" first: a layout that fits only recomputing every
+                            # block is paired with its twin recomputing none (below)
+                            kept: Estimate | None = None  # that twin, of this ep
+                            for rc in sorted(recomputes, key=RECOMPUTE_ORDER.__getitem__):
+                                if refused := _refusal(schedule, pp, m, v, zero, rc):
+                                    reject(refused, f"recompute={rc} with {schedule}, pp={pp}")
+                                    continue
+                                # pp: stages balanced for the head (interleaved: the
+                                # last chunk, whose rank runs the head)
+                                k = head_layers_for(cfg, rc) if pp > 1 else 0
+                                lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, zero=zero,
+                                             microbatch_size=b, microbatches=m,
+                                             schedule=schedule, virtual=v, head_layers=k,
+                                             sp=sp and tp > 1, recompute=rc, dtype=dtype,
+                                             optimizer=optimizer,
+                                             optimizer_kernel=optimizer_kernel, order=order,
+                                             separate_reduce_group=separate_reduce_group
+                                             and zero == 3 and dp * cp > 1)
+                                est = _priced(cfg, cluster, lay, offload, settings)
+                                if rc == "none":
+                                    kept = est
+                                elif rc == "full" and est.fits and kept and not kept.fits:
+                                    partial_candidates.append((kept, est))
+                                if not est.fits and offload:
+                                    est = evaluate(cfg, cluster, lay.with_(
+                                        offload=True, optimizer_kernel="host"), **settings)
+                                keep(est)
     if fixed and not shapes:
         asked = ", ".join(f"{k}={v}" for k, v in fixed.items())
         raise ValueError(f"no layout of {gpus} GPUs has {asked}: dp x pp x tp x cp must "
@@ -552,7 +542,18 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                 smallest)
 
 
-RECOMPUTE_ORDER = {"none": 0, "cheap": 1, "selective": 2, "full": 3}  # by what they redo
+
+def _priced(cfg: GPTConfig, cluster: Cluster, layout: Layout, offload: bool,
+            settings: dict) -> Estimate:
+    """``layout`` priced, the memory first: one that recomputes something and does not fit
+    is not priced (``fits`` False, its memory only). One recomputing nothing always is:
+    partial recomputation interpolates from its step. Under ``offload`` every layout is
+    priced, since the plan retries what does not fit with ZeRO-Offload."""
+    if layout.recompute != "none" and not offload:
+        memory, fits = card_fit(cfg, cluster, layout, **settings)
+        if not fits:
+            return Estimate(layout, memory=memory, fits=False)
+    return evaluate(cfg, cluster, layout, **settings)
 
 
 def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
@@ -654,9 +655,11 @@ def _ties_by_memory(layouts: list[Estimate]) -> list[Estimate]:
 
 
 def _shape(est: Estimate) -> tuple:
+    """What a tie keeps equal; the head layers follow the recomputation (a pipeline's
+    stages are balanced for it, ``head_layers_for``), so they may differ."""
     lay = est.layout
     return (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.microbatch_size, lay.schedule,
-            lay.virtual, lay.head_layers, lay.offload)
+            lay.virtual, lay.offload)
 
 
 def _eps(cfg: GPTConfig, dp: int) -> list[int]:
