@@ -380,7 +380,16 @@ MESSAGE_MUTANTS = {
     "1f1b_diff": (
         "pipeline_1f1b", "        warm = min(pp - r - 1, microbatches)\n",
         "        warm = min(pp - r, microbatches)\n",
-        ["differs from 1F1B", "rank 0, position 1: expected B0, got F1"]),
+        ["differs from 1F1B at pp=2, m=2, rank 1, position 1: expected B0, got F1",
+         "min(pp - r, m) forwards before its first B", "runs 1; yours runs 2"]),
+    "1f1b_deadlock": (
+        "pipeline_1f1b", "            acts += [Action(\"F\", warm + i, r), Action(\"B\", i, r)]\n",
+        "            acts += [Action(\"B\", i, r), Action(\"F\", warm + i, r)]\n",
+        ["differs from 1F1B at pp=2, m=1, rank 1, position 0: expected F0, got B0",
+         "runs 1; yours runs 0"]),
+    "1f1b_gpipe": (
+        "pipeline_1f1b", "        warm = min(pp - r - 1, microbatches)\n",
+        "        warm = microbatches\n", ["differs from 1F1B", "that is GPipe's order"]),
     "ddp_world_size": (
         "ddp_buckets", "flat = self.flat[i] / self.comm.size", "flat = self.flat[i]",
         ["your gradients are exactly 2.0x the whole-batch gradient = world size (2)"]),
