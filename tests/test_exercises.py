@@ -447,6 +447,11 @@ MESSAGE_MUTANTS = {
         "moe_dispatch", "    return all_to_all(y[back], comm, recv, send)\n",
         "    return all_to_all(y[order], comm, recv, send)\n",
         ["combine on rank", "expected that of row", "undo dispatch's sort"]),
+    "combine_sizes_not_swapped": (
+        "moe_dispatch", "    return all_to_all(y[back], comm, recv, send)\n",
+        "    return all_to_all(y[back], comm, send, recv)\n",
+        ["2 ranks: on rank 0, combine (given 5 result rows", "send sizes [3, 5], which "
+         "add up to 8", "combine sends back with the split sizes of dispatch swapped"]),
     "dispatch_not_differentiable": (
         "moe_dispatch", "    rows = all_to_all(x, comm, send, recv)\n",
         "    rows = comm.all_to_all(x, send, recv)\n",
