@@ -634,6 +634,9 @@ def check_zero_memory(runs: dict[int, dict], n_params: int) -> None:
             assert mem["params"] == want["params"], (z, mem, want)
         else:  # at its peak: the shard plus the units gathered at that moment
             assert mem["params"] > want["params"], (z, mem, want)
+        if z == 1:  # the full gradient it reduce-scatters, and beside it the shard back
+            shard = model_states(n_params, 2, 2, "fp32")["grads"]
+            assert mem["grads"] == want["grads"] + shard, (z, mem, want)
         if z >= 2:  # the shard, plus one block's bucket while it is reduce-scattered
             assert want["grads"] <= mem["grads"] < runs[1]["ranks"][0]["memory"]["grads"]
         # Adam's moments, sharded from stage 1: fp32 weights are their own masters (the

@@ -380,7 +380,16 @@ MESSAGE_MUTANTS = {
     "1f1b_diff": (
         "pipeline_1f1b", "        warm = min(pp - r - 1, microbatches)\n",
         "        warm = min(pp - r, microbatches)\n",
-        ["differs from 1F1B", "rank 0, position 1: expected B0, got F1"]),
+        ["differs from 1F1B at pp=2, m=2, rank 1, position 1: expected B0, got F1",
+         "min(pp - r, m) forwards before its first B", "runs 1; yours runs 2"]),
+    "1f1b_deadlock": (
+        "pipeline_1f1b", "            acts += [Action(\"F\", warm + i, r), Action(\"B\", i, r)]\n",
+        "            acts += [Action(\"B\", i, r), Action(\"F\", warm + i, r)]\n",
+        ["differs from 1F1B at pp=2, m=1, rank 1, position 0: expected F0, got B0",
+         "runs 1; yours runs 0"]),
+    "1f1b_gpipe": (
+        "pipeline_1f1b", "        warm = min(pp - r - 1, microbatches)\n",
+        "        warm = microbatches\n", ["differs from 1F1B", "that is GPipe's order"]),
     "ddp_world_size": (
         "ddp_buckets", "flat = self.flat[i] / self.comm.size", "flat = self.flat[i]",
         ["your gradients are exactly 2.0x the whole-batch gradient = world size (2)"]),
@@ -438,6 +447,11 @@ MESSAGE_MUTANTS = {
         "moe_dispatch", "    return all_to_all(y[back], comm, recv, send)\n",
         "    return all_to_all(y[order], comm, recv, send)\n",
         ["combine on rank", "expected that of row", "undo dispatch's sort"]),
+    "combine_sizes_not_swapped": (
+        "moe_dispatch", "    return all_to_all(y[back], comm, recv, send)\n",
+        "    return all_to_all(y[back], comm, send, recv)\n",
+        ["2 ranks: on rank 0, combine (given 5 result rows", "send sizes [3, 5], which "
+         "add up to 8", "combine sends back with the split sizes of dispatch swapped"]),
     "dispatch_not_differentiable": (
         "moe_dispatch", "    rows = all_to_all(x, comm, send, recv)\n",
         "    rows = comm.all_to_all(x, send, recv)\n",

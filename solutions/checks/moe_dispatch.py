@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.distributed as dist
 
 from minipar.comm import Comm
 from minipar.config import TrainConfig
@@ -55,12 +56,42 @@ def _expected(rank: int, ep: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat(rows), torch.tensor(counts)
 
 
+class _SplitSizes(Exception):
+    """Some rank's send sizes do not add up to its rows (the message: this rank's, or None
+    when this rank's were right)."""
+
+
+def _sized(comm: Comm, step: str) -> None:
+    """Make ``comm.all_to_all`` (which ``all_to_all`` calls) refuse send sizes that do
+    not add up to the rows it is given, on every rank at once (so that no rank waits in
+    an exchange its partner left), naming the step and both numbers, where
+    all_to_all_single would only say "Split sizes doesn't match total dim 0 size"."""
+    a2a = type(comm).all_to_all
+
+    def all_to_all(t, send_rows, recv_rows):
+        sizes = [int(n) for n in send_rows]
+        bad = torch.tensor([int(sum(sizes) != len(t))])
+        dist.all_reduce(bad, group=comm.group)
+        if bad.item():
+            raise _SplitSizes(None if sum(sizes) == len(t) else
+                              f"{step} sends {len(t)} rows with send sizes {sizes}, which "
+                              f"add up to {sum(sizes)}")
+        return a2a(comm, t, send_rows, recv_rows)
+    comm.all_to_all = all_to_all
+
+
 def _exchange_rank(impl: str, seed: int) -> dict:
     mod = importlib.import_module(f"{impl}.moe_dispatch")
     comm = Comm(dim="ep")
     x, counts = _inputs(comm.rank, seed)
-    rows, local_counts, plan = mod.dispatch(x.clone(), counts.clone(), comm)
-    back = mod.combine(2 * rows + 1, plan, comm)
+    try:
+        _sized(comm, "dispatch")
+        rows, local_counts, plan = mod.dispatch(x.clone(), counts.clone(), comm)
+        _sized(comm, f"combine (given {len(rows)} result rows, one per row dispatch "
+                     "returned)")
+        back = mod.combine(2 * rows + 1, plan, comm)
+    except _SplitSizes as e:
+        return {"split": e.args[0]}
     return {"rows": rows.detach(), "counts": torch.as_tensor(local_counts).detach(),
             "back": back.detach()}
 
@@ -72,6 +103,14 @@ def _name(row: torch.Tensor) -> str:
 def _exchange(impl: str, ep: int, timeout: float) -> None:
     seed = ep
     res = launch(_exchange_rank, ep, args=(impl, seed), timeout=timeout)
+    split = [(rank, got["split"]) for rank, got in enumerate(res) if got.get("split")]
+    if split:
+        rank, said = split[0]
+        raise CheckFailure(
+            f"{ep} ranks: on rank {rank}, {said}: all_to_all's send sizes must add up to "
+            "the rows sent", "combine sends back with the split sizes of dispatch swapped"
+            if said.startswith("combine") else "send[j] = my rows for rank j's experts: "
+            "counts summed over each rank's experts")
     for rank, got in enumerate(res):
         want_rows, want_counts = _expected(rank, ep, seed)
         local = E // ep

@@ -1,10 +1,13 @@
 """Cases for the 1F1B exercise (lesson 05).
 
-Pure cases first (pp 1..4, m 1..7): the compute order holds each F and B once on the
-right rank, the runnable lists pass ``schedules.validate``, the simulated bubble equals
-the closed form and the library's 1F1B, and the peak in-flight count is 1F1B's
-min(m, p - r), not GPipe's m. Then the lists drive the real executor on 2 ranks and
-the loss and gradients must equal one process on the whole batch.
+Pure cases first (pp 2..4, then pp 1, where 1F1B and GPipe differ least; m 1..7): the
+compute order holds each F and B once on the right rank and equals the library's 1F1B
+(compared before the sends and receives are inserted, so that an order that deadlocks
+is named by its first wrong action, with its case), the runnable lists pass
+``schedules.validate``, the simulated bubble equals the closed form and the library's
+1F1B, and the peak in-flight count is 1F1B's min(m, p - r), not GPipe's m. Then the
+lists drive the real executor on 2 ranks and the loss and gradients must equal one
+process on the whole batch.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from minipar.parallel.pp import PipelineExecutor, build_stage
 from minipar.parallel.schedules import ScheduleError, make_schedule, validate
 from minipar.theory import bubble
 
-from ..check import expect
+from ..check import CheckFailure, expect
 
 CFG = get_config("tiny").with_(n_layer=4)
 BATCH, M = 12, 3
@@ -40,8 +43,42 @@ def _diff(got, want) -> str | None:
     return None
 
 
+def _compute(name: str, p: int, m: int) -> list:
+    """The library's compute order (no sends or receives) for ``name``."""
+    return [[a for a in acts if a.kind in ("F", "B")] for acts in make_schedule(name, p, m)]
+
+
+def _forwards_before_first_b(acts) -> int:
+    """How many F a rank's list runs before its first B (all of them if it has none)."""
+    kinds = [a.kind for a in acts]
+    return kinds.index("B") if "B" in kinds else kinds.count("F")
+
+
+def _is_gpipe(mod, p: int) -> bool:
+    """Whether the learner's order is GPipe's for every m at this pp (so the GPipe hint
+    fits; an order that matches GPipe only where m is small is some other mistake)."""
+    try:
+        return all(mod.one_f_one_b_compute(p, m) == _compute("gpipe", p, m)
+                   for m in range(2, 8))
+    except Exception:
+        return False
+
+
+def _order_hint(mod, compute, reference, p: int, m: int) -> str:
+    """What to look at, for the first rank whose order differs from 1F1B's."""
+    if _is_gpipe(mod, p):
+        return "that is GPipe's order: all forwards first holds m micro-batches"
+    r = next(r for r, (g, w) in enumerate(zip(compute, reference)) if g != w)
+    want, got = _forwards_before_first_b(reference[r]), _forwards_before_first_b(compute[r])
+    if got != want:
+        return (f"rank r runs pp - r - 1 warm-up forwards, then one F and one B in turn: "
+                f"min(pp - r, m) forwards before its first B. Rank {r} of pp={p}, m={m} "
+                f"runs {want}; yours runs {got}")
+    return "hint('pipeline_1f1b', 2) describes the three phases"
+
+
 def _pure(mod) -> None:
-    for p in range(1, 5):
+    for p in (2, 3, 4, 1):
         for m in range(1, 8):
             where = f"(pp={p}, m={m})"
             compute = mod.one_f_one_b_compute(p, m)
@@ -58,18 +95,18 @@ def _pure(mod) -> None:
                        f"{' '.join(a.short() for a in acts)}",
                        "Action('F', i, r) and Action('B', i, r) for i in range(m), nothing "
                        "else")
-            actions = mod.one_f_one_b(p, m)
+            reference = _compute("1f1b", p, m)
+            diff = _diff(compute, reference)
+            if diff is not None:
+                raise CheckFailure(f"your compute order differs from 1F1B at pp={p}, m={m}, "
+                                   f"{diff}", _order_hint(mod, compute, reference, p, m))
             try:
+                actions = mod.one_f_one_b(p, m)
                 validate(actions)
             except ScheduleError as e:
-                raise AssertionError(f"the schedule {where} does not run: {e}") from None
-            reference = [[a for a in acts if a.kind in ("F", "B")]
-                         for acts in make_schedule("1f1b", p, m)]
-            diff = _diff(compute, reference)
-            gpipe = bubble.peak_in_flight(actions) == [m] * p and m > 1
-            expect(diff is None, f"your compute order {where} differs from 1F1B: {diff}",
-                   "that is GPipe's order: all forwards first holds m micro-batches"
-                   if gpipe else "hint('pipeline_1f1b', 2) describes the three phases")
+                raise CheckFailure(f"the schedule {where} does not run: {e}",
+                                   "one_f_one_b must return with_communication of your "
+                                   "compute order") from None
             frac = bubble.bubble_stats(bubble.simulate(actions))["bubble_fraction"]
             ref = bubble.bubble_stats(bubble.simulate(make_schedule("1f1b", p, m)))
             expect(abs(frac - ref["bubble_fraction"]) < 1e-9,
@@ -85,8 +122,8 @@ def _pure(mod) -> None:
             want_peak = [min(m, p - r) for r in range(p)]
             expect(truth == want_peak, f"your schedule {where} holds {truth} micro-batches "
                    f"at most per rank; 1F1B holds {want_peak}",
-                   "that is GPipe's memory: run only pp - r - 1 forwards before the first "
-                   "backward, then alternate one F and one B")
+                   "that is GPipe's memory: run only pp - r - 1 warm-up forwards, then "
+                   "alternate one F and one B")
             f = mod.bubble_fraction(p, m)
             expect(abs(f - (p - 1) / (m + p - 1)) < 1e-12 and abs(f - frac) < 1e-9,
                    f"bubble_fraction({p}, {m}) = {f}; the simulation gives {frac:.4f}",
