@@ -574,7 +574,9 @@ def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
                                              grad_dtype="bf16"), ("bf16",)),
              (f"pp{n} 1f1b unfused", dict(pp=n, microbatches=m2, wgrad_fusion=False), both),
              (f"dp{n} zero2 unfused", dict(dp=n, zero=2, microbatches=2,
-                                           wgrad_fusion=False), both)]
+                                           wgrad_fusion=False), both),
+             (f"dp{n} zero3 separate reduce group", dict(dp=n, zero=3, microbatches=2,
+                                                         separate_reduce_group=True), both)]
     if n >= 4:
         rows += [("dp2 tp2 zero1", dict(dp=2, tp=2, zero=1), both),
                  ("dp2 pp2 zero2", dict(dp=2, pp=2, zero=2, microbatches=2), both),
@@ -590,6 +592,8 @@ def parity_layouts(n: int) -> list[tuple[str, dict, tuple]]:
                   fp32),
                  ("cp2 tp2 sp", dict(cp=2, tp=2, sp=True), both),
                  ("dp2 cp2 zero3", dict(dp=2, cp=2, zero=3), fp32),
+                 ("dp2 cp2 zero3 separate reduce group", dict(dp=2, cp=2, zero=3,
+                                                              separate_reduce_group=True), fp32),
                  ("cp2 pp2 zb", dict(cp=2, pp=2, schedule="zb", microbatches=2), fp32)]
     rows += [(f"dp{n} sgd", dict(dp=n, microbatches=2, **SGD), fp32),
              (f"dp{n} zero3 sgd", dict(dp=n, zero=3, microbatches=2, **SGD), fp32),
