@@ -17,13 +17,18 @@ the same gap on the CPU).
 
     python benchmarks/gpu_parity.py                       # on a CUDA machine
     python benchmarks/gpu_parity.py --device cpu --only dp2   # a dry run anywhere
+
+The "resumed" layouts stop halfway, save, and resume from the checkpoint: their losses
+are the two runs' together.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -43,6 +48,10 @@ LAYOUTS: dict[str, dict] = {
     "pp2 zb": dict(pp=2, schedule="zb", microbatches=4),
     "dp2 pp2 tp2 zero1": dict(dp=2, pp=2, tp=2, zero=1, microbatches=2),
     "dp2 pp2 tp2 zero1 bf16": dict(dp=2, pp=2, tp=2, zero=1, microbatches=2, dtype="bf16"),
+    # stopped halfway and resumed from the checkpoint: the fused AdamW's step count must
+    # come back onto the GPU, where the kernel reads it
+    "nccl world 1 resumed": dict(backend="nccl", resume_at=True),
+    "dp2 zero3 resumed": dict(dp=2, zero=3, resume_at=True),
 }
 
 
@@ -50,11 +59,20 @@ def layout_config(name: str, device: str, steps: int) -> TrainConfig:
     """The base run (tiny GPT, batch 16, fp32) with the layout's fields; gloo layouts
     put their tensors on ``device``. On a CPU-only machine nccl layouts fall back to
     gloo on the CPU, so the script can be tried anywhere."""
-    fields = dict(LAYOUTS[name])
+    fields = {k: v for k, v in LAYOUTS[name].items() if k != "resume_at"}
     if fields.get("backend") == "nccl" and device == "cpu":
         fields["backend"] = "gloo"
     fields.setdefault("device", device if fields.get("backend", "gloo") == "gloo" else "auto")
     return TrainConfig(model="tiny", steps=steps, batch_size=16, timeout=90, **fields)
+
+
+def _train(cfg: TrainConfig, resumed: bool) -> list[float]:
+    """The run's losses; ``resumed``: stopped (and saved) halfway, then resumed."""
+    if not resumed:
+        return train(cfg)["losses"]
+    with tempfile.TemporaryDirectory() as save:
+        first = train(replace(cfg, stop_at=cfg.steps // 2, save=save))["losses"]
+        return first + train(replace(cfg, resume=save))["losses"]
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:
@@ -69,7 +87,7 @@ def run(names: list[str], device: str, steps: int) -> list[dict]:
         cfg = layout_config(name, device, steps)
         t0 = time.time()
         try:
-            losses, error = train(cfg)["losses"], None
+            losses, error = _train(cfg, LAYOUTS[name].get("resume_at", False)), None
         except Exception as e:  # report every layout, not just the first failure
             losses, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         diff = max_rel_diff(losses, ref) if losses else float("nan")

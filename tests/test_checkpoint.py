@@ -244,3 +244,22 @@ def test_export_round_trip_into_one_device(saved, tmp_path) -> None:
     loss = reference_eval(model, data, cfg.batch_size, cfg.eval_batches)
     assert abs(loss - record["eval"][-1]["loss"]) < 1e-5
     assert main(["export", "--resume", d, "--out", str(tmp_path / "model.pt")]) == 2
+
+
+def test_a_resumed_step_count_goes_where_its_kernel_reads_it() -> None:
+    """Adam's step count comes back from a checkpoint on the host; a fused (or
+    capturable) kernel reads it on the parameter's device, the others on the host, as
+    torch's own ``load_state_dict`` places it (on a GPU a fused AdamW given a host step
+    stops the first step after a resume). A parameter on the meta device stands in for
+    a GPU's."""
+    from minipar.parallel.zero.shards import _scalar_state
+
+    param = torch.zeros(4, device="meta")
+    step = torch.tensor(7.0)
+    for flags, device in (({"fused": True}, "meta"), ({"capturable": True}, "meta"),
+                          ({"fused": None, "capturable": False}, "cpu")):
+        group = {"params": [param], **flags}
+        optimizer = type("Stepper", (), {"param_groups": [group]})()
+        moved = _scalar_state(step, optimizer, param)
+        assert moved.device.type == device and moved.dtype == step.dtype, flags
+        assert moved is not step

@@ -308,14 +308,25 @@ class Shards:
                 if first:
                     optimizer.state[f.master] = {
                         k: f.slice([states[n][k] for n in f.names]).to(f.master.device)
-                        if _elementwise(v) else (v.clone() if isinstance(v, torch.Tensor)
-                                                 else v)
+                        if _elementwise(v) else _scalar_state(v, optimizer, f.master)
                         for k, v in first.items()}
 
 
 def _elementwise(v) -> bool:
     """An optimizer state with one value per element (Adam's moments; not its step)."""
     return isinstance(v, torch.Tensor) and v.dim() > 0
+
+
+def _scalar_state(v, optimizer: torch.optim.Optimizer, param: torch.Tensor):
+    """A state of one value (Adam's step) where torch's own ``load_state_dict`` puts it:
+    on the parameter's device for a fused or capturable kernel, which reads it there, and
+    on the host otherwise (a checkpoint is read onto the host)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])),
+                 {})
+    on_device = group.get("fused") or group.get("capturable")
+    return v.detach().to(param.device if on_device else "cpu", copy=True)
 
 
 def _cloned(x):
