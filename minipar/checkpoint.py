@@ -98,7 +98,9 @@ def save(directory: str, step: int, cfg, rm: RankMesh, parts, then=None) -> str:
         error = _attempt(lambda: _prepare(directory, tmp, final))
     _agree(rm, device, error, step, tmp)
     digest = b""
-    if rm.coords.dp == 0:
+    # one writer per (pp, tp) shard: the weights and the gathered states are replicated
+    # over dp and cp
+    if rm.coords.dp == 0 and rm.coords.cp == 0:
         shard = os.path.join(tmp, f"rank-{rm.rank:05d}.pt")
         blob = {"weights": weights, "states": states}
         try:
@@ -110,7 +112,7 @@ def save(directory: str, step: int, cfg, rm: RankMesh, parts, then=None) -> str:
         files = {}
         for r in range(rm.mesh.world_size):
             c = rm.mesh.coords(r)
-            if c.dp == 0:
+            if c.dp == 0 and c.cp == 0:
                 files[f"rank-{r:05d}.pt"] = {"tp_rank": c.tp, "pp_rank": c.pp,
                                              DIGEST: digests[r].hex()}
         meta = {"step": step, "tp": rm.mesh.tp, "pp": rm.mesh.pp, "dp": rm.mesh.dp,

@@ -48,6 +48,16 @@ def test_resume_at_another_layout(saved, layout: dict) -> None:
     assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
 
 
+def test_context_parallel_ranks_write_one_shard(saved, tmp_path) -> None:
+    """The weights and the gathered states are replicated over cp as over dp: one file a
+    (pp, tp) shard, not one a cp rank; resumed with cp, the uninterrupted run's losses."""
+    d, full = saved
+    resumed = run(dp=2, cp=2, zero=1, resume=d, save=str(tmp_path), stop_at=HALF + 1)
+    assert max(abs(a - b) for a, b in zip(resumed, full[HALF:])) < 1e-4
+    [step] = [p for p in os.listdir(tmp_path) if p.startswith("step-")]
+    assert sorted(os.listdir(tmp_path / step)) == ["meta.json", "rank-00000.pt"]
+
+
 def test_tied_embeddings_reshard_from_one_stage_to_two(tmp_path) -> None:
     """At pp = 1 a tied weight is saved once (``tok_emb.weight``); resumed at pp = 2 the
     last stage's copy (``head.weight``) must start from it, optimizer state included."""
