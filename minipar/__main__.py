@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import Field, fields
 
@@ -38,10 +39,23 @@ __all__ = ["build_parser", "main", "parse_count", "train_config"]
 
 
 def _write_json(path: str | None, payload: dict) -> None:
-    """``--json PATH``: the facts a command printed, as JSON (nothing without a path)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=1, default=str)
+    """``--json PATH``: the facts a command printed, as JSON (nothing without a path). A
+    file is replaced whole or not at all (a full disk leaves the one before); a write
+    that fails names the path."""
+    if not path:
+        return
+    text = json.dumps(payload, indent=1, default=str)
+    regular = not os.path.exists(path) or os.path.isfile(path)  # (not /dev/stdout, a pipe)
+    target = f"{path}.tmp-{os.getpid()}" if regular else path
+    try:
+        with open(target, "w") as f:
+            f.write(text)
+        if regular:
+            os.replace(target, path)
+    except OSError as e:
+        if regular and os.path.exists(target):
+            os.remove(target)
+        raise OSError(e.errno, e.strerror, path) from None
 
 
 # --- train ------------------------------------------------------------------------------
@@ -96,7 +110,10 @@ def _cmd_train(args) -> int:
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
     peak, model_cfg = _peak_flops(cfg), cfg.model_config()
 
+    done: list[dict] = []  # what rank 0 reported, kept should a rank fail later
+
     def report(r: dict) -> None:
+        done.append({k: r[k] for k in ("step", "loss", "tokens_per_s")})
         bar.update(r["step"] - bar.n)
         shown = {"loss": f"{r['loss']:.4f}", "tok/s": f"{r['tokens_per_s']:,.0f}"}
         if r["val_loss"] == r["val_loss"]:  # not NaN: an evaluation has run
@@ -110,21 +127,43 @@ def _cmd_train(args) -> int:
         record = train(cfg, report=report)
     except RunStopped as e:  # the steps done are kept: printed and written as JSON
         record, stopped = e.record, str(e)
+    except LaunchError as e:  # a rank failed, died or hung: the steps before it are kept
+        _keep_steps_done(args.json, cfg, done, e)
+        raise
     finally:
         bar.close()
     if record is None:  # a torchrun rank other than 0
         return 0
+    compared = None  # the one-process reference comes second: cut short, it loses nothing
     if args.compare and not stopped:  # the reference's steps first..last, as resumed
-        record.update(check_run(cfg, record))
+        try:
+            record.update(check_run(cfg, record))
+        except KeyboardInterrupt:
+            compared = "interrupted while training the one-process reference"
     _print_run(cfg, record)  # printed first: a failing output below loses nothing
     for e in record.get("eval", []):
         print(f"validation loss after step {e['step']:>6}: {e['loss']:.4f}")
     _write_json(args.json, record)
+    if compared:
+        print(f"minipar train: {compared} (the run's record is kept)", file=sys.stderr)
+        return 130
     errors = [e for e in (stopped, record.get("trace_error")) if e]
     if errors:
         print(f"minipar train: error: {errors[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def _keep_steps_done(path: str | None, cfg: TrainConfig, done: list[dict],
+                     error: LaunchError) -> None:
+    """A run that failed after some steps: their losses printed, and with ``--json``
+    written, with the failure (its checkpoints, ``--save-every``, are on disk already)."""
+    if not done:
+        return
+    print(f"{len(done)} steps finished before the failure (to step {done[-1]['step']}): "
+          f"loss {done[0]['loss']:.4f} -> {done[-1]['loss']:.4f}")
+    _write_json(path, {"config": cfg.to_dict(), "steps_done": done,
+                       "error": _without_traceback(str(error))})
 
 
 def _peak_flops(cfg) -> float | None:
@@ -281,11 +320,13 @@ def _cmd_export(args) -> int:
 
 def _cmd_doctor(args) -> int:
     checks.output_file("json", args.json)
+    # the model's fit first: pure arithmetic, so a bad --model or size is refused before
+    # the checks start processes
+    fit = fits_report(args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                      dtype=args.dtype) if args.model else None
     results = run_doctor()
     payload: dict = {"checks": results}
-    if args.model:
-        fit = fits_report(args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
-                          dtype=args.dtype)
+    if fit is not None:
         payload["model"] = fit
         results = results + fit["checks"]
     for r in results:

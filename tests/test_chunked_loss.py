@@ -4,7 +4,9 @@ gradients, with no fp32 copy of the logits kept.
 * Against ``model.CrossEntropy`` (``F.cross_entropy(logits.float())``) on the same
   logits: fp32 logits, the loss equal and the gradients within 1e-6 relative (measured:
   the loss equal, gradients 2.3e-9 apart at most of 3.9e-3, fp32 rounding order); bf16
-  logits, loss and gradients measured bit for bit equal, checked at one bf16 rounding.
+  logits, gradients measured bit for bit equal, checked at one bf16 rounding, and the
+  loss equal on one CPU and one fp32 rounding apart on another (1.1e-7 relative on an
+  AMD EPYC: the order of the fp32 sums follows the vector width), checked at 3.3e-7.
   Any chunk size gives the same, from one token a chunk to all of them.
 * What the backward keeps: the logits as they came and one fp32 value per token, where
   the cross-entropy keeps its fp32 log-softmax.
@@ -54,7 +56,7 @@ def test_the_cross_entropys_value_and_gradients(chunk_rows: int) -> None:
         (want, want_grad), (got, got_grad) = (_loss_and_grad(f, z, t) for f in (
             CrossEntropy(), chunked))
         assert got.dtype == torch.float32 and got_grad.dtype == dtype
-        torch.testing.assert_close(got, want, rtol=1e-7, atol=0)
+        torch.testing.assert_close(got, want, rtol=3.3e-7, atol=0)
         torch.testing.assert_close(got_grad, want_grad, rtol=rtol, atol=1e-9)
 
 
