@@ -13,27 +13,48 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import Field, fields
 
-import torch
-from tqdm.auto import tqdm
+# torch and the engine take seconds to import. Run as the program, a Ctrl-C meanwhile is
+# kept until they are loaded, then ends the run in one line: raised inside an import, it
+# can surface as another error (a half-loaded torch refuses to load again) and a traceback
+_interrupted: list[int] = []
+_before = (signal.signal(signal.SIGINT, lambda signum, frame: _interrupted.append(signum))
+           if __name__ == "__main__" else None)
+try:
+    import torch
+    from tqdm.auto import tqdm
 
-from minipar import checkpoint, checks
-from minipar.config import RECOMPUTE, SCHEDULE_NAMES, TrainConfig, sized, uses_cuda, validate
-from minipar.doctor import fits_report, run_doctor
-from minipar.engine import RunStopped, rehearse, train
-from minipar.export import export, export_hf
-from minipar.launch import LaunchError
-from minipar.model import get_config
-from minipar.parity import check_run
-from minipar.sample import sample
-from minipar.theory import bubble, clusters
-from minipar.theory.card import MEMORY_MARGIN
-from minipar.theory.layout import Layout
-from minipar.theory.memory import memory_breakdown
-from minipar.theory.params import mfu
-from minipar.theory.planner import HOST_SHORT, RECOMPUTES, plan
+    from minipar import checkpoint, checks
+    from minipar.config import (
+        RECOMPUTE,
+        SCHEDULE_NAMES,
+        TrainConfig,
+        sized,
+        uses_cuda,
+        validate,
+    )
+    from minipar.doctor import fits_report, run_doctor
+    from minipar.engine import RunStopped, rehearse, train
+    from minipar.export import export, export_hf
+    from minipar.launch import LaunchError
+    from minipar.model import get_config
+    from minipar.parity import check_run
+    from minipar.sample import sample
+    from minipar.theory import bubble, clusters
+    from minipar.theory.card import MEMORY_MARGIN
+    from minipar.theory.layout import Layout
+    from minipar.theory.memory import memory_breakdown
+    from minipar.theory.params import mfu
+    from minipar.theory.planner import HOST_SHORT, RECOMPUTES, plan
+finally:
+    if _before is not None:
+        signal.signal(signal.SIGINT, _before)
+if _interrupted:
+    print("minipar: interrupted", file=sys.stderr)
+    raise SystemExit(130)
 
 __all__ = ["build_parser", "main", "parse_count", "train_config"]
 
@@ -156,13 +177,17 @@ def _cmd_train(args) -> int:
 
 def _keep_steps_done(path: str | None, cfg: TrainConfig, done: list[dict],
                      error: LaunchError) -> None:
-    """A run that failed after some steps: their losses printed, and with ``--json``
-    written, with the failure (its checkpoints, ``--save-every``, are on disk already)."""
+    """A run that failed after some steps: how far it got printed, and with ``--json``
+    the losses its progress reports carried written beside the failure (the launcher
+    samples a rank's progress, so a step may be missing; its checkpoints, ``--save-every``,
+    are on disk already)."""
     if not done:
         return
-    print(f"{len(done)} steps finished before the failure (to step {done[-1]['step']}): "
-          f"loss {done[0]['loss']:.4f} -> {done[-1]['loss']:.4f}")
-    _write_json(path, {"config": cfg.to_dict(), "steps_done": done,
+    first, last = done[0], done[-1]
+    print(f"the run reached step {last['step']} before the failure: loss "
+          f"{first['loss']:.4f} at step {first['step']}, {last['loss']:.4f} at step "
+          f"{last['step']}")
+    _write_json(path, {"config": cfg.to_dict(), "progress": done,
                        "error": _without_traceback(str(error))})
 
 

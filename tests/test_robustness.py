@@ -552,6 +552,67 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_its_record(tmp_path, own_tmp,
     assert not list(own_tmp.glob("minipar-*"))
 
 
+def test_a_rank_that_fails_mid_run_leaves_the_steps_done(tmp_path, own_tmp, monkeypatch,
+                                                         capsys) -> None:
+    """Rank 1 raises in its third step (the ranks are forked: the patch reaches them):
+    one error line naming it, and the progress before it printed and written (the
+    launcher samples progress: step 2's report, and step 1's if it was seen)."""
+    from minipar import engine
+
+    real = engine.train_step
+
+    def third_step_fails(cfg, rm, parts, data, step):
+        if step == 2 and rm.rank == 1:  # (after the launcher's next look at progress)
+            time.sleep(1.0)
+            raise RuntimeError("a fault in step 2")
+        return real(cfg, rm, parts, data, step)
+
+    monkeypatch.setattr(engine, "train_step", third_step_fails)
+    j = tmp_path / "run.json"
+    code, out, err = _run_main(["train", "--dp", "2", "--steps", "5", "--quiet", "--json",
+                                str(j)], capsys)
+    line = _one_line(code, err, "rank 1 raised RuntimeError: a fault in step 2", want=1)
+    assert "Traceback" not in line
+    record = json.loads(j.read_text())
+    assert [s["step"] for s in record["progress"]] in ([1, 2], [2])
+    assert "a fault in step 2" in record["error"] and record["config"]["dp"] == 2
+    assert "the run reached step 2 before the failure" in out
+
+
+def test_an_interrupted_comparison_keeps_the_run(tmp_path, own_tmp, monkeypatch,
+                                                capsys) -> None:
+    """Ctrl-C while ``--compare`` trains the one-process reference: the run's table and
+    JSON are there, the exit status is 130's."""
+    import minipar.__main__ as cli
+
+    def interrupted(cfg, record):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "check_run", interrupted)
+    j = tmp_path / "run.json"
+    code, out, err = _run_main(["train", "--steps", "2", "--quiet", "--compare", "--json",
+                                str(j)], capsys)
+    assert code == 130 and "the run's record is kept" in err
+    assert len(json.loads(j.read_text())["losses"]) == 2 and "    1  " in out
+
+
+def test_a_json_that_cannot_be_written_is_named(tmp_path) -> None:
+    """``--json``: a failure names the path (a full device, a missing directory); a
+    file is replaced whole, through a temporary beside it that does not stay."""
+    import minipar.__main__ as cli
+
+    j = tmp_path / "run.json"
+    j.write_text('{"old": 1}')
+    with pytest.raises(OSError) as full:
+        cli._write_json("/dev/full", {"n": 1})
+    assert full.value.filename == "/dev/full"
+    with pytest.raises(OSError) as missing:
+        cli._write_json(str(tmp_path / "no" / "run.json"), {"n": 1})
+    assert missing.value.filename == str(tmp_path / "no" / "run.json")
+    cli._write_json(str(j), {"new": 2})
+    assert json.loads(j.read_text()) == {"new": 2} and os.listdir(tmp_path) == ["run.json"]
+
+
 def test_allow_nonfinite_trains_on_but_never_saves_nan_weights(tmp_path, capsys) -> None:
     j, d = tmp_path / "run.json", tmp_path / "ck"
     code, _, err = _run_main(["train", "--steps", "3", "--lr", "1e9", "--quiet",
