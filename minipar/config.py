@@ -18,7 +18,15 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import torch
 
 from minipar import checkpoint, checks, doctor
-from minipar.corpus import check_source, data_vocab, open_tokens, sidecar, tokenizer_vocab
+from minipar.corpus import (
+    check_source,
+    data_vocab,
+    open_tokens,
+    sidecar,
+    split_sizes,
+    token_count,
+    tokenizer_vocab,
+)
 from minipar.data import MARKOV_BRANCHING, check_batch_split
 from minipar.hf import check_init_from, default_tokenizer, read_config
 from minipar.launch import check_timeout
@@ -594,6 +602,17 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
         if known is not None and known > model.vocab_size:
             raise ValueError(f"--data {cfg.data} holds tokens up to {known - 1}: --vocab "
                              f"{model.vocab_size} is too small")
+    if cfg.data != "markov":
+        _check_corpus_size(cfg, model)
+
+
+def _check_corpus_size(cfg: TrainConfig, model: GPTConfig) -> None:
+    """The corpus against the sequence length, before any rank starts:
+    text is tokenised here to count its tokens (the cache keeps them for the ranks)."""
+    try:
+        split_sizes(token_count(cfg, model.vocab_size), model.seq_len)
+    except ValueError as e:
+        raise ValueError(f"--data {cfg.data}: {e}") from None
 
 
 def _check_device(cfg: TrainConfig, rehearsal: bool = False) -> None:
