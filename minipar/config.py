@@ -21,6 +21,7 @@ from minipar import checkpoint, checks, doctor
 from minipar.corpus import (
     check_source,
     data_vocab,
+    held_out_rows,
     open_tokens,
     sidecar,
     split_sizes,
@@ -607,12 +608,22 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
 
 
 def _check_corpus_size(cfg: TrainConfig, model: GPTConfig) -> None:
-    """The corpus against the sequence length, before any rank starts:
+    """The corpus against the sequence length and the evaluation, before any rank starts:
     text is tokenised here to count its tokens (the cache keeps them for the ranks)."""
     try:
-        split_sizes(token_count(cfg, model.vocab_size), model.seq_len)
+        _, n_val = split_sizes(token_count(cfg, model.vocab_size), model.seq_len)
     except ValueError as e:
         raise ValueError(f"--data {cfg.data}: {e}") from None
+    # more rows than the held-out split's distinct sequences only re-reads them, and a
+    # large --eval-batches would evaluate for minutes
+    rows = held_out_rows(n_val, model.seq_len)
+    most = max(1, rows // cfg.batch_size)
+    if cfg.eval_every and cfg.eval_batches > most:
+        raise ValueError(f"--eval-batches {cfg.eval_batches} reads "
+                         f"{cfg.eval_batches * cfg.batch_size:,} held-out sequences "
+                         f"({cfg.batch_size} a batch); the held-out split of --data "
+                         f"{cfg.data} (its last {n_val:,} tokens) has {rows:,}: pass "
+                         f"--eval-batches {most} or fewer")
 
 
 def _check_device(cfg: TrainConfig, rehearsal: bool = False) -> None:

@@ -459,6 +459,12 @@ def split_sizes(n_tokens: int, seq_len: int, val_fraction: float = VAL_FRACTION
     return n_tokens - n_val, n_val
 
 
+def held_out_rows(n_val: int, seq_len: int) -> int:
+    """The distinct sequences a held-out split of ``n_val`` tokens holds: one per start
+    (``TokenData.rows`` draws its windows' starts from these)."""
+    return n_val - seq_len
+
+
 @dataclass
 class TokenData:
     """Training rows from a memory-mapped token file (the ``minipar.data`` contract)."""

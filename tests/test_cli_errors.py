@@ -135,6 +135,9 @@ CASES = [
     # --- train: data -----------------------------------------------------------------
     ("corpus too short", "train --data {corpora}/short.txt --data-cache {corpora}/cache",
      "the corpus has 2 tokens: too few for sequences of 32"),
+    ("eval batches past the held-out split", "train --eval-every 1 --eval-batches 100000 "
+     "--data {corpora}/small.txt --data-cache {corpora}/cache",
+     "has 168: pass --eval-batches 10 or fewer"),
     # --- train: numbers --------------------------------------------------------------
     ("seed too large", f"train --seed {2**70}", "--seed must be an integer from 0 to"),
     ("seed negative", "train --seed -1", "--seed must be an integer from 0 to"),

@@ -151,7 +151,7 @@ def test_the_held_out_split_holds_a_sequence_per_start() -> None:
     data = corpus.TokenData(ids, 128, 32)
     assert (data.n_train, data.n_val) == corpus.split_sizes(100, 32) == (66, 34)
     starts = {int(x[0]) for x in data.rows(0, range(500), split="val")[0]}
-    assert starts == {66, 67}
+    assert starts == {66, 67} and corpus.held_out_rows(data.n_val, 32) == 2
     with pytest.raises(ValueError, match="the corpus has 67 tokens: too few .*need 68"):
         corpus.split_sizes(67, 32)
 
