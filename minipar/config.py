@@ -134,7 +134,8 @@ class TrainConfig:
     stop_at: int | None = option(None, "stop (and --save) after this step")
     timeout: float = option(600.0, "seconds a rank may make no progress (no step, no "
                             "collective finished) before the run counts as hung and each "
-                            "rank's place is shown")
+                            "rank's place is shown; counted from every rank's first "
+                            "progress (start-up gets at least 120 s)")
     overrides: dict = field(default_factory=dict)  # model config fields (Python API only)
     # --- data, model sizes, long runs ---
     data: str = option("markov", "markov (generated), pystdlib (Python's own sources), a "
