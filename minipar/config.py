@@ -343,6 +343,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
         check_init_from(cfg, model)
     if not rehearsal:
         check_fits(cfg, model)
+    if cfg.data != "markov":  # last: it may tokenise, once every cheaper check has passed
+        _check_corpus_size(cfg, model)
 
 
 def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
@@ -604,8 +606,6 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
         if known is not None and known > model.vocab_size:
             raise ValueError(f"--data {cfg.data} holds tokens up to {known - 1}: --vocab "
                              f"{model.vocab_size} is too small")
-    if cfg.data != "markov":
-        _check_corpus_size(cfg, model)
 
 
 def _check_corpus_size(cfg: TrainConfig, model: GPTConfig) -> None:
