@@ -424,7 +424,18 @@ def load_shard(path: str, mmap: bool = False, digest: str | None = None) -> dict
 LOCK = ".minipar.lock"
 # what a --save directory holds of its own (no other output may take these names)
 SAVE_NAMES = ("latest", LOCK, "step-", RUN_CARD, TOKENIZER)
-SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "tie_embeddings")
+SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff", "tie_embeddings",
+         "n_expert")
+# what shapes only the MoE blocks: which blocks they are and their experts' width (a dense
+# model has neither, whatever its config records)
+MOE_SHAPE = ("moe_every", "expert_d_ff")
+
+
+def shape_changes(theirs, ours) -> list[str]:
+    """The ``GPTConfig`` fields in which ``ours`` holds weights of other shapes than
+    ``theirs`` (empty: a checkpoint of one fits the other)."""
+    fields = SHAPE + (MOE_SHAPE if theirs.n_expert and ours.n_expert else ())
+    return [k for k in fields if getattr(theirs, k) != getattr(ours, k)]
 
 
 def check_resume(directory: str, cfg) -> None:
@@ -433,11 +444,12 @@ def check_resume(directory: str, cfg) -> None:
     saved = meta["config"]
     theirs = saved_model_config(meta)
     ours = cfg.model_config()
-    if any(getattr(theirs, k) != getattr(ours, k) for k in SHAPE):
+    changed = shape_changes(theirs, ours)
+    if changed:
         raise CheckpointError(
             f"--resume {directory} holds model {saved['model']!r} ({_shape(theirs)}), not "
-            f"this run's {cfg.model!r} ({_shape(cfg.model_config())}): pass the same "
-            "--model and sizes")
+            f"this run's {cfg.model!r} ({_shape(ours)}): they differ in {', '.join(changed)}; "
+            "pass the same --model, sizes and --moe-* flags")
     end = cfg.steps if cfg.stop_at is None else cfg.stop_at
     if meta["step"] >= end:
         raise CheckpointError(f"--resume {directory} is at step {meta['step']}, and this "
@@ -445,8 +457,10 @@ def check_resume(directory: str, cfg) -> None:
 
 
 def _shape(m) -> str:
+    moe = (f", {m.n_expert} experts (moe_every {m.moe_every}, expert_d_ff {m.expert_d_ff})"
+           if m.n_expert else "")
     return (f"{m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
-            f"vocab {m.vocab_size}, seq_len {m.seq_len}")
+            f"vocab {m.vocab_size}, seq_len {m.seq_len}{moe}")
 
 
 def check_save(directory: str, resume: str | None) -> None:

@@ -18,7 +18,16 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import torch
 
 from minipar import checkpoint, checks, doctor
-from minipar.corpus import check_source, data_vocab, open_tokens, sidecar, tokenizer_vocab
+from minipar.corpus import (
+    check_source,
+    data_vocab,
+    held_out_rows,
+    open_tokens,
+    sidecar,
+    split_sizes,
+    token_count,
+    tokenizer_vocab,
+)
 from minipar.data import MARKOV_BRANCHING, check_batch_split
 from minipar.hf import check_init_from, default_tokenizer, read_config
 from minipar.launch import check_timeout
@@ -125,7 +134,8 @@ class TrainConfig:
     stop_at: int | None = option(None, "stop (and --save) after this step")
     timeout: float = option(600.0, "seconds a rank may make no progress (no step, no "
                             "collective finished) before the run counts as hung and each "
-                            "rank's place is shown")
+                            "rank's place is shown; counted from every rank's first "
+                            "progress (start-up gets at least 120 s)")
     overrides: dict = field(default_factory=dict)  # model config fields (Python API only)
     # --- data, model sizes, long runs ---
     data: str = option("markov", "markov (generated), pystdlib (Python's own sources), a "
@@ -333,6 +343,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
         check_init_from(cfg, model)
     if not rehearsal:
         check_fits(cfg, model)
+    if cfg.data != "markov":  # last: it may tokenise, once every cheaper check has passed
+        _check_corpus_size(cfg, model)
 
 
 def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
@@ -594,6 +606,25 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
         if known is not None and known > model.vocab_size:
             raise ValueError(f"--data {cfg.data} holds tokens up to {known - 1}: --vocab "
                              f"{model.vocab_size} is too small")
+
+
+def _check_corpus_size(cfg: TrainConfig, model: GPTConfig) -> None:
+    """The corpus against the sequence length and the evaluation, before any rank starts:
+    text is tokenised here to count its tokens (the cache keeps them for the ranks)."""
+    try:
+        _, n_val = split_sizes(token_count(cfg, model.vocab_size), model.seq_len)
+    except ValueError as e:
+        raise ValueError(f"--data {cfg.data}: {e}") from None
+    # more rows than the held-out split's distinct sequences only re-reads them, and a
+    # large --eval-batches would evaluate for minutes
+    rows = held_out_rows(n_val, model.seq_len)
+    most = max(1, rows // cfg.batch_size)
+    if cfg.eval_every and cfg.eval_batches > most:
+        raise ValueError(f"--eval-batches {cfg.eval_batches} reads "
+                         f"{cfg.eval_batches * cfg.batch_size:,} held-out sequences "
+                         f"({cfg.batch_size} a batch); the held-out split of --data "
+                         f"{cfg.data} (its last {n_val:,} tokens) has {rows:,}: pass "
+                         f"--eval-batches {most} or fewer")
 
 
 def _check_device(cfg: TrainConfig, rehearsal: bool = False) -> None:

@@ -445,6 +445,26 @@ def open_tokens(bin_path: str, vocab_size: int) -> np.memmap:
     return np.memmap(bin_path, dtype=dtype, mode="r")
 
 
+def split_sizes(n_tokens: int, seq_len: int, val_fraction: float = VAL_FRACTION
+                ) -> tuple[int, int]:
+    """(training, held-out) token counts of a corpus of ``n_tokens``: the last
+    ``val_fraction`` held out, each part at least one window (``seq_len + 1`` tokens)
+    and one start past it. One ``ValueError`` line when the corpus is too small."""
+    need = seq_len + 2
+    n_val = max(need, int(n_tokens * val_fraction))
+    if n_tokens - n_val < need:
+        raise ValueError(f"the corpus has {n_tokens} tokens: too few for sequences of "
+                         f"{seq_len} with a held-out split (need {2 * need}); give more "
+                         "text or a shorter --seq-len")
+    return n_tokens - n_val, n_val
+
+
+def held_out_rows(n_val: int, seq_len: int) -> int:
+    """The distinct sequences a held-out split of ``n_val`` tokens holds: one per start
+    (``TokenData.rows`` draws its windows' starts from these)."""
+    return n_val - seq_len
+
+
 @dataclass
 class TokenData:
     """Training rows from a memory-mapped token file (the ``minipar.data`` contract)."""
@@ -456,12 +476,8 @@ class TokenData:
     val_fraction: float = VAL_FRACTION
 
     def __post_init__(self) -> None:
-        n, need = len(self.tokens), self.seq_len + 2
-        self.n_val = max(need, int(n * self.val_fraction))
-        self.n_train = n - self.n_val
-        if self.n_train < need:
-            raise ValueError(f"the corpus has {n} tokens: too few for sequences of "
-                             f"{self.seq_len} with a held-out split (need {2 * need})")
+        self.n_train, self.n_val = split_sizes(len(self.tokens), self.seq_len,
+                                               self.val_fraction)
 
     @classmethod
     def open(cls, bin_path: str, vocab_size: int, seq_len: int, seed: int = 0) -> TokenData:
@@ -515,14 +531,25 @@ def tokenizer_vocab(path: str) -> int:
 
 # --- what the engine calls ----------------------------------------------------------------
 
+def _say(text: str) -> None:
+    print(f"minipar: {text}", file=sys.stderr)
+
+
+def token_count(cfg, vocab_size: int) -> int:
+    """How many tokens ``cfg.data`` (text or a ``.bin`` file) holds: text is tokenised
+    into the cache for it (once: the run's ranks find it there)."""
+    path = prepare(cfg.data, cfg.tokenizer, vocab_size, cfg.data_cache, progress=_say,
+                   text_field=cfg.text_field)
+    return len(open_tokens(path, vocab_size))
+
+
 def prepare_data(cfg) -> str | None:
     """Before any rank starts: tokenise ``cfg.data`` into the cache (once), and check a
     ``.bin`` file's tokens fit the model's vocabulary. Returns the token file's path."""
     if cfg.data == "markov":
         return None
     vocab = cfg.model_config().vocab_size
-    path = prepare(cfg.data, cfg.tokenizer, vocab, cfg.data_cache,
-                   progress=lambda text: print(f"minipar: {text}", file=sys.stderr),
+    path = prepare(cfg.data, cfg.tokenizer, vocab, cfg.data_cache, progress=_say,
                    text_field=cfg.text_field)
     if cfg.data.endswith(".bin"):
         tokens = open_tokens(path, vocab)

@@ -241,6 +241,15 @@ def _why_stopped(cfg: TrainConfig, ranks: list[dict], last: int) -> str | None:
 
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# What a run's start-up (a spawned rank's imports, joining, the build, a first step that
+# may compile) is given before a rank's first progress when --timeout is shorter: a
+# --timeout of a second, meant for a hang mid-run, must not call a starting run hung.
+STARTUP_S = 120.0
+
+
+def startup_allowance(cfg: TrainConfig) -> float:
+    return max(cfg.timeout, STARTUP_S)
+
 
 
 def _under_torchrun() -> bool:
@@ -321,7 +330,8 @@ def _launch(cfg: TrainConfig, progress, report, t0: float) -> dict:
     # combination with fork-based multiprocessing"): spawn there; rank_main is importable.
     method = "spawn" if torch.cuda.is_available() else None
     ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
-                   timeout=cfg.timeout, on_progress=on_progress, start_method=method)
+                   timeout=cfg.timeout, startup=startup_allowance(cfg),
+                   on_progress=on_progress, start_method=method)
     return _assemble(cfg, list(ranks), time.time() - t0)
 
 
@@ -421,7 +431,8 @@ def rehearse(cfg: TrainConfig, ranks: list[int] | None = None,
     prepare_data(cfg)
     method = "spawn" if torch.cuda.is_available() else None  # (as in train)
     records = [launch(_rehearse_rank, 1, args=(cfg, rank, snapshot), timeout=cfg.timeout,
-                      start_method=method)[0] for rank in ranks]
+                      startup=startup_allowance(cfg), start_method=method)[0]
+               for rank in ranks]
     device = "cuda" if uses_cuda(cfg) else "cpu"
     model, layout = cfg.model_config(), cfg.layout(device)
     # the planner's cluster of this job's GPUs, of this one's kind: its step model prices

@@ -23,7 +23,10 @@ their results (rank order). What makes it safe for a room of laptops:
   for ``timeout`` seconds (no heartbeat: no collective finished, no step done;
   ``rank.heartbeat``) raises ``RankTimeout`` saying, per rank, which counted collective
   it is inside (op, group, shape), or which it finished last: a slow run that keeps
-  moving is never stopped. Ctrl-C or a kernel interrupt stops the children.
+  moving is never stopped. Start-up (a rank's start, joining, whatever ``fn`` does
+  before its first progress) is no step: until every rank has made progress once the
+  run has ``startup`` seconds instead, and ``timeout`` counts from there. Ctrl-C or a
+  kernel interrupt stops the children.
 * **No orphans, no litter.** Each rank leads a process group; on every exit path the
   groups are terminated, then killed, so a rank's own children go with it. The store
   and the rank logs live in one temporary directory, removed on every exit path (a
@@ -310,6 +313,7 @@ def launch(
     capture_output: bool = False,
     threads: int = 1,
     on_progress: Callable[[int, str], None] | None = None,
+    startup: float | None = None,
 ) -> Results:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results.
 
@@ -318,12 +322,16 @@ def launch(
     ``RankTimeout`` (all ``LaunchError``) naming the rank; every child is gone when
     this returns or raises. ``on_progress(rank, text)`` is called in this process
     whenever a rank's ``report_progress`` text changes (drive a progress bar with it).
+    ``startup``: seconds from the start until every rank has made progress once (a
+    heartbeat), counted instead of ``timeout`` until then (default: ``timeout``).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     check_timeout(timeout, "timeout")
+    startup = timeout if startup is None else startup
+    check_timeout(startup, "startup")
     method = start_method or default_start_method()
     if method == "spawn" or method == "forkserver":
         fn = spawnable(fn)
@@ -351,7 +359,7 @@ def launch(
                     target=child, name=f"minipar-rank{rank}", daemon=True,
                     args=(rank, world_size, backend, store_path, fn, args, kwargs, send_end,
                           slots[rank], progress[rank], beats[rank], paths[rank], threads,
-                          timeout, os.getpid(), keeper_fd))
+                          max(timeout, startup), os.getpid(), keeper_fd))
                 with _start_held():  # a signal now finds the rank started and known
                     p.start()
                     procs.append(p)
@@ -360,7 +368,7 @@ def launch(
                 send_end.close()
                 conns.append(recv_end)
             watch = _ProgressWatch(progress, on_progress)
-            results = _collect(procs, conns, slots, paths, timeout, _Stall(beats, timeout),
+            results = _collect(procs, conns, slots, paths, _Stall(beats, timeout, startup),
                                watch)
             results.outputs = ([_read(p) for p in paths] if capture_output
                                else [""] * world_size)
@@ -402,12 +410,19 @@ class _ProgressWatch:
 
 class _Stall:
     """Seconds since each rank's last heartbeat; a rank still waited for that has not
-    beaten for ``timeout`` seconds is stalled (the run is hung)."""
+    beaten for ``timeout`` seconds is stalled (the run is hung).
 
-    def __init__(self, beats, timeout: float) -> None:
-        self.beats, self.timeout = beats, timeout
-        now = time.monotonic()
-        self.seen = [(b.value, now) for b in beats]
+    Until every waited-for rank has beaten once, the run is starting (processes, imports,
+    joining, a model's build, a first step): it is stalled only ``startup`` seconds
+    after the launch, and then every rank's clock starts at once (a rank that made
+    progress early may have been waiting all along for a peer still building).
+    """
+
+    def __init__(self, beats, timeout: float, startup: float) -> None:
+        self.beats, self.timeout, self.startup = beats, timeout, startup
+        self.start = time.monotonic()
+        self.started = False  # every rank has made progress once
+        self.seen = [(b.value, self.start) for b in beats]
 
     def remaining(self, waiting) -> float:
         """Seconds before the first waiting rank would be stalled (<= 0: it is)."""
@@ -415,13 +430,26 @@ class _Stall:
         for r, b in enumerate(self.beats):
             if b.value != self.seen[r][0]:
                 self.seen[r] = (b.value, now)
+        if not self.started:
+            if not all(self.has_beaten(r) for r in waiting):
+                return self.start + self.startup - now
+            self.started = True
+            self.seen = [(beat, now) for beat, _ in self.seen]
         return min(self.seen[r][1] + self.timeout - now for r in waiting)
+
+    @property
+    def limit(self) -> float:
+        """The seconds without progress that make a rank stalled now."""
+        return self.timeout if self.started else self.startup
+
+    def has_beaten(self, rank: int) -> bool:
+        return bool(self.beats[rank].value)
 
     def quiet(self, rank: int) -> float:
         return time.monotonic() - self.seen[rank][1]
 
 
-def _collect(procs, conns, slots, paths, timeout, stall, watch) -> Results:
+def _collect(procs, conns, slots, paths, stall, watch) -> Results:
     """Wait for every rank's result; raise for the first rank that failed.
 
     When one rank fails, its peers soon fail too ("Connection reset by peer" from
@@ -439,7 +467,7 @@ def _collect(procs, conns, slots, paths, timeout, stall, watch) -> Results:
     while waiting:
         remaining = stall.remaining(waiting)
         if remaining <= 0:
-            raise RankTimeout(_timeout_report(slots, waiting, timeout, stall))
+            raise RankTimeout(_timeout_report(slots, waiting, stall))
         handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
         wait_s = min(remaining, watch.poll, max(0.0, settle_by - time.monotonic()))
         ready = set(mp.connection.wait(handles, timeout=wait_s))
@@ -493,14 +521,26 @@ def _death_report(rank, code, slot, path) -> str:
     return msg + (f"\n--- last output of rank {rank} ---\n{tail}" if tail else "")
 
 
-def _timeout_report(slots, waiting, timeout, stall) -> str:
-    stuck = [r for r in sorted(waiting) if stall.quiet(r) >= timeout]
+def _timeout_report(slots, waiting, stall) -> str:
+    limit = stall.limit
+    if stall.started:
+        stuck = [r for r in sorted(waiting) if stall.quiet(r) >= limit]
+    else:  # start-up ran out: the ranks that never made progress
+        stuck = [r for r in sorted(waiting) if not stall.has_beaten(r)]
+    when = "" if stall.started or limit == stall.timeout else (
+        " since the launch (the start-up's allowance: the timeout counts from every "
+        "rank's first progress)")
     lines = [f"timed out: rank {stuck[0]} made no progress (no collective finished, no "
-             f"step done) for {timeout:g} s; where each rank was:"]
+             f"step done) for {limit:g} s{when}; where each rank was:"]
     for r, slot in enumerate(slots):
-        state = get_status(slot) if r in waiting else "finished"
-        lines.append(f"  rank {r}: {state} (last progress {stall.quiet(r):.0f} s ago)"
-                     if r in waiting else f"  rank {r}: {state}")
+        if r not in waiting:
+            lines.append(f"  rank {r}: finished")
+        elif stall.started or stall.has_beaten(r):
+            lines.append(f"  rank {r}: {get_status(slot)} (last progress "
+                         f"{stall.quiet(r):.0f} s ago)")
+        else:
+            lines.append(f"  rank {r}: {get_status(slot)} (no progress yet: still "
+                         f"starting, {stall.quiet(r):.0f} s after the launch)")
     lines.append("A rank that skipped a collective its group entered leaves the others "
                  "waiting; compare the ops above.")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from minipar import checkpoint
 from minipar.config import TrainConfig
 from minipar.engine import train
 from minipar.launch import RankDied, launch
+from minipar.model import get_config
 
 STEPS, HALF = 6, 3
 
@@ -76,6 +77,16 @@ def test_a_model_sized_by_flags_resumes(tmp_path) -> None:
     assert run(layers=4, resume=str(tmp_path)) == full[HALF:]
     assert {k.split(".")[1] for k in checkpoint.load(str(tmp_path))[0]["model"]
             if k.startswith("blocks.")} == {"0", "1", "2", "3"}
+
+
+def test_the_shape_check_names_what_changes_the_weights() -> None:
+    tiny, moe = get_config("tiny"), get_config("moe-tiny")
+    # a dense model's MoE fields shape nothing
+    assert checkpoint.shape_changes(tiny, tiny.with_(moe_every=2, moe_top_k=1)) == []
+    assert checkpoint.shape_changes(tiny, moe) == ["n_expert"]
+    assert checkpoint.shape_changes(moe, moe.with_(moe_top_k=1, capacity_factor=1.5)) == []
+    assert checkpoint.shape_changes(moe, moe.with_(moe_every=1, expert_d_ff=128)) == [
+        "moe_every", "expert_d_ff"]
 
 
 def test_balanced_stages_reshard_both_ways(tmp_path) -> None:

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from minipar.__main__ import main
+from minipar.corpus import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 # Under a regular file: a directory no user can have, root included, whatever ran before.
@@ -75,12 +76,25 @@ def _locked(d: Path) -> None:
     (d / ".minipar.lock").write_text("1")  # pid 1 is always alive: another run's lock
 
 
+def _corpora(d: Path) -> None:
+    """A text too short for tiny's sequences and one of 4,000 bytes (a held-out split of
+    200 tokens: 168 sequences, 10 batches of 16), tokenised into ``d/cache`` already (a
+    first tokenisation prints a line of its own)."""
+    d.mkdir()
+    (d / "short.txt").write_text("hi")
+    (d / "small.txt").write_text("minipar " * 500)
+    for name in ("short.txt", "small.txt"):
+        prepare(str(d / name), "byte", 256, str(d / "cache"))
+
+
 SETUPS = {
     "empty": lambda d: d.mkdir(), "file": lambda d: d.write_text("x"),
     "tiny": fake_checkpoint, "small": lambda d: fake_checkpoint(d, "small"),
+    "moetiny": lambda d: fake_checkpoint(d, "moe-tiny"),
     "at3": lambda d: fake_checkpoint(d, step=3), "truncated": _truncated,
     "random": _random_bytes, "badmeta": _bad_meta, "nofiles": _meta_without_files,
     "dangling": _dangling, "noshard": _missing_shard, "locked": _locked,
+    "corpora": _corpora,
 }
 
 # (id, arguments with {name} for a path made by SETUPS[name], what the one line says)
@@ -104,6 +118,12 @@ CASES = [
     ("resume empty", "train --resume {empty}", "no checkpoint in"),
     ("resume a file", "train --resume {file}", "no such checkpoint directory"),
     ("resume other preset", "train --resume {small}", "holds model 'small'"),
+    ("resume dense as moe", "train --resume {tiny} --moe-experts 4 --moe-top-k 1",
+     "they differ in n_expert"),
+    ("resume moe, other experts", "train --model moe-tiny --resume {moetiny} --moe-experts 2",
+     "they differ in n_expert"),
+    ("resume moe, other blocks", "train --model moe-tiny --resume {moetiny} --moe-every 1",
+     "they differ in moe_every"),
     ("resume truncated shard", "train --resume {truncated}", "rank-00000.pt is damaged"),
     ("resume random shard", "train --resume {random}", "rank-00000.pt is damaged"),
     ("resume bad meta", "train --resume {badmeta}", "meta.json is not a minipar checkpoint"),
@@ -112,6 +132,12 @@ CASES = [
     ("resume missing shard", "train --resume {noshard}", "rank-00000.pt is missing"),
     ("resume at the end", "train --steps 3 --resume {at3}", "nothing to train"),
     ("resume past the end", "train --steps 2 --resume {at3}", "at step 3, and this run ends"),
+    # --- train: data -----------------------------------------------------------------
+    ("corpus too short", "train --data {corpora}/short.txt --data-cache {corpora}/cache",
+     "the corpus has 2 tokens: too few for sequences of 32"),
+    ("eval batches past the held-out split", "train --eval-every 1 --eval-batches 100000 "
+     "--data {corpora}/small.txt --data-cache {corpora}/cache",
+     "has 168: pass --eval-batches 10 or fewer"),
     # --- train: numbers --------------------------------------------------------------
     ("seed too large", f"train --seed {2**70}", "--seed must be an integer from 0 to"),
     ("seed negative", "train --seed -1", "--seed must be an integer from 0 to"),

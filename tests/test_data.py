@@ -146,6 +146,16 @@ def test_token_file_rows_split_and_dtype(tmp_path) -> None:
     assert int(val[:, 0].min()) >= data.n_train and int(vy.max()) < 100_000  # held out
 
 
+def test_the_held_out_split_holds_a_sequence_per_start() -> None:
+    ids = np.arange(100, dtype=np.uint16)  # 34 held out (a window and a start past it)
+    data = corpus.TokenData(ids, 128, 32)
+    assert (data.n_train, data.n_val) == corpus.split_sizes(100, 32) == (66, 34)
+    starts = {int(x[0]) for x in data.rows(0, range(500), split="val")[0]}
+    assert starts == {66, 67} and corpus.held_out_rows(data.n_val, 32) == 2
+    with pytest.raises(ValueError, match="the corpus has 67 tokens: too few .*need 68"):
+        corpus.split_sizes(67, 32)
+
+
 def test_pystdlib_is_bounded_and_deterministic() -> None:
     files = corpus.pystdlib_files()
     assert files == corpus.pystdlib_files() and len(files) > 20

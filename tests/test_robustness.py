@@ -763,6 +763,45 @@ def test_a_rank_without_progress_is_reported_after_the_timeout() -> None:
     assert "  rank 0: running code outside minipar's counted calls" in str(info.value)
 
 
+def _slow_to_start(seconds: float) -> None:
+    from minipar.comm import Comm
+    from minipar.launch import heartbeat
+
+    if Comm(dim="world").rank == 1:
+        time.sleep(seconds)  # building: its peer waits in the first collective meanwhile
+    else:
+        heartbeat()  # progress of its own (a checkpoint's bytes read)
+    for _ in range(3):
+        Comm(dim="world").barrier()
+
+
+def test_start_up_is_not_counted_against_the_timeout() -> None:
+    from minipar.launch import launch
+
+    launch(_slow_to_start, 2, args=(3.0,), timeout=1, startup=30)
+
+
+def test_a_rank_that_never_starts_is_reported_after_the_start_up_allowance() -> None:
+    from minipar.launch import RankTimeout, launch
+
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        launch(_slow_to_start, 2, args=(60.0,), timeout=1, startup=4)
+    assert 4 <= time.monotonic() - start < 20
+    report = str(info.value)
+    assert report.startswith("timed out: rank 1 made no progress (no collective finished, "
+                             "no step done) for 4 s since the launch (the start-up's")
+    assert "  rank 1: running code outside minipar's counted calls (no counted collective " \
+           "entered yet) (no progress yet: still starting, " in report
+    assert "  rank 0: inside barrier on world, shape (1,) float32 (last progress " in report
+
+
+def test_a_short_timeout_does_not_call_a_starting_run_hung(capsys) -> None:
+    """Start-up (forking, joining, the build, a first step) takes seconds on a loaded
+    machine: a --timeout of one second counts from the first collective a rank finishes."""
+    assert main(["train", "--dp", "2", "--steps", "1", "--timeout", "1", "--quiet"]) == 0
+
+
 # --- a stray torchrun environment: one line within --timeout, no hang ---------------------------
 def test_a_stray_torchrun_environment_fails_within_the_timeout(tmp_path) -> None:
     with socket.socket() as s:
