@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from dataclasses import Field, fields
 
-# torch and the engine take seconds to import. Run as the program, a Ctrl-C meanwhile is
-# kept until they are loaded, then ends the run in one line: raised inside an import, it
-# can surface as another error (a half-loaded torch refuses to load again) and a traceback
-_interrupted: list[int] = []
-_before = (signal.signal(signal.SIGINT, lambda signum, frame: _interrupted.append(signum))
-           if __name__ == "__main__" else None)
-try:
+from minipar.startup import interrupt_kept
+
+# the rest of the engine loads in seconds too: a Ctrl-C meanwhile ends in one line
+with interrupt_kept(__name__ == "__main__"):
     import torch
     from tqdm.auto import tqdm
 
@@ -49,12 +45,6 @@ try:
     from minipar.theory.memory import memory_breakdown
     from minipar.theory.params import mfu
     from minipar.theory.planner import HOST_SHORT, RECOMPUTES, plan
-finally:
-    if _before is not None:
-        signal.signal(signal.SIGINT, _before)
-if _interrupted:
-    print("minipar: interrupted", file=sys.stderr)
-    raise SystemExit(130)
 
 __all__ = ["build_parser", "main", "parse_count", "train_config"]
 

@@ -579,6 +579,20 @@ def test_a_rank_that_fails_mid_run_leaves_the_steps_done(tmp_path, own_tmp, monk
     assert "the run reached step 2 before the failure" in out
 
 
+@pytest.mark.parametrize("after", [0.05, 0.4, 1.5])
+def test_a_ctrl_c_at_any_moment_of_the_start_is_one_line(after: float) -> None:
+    """SIGINT while ``python -m minipar`` is still importing torch (seconds), or later:
+    exit status 130 and one line, never a traceback (``minipar/startup.py``)."""
+    run = subprocess.Popen([sys.executable, "-m", "minipar", "train", "--steps", "10000",
+                            "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, cwd=ROOT)
+    time.sleep(after)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    assert "Traceback" not in err and err.strip().endswith("interrupted"), err
+
+
 def test_an_interrupted_comparison_keeps_the_run(tmp_path, own_tmp, monkeypatch,
                                                 capsys) -> None:
     """Ctrl-C while ``--compare`` trains the one-process reference: the run's table and
