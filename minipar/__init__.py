@@ -2,15 +2,17 @@
 
 import sys
 
-from minipar.startup import interrupt_kept
+from minipar.startup import hold_interrupts
 
-# ``python -m minipar`` imports this package first: "-m" is sys.argv[0] until Python has
-# found the module it runs, so a Ctrl-C while torch loads ends the program in one line
-with interrupt_kept(sys.argv[:1] == ["-m"]):
-    from minipar.comm import Comm, CommLog
-    from minipar.launch import LaunchError, RankDied, RankFailed, RankTimeout, launch
-    from minipar.mesh import Mesh, RankMesh
-    from minipar.model import GPT, PRESETS, GPTConfig
+# ``python -m minipar`` imports this package first ("-m" is sys.argv[0] until Python has
+# found the module it runs): a Ctrl-C from here to the end of its imports is kept and
+# ends the program in one line (``minipar/startup.py``; ``__main__`` releases it)
+hold_interrupts(sys.argv[:1] == ["-m"])
+
+from minipar.comm import Comm, CommLog  # noqa: E402
+from minipar.launch import LaunchError, RankDied, RankFailed, RankTimeout, launch  # noqa: E402
+from minipar.mesh import Mesh, RankMesh  # noqa: E402
+from minipar.model import GPT, PRESETS, GPTConfig  # noqa: E402
 
 __all__ = [
     "GPT", "GPTConfig", "PRESETS", "Comm", "CommLog", "Mesh", "RankMesh", "launch",

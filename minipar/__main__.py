@@ -16,35 +16,36 @@ import os
 import sys
 from dataclasses import Field, fields
 
-from minipar.startup import interrupt_kept
+import torch
+from tqdm.auto import tqdm
 
-# the rest of the engine loads in seconds too: a Ctrl-C meanwhile ends in one line
-with interrupt_kept(__name__ == "__main__"):
-    import torch
-    from tqdm.auto import tqdm
+from minipar import checkpoint, checks
+from minipar.config import (
+    RECOMPUTE,
+    SCHEDULE_NAMES,
+    TrainConfig,
+    sized,
+    uses_cuda,
+    validate,
+)
+from minipar.doctor import fits_report, run_doctor
+from minipar.engine import RunStopped, rehearse, train
+from minipar.export import export, export_hf
+from minipar.launch import LaunchError
+from minipar.model import get_config
+from minipar.parity import check_run
+from minipar.sample import sample
+from minipar.startup import release_interrupts
+from minipar.theory import bubble, clusters
+from minipar.theory.card import MEMORY_MARGIN
+from minipar.theory.layout import Layout
+from minipar.theory.memory import memory_breakdown
+from minipar.theory.params import mfu
+from minipar.theory.planner import HOST_SHORT, RECOMPUTES, plan
 
-    from minipar import checkpoint, checks
-    from minipar.config import (
-        RECOMPUTE,
-        SCHEDULE_NAMES,
-        TrainConfig,
-        sized,
-        uses_cuda,
-        validate,
-    )
-    from minipar.doctor import fits_report, run_doctor
-    from minipar.engine import RunStopped, rehearse, train
-    from minipar.export import export, export_hf
-    from minipar.launch import LaunchError
-    from minipar.model import get_config
-    from minipar.parity import check_run
-    from minipar.sample import sample
-    from minipar.theory import bubble, clusters
-    from minipar.theory.card import MEMORY_MARGIN
-    from minipar.theory.layout import Layout
-    from minipar.theory.memory import memory_breakdown
-    from minipar.theory.params import mfu
-    from minipar.theory.planner import HOST_SHORT, RECOMPUTES, plan
+# run as the program, a Ctrl-C since the package's first line was kept while all the
+# above loaded (``minipar/startup.py``): now it ends the program in one line
+release_interrupts()
 
 __all__ = ["build_parser", "main", "parse_count", "train_config"]
 
