@@ -65,6 +65,15 @@ def hf_config(cfg: GPTConfig, eos_id: int | None = None) -> dict:
             "eos_token_id": eos_id, "dtype": "float32", "use_cache": True}
 
 
+def check_dense(cfg: GPTConfig, where: str) -> None:
+    """``ValueError`` (one line) for a mixture-of-experts model: GPT-2 has no router and
+    no experts, so neither direction of the round trip has a place for their weights."""
+    if cfg.n_expert:
+        raise ValueError(f"{where}: GPT-2's architecture has no mixture of experts, and "
+                         f"this model has {cfg.n_expert} experts in {cfg.n_moe_layers} "
+                         "blocks (a dense model only)")
+
+
 def save_hf(tensors: Iterator[tuple[str, torch.Tensor]], cfg: GPTConfig, out: str,
             tokenizer=None) -> dict:
     """Write a directory ``GPT2LMHeadModel.from_pretrained(out)`` loads: ``tensors``
@@ -72,6 +81,7 @@ def save_hf(tensors: Iterator[tuple[str, torch.Tensor]], cfg: GPTConfig, out: st
     ``corpus`` tokenizer, the files ``AutoTokenizer.from_pretrained(out)`` reads."""
     from safetensors.torch import save_file  # optional: only hf directories need it
 
+    check_dense(cfg, "--format hf")
     state = {}
     for name, t in tensors:
         if name == "head.weight" and cfg.tie_embeddings:
@@ -221,6 +231,7 @@ class HFCheckpoint:
         """``ValueError`` (one line) naming what differs between the directory's model
         and ``cfg`` (a shorter ``seq_len`` is fine: the first positions are read)."""
         c, where = self.config, f"--init-from {self.dir}"
+        check_dense(cfg, where)
         if c.get("model_type", "gpt2") != "gpt2":
             raise ValueError(f"{where}: a {c.get('model_type')} model; minipar's GPT reads "
                              "GPT-2's architecture (model_type gpt2)")

@@ -10,7 +10,8 @@
   (``parity.TOLERANCES``; the mutation test of the check is in ``test_parity.py``), and
   the first loss is the loss ``transformers`` computes on that batch; an untied model
   starts its head from a tied directory's ``wte``; a sharded save (an index) reads too;
-* an architecture that differs is refused in one line, before launch.
+* an architecture that differs is refused in one line, before launch, and so is a
+  mixture-of-experts model either way (GPT-2 has no router or experts).
 
 No network: ``HF_HUB_OFFLINE=1``, every directory is made here.
 """
@@ -250,7 +251,8 @@ def test_init_from_reads_a_sharded_save(gpt2_dir, tmp_path) -> None:
     (["--seq-len", "64"], "seq-len 64 exceeds the checkpoint's 32 positions"),
     ({"activation_function": "relu"}, "activation relu"),
     ({"model_type": "llama"}, "a llama model"),
-], ids=["layers", "positions", "activation", "llama"])
+    (["--moe-experts", "4"], "GPT-2's architecture has no mixture of experts"),
+], ids=["layers", "positions", "activation", "llama", "experts"])
 def test_a_different_architecture_is_refused_in_one_line(gpt2_dir, tmp_path, capsys,
                                                           change, says) -> None:
     d, _ = gpt2_dir
@@ -265,6 +267,19 @@ def test_a_different_architecture_is_refused_in_one_line(gpt2_dir, tmp_path, cap
     assert main(["train", "--init-from", d, "--steps", "1", *change]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_a_mixture_of_experts_checkpoint_is_not_exported_as_gpt2(tmp_path, capsys) -> None:
+    """GPT-2 has no router and no experts: ``export --format hf`` of an MoE checkpoint
+    is refused in one line (it used to fail on the router's name, an internal error),
+    and writes nothing."""
+    ckpt, out = str(tmp_path / "ck"), str(tmp_path / "hf")
+    train(TrainConfig(model="moe-tiny", steps=1, save=ckpt, timeout=240))
+    capsys.readouterr()
+    assert main(["export", "--resume", ckpt, "--format", "hf", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no mixture of experts" in err and len(err.splitlines()) == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
 def test_a_directory_without_gpt2_files_is_refused(tmp_path, capsys) -> None:
