@@ -51,7 +51,7 @@ from minipar.comm import Comm
 from minipar.config import TrainConfig, validate
 from minipar.engine import train
 from minipar.launch import launch
-from minipar.model import GPT
+from minipar.model import GPT, MoE
 from minipar.parallel import fp8
 from minipar.parallel.fp8 import (
     RECIPES,
@@ -202,6 +202,31 @@ def test_apply_replaces_the_blocks_linears_only() -> None:
     assert type(model.head) is nn.Linear and isinstance(model.blocks[0].mlp.fc, Float8Linear)
     assert list(model.state_dict()) == names  # checkpoints and optimizers see no change
     assert 0 < abs(float(after - before)) < 0.05  # the same model, multiplied in float8
+
+
+def test_an_moe_router_stays_in_the_compute_dtype(monkeypatch) -> None:
+    """An MoE layer's router is left out (as Megatron-Core, torchao, DeepSeek-V3 do): its
+    top-k is a discrete choice, and its E outputs (8 in moe-tiny and moe-1.3b) are no
+    multiple of 16, which ``torch._scaled_mm`` needs of every GEMM size. ``check_fp8``
+    checks the hidden, ffn and token sizes only, so a float8 router passed it and then
+    failed in the first forward on a GPU. Here every float8 GEMM of an MoE model,
+    forward and backward, has sizes divisible by 16 (before: the router's N = 8)."""
+    model = GPT("moe-tiny", seed=0)
+    routers = [b.mlp.router for b in model.blocks if isinstance(b.mlp, MoE)]
+    dense = sum(not isinstance(b.mlp, MoE) for b in model.blocks)
+    assert apply_fp8([model], "tensorwise", emulate=True) == 4 * dense + 2 * len(routers)
+    assert all(type(b.mlp.router) is nn.Linear for b in model.blocks
+               if isinstance(b.mlp, MoE)) and len(routers) == 4
+    sizes, original = [], Float8Matmul.mm
+
+    def mm(self, a, b, out_dtype, fast_accum=False):
+        sizes.append((*a.data.shape, b.data.shape[0]))  # [M, K] x [N, K]
+        return original(self, a, b, out_dtype, fast_accum)
+    monkeypatch.setattr(Float8Matmul, "mm", mm)
+    x = torch.randint(0, 64, (2, 32))
+    model(x, x).backward()
+    assert len(sizes) == 3 * (4 * dense + 2 * len(routers))
+    assert all(n % 16 == 0 for mnk in sizes for n in mnk), sorted(set(sizes))
 
 
 def _run(cfg: TrainConfig) -> tuple[dict, dict]:
@@ -411,6 +436,12 @@ def test_zero3_float8_gathers_move_the_predicted_bytes() -> None:
     assert f8["all_reduce"]["bytes"] - bf16["all_reduce"]["bytes"] == 4 * matrices
     assert f8["reduce_scatter"]["bytes"] == bf16["reduce_scatter"]["bytes"]
     assert counted["rowwise"]["all_gather"] == bf16["all_gather"]
+    # an MoE model: its blocks' attention weights in float8, its routers in bf16
+    run = train(TrainConfig(model="moe-tiny", steps=1, dp=dp, zero=3, dtype="bf16",
+                            fp8="tensorwise", fp8_emulate=True, timeout=240))
+    want = comm_volume("moe-tiny", Layout(dp=dp, zero=3, dtype="bf16", fp8="tensorwise"))
+    assert run["ranks"][0]["comm"]["dp"]["all_gather"]["bytes"] == \
+        want["dp"]["all_gather"]["bytes"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -14,7 +14,9 @@ Tensor parallelism: an amax over a tp-split dimension is all-reduced (max), so e
 layout quantises as one device (TransformerEngine reduces amax over tp too). ZeRO-3
 may hand a linear its weight already in float8 (``weight8``: ``zero/gather.py`` gathers
 it so, tensorwise). CPUs have no float8 GEMM: ``emulate`` makes the same casts and
-multiplies in fp32 (the tests).
+multiplies in fp32 (the tests). An MoE layer's router stays in the compute dtype, as in
+Megatron-Core, torchao and DeepSeek-V3: its top-k is a discrete choice that a 6% rounding
+flips, and its E outputs are rarely the multiple of 16 ``torch._scaled_mm`` needs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from minipar.comm import Comm
+from minipar.model import MoE
 from minipar.parallel.tp import ColumnParallelLinear, wanted
 
 RECIPES = ("rowwise", "tensorwise")
@@ -179,11 +182,13 @@ class Float8Linear(nn.Module):
 def apply_fp8(chunks: Iterable[nn.Module], recipe: str, emulate: bool = False) -> int:
     """Replace in every chunk's blocks each ``nn.Linear`` by a ``Float8Linear`` and each
     tensor-parallel linear by one whose local GEMMs run in float8 (not the embeddings,
-    not the head). Returns how many were replaced."""
+    not the head, not an MoE layer's router). Returns how many were replaced."""
     replaced = 0
     for chunk in chunks:
         for parent in list(chunk.blocks.modules()):
             for name, child in list(parent.named_children()):
+                if isinstance(parent, MoE) and name == "router":
+                    continue
                 if type(child) is nn.Linear:
                     new = Float8Linear(child, Float8Matmul(recipe, emulate))
                 elif isinstance(child, ColumnParallelLinear):  # (and its row subclass)

@@ -98,15 +98,15 @@ def _add(out: dict, dim: str, op: str, calls: int, nbytes: int, n: int) -> None:
 def float8_gathered(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
                     virtual: int = 1, head_layers: int = 0) -> tuple[int, int]:
     """(elements, weight matrices) of one rank's weights that ``--fp8`` multiplies in
-    float8: every block's linear weights (a dense block's four, tp-split; an MoE block's
-    attention two and its router, replicated over tp)."""
+    float8: every block's linear weights (a dense block's four, an MoE block's attention
+    two, tp-split; its router stays in the compute dtype)."""
     cfg = get_model(cfg)
     h = cfg.d_model
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers)
     moe = stage_moe_layers(cfg, pp, stage, virtual, head_layers) if cfg.n_expert else 0
     dense = layers - moe
-    numel = dense * layer_matmul_params(cfg) // tp + moe * (4 * h * h // tp + h * cfg.n_expert)
-    return numel, 4 * dense + 3 * moe
+    numel = dense * layer_matmul_params(cfg) // tp + moe * 4 * h * h // tp
+    return numel, 4 * dense + 2 * moe
 
 
 def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",
