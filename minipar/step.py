@@ -224,6 +224,9 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
     # fp32 sums keep every micro-batch's low bits (Megatron's default for the same
     # reason); bf16 halves the buffers and the adds, as torch's peers sum .grad
     grad_dtype = torch.bfloat16 if cfg.grad_dtype == "bf16" else torch.float32
+    # --ep: two wrappers of the model, dense weights over dp x cp, experts over their
+    # replicas (each part on a host of its own); one where this stage has no MoE block
+    dense, experts = split_experts(model) if cfg.ep > 1 else ([], [])
     if cfg.zero == 3:
         # --fp8 tensorwise: the float8 linears' weights are gathered in float8, already
         # cast (parallel/zero/gather.py); rowwise ones in the compute dtype, as torchao
@@ -236,8 +239,7 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
                          gather=Float8Weights(matmuls) if matmuls else None,
                          reduce_comm=reduce_comm)
         # (rm.reductions: dp_cp, or its twin with --separate-reduce-group)
-        if cfg.ep > 1:  # two wrappers of the model: dense weights over dp x cp, experts
-            dense, experts = split_experts(model)  # over their replicas (each its host)
+        if experts:
             sync = ExpertDataParallel(zero3(rm.dp_cp, offload, dense, rm.reductions),
                                       zero3(rm.edp, offload and OnHost(), experts), rm.ep)
         else:
@@ -266,9 +268,8 @@ def data_parallel(cfg: TrainConfig, rm: RankMesh, model: torch.nn.Module, units:
                              place=place, grad_dtype=grad_dtype,
                              overlap_param_gather=overlap and cfg.overlap_param_gather,
                              **opt_kwargs)
-    if cfg.ep > 1:  # expert weights reduce (and shard) over their own replicas
+    if experts:
         weights = dict(model.named_parameters())
-        dense, experts = split_experts(model)  # (each part on a host of its own)
         sync = ExpertDataParallel(zero([weights[n] for n in dense], rm.dp_cp, offload),
                                   zero([weights[n] for n in experts], rm.edp,
                                        offload and OnHost()), rm.ep)

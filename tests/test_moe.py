@@ -61,7 +61,7 @@ SGD = dict(optimizer="sgd", grad_clip=0.0, lr=0.5, warmup=1)
 RECOMPUTE_3 = dict(recompute="full", recompute_layers=3)  # blocks 0-2 of 8: 1 MoE, 2 dense
 # what changes the single device's run (the rest is layout)
 MODEL_KNOBS = ("optimizer", "grad_clip", "lr", "warmup", "capacity_factor", "moe_top_k",
-               "z_loss_coef", "aux_loss_coef")
+               "z_loss_coef", "aux_loss_coef", "moe_every")
 
 
 @cache
@@ -160,6 +160,18 @@ def test_zero3_shards_experts_over_their_replicas() -> None:
                             accounting="fused")[0]["optimizer"]
     experts = 2 * 4 * stage_expert_params(model, ep=2)  # Adam: 2 fp32 moments
     assert abs(got - want) < 0.01 * experts, (got, want, experts)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_pipeline_stage_without_moe_blocks_under_ep(zero: int) -> None:
+    """--moe-every 8: the one MoE block is on the last of two stages, so the first has
+    no experts to split over ep and keeps one data-parallel wrapper (ZeRO 0-2 used to
+    build a ZeroOptimizer of no weights, which torch refuses: "optimizer got an empty
+    parameter list", raised by every rank of that stage after launch). At parity."""
+    run, parity, ref = run_and_compare(dp=2, ep=2, pp=2, microbatches=2, moe_every=8,
+                                       zero=zero, **SGD)
+    assert parity.ok(FP32), f"{parity.describe()}; losses {run['losses']} vs {ref['losses']}"
+    assert run["losses"][-1] < run["losses"][0] - 0.02, "the loss must move"
 
 
 @pytest.mark.parametrize("zero", [1, 3])
