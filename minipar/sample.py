@@ -20,7 +20,14 @@ import shutil
 
 import torch
 
-from minipar.checkpoint import RUN_CARD, TOKENIZER, inspect, read_text, saved_model_config
+from minipar.checkpoint import (
+    RUN_CARD,
+    STEP_DIR,
+    TOKENIZER,
+    inspect,
+    read_text,
+    saved_model_config,
+)
 from minipar.checks import seed as check_seed
 from minipar.corpus import load_tokenizer, prepare, tokenizer_path
 from minipar.model import GPT, GPTConfig, materialize
@@ -50,8 +57,12 @@ def write_run_card(directory: str, cfg, model_cfg: GPTConfig) -> None:
 
 
 def run_card(directory: str) -> tuple[GPTConfig, object | None]:
-    """The model config and tokenizer of the run that wrote ``directory``."""
-    path = os.path.join(directory, RUN_CARD)
+    """The model config and tokenizer of the run that wrote ``directory``: a ``--save``
+    directory, or one of its checkpoints (``step-N``, beside which the card lies)."""
+    beside, name = os.path.split(os.path.normpath(directory))
+    if os.path.exists(os.path.join(directory, RUN_CARD)) or not STEP_DIR.fullmatch(name):
+        beside = directory
+    path = os.path.join(beside, RUN_CARD)
     if os.path.exists(path):
         try:
             card = json.loads(read_text(path))
@@ -60,7 +71,7 @@ def run_card(directory: str) -> tuple[GPTConfig, object | None]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path} is not a minipar run card ({type(e).__name__}: "
                              f"{str(e)[:100]})") from None
-        tok = load_tokenizer(os.path.join(directory, tok_file)) if tok_file else None
+        tok = load_tokenizer(os.path.join(beside, tok_file)) if tok_file else None
         return model, tok
     return saved_model_config(inspect(directory)), None  # an older checkpoint: no run card
 

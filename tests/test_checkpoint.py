@@ -284,3 +284,23 @@ def test_a_resumed_step_count_goes_where_its_kernel_reads_it() -> None:
         moved = _scalar_state(step, optimizer, param)
         assert moved.device.type == device and moved.dtype == step.dtype, flags
         assert moved is not step
+
+
+def test_a_step_directory_keeps_its_runs_tokenizer(tmp_path) -> None:
+    """``--resume`` may name one checkpoint (``step-N``, e.g. an earlier one kept by
+    ``--keep``): ``sample`` and ``export --format hf`` read the run card beside it, so
+    the text is the same as from the save directory and the export carries the
+    tokenizer (the card used to be looked for inside ``step-N`` only: sample refused a
+    text prompt, and the export silently left the tokenizer out)."""
+    from minipar.export import export_hf
+    from minipar.sample import sample
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    d = str(tmp_path / "run")
+    train(TrainConfig(steps=1, data=str(text), save=d, data_cache=str(tmp_path / "cache"),
+                      timeout=240))
+    step = os.path.join(d, "step-000001")
+    assert sample(step, "the", 8, 0.0) == sample(d, "the", 8, 0.0)
+    out = export_hf(step, str(tmp_path / "hf"))
+    assert out["tokenizer"] and os.path.isfile(tmp_path / "hf" / "tokenizer.json")
