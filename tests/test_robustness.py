@@ -869,7 +869,7 @@ def test_a_killed_launcher_leaves_no_rank_and_no_file(sig, tmp_path) -> None:
         started = me.children(recursive=True)  # two ranks and the keeper
         assert len(started) == 3
         assert sorted(f.name for f in tmp_path.glob("minipar-run-*/*")) == [
-            "rank0.log", "rank1.log", "store"]
+            "rank0.log", "rank0.progress", "rank1.log", "rank1.progress", "store"]
     finally:
         cli.send_signal(sig)
         cli.communicate(timeout=30)
