@@ -160,10 +160,10 @@ def _children() -> dict[int, list[tuple[int, int]]]:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 stat = f.read()
-        except OSError:  # it ended meanwhile
+            # "pid (name) state ppid pgrp ...": the name may hold spaces and parentheses
+            state, ppid, group = stat[stat.rindex(b")") + 2:].split()[:3]
+        except (OSError, ValueError):  # it ended meanwhile
             continue
-        # "pid (name) state ppid pgrp ...": the name may hold spaces and parentheses
-        state, ppid, group = stat[stat.rindex(b")") + 2:].split()[:3]
         if state not in (b"Z", b"X"):  # (a zombie is dead: its parent reaps it)
             children.setdefault(int(ppid), []).append((pid, int(group)))
     return children

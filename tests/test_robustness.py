@@ -554,16 +554,17 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_its_record(tmp_path, own_tmp,
 
 def test_a_rank_that_fails_mid_run_leaves_every_step_done(tmp_path, own_tmp, monkeypatch,
                                                          capsys) -> None:
-    """Rank 1 raises as its fourth step starts (the ranks are forked: the patch reaches
-    them), right after the third: one error line naming it, and every step before it
-    printed and written, its loss and rate, however seldom the progress bar is
-    updated (``--log-every 2``) and however soon the failure follows."""
+    """Rank 0, which reports the loss, raises as its fourth step starts (the ranks are
+    forked: the patch reaches them), right after reporting the third: one error line
+    naming it, and every step before it printed and written, its loss and rate, however
+    seldom the progress bar is updated (``--log-every 2``) and however soon the failure
+    follows."""
     from minipar import engine
 
     real = engine.train_step
 
     def fourth_step_fails(cfg, rm, parts, data, step):
-        if step == 3 and rm.rank == 1:
+        if step == 3 and rm.rank == 0:
             raise RuntimeError("a fault in step 3")
         return real(cfg, rm, parts, data, step)
 
@@ -571,7 +572,7 @@ def test_a_rank_that_fails_mid_run_leaves_every_step_done(tmp_path, own_tmp, mon
     j = tmp_path / "run.json"
     code, out, err = _run_main(["train", "--dp", "2", "--steps", "6", "--log-every", "2",
                                 "--quiet", "--json", str(j)], capsys)
-    line = _one_line(code, err, "rank 1 raised RuntimeError: a fault in step 3", want=1)
+    line = _one_line(code, err, "rank 0 raised RuntimeError: a fault in step 3", want=1)
     assert "Traceback" not in line
     record = json.loads(j.read_text())
     assert [s["step"] for s in record["progress"]] == [1, 2, 3]
