@@ -122,10 +122,7 @@ def _cmd_train(args) -> int:
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
     peak, model_cfg = _peak_flops(cfg), cfg.model_config()
 
-    done: list[dict] = []  # what rank 0 reported, kept should a rank fail later
-
     def report(r: dict) -> None:
-        done.append({k: r[k] for k in ("step", "loss", "tokens_per_s")})
         bar.update(r["step"] - bar.n)
         shown = {"loss": f"{r['loss']:.4f}", "tok/s": f"{r['tokens_per_s']:,.0f}"}
         if r["val_loss"] == r["val_loss"]:  # not NaN: an evaluation has run
@@ -140,7 +137,7 @@ def _cmd_train(args) -> int:
     except RunStopped as e:  # the steps done are kept: printed and written as JSON
         record, stopped = e.record, str(e)
     except LaunchError as e:  # a rank failed, died or hung: the steps before it are kept
-        _keep_steps_done(args.json, cfg, done, e)
+        _keep_steps_done(args.json, e)
         raise
     finally:
         bar.close()
@@ -166,20 +163,18 @@ def _cmd_train(args) -> int:
     return 0
 
 
-def _keep_steps_done(path: str | None, cfg: TrainConfig, done: list[dict],
-                     error: LaunchError) -> None:
+def _keep_steps_done(path: str | None, error: LaunchError) -> None:
     """A run that failed after some steps: how far it got printed, and with ``--json``
-    the losses its progress reports carried written beside the failure (the launcher
-    samples a rank's progress, so a step may be missing; its checkpoints, ``--save-every``,
-    are on disk already)."""
+    every step's loss written beside the failure (``error.record``; its checkpoints,
+    ``--save-every``, are on disk already)."""
+    done = (error.record or {}).get("progress")
     if not done:
         return
     first, last = done[0], done[-1]
     print(f"the run reached step {last['step']} before the failure: loss "
           f"{first['loss']:.4f} at step {first['step']}, {last['loss']:.4f} at step "
           f"{last['step']}")
-    _write_json(path, {"config": cfg.to_dict(), "progress": done,
-                       "error": _without_traceback(str(error))})
+    _write_json(path, {**error.record, "error": _without_traceback(str(error))})
 
 
 def _peak_flops(cfg) -> float | None:

@@ -83,7 +83,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     if cfg.resume:  # each rank reads only the shards it needs
         reader = ShardReader(cfg.resume, cfg.model_config(), rm.coords.tp, cfg.tp)
         start = reader.step
-    end = cfg.steps if cfg.stop_at is None else cfg.stop_at
+    end = _end(cfg)
     if start >= end:  # validate says so before launch; here for a direct caller
         raise ValueError(f"the checkpoint is at step {start} and the run ends at step "
                          f"{end}: nothing to train")
@@ -98,7 +98,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     meter = ActivationMeter(exclude=[f.full for f in parts.data_parallel.flats]) \
         if cfg.measure_activations else None  # (the weights are not activations)
     tokens_per_step = cfg.batch_size * parts.model.cfg.seq_len
-    last_report, stopped = (start, time.time()), None
+    last_report, stopped = time.time(), None
     for step in range(start, end):
         t0 = time.time()
         with meter if meter is not None else nullcontext():
@@ -122,15 +122,15 @@ def rank_main(cfg: TrainConfig) -> dict:
             val = evaluate(cfg, rm, parts.chunks, data, device_for(cfg))
             if val is not None:
                 evals.append({"step": done, "loss": val})
+        if reports_loss:  # every step (``_launch`` keeps each), before its checkpoint
+            rate = tokens_per_step / (time.time() - last_report)
+            last_report = time.time()
+            report_progress(f"{done} {out['loss']:.17g} {rate:.1f} "
+                            f"{evals[-1]['loss'] if evals else float('nan'):.6f}")
         if cfg.save and cfg.save_every and done % cfg.save_every == 0 and done < end:
             stopped = _save(cfg, rm, parts, done)
             if stopped:
                 break
-        if reports_loss and (done % cfg.log_every == 0 or done == end):
-            rate = tokens_per_step * (done - last_report[0]) / (time.time() - last_report[1])
-            last_report = (done, time.time())
-            report_progress(f"{done} {out['loss']:.6f} {rate:.1f} "
-                            f"{evals[-1]['loss'] if evals else float('nan'):.6f}")
     parts.data_parallel.finish_param_sync()  # (ZeRO-1/2: the last step's weight gathers)
     if cfg.save and stopped is None:
         stopped = _save(cfg, rm, parts, end)
@@ -158,6 +158,11 @@ def rank_main(cfg: TrainConfig) -> dict:
         # a rehearsal's: each step's seconds writing its imagined peers' stand-ins
         **({"stand_in_seconds": list(rm.log.step_stand_in_seconds)} if rm.rehearsal else {}),
     }
+
+
+def _end(cfg: TrainConfig) -> int:
+    """The step this run ends at (``--stop-at``, else ``--steps``)."""
+    return cfg.steps if cfg.stop_at is None else cfg.stop_at
 
 
 def _compile_stats(parts: Parts) -> dict:
@@ -289,7 +294,9 @@ def train(cfg: TrainConfig, progress=None, report=None) -> dict:
     """Run a training job: spawn dp*pp*tp*cp local ranks, or join a torchrun job.
 
     ``progress(step, loss)`` and ``report({step, loss, tokens_per_s, val_loss})`` are
-    called here every ``log_every`` steps. Returns the run's record: ``losses`` (one
+    called here every ``log_every`` steps. A ``LaunchError`` (a rank failed, died or
+    hung) holds in ``record`` the config and ``progress``: every step done before it,
+    ``{step, loss, tokens_per_s}``. Returns the run's record: ``losses`` (one
     per step, mean over the global batch), ``eval`` (``{step, loss}``), the config, and
     per rank its coordinates, memory, communication and last step's timeline;
     ``first_step`` (not 0 after ``resume``); ``trace_error`` when ``cfg.trace`` could not
@@ -314,24 +321,33 @@ def train(cfg: TrainConfig, progress=None, report=None) -> dict:
 
 def _launch(cfg: TrainConfig, progress, report, t0: float) -> dict:
     prepare_data(cfg)  # tokenise text once, here, before any rank starts
+    done: list[dict] = []  # every step, as the rank reporting the loss ends it
 
     def on_progress(rank: int, text: str) -> None:
         if not text:
             return
         step, loss, rate, val = text.split()
+        r = {"step": int(step), "loss": float(loss), "tokens_per_s": float(rate),
+             "val_loss": float(val)}
+        done.append({k: r[k] for k in ("step", "loss", "tokens_per_s")})
+        if r["step"] % cfg.log_every and r["step"] != _end(cfg):
+            return
         if progress is not None:
-            progress(int(step) - 1, float(loss))
+            progress(r["step"] - 1, r["loss"])
         if report is not None:
-            report({"step": int(step), "loss": float(loss), "tokens_per_s": float(rate),
-                    "val_loss": float(val)})
+            report(r)
 
     # On a CUDA build, forking a process whose autograd already ran (a reference run, a
     # notebook cell) fails in the child ("Unable to handle autograd's threading in
     # combination with fork-based multiprocessing"): spawn there; rank_main is importable.
     method = "spawn" if torch.cuda.is_available() else None
-    ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
-                   timeout=cfg.timeout, startup=startup_allowance(cfg),
-                   on_progress=on_progress, start_method=method)
+    try:
+        ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
+                       timeout=cfg.timeout, startup=startup_allowance(cfg),
+                       on_progress=on_progress, start_method=method)
+    except LaunchError as e:  # the steps before the failure are kept with it
+        e.record = {"config": cfg.to_dict(), "progress": done}
+        raise
     return _assemble(cfg, list(ranks), time.time() - t0)
 
 

@@ -28,13 +28,17 @@ their results (rank order). What makes it safe for a room of laptops:
   run has ``startup`` seconds instead, and ``timeout`` counts from there. Ctrl-C or a
   kernel interrupt stops the children.
 * **No orphans, no litter.** Each rank leads a process group; on every exit path the
-  groups are terminated, then killed, so a rank's own children go with it. The store
-  and the rank logs live in one temporary directory, removed on every exit path (a
-  SIGTERM or SIGHUP included). Even ``kill -9`` of the launcher leaves nothing: each
-  rank asks the kernel to kill it with its parent (Linux ``PR_SET_PDEATHSIG``), and a
-  *keeper*, a tiny process started first with ``setsid``, waits on a pipe from the
-  launcher: when the pipe closes without a "done", it kills the ranks' groups and
-  removes the directory.
+  groups are terminated, then killed, so a rank's own children go with it. On Linux a
+  process that left its rank's group (``setsid``, ``start_new_session=True``) goes too:
+  each rank adopts the orphans below it, and whatever left the group is killed as the
+  rank's ``fn`` ends, or, for a rank still running, before its group is stopped
+  (``rank.kill_strays``). The store, the rank logs and their progress files live in
+  one temporary directory, removed on every exit path (a SIGTERM or SIGHUP included).
+  Even ``kill -9`` of the launcher leaves no rank and no file (only what left a rank's
+  group, which nothing alive then knows of): each rank asks the kernel to kill it with
+  its parent (Linux ``PR_SET_PDEATHSIG``), and a *keeper*, a tiny process started first
+  with ``setsid``, waits on a pipe from the launcher: when the pipe closes without a
+  "done", it kills the ranks' groups and removes the directory.
 * **Quiet ranks.** A rank's stdout and stderr (warnings, gloo's C++ logs) go to a file,
   never to the notebook; ``capture_output=True`` returns them, and error reports end
   with their last lines (read from the end of the file, however long it grew).
@@ -62,7 +66,7 @@ from typing import Any
 
 import cloudpickle
 
-from minipar.rank import START_SIGNALS, child, get_status, rank_status_reporter
+from minipar.rank import START_SIGNALS, child, get_status, kill_strays, rank_status_reporter
 from minipar.rank import heartbeat as heartbeat
 from minipar.rank import report_progress as report_progress
 
@@ -87,7 +91,11 @@ def check_timeout(timeout, flag: str = "--timeout") -> None:
                          f"{TIMEOUT_MAX:.0f} (a week), got {timeout!r}")
 
 class LaunchError(RuntimeError):
-    """A launched run failed; ``rank`` says which rank, the message says what it did."""
+    """A launched run failed; ``rank`` says which rank, the message says what it did.
+    ``record``: what the run did before it failed, where its caller keeps that
+    (``engine.train``: every step's loss), else None."""
+
+    record: dict | None = None
 
     def __init__(self, message: str, rank: int | None = None, output: str = ""):
         super().__init__(message)
@@ -320,8 +328,9 @@ def launch(
     Inside ``fn``, ``torch.distributed`` is initialised (``dist.get_rank()`` says which
     rank this is). Results must be picklable. Raises ``RankFailed``, ``RankDied`` or
     ``RankTimeout`` (all ``LaunchError``) naming the rank; every child is gone when
-    this returns or raises. ``on_progress(rank, text)`` is called in this process
-    whenever a rank's ``report_progress`` text changes (drive a progress bar with it).
+    this returns or raises. ``on_progress(rank, text)`` is called in this process for
+    each ``report_progress`` of a rank, in order (drive a progress bar with it): every
+    one, those just before a failure too, before this returns or raises.
     ``startup``: seconds from the start until every rank has made progress once (a
     heartbeat), counted instead of ``timeout`` until then (default: ``timeout``).
     """
@@ -344,6 +353,7 @@ def launch(
     kwargs = kwargs or {}
     start = time.monotonic()
     procs, conns, slots, paths, progress, beats = [], [], [], [], [], []
+    watch = _ProgressWatch(progress, on_progress)
     with _cleanup_on_sigterm():
         scratch = _Scratch()
         try:
@@ -352,7 +362,7 @@ def launch(
             for rank in range(world_size):
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 slots.append(ctx.Array("c", 400, lock=False))
-                progress.append(ctx.Array("c", 200, lock=False))
+                progress.append(scratch.file(f"rank{rank}.progress"))
                 beats.append(ctx.Value("Q", 0, lock=False))
                 paths.append(scratch.file(f"rank{rank}.log"))
                 p = ctx.Process(
@@ -367,7 +377,6 @@ def launch(
                     scratch.watch(p.pid)
                 send_end.close()
                 conns.append(recv_end)
-            watch = _ProgressWatch(progress, on_progress)
             results = _collect(procs, conns, slots, paths, _Stall(beats, timeout, startup),
                                watch)
             results.outputs = ([_read(p) for p in paths] if capture_output
@@ -378,7 +387,10 @@ def launch(
             _stop(procs)
             for c in conns:
                 c.close()
-            scratch.close()
+            try:
+                watch()  # the reports since the last look: a failure's last steps too
+            finally:
+                scratch.close()
 
 
 def _lead_group(p) -> None:
@@ -391,21 +403,30 @@ def _lead_group(p) -> None:
 
 
 class _ProgressWatch:
-    """Calls ``on_progress`` with each rank's progress text when it changes."""
+    """Calls ``on_progress`` with each line the ranks appended to their progress files
+    (``rank.report_progress``) since the last call, in order; a line still being written
+    waits for the next call."""
 
-    def __init__(self, slots, callback):
-        self.slots, self.callback = slots, callback
-        self.seen = [""] * len(slots)
+    def __init__(self, paths: list[str], callback) -> None:
+        self.paths, self.callback = paths, callback
+        self.done: list[int] = []  # bytes of each file already handed on
         self.poll = 0.2 if callback else 1.0
 
     def __call__(self) -> None:
         if self.callback is None:
             return
-        for rank, slot in enumerate(self.slots):
-            text = get_status(slot)
-            if text != self.seen[rank]:
-                self.seen[rank] = text
-                self.callback(rank, text)
+        self.done += [0] * (len(self.paths) - len(self.done))
+        for rank, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.done[rank])
+                    new = f.read()
+            except OSError:
+                continue
+            lines = new[: new.rfind(b"\n") + 1]
+            self.done[rank] += len(lines)
+            for line in lines.split(b"\n")[:-1]:
+                self.callback(rank, line.decode(errors="replace"))
 
 
 class _Stall:
@@ -548,7 +569,10 @@ def _timeout_report(slots, waiting, stall) -> str:
 
 def _stop(procs) -> None:
     """Terminate, then kill, every rank's process group (the rank and whatever it
-    started, even after the rank itself has finished), and reap the ranks."""
+    started, even after the rank itself has finished), and reap the ranks. First, while
+    a rank still runs (and holds its orphans), what left its group is killed."""
+    # (a rank that ended is left out: reaped, its pid may be another process's now)
+    kill_strays([p.pid for p in procs if p.is_alive()])
     for p in procs:
         _signal(p, signal.SIGTERM)
     deadline = time.monotonic() + 3.0

@@ -5,10 +5,17 @@ A launched rank, before it calls the user's function:
 * dies with its parent (Linux ``PR_SET_PDEATHSIG``) and leads a process group of its
   own, so the launcher can stop the rank *and* whatever the rank started (a data-loader
   worker, a shell command) with one signal to the group: nothing outlives a run;
+* adopts its orphans (Linux ``PR_SET_CHILD_SUBREAPER``): a process below it whose parent
+  exits stays below it, so one that left the group (``setsid``,
+  ``start_new_session=True``), which the group's signal misses, is still found and
+  killed (``kill_strays``): by the rank as ``fn`` ends, by the launcher when it stops a
+  rank still running; elsewhere the group is all that is stopped;
 * writes its stdout and stderr to a log file, never to the notebook;
-* keeps two short texts in shared memory the parent can read at any time: its *status*
-  (where it is: inside or after which counted collective, shown when a run hangs) and
-  its *progress* (what ``report_progress`` said last, e.g. "step 3/50 loss 2.1");
+* keeps a short text in shared memory the parent can read at any time: its *status*
+  (where it is: inside or after which counted collective, shown when a run hangs);
+* appends its *progress* (each ``report_progress``, e.g. "step 3/50 loss 2.1") to a file
+  the parent reads as it grows: every report reaches it, the last ones before a failure
+  too, and nothing of them is kept in the rank;
 * beats a *heartbeat*, a shared counter raised whenever it makes progress (a counted
   collective finished, a training step done, a checkpoint's bytes written): the
   launcher's timeout is the time since a rank's last beat, never the run's length.
@@ -40,7 +47,7 @@ from minipar import comm
 
 # --- this process's status slots (set only inside a launched rank) ---------------------
 _STATUS_SLOT = None  # a shared char array the parent reads when a run times out
-_PROGRESS_SLOT = None  # a shared char array the parent passes to ``on_progress``
+_PROGRESS_FD = None  # the progress file, a line per report (``on_progress``'s in the parent)
 _BEAT = None  # a shared counter: raised at each sign of progress (``heartbeat``)
 OUTSIDE = "running code outside minipar's counted calls"
 
@@ -65,10 +72,14 @@ def rank_status_reporter(after: bool = False) -> Callable | None:
 def report_progress(text: str) -> None:
     """Tell the launching process how this rank is doing (e.g. "step 3/50 loss 2.1").
 
-    The parent hands it to ``launch(on_progress=...)``; a no-op outside a launched rank.
+    The parent hands every report, in order, to ``launch(on_progress=...)``, as one line
+    (line breaks become spaces), the last ones too when the rank fails right after;
+    a no-op outside a launched rank.
     """
-    if _PROGRESS_SLOT is not None:
-        set_status(_PROGRESS_SLOT, text)
+    if _PROGRESS_FD is not None:
+        data = (" ".join(text.splitlines()) + "\n").encode()
+        while data:  # (one write, appended whole, unless the disk is full)
+            data = data[os.write(_PROGRESS_FD, data):]
     heartbeat()
 
 
@@ -90,23 +101,82 @@ def get_status(slot) -> str:
 
 
 # --- the rank process ------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent exits (no orphans)."""
+PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
+
+
+def _prctl(option: int, arg: int | bytes) -> None:
+    """Linux's ``prctl`` (nothing elsewhere)."""
     if sys.platform.startswith("linux"):
         try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
         except OSError:
             pass
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no orphans)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _adopt_orphans() -> None:
+    """Ask Linux to re-parent to this process, not to init, any process below it whose
+    parent exits (a double fork, a daemon): ``kill_strays`` finds it below the rank."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _set_process_name(name: str) -> None:
     """Show ``minipar-rank3`` in ps, top and psutil, not a copy of the parent's name."""
-    if sys.platform.startswith("linux"):
+    _prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def kill_strays(ranks: list[int]) -> None:
+    """SIGKILL every process below each of ``ranks`` (pids, each its process group's
+    leader) that left the rank's group (``setsid``, ``start_new_session=True``), which
+    the signal to the group misses. Call it while the rank lives: it holds its orphans
+    (``_adopt_orphans``). Looked up in Linux's /proc until none is left (a stray may fork
+    meanwhile); elsewhere none is found."""
+    for _ in range(50):  # (about a second at most, for one that cannot die at once)
+        below = _children()
+        strays = [pid for rank in ranks for pid, group in _descendants(below, rank)
+                  if group != rank]
+        if not strays:
+            return
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # it ended meanwhile
+                pass
+        time.sleep(0.02)
+
+
+def _children() -> dict[int, list[tuple[int, int]]]:
+    """Each live process's children, as (pid, process group), from /proc: {} elsewhere."""
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return {}
+    children: dict[int, list[tuple[int, int]]] = {}
+    for pid in entries:
         try:
-            ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15])  # PR_SET_NAME
-        except OSError:
-            pass
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            # "pid (name) state ppid pgrp ...": the name may hold spaces and parentheses
+            state, ppid, group = stat[stat.rindex(b")") + 2:].split()[:3]
+        except (OSError, ValueError):  # it ended meanwhile
+            continue
+        if state not in (b"Z", b"X"):  # (a zombie is dead: its parent reaps it)
+            children.setdefault(int(ppid), []).append((pid, int(group)))
+    return children
+
+
+def _descendants(children: dict[int, list[tuple[int, int]]], pid: int) -> list[tuple[int, int]]:
+    """(pid, process group) of every process below ``pid``."""
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += [p for p, _ in below]
+    return found
 
 
 def lead_process_group() -> None:
@@ -128,13 +198,14 @@ START_SIGNALS = {s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTE
                  if s is not None}
 
 
-def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress,
+def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress_path,
           beat, out_path, threads, timeout, parent_pid, keeper_fd=None):
     """The body of rank ``rank``: set up, run ``fn``, send back its result or error.
     ``keeper_fd``: a forked rank's copy of the launcher's pipe to its keeper, closed at
     once (held open, it would hide the launcher's death from the keeper)."""
-    global _STATUS_SLOT, _PROGRESS_SLOT, _BEAT
+    global _STATUS_SLOT, _PROGRESS_FD, _BEAT
     _die_with_parent()
+    _adopt_orphans()
     lead_process_group()
     _set_process_name(f"minipar-rank{rank}")
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -158,7 +229,8 @@ def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, p
     # parent's terminal; the death report's log tail (gloo's own message) says more.
     faulthandler.disable()
     warnings.simplefilter("ignore")
-    _STATUS_SLOT, _PROGRESS_SLOT, _BEAT = slot, progress, beat
+    _STATUS_SLOT, _BEAT = slot, beat
+    _PROGRESS_FD = os.open(progress_path, os.O_WRONLY | os.O_APPEND)
     set_status(slot, "starting")
     comm.RANK_HOOKS.update(on_enter=rank_status_reporter(),
                            on_exit=rank_status_reporter(after=True))
@@ -188,6 +260,7 @@ def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, p
         tb = traceback.format_exc()
         payload = pickle.dumps(("error", (type(e).__name__, str(e), tb,
                                           get_status(slot), time.time())))
+    kill_strays([os.getpid()])  # before the parent hears of the end: none outlives it
     sys.stdout.flush()
     sys.stderr.flush()
     conn.send_bytes(payload)

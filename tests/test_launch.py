@@ -35,6 +35,7 @@ from minipar.launch import (
     RankTimeout,
     default_start_method,
     launch,
+    report_progress,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -373,6 +374,23 @@ def _finish_in_reverse_order() -> dict:
     return {"rank": rank, "t": torch.arange(rank + 1, dtype=torch.float32) * rank}
 
 
+def _report_then_fail(reports: int) -> None:
+    for i in range(reports):
+        report_progress(f"step {i}\nof {reports}")
+    raise RuntimeError("right after the last report")
+
+
+def test_every_progress_report_arrives_when_the_rank_fails_right_after():
+    """``on_progress`` gets each report of a rank in order (a line each), none skipped
+    between two looks of the launcher, the last ones too: the rank failed at once."""
+    seen = []
+    with pytest.raises(RankFailed):
+        launch(_report_then_fail, 2, args=(300,),
+               on_progress=lambda rank, text: seen.append((rank, text)))
+    for rank in (0, 1):
+        assert [t for r, t in seen if r == rank] == [f"step {i} of 300" for i in range(300)]
+
+
 def test_results_come_back_in_rank_order_with_tensors():
     res = launch(_finish_in_reverse_order, 4, timeout=60)
     assert [r["rank"] for r in res] == [0, 1, 2, 3]
@@ -425,6 +443,41 @@ def test_a_ranks_own_children_die_with_it(then, tmp_path, monkeypatch):
     except RankTimeout:
         pid = int(pidfile.read_text())
     assert _gone(pid), f"the rank's child {pid} outlived the launch ({then})"
+
+
+def _start_a_stray(then: str, how: str) -> None:
+    """A sleeper that left the rank's process group (``start_new_session=True``): the
+    rank's own child, or an orphan (its parent, a second Python, exited at once)."""
+    if how == "child":
+        pid = subprocess.Popen(["sleep", "120"], start_new_session=True).pid
+    else:
+        pid = int(subprocess.run(
+            [sys.executable, "-I", "-S", "-c", "import subprocess as s; print(s.Popen("
+             "['sleep', '120'], start_new_session=True, stdout=s.DEVNULL).pid)"],
+            stdout=subprocess.PIPE, text=True, check=True).stdout)
+    with open(os.environ["MINIPAR_TEST_PIDFILE"], "w") as f:
+        f.write(str(pid))
+    if then == "raise":
+        raise RuntimeError("failed after starting a sleeper in a session of its own")
+    time.sleep(120)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="elsewhere only the rank's process group is stopped")
+@pytest.mark.parametrize("then", ["raise", "hang"])
+@pytest.mark.parametrize("how", ["child", "orphan"])
+def test_a_process_that_left_the_ranks_group_dies_too(then, how, tmp_path, monkeypatch):
+    """A rank's descendant in a session of its own escapes the signal to the rank's
+    group; the launcher still ends it, whether the rank failed (and exited) or hung."""
+    pidfile = tmp_path / "pid"
+    monkeypatch.setenv("MINIPAR_TEST_PIDFILE", str(pidfile))
+    with pytest.raises(RankFailed if then == "raise" else RankTimeout):
+        launch(_start_a_stray, 1, args=(then, how), timeout=4)
+    pid = int(pidfile.read_text())
+    gone = _gone(pid)
+    if not gone:  # (not left to the machine's other work)
+        os.kill(pid, signal.SIGKILL)
+    assert gone, f"the rank's {how} {pid} outlived the launch ({then})"
 
 
 def _ranks_of(parent: psutil.Process) -> list[psutil.Process]:

@@ -552,31 +552,33 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_its_record(tmp_path, own_tmp,
     assert not list(own_tmp.glob("minipar-*"))
 
 
-def test_a_rank_that_fails_mid_run_leaves_the_steps_done(tmp_path, own_tmp, monkeypatch,
+def test_a_rank_that_fails_mid_run_leaves_every_step_done(tmp_path, own_tmp, monkeypatch,
                                                          capsys) -> None:
-    """Rank 1 raises in its third step (the ranks are forked: the patch reaches them):
-    one error line naming it, and the progress before it printed and written (the
-    launcher samples progress: step 2's report, and step 1's if it was seen)."""
+    """Rank 0, which reports the loss, raises as its fourth step starts (the ranks are
+    forked: the patch reaches them), right after reporting the third: one error line
+    naming it, and every step before it printed and written, its loss and rate, however
+    seldom the progress bar is updated (``--log-every 2``) and however soon the failure
+    follows."""
     from minipar import engine
 
     real = engine.train_step
 
-    def third_step_fails(cfg, rm, parts, data, step):
-        if step == 2 and rm.rank == 1:  # (after the launcher's next look at progress)
-            time.sleep(1.0)
-            raise RuntimeError("a fault in step 2")
+    def fourth_step_fails(cfg, rm, parts, data, step):
+        if step == 3 and rm.rank == 0:
+            raise RuntimeError("a fault in step 3")
         return real(cfg, rm, parts, data, step)
 
-    monkeypatch.setattr(engine, "train_step", third_step_fails)
+    monkeypatch.setattr(engine, "train_step", fourth_step_fails)
     j = tmp_path / "run.json"
-    code, out, err = _run_main(["train", "--dp", "2", "--steps", "5", "--quiet", "--json",
-                                str(j)], capsys)
-    line = _one_line(code, err, "rank 1 raised RuntimeError: a fault in step 2", want=1)
+    code, out, err = _run_main(["train", "--dp", "2", "--steps", "6", "--log-every", "2",
+                                "--quiet", "--json", str(j)], capsys)
+    line = _one_line(code, err, "rank 0 raised RuntimeError: a fault in step 3", want=1)
     assert "Traceback" not in line
     record = json.loads(j.read_text())
-    assert [s["step"] for s in record["progress"]] in ([1, 2], [2])
-    assert "a fault in step 2" in record["error"] and record["config"]["dp"] == 2
-    assert "the run reached step 2 before the failure" in out
+    assert [s["step"] for s in record["progress"]] == [1, 2, 3]
+    assert all(s["loss"] > 0 and s["tokens_per_s"] > 0 for s in record["progress"])
+    assert "a fault in step 3" in record["error"] and record["config"]["dp"] == 2
+    assert "the run reached step 3 before the failure" in out
 
 
 @pytest.mark.parametrize("after", [0.6, 1.2, 2.0])
@@ -868,7 +870,7 @@ def test_a_killed_launcher_leaves_no_rank_and_no_file(sig, tmp_path) -> None:
         started = me.children(recursive=True)  # two ranks and the keeper
         assert len(started) == 3
         assert sorted(f.name for f in tmp_path.glob("minipar-run-*/*")) == [
-            "rank0.log", "rank1.log", "store"]
+            "rank0.log", "rank0.progress", "rank1.log", "rank1.progress", "store"]
     finally:
         cli.send_signal(sig)
         cli.communicate(timeout=30)
