@@ -74,12 +74,17 @@ def report_progress(text: str) -> None:
 
     The parent hands every report, in order, to ``launch(on_progress=...)``, as one line
     (line breaks become spaces), the last ones too when the rank fails right after;
-    a no-op outside a launched rank.
+    a no-op outside a launched rank. A report that cannot be written (a full disk) is
+    dropped, and the ones after it: the run goes on, its result is the rank's return.
     """
+    global _PROGRESS_FD
     if _PROGRESS_FD is not None:
         data = (" ".join(text.splitlines()) + "\n").encode()
-        while data:  # (one write, appended whole, unless the disk is full)
-            data = data[os.write(_PROGRESS_FD, data):]
+        try:
+            while data:  # (one write, appended whole, unless the disk is full)
+                data = data[os.write(_PROGRESS_FD, data):]
+        except OSError:
+            _PROGRESS_FD = None
     heartbeat()
 
 

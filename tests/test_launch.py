@@ -578,3 +578,22 @@ def test_a_hang_outside_counted_calls_says_so():
         launch(_raw_collective_hang, 2, timeout=3)
     assert ("rank 0: running code outside minipar's counted calls (no counted collective "
             "entered yet)") in str(info.value)
+
+
+def test_a_progress_report_that_cannot_be_written_does_not_stop_the_rank(
+        monkeypatch, tmp_path) -> None:
+    """A full disk under the launch's temporary directory drops the rank's progress
+    reports (the launcher's record of a failed run then lacks them), not the run: the
+    report returns, and the ones after it are not tried."""
+    from minipar import rank
+
+    fd = os.open(tmp_path / "rank0.progress", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    monkeypatch.setattr(rank, "_PROGRESS_FD", fd)
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(rank.os, "write", full)
+    rank.report_progress("step 1/2 loss 2.0")
+    assert rank._PROGRESS_FD is None
+    rank.report_progress("step 2/2 loss 1.9")  # not tried again
+    os.close(fd)
