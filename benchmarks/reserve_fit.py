@@ -66,10 +66,12 @@ class Row:
 def layout_of(row: dict) -> tuple[str, Layout]:
     """The model and layout of a recorded row's command, as ``train`` parses it, with
     the optimizer kernel it stepped with (rows before ``--no-fused`` ran the
-    multi-tensor kernel without the flag)."""
+    multi-tensor kernel without the flag) and its blocks compiled or eager as they ran
+    (rows before ``--compile`` existed ran eager)."""
     words = row["command"].split()[3:]  # after "python -m minipar"
     cfg = train_config(build_parser().parse_args(words))
-    return cfg.model, cfg.layout("cuda").with_(optimizer_kernel=row["optimizer_kernel"])
+    return cfg.model, cfg.layout("cuda").with_(optimizer_kernel=row["optimizer_kernel"],
+                                               compiled=bool(row.get("compiled")))
 
 
 def _held_module_outputs(path: Path, row: dict) -> bool:

@@ -204,18 +204,21 @@ class TrainConfig:
         kernel on ``device`` ("cuda" or "cpu"; default: the run's, ``optimizer_kernel``,
         ``use_compile``)."""
         on_cuda = uses_cuda(self) if device is None else device == "cuda"
-        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep,
-                      zero=self.zero, microbatch_size=max(1, self.batch_size
-                                                          // (self.dp * self.microbatches)),
-                      microbatches=self.microbatches, schedule=self.schedule,
-                      virtual=self.virtual, head_layers=self.head_layers, sp=self.sp,
-                      recompute=self.recompute, recompute_layers=self.recompute_layers,
-                      recompute_rest=self.recompute_rest,
-                      offload=self.offload, dtype=self.dtype, optimizer=self.optimizer,
-                      grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order,
-                      separate_reduce_group=self.separate_reduce_group,
-                      chunked_loss=self.chunked_loss, compiled=use_compile(self, on_cuda),
-                      optimizer_kernel=optimizer_kernel(self, on_cuda))
+        layout = Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep,
+                        zero=self.zero,
+                        microbatch_size=max(1, self.batch_size // (self.dp * self.microbatches)),
+                        microbatches=self.microbatches, schedule=self.schedule,
+                        virtual=self.virtual, head_layers=self.head_layers, sp=self.sp,
+                        recompute=self.recompute, recompute_layers=self.recompute_layers,
+                        recompute_rest=self.recompute_rest,
+                        offload=self.offload, dtype=self.dtype, optimizer=self.optimizer,
+                        grad_dtype=self.grad_dtype, fp8=self.fp8, order=self.order,
+                        separate_reduce_group=self.separate_reduce_group,
+                        chunked_loss=self.chunked_loss,
+                        optimizer_kernel=optimizer_kernel(self, on_cuda))
+        compiled = self.compile if self.compile is not None else (
+            on_cuda and layout.compiled_by_default(self.dropout))
+        return layout.with_(compiled=compiled)
 
     def model_config(self) -> GPTConfig:
         """The preset (``init_from``: the directory's sizes), with ``overrides``, the size
@@ -380,19 +383,9 @@ def _check_recompute(cfg: TrainConfig) -> None:
 
 def use_compile(cfg: TrainConfig, on_cuda: bool | None = None) -> bool:
     """Whether the blocks run compiled (on CUDA devices when ``on_cuda``, default: the
-    run's own): ``--compile`` / ``--no-compile``, else on CUDA devices where compilation
-    applies (no dropout, whose per-step mask keys would recompile every step; not the
-    zero-bubble schedule, whose split weight gradient runs at pp = 1 too; not cheap
-    recomputation, which notes outputs as the block runs) and has paid on a GPU: data
-    parallelism alone. Under a pipeline compiled blocks stepped slower than eager ones: a
-    compiled block, split into several graphs at its fused linears, costs the host more
-    per call than the eager block, and a stage that waits on its neighbours waits on its
-    host too (docs/benchmarks.md); tp, cp and pipeline blocks compile when asked."""
-    if cfg.compile is not None:
-        return cfg.compile
-    on_cuda = uses_cuda(cfg) if on_cuda is None else on_cuda
-    return (on_cuda and not cfg.dropout and cfg.schedule not in SPLIT_BACKWARD and cfg.pp == 1
-            and cfg.tp == 1 and cfg.cp == 1 and not cheap_recompute(cfg))
+    run's own): ``--compile`` / ``--no-compile``, else on CUDA devices where the layout
+    compiles by default (``Layout.compiled_by_default``)."""
+    return cfg.layout(None if on_cuda is None else "cuda" if on_cuda else "cpu").compiled
 
 
 def cheap_recompute(cfg: TrainConfig) -> bool:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from minipar.parallel.schedules import SPLIT_BACKWARD
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -48,7 +50,9 @@ class Layout:
     separate_reduce_group: bool = False
     fp8: str | None = None  # the blocks' linears in float8: rowwise or tensorwise
     chunked_loss: bool = False  # the loss keeps no fp32 logits (``parallel/chunked_loss``)
-    compiled: bool = False  # blocks through torch.compile (``parallel/compile.py``)
+    # blocks through torch.compile (``parallel/compile.py``); None: not said, as ``train``
+    # has it by default (``compiled_by_default``), priced as eager blocks
+    compiled: bool | None = None
     order: str = "megatron"  # how ranks map to mesh coordinates (``minipar.mesh``)
 
     @property
@@ -60,6 +64,21 @@ class Layout:
     def global_batch(self) -> int:
         """Sequences per step: dp x micro-batch size x micro-batches."""
         return self.dp * self.microbatch_size * self.microbatches
+
+    def compiled_by_default(self, dropout: float = 0.0) -> bool:
+        """Whether a run of this layout on CUDA compiles its blocks when it says neither
+        ``--compile`` nor ``--no-compile``: where compilation applies (no dropout, whose
+        per-step mask keys would recompile every step; not the zero-bubble schedules,
+        whose split weight gradient runs at pp = 1 too; not cheap recomputation, which
+        notes outputs as the block runs) and has paid on a GPU: data parallelism alone.
+        Under a pipeline compiled blocks stepped slower than eager ones: a compiled block,
+        split into several graphs at its fused linears, costs the host more per call than
+        the eager block, and a stage that waits on its neighbours waits on its host too
+        (docs/benchmarks.md; ``planner.HOST_COMPILED_FACTOR``); tp, cp and pipeline blocks
+        compile when asked (``parallel/compile.py``)."""
+        return (not dropout and self.schedule not in SPLIT_BACKWARD
+                and self.pp == self.tp == self.cp == 1
+                and "cheap" not in (self.recompute, self.recompute_rest))
 
     def with_(self, **changes) -> Layout:
         return replace(self, **changes)
@@ -117,6 +136,8 @@ class Layout:
         flags += ["--fp8", self.fp8] if self.fp8 else []
         flags += ["--chunked-loss"] if self.chunked_loss else []
         flags += ["--separate-reduce-group"] if self.separate_reduce_group else []
+        if self.compiled is not None and self.compiled != self.compiled_by_default():
+            flags += ["--compile" if self.compiled else "--no-compile"]  # (a CPU: eager)
         return flags + ["--dtype", self.dtype]
 
     def command(self, model: str, backend: str = "nccl") -> str:

@@ -64,7 +64,7 @@ from functools import cache, lru_cache
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
-from minipar.parallel.schedules import VIRTUAL_STAGES, check_schedule
+from minipar.parallel.schedules import SPLIT_BACKWARD, VIRTUAL_STAGES, check_schedule
 from minipar.theory.bubble import partition_layers, pipeline_seconds
 from minipar.theory.card import MEMORY_MARGIN, card_peak, host_fit
 from minipar.theory.clusters import Cluster, get_cluster
@@ -115,12 +115,24 @@ TIE_SHARE = 0.05
 # The first layouts of a plan found exactly, partial recomputation's included (the plan
 # command and the dashboards show at most this many).
 EXACT_TOP = 20
-# What a layer pass costs the host beyond a data-parallel one, in ``host_s_per_layer``s:
-# tp's collectives and split kernels, sp's extra gathers and scatters, cp's ring. Fitted
-# to the host-bound rows of benchmarks/results/card-memory-* (gpt-1.3b tp 4 with and
-# without sp, gpt-6.7b tp 4, gpt-1.3b dp 2 cp 2) and the calibration's isolated tp
-# block with and without sp (docs/benchmarks.md, `planner.HOST_LAYER_EXTRA`).
-HOST_LAYER_EXTRA = {"tp": 0.47, "sp": 0.7, "cp": 1.5}
+# What a layer pass costs the host beyond an eager data-parallel one, in
+# ``host_s_per_layer``s: tp's collectives and split kernels, sp's extra gathers and
+# scatters, cp's ring (fitted to the host-bound rows of benchmarks/results/card-memory-*:
+# gpt-1.3b tp 4 with and without sp, gpt-6.7b tp 4, gpt-1.3b dp 2 cp 2, and the
+# calibration's isolated tp block with and without sp); a zero-bubble schedule's weight
+# gradients, launched apart from the input gradients ("split"); the forward run again for
+# a recomputed block ("full", times the share recomputed) or attention's core again
+# ("selective", eager blocks). The last three are the ratios measured on one H100's host
+# (host-bound blocks, eager), scaled as far down as the recorded four-GPU rows need:
+# their base pass, fitted to data-parallel rows, is the heavier one (docs/benchmarks.md,
+# `planner.HOST_LAYER_EXTRA`).
+HOST_LAYER_EXTRA = {"tp": 0.47, "sp": 0.7, "cp": 1.5, "split": 0.3, "full": 0.6,
+                    "selective": 0.3}
+# A compiled block costs the host this many eager blocks' launches: its graphs (split at
+# the fused linears) each check their guards and run an autograd node of their own.
+# The low end of what one H100's host measured, which the recorded four-GPU compiled
+# rows bound (docs/benchmarks.md, `planner.HOST_COMPILED_FACTOR`).
+HOST_COMPILED_FACTOR = 1.5
 
 
 @dataclass
@@ -297,7 +309,8 @@ def zero3_local_seconds(n_params: int, microbatches: int, cluster: Cluster) -> f
 def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout, busy: float = 0.0) -> float:
     """The least a step takes when the host launches every kernel: each chunk's layers at
     the host's measured seconds per layer, more with tensor parallelism's, sp's and cp's
-    extra launches (``HOST_LAYER_EXTRA``), run through the schedule like the GPU's work
+    extra launches, a split backward's and recomputation's (``HOST_LAYER_EXTRA``), and
+    compiled blocks' (``HOST_COMPILED_FACTOR``), run through the schedule like the GPU's work
     (a pipeline's stages wait for each other's launches as for their kernels: with one
     micro-batch, pp stages launch one after another); 0 where the host was not measured.
     A collective waits for every rank's host only while the host is behind the GPU: the
@@ -308,9 +321,14 @@ def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout, busy: float =
     if not cluster.host_s_per_layer:
         return 0.0
     extra = HOST_LAYER_EXTRA
+    # (compiled, selective recomputation runs inside the block's graphs: no launch more)
+    redone = {"full": recomputed_share(cfg, layout),
+              "selective": float(not layout.compiled)}.get(layout.recompute, 0.0) * extra.get(
+        layout.recompute, 0.0)
     per_layer = cluster.host_s_per_layer * (
         1.0 + (layout.tp > 1) * extra["tp"] + layout.sp * extra["sp"]
-        + (layout.cp > 1) * extra["cp"])
+        + (layout.cp > 1) * extra["cp"] + (layout.schedule in SPLIT_BACKWARD) * extra["split"]
+        + redone) * (HOST_COMPILED_FACTOR if layout.compiled else 1.0)
     chunks = tuple(len(layers) * per_layer for layers in partition_layers(
         cfg.n_layer, layout.pp * layout.virtual, layout.head_layers))
     pp, m = layout.pp, layout.microbatches
@@ -516,6 +534,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                              optimizer_kernel=optimizer_kernel, order=order,
                                              separate_reduce_group=separate_reduce_group
                                              and zero == 3 and dp * cp > 1)
+                                lay = as_run(lay)
                                 est = _priced(cfg, cluster, lay, offload, settings)
                                 if rc == "none":
                                     kept = est
@@ -543,17 +562,29 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
 
 
 
+def as_run(layout: Layout) -> Layout:
+    """``layout`` as ``train`` runs the command ``plan`` prints for it on a GPU: its blocks
+    compiled where that is the default (``Layout.compiled_by_default``)."""
+    return layout.with_(compiled=layout.compiled_by_default())
+
+
 def _priced(cfg: GPTConfig, cluster: Cluster, layout: Layout, offload: bool,
             settings: dict) -> Estimate:
     """``layout`` priced, the memory first: one that recomputes something and does not fit
     is not priced (``fits`` False, its memory only). One recomputing nothing always is:
     partial recomputation interpolates from its step. Under ``offload`` every layout is
-    priced, since the plan retries what does not fit with ZeRO-Offload."""
+    priced, since the plan retries what does not fit with ZeRO-Offload. Where the host
+    sets a compiled layout's step, its eager twin (``--no-compile``) launches less and is
+    priced instead."""
     if layout.recompute != "none" and not offload:
         memory, fits = card_fit(cfg, cluster, layout, **settings)
         if not fits:
             return Estimate(layout, memory=memory, fits=False)
-    return evaluate(cfg, cluster, layout, **settings)
+    est = evaluate(cfg, cluster, layout, **settings)
+    if layout.compiled and est.time["host"] > 0:
+        eager = evaluate(cfg, cluster, layout.with_(compiled=False), **settings)
+        est = eager if eager.step_time < est.step_time else est
+    return est
 
 
 def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
@@ -575,7 +606,7 @@ def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
         n = fewest_recomputed(cfg, cluster, full.layout.with_(recompute_rest=rest), settings)
         if n is None:
             continue
-        lay = full.layout.with_(recompute_layers=n, recompute_rest=rest)
+        lay = as_run(full.layout.with_(recompute_layers=n, recompute_rest=rest))
         guess = kept.step_time + (full.step_time - kept.step_time) * recomputed_share(cfg, lay)
         if len(steps) >= EXACT_TOP and guess > steps[EXACT_TOP - 1] * (1 + TIE_SHARE):
             continue
@@ -611,7 +642,7 @@ def _idle_recomputation(layouts: list[Estimate]) -> list[Estimate]:
     score matrix, so recomputing attention frees nothing and costs its time."""
     def without_recompute(est: Estimate) -> Layout:
         return est.layout.with_(recompute="none", recompute_layers=None,
-                                recompute_rest="none", head_layers=0)
+                                recompute_rest="none", head_layers=0, compiled=False)
     same: dict[Layout, list[Estimate]] = {}
     for est in layouts:
         same.setdefault(without_recompute(est), []).append(est)
