@@ -116,8 +116,9 @@ def _cmd_train(args) -> int:
     checks.distinct({"json": args.json, "trace": cfg.trace, "save": cfg.save},
                     {"data": cfg.data, "resume": cfg.resume})
     checks.not_inside({"json": args.json}, "save", cfg.save, checkpoint.SAVE_NAMES)
-    note = checks.oversubscription(cfg.world_size)
-    if note:
+    notes = [checks.oversubscription(cfg.world_size)] + (
+        checkpoint.resume_notes(cfg.resume, cfg) if cfg.resume else [])
+    for note in filter(None, notes):
         print(f"minipar train: note: {note}", file=sys.stderr)
     bar = tqdm(total=cfg.steps, desc="train", disable=args.quiet, leave=False)
     peak, model_cfg = _peak_flops(cfg), cfg.model_config()

@@ -456,6 +456,16 @@ def check_resume(directory: str, cfg) -> None:
                               f"run ends at step {end}: nothing to train; raise --steps")
 
 
+def resume_notes(directory: str, cfg) -> list[str]:
+    """What resuming ``directory`` with ``cfg`` changes that it may not mean to, a line
+    each: another optimizer, whose states (none of the saved ones) start fresh."""
+    saved = inspect(directory)["config"].get("optimizer", cfg.optimizer)
+    if saved == cfg.optimizer:
+        return []
+    return [f"--resume {directory} was trained with --optimizer {saved}: {cfg.optimizer}'s "
+            "states start fresh (the weights and the step count carry over)"]
+
+
 def _shape(m) -> str:
     moe = (f", {m.n_expert} experts (moe_every {m.moe_every}, expert_d_ff {m.expert_d_ff})"
            if m.n_expert else "")

@@ -31,6 +31,22 @@ def saved(tmp_path_factory) -> tuple[str, list[float]]:
     return d, full
 
 
+def test_resuming_with_another_optimizer_is_noted(saved, capsys) -> None:
+    """Plain SGD from an AdamW checkpoint is allowed (a fine-tune may want it), and says
+    in one line that the new optimizer's states start fresh; the same optimizer says
+    nothing."""
+    from minipar.__main__ import main
+
+    d, _ = saved
+    layout = dict(dp=2, pp=2, tp=2, microbatches=2, resume=d, steps=STEPS)
+    assert checkpoint.resume_notes(d, TrainConfig(**layout)) == []
+    note, = checkpoint.resume_notes(d, TrainConfig(optimizer="sgd", **layout))
+    assert "--optimizer adamw: sgd's states start fresh" in note
+    assert main(["train", "--resume", d, "--steps", str(HALF + 1), "--dp", "2", "--pp", "2",
+                 "--tp", "2", "--microbatches", "2", "--optimizer", "sgd", "--quiet"]) == 0
+    assert "note: --resume" in capsys.readouterr().err
+
+
 def test_resume_is_bitwise_identical(saved) -> None:
     d, full = saved
     resumed = run(dp=2, pp=2, tp=2, microbatches=2, resume=d)
