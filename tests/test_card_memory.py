@@ -374,14 +374,22 @@ def test_the_covering_rows_are_listed_with_their_kernel_and_prediction(tmp_path)
     assert "zero=3 b=4 m=1 recompute=full" in planner  # 80 GB card's runs are wanted
 
 
-def test_a_dry_run_records_the_kernel_and_the_prediction(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> Path:
+    """One covering row run on CPU ranks (gloo, 2 ranks, tiny), as the lead runs it: the
+    folder of its ``card_memory.json`` (the next test reads it, the one after reruns it)."""
+    out = tmp_path_factory.mktemp("real")
+    _card_memory("--out", str(out), "--device", "cpu", "--gpus", "2", "--models",
+                 "tiny", "--sections", "covering", "--match", "pp=2 .*1f1b", "--steps", "2",
+                 "--budget-s", "200", timeout=260)
+    return out
+
+
+def test_a_dry_run_records_the_kernel_and_the_prediction(dry_run) -> None:
     """On CPU ranks (gloo, 2 ranks, tiny): one covering row runs, and its record says
     the kernel torch stepped with (one tensor at a time, the CPU default), eager, and
     each rank's predicted peak beside its measurements."""
-    _card_memory("--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--models",
-                 "tiny", "--sections", "covering", "--match", "pp=2 .*1f1b", "--steps", "2",
-                 "--budget-s", "200", timeout=260)
-    report = json.loads((tmp_path / "card_memory.json").read_text())
+    report = json.loads((dry_run / "card_memory.json").read_text())
     [row] = [r for r in report["rows"] if r["status"] != "invalid"]
     assert row["status"] == "ok", row
     assert (row["optimizer_kernel"], row["compiled"]) == ("fused", False)
@@ -389,18 +397,14 @@ def test_a_dry_run_records_the_kernel_and_the_prediction(tmp_path) -> None:
     assert all(r["predicted_peak_bytes"] > 0 for r in row["ranks"])
 
 
-def test_a_dry_run_rehearses_a_recorded_files_commands(tmp_path) -> None:
+def test_a_dry_run_rehearses_a_recorded_files_commands(dry_run, tmp_path) -> None:
     """``--rehearse --rerun FILE`` on the CPU: the finished row of the dry run above is
     rehearsed rank by rank (each pipeline stage's first rank alone), with the kernel and
     compilation it ran with made explicit; the row says it was rehearsed, and each rank
     carries the memory model's prediction and its compute-only step."""
-    first = tmp_path / "real"
-    _card_memory("--out", str(first), "--device", "cpu", "--gpus", "2", "--models", "tiny",
-                 "--sections", "covering", "--match", "pp=2 .*1f1b", "--steps", "2",
-                 "--budget-s", "200", timeout=260)
     again = tmp_path / "rehearsed"
     _card_memory("--out", str(again), "--device", "cpu", "--gpus", "2", "--rehearse",
-                 "--rerun", str(first / "card_memory.json"), "--steps", "2", timeout=260)
+                 "--rerun", str(dry_run / "card_memory.json"), "--steps", "2", timeout=260)
     [row] = json.loads((again / "card_memory.json").read_text())["rows"]
     assert row["status"] == "ok" and row["rehearsed"], row
     assert row["command"].startswith("python -m minipar rehearse ")
