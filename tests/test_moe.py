@@ -558,7 +558,7 @@ def test_planner_places_a_long_moe_sequence_with_cp_and_sp(tmp_path, monkeypatch
         validate(cfg)
         # the planner's Adam is the train default AdamW: the same states
         assert (want.optimizer, cfg.optimizer) == ("adam", "adamw")
-        assert cfg.layout() == want.with_(optimizer="adamw")
+        assert cfg.layout("cuda") == want.with_(optimizer="adamw")  # (as on the GPUs planned)
         assert cfg.model_config() == long
 
 
