@@ -321,10 +321,14 @@ def host_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout, busy: float =
     if not cluster.host_s_per_layer:
         return 0.0
     extra = HOST_LAYER_EXTRA
-    # (compiled, selective recomputation runs inside the block's graphs: no launch more)
-    redone = {"full": recomputed_share(cfg, layout),
-              "selective": float(not layout.compiled)}.get(layout.recompute, 0.0) * extra.get(
-        layout.recompute, 0.0)
+    # recomputation's launches: the forward again for each recomputed block, or attention's
+    # core again (selective; a compiled block runs it inside its graphs: no launch more)
+    if layout.recompute == "full":
+        redone = extra["full"] * recomputed_share(cfg, layout)
+    elif layout.recompute == "selective" and not layout.compiled:
+        redone = extra["selective"]
+    else:
+        redone = 0.0
     per_layer = cluster.host_s_per_layer * (
         1.0 + (layout.tp > 1) * extra["tp"] + layout.sp * extra["sp"]
         + (layout.cp > 1) * extra["cp"] + (layout.schedule in SPLIT_BACKWARD) * extra["split"]
