@@ -381,11 +381,10 @@ def _check_recompute(cfg: TrainConfig) -> None:
                          "(which blocks to recompute, and how)")
 
 
-def use_compile(cfg: TrainConfig, on_cuda: bool | None = None) -> bool:
-    """Whether the blocks run compiled (on CUDA devices when ``on_cuda``, default: the
-    run's own): ``--compile`` / ``--no-compile``, else on CUDA devices where the layout
-    compiles by default (``Layout.compiled_by_default``)."""
-    return cfg.layout(None if on_cuda is None else "cuda" if on_cuda else "cpu").compiled
+def use_compile(cfg: TrainConfig) -> bool:
+    """Whether the run's blocks run compiled: ``--compile`` / ``--no-compile``, else on
+    CUDA devices where the layout compiles by default (``Layout.compiled_by_default``)."""
+    return cfg.layout().compiled
 
 
 def cheap_recompute(cfg: TrainConfig) -> bool:

@@ -29,11 +29,11 @@ their results (rank order). What makes it safe for a room of laptops:
   kernel interrupt stops the children.
 * **No orphans, no litter.** Each rank leads a process group; on every exit path the
   groups are terminated, then killed, so a rank's own children go with it. On Linux a
-  process that left its rank's group (``setsid``, ``start_new_session=True``) goes too:
-  each rank adopts the orphans below it, and whatever left the group is killed as the
-  rank's ``fn`` ends, or, for a rank still running, before its group is stopped
-  (``rank.kill_strays``). The store, the rank logs and their progress files live in
-  one temporary directory, removed on every exit path (a SIGTERM or SIGHUP included).
+  process that left its rank's group (``setsid``) goes too: each rank adopts the
+  orphans below it, and whatever left the group is killed as the rank's ``fn`` ends,
+  or, for a rank still running, before its group is stopped (``rank.kill_strays``).
+  The store, the rank logs and their progress files live in one temporary directory,
+  removed on every exit path (a SIGTERM or SIGHUP included).
   Even ``kill -9`` of the launcher leaves no rank and no file (only what left a rank's
   group, which nothing alive then knows of): each rank asks the kernel to kill it with
   its parent (Linux ``PR_SET_PDEATHSIG``), and a *keeper*, a tiny process started first

@@ -6,10 +6,10 @@ A launched rank, before it calls the user's function:
   own, so the launcher can stop the rank *and* whatever the rank started (a data-loader
   worker, a shell command) with one signal to the group: nothing outlives a run;
 * adopts its orphans (Linux ``PR_SET_CHILD_SUBREAPER``): a process below it whose parent
-  exits stays below it, so one that left the group (``setsid``,
-  ``start_new_session=True``), which the group's signal misses, is still found and
-  killed (``kill_strays``): by the rank as ``fn`` ends, by the launcher when it stops a
-  rank still running; elsewhere the group is all that is stopped;
+  exits stays below it, so one that left the group (``setsid``), which the group's
+  signal misses, is still found and killed (``kill_strays``): by the rank as ``fn``
+  ends, by the launcher when it stops a rank still running; elsewhere the group is all
+  that is stopped;
 * writes its stdout and stderr to a log file, never to the notebook;
 * keeps a short text in shared memory the parent can read at any time: its *status*
   (where it is: inside or after which counted collective, shown when a run hangs);
@@ -136,10 +136,10 @@ def _set_process_name(name: str) -> None:
 
 def kill_strays(ranks: list[int]) -> None:
     """SIGKILL every process below each of ``ranks`` (pids, each its process group's
-    leader) that left the rank's group (``setsid``, ``start_new_session=True``), which
-    the signal to the group misses. Call it while the rank lives: it holds its orphans
-    (``_adopt_orphans``). Looked up in Linux's /proc until none is left (a stray may fork
-    meanwhile); elsewhere none is found."""
+    leader) that left the rank's group (``setsid``), which the signal to the group
+    misses. Call it while the rank lives: it holds its orphans (``_adopt_orphans``).
+    Looked up in Linux's /proc until none is left (a stray may fork meanwhile);
+    elsewhere none is found."""
     for _ in range(50):  # (about a second at most, for one that cannot die at once)
         below = _children()
         strays = [pid for rank in ranks for pid, group in _descendants(below, rank)
