@@ -696,12 +696,16 @@ def optimizer_kwargs(cfg: TrainConfig, host: bool = False) -> dict:
 # same size (nanoGPT does the same). gpt-1t has no published run: 175B's rate. gpt-10m
 # takes nanoGPT's recipe for its character-level baby GPT of the same size
 # (config/train_shakespeare_char.py: 1e-3, 100 warm-up iterations of 64 x 256 tokens,
-# decay to a tenth). Presets not listed (tiny, small, the MoE ones) keep the small
-# models' 3e-3 and 5 steps.
+# decay to a tenth). moe-1.3b takes DeepSpeed-MoE's rate for its 1.3B+MoE-128
+# (Rajbhandari et al. 2022, arXiv 2201.05596; Megatron-DeepSpeed's
+# ds_pretrain_gpt_1.3B_MoE128.sh: 1.2e-4, below the dense base's 2e-4, which they found
+# less stable with experts) and GPT-3's warm-up. Presets not listed (tiny, small,
+# moe-tiny) keep the small models' 3e-3 and 5 steps.
 RECIPES: dict[str, tuple[float, float]] = {
     "gpt-10m": (1.0e-3, 100 * 64 * 256),
     "gpt2-125m": (6.0e-4, 375e6), "gpt2-350m": (3.0e-4, 375e6),
-    "gpt-1.3b": (2.0e-4, 375e6), "gpt-6.7b": (1.2e-4, 375e6), "gpt-13b": (1.0e-4, 375e6),
+    "gpt-1.3b": (2.0e-4, 375e6), "moe-1.3b": (1.2e-4, 375e6),
+    "gpt-6.7b": (1.2e-4, 375e6), "gpt-13b": (1.0e-4, 375e6),
     "gpt3-175b": (0.6e-4, 375e6), "gpt-1t": (0.6e-4, 375e6),
 }
 SMALL_MODEL_LR, SMALL_MODEL_WARMUP = 3e-3, 5
