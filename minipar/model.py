@@ -18,8 +18,7 @@ With ``n_expert > 0`` every ``moe_every``-th block's MLP is a mixture of experts
 (``MoE``: a router and E expert MLPs, GShard / Switch Transformer).
 Every part a technique may replace is a submodule (``attn.core``, ``loss_fn``, each
 dropout), and dropout masks are keyed by position in the global batch
-(``KeyedDropout``), so every layout draws the same masks as this one device. One file
-past 600 lines: the reference is read whole, the MoE layer with the blocks it replaces.
+(``KeyedDropout``), so every layout draws the same masks as this one device.
 """
 
 from __future__ import annotations

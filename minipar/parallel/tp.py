@@ -15,8 +15,7 @@ and routes it whole (``SequenceParallelMoE``).
 The plan (``tensor_parallel_plan``) maps module-name patterns to styles named and meant
 as torch's; ``parallelize_module`` swaps each matching submodule of a single-device
 ``GPT`` for its parallel version. The plan is the one statement of how a parameter is
-split (``tp_split``): checkpoints and sharded initialisation read it. One file past 600
-lines: TP and SP share every layer, and the plan is the only way either is applied.
+split (``tp_split``): checkpoints and sharded initialisation read it.
 """
 
 from __future__ import annotations
