@@ -393,6 +393,10 @@ MESSAGE_MUTANTS = {
     "ddp_world_size": (
         "ddp_buckets", "flat = self.flat[i] / self.comm.size", "flat = self.flat[i]",
         ["your gradients are exactly 2.0x the whole-batch gradient = world size (2)"]),
+    "ddp_divided_twice": (
+        "ddp_buckets", "        self.flat[i] = flat\n",
+        "        self.flat[i] = flat = flat / self.comm.size\n",
+        ["your gradients are exactly 0.5x the whole-batch gradient = 1 / world size (2)"]),
     "ddp_launch_when_full": (
         "ddp_buckets",
         "        while (self.next_to_launch < len(self.buckets)\n"
@@ -470,6 +474,30 @@ def test_checker_shows_expected_against_got(mutant: str, tmp_path, monkeypatch) 
     assert text.startswith(f"FAIL  {name}: "), text
     for word in words:
         assert word in text, f"{word!r} missing from the report:\n{text}"
+
+
+# --- other correct answers pass (a check tests the contract, not the reference's way) -
+CORRECT_VARIANTS = {
+    # name: (exercise, [(text in its solution, replacement), ...])
+    "ddp_divides_before_the_all_reduce": (
+        "ddp_buckets", [("        self.flat[i] = flat\n",
+                         "        flat = flat / self.comm.size\n        self.flat[i] = flat\n"),
+                        ("            flat = self.flat[i] / self.comm.size\n",
+                         "            flat = self.flat[i]\n")]),
+}
+
+
+@pytest.mark.parametrize("variant", list(CORRECT_VARIANTS))
+def test_checker_passes_other_correct_answers(variant: str, tmp_path, monkeypatch) -> None:
+    name, edits = CORRECT_VARIANTS[variant]
+    source = (ROOT / "solutions" / f"{name}.py").read_text()
+    for old, new in edits:
+        assert source.count(old) == 1, f"variant {variant} no longer matches the solution"
+        source = source.replace(old, new)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = _package(tmp_path, f"ok_{variant}", {f"{name}.py": source})
+    result = run_one(name, impl=pkg, timeout=20)
+    assert result.passed, str(result)
 
 
 # --- the design puzzles are solvable, and the instruments say so -------------------
