@@ -409,6 +409,11 @@ MESSAGE_MUTANTS = {
         "            self._launch(b)\n"
         "            self.next_to_launch = max(self.next_to_launch, b + 1)\n",
         ["expected all-reduces of buckets [0, 1, 2], got [1, 0, 2]"]),
+    "mesh_rank_reversed": (
+        "mesh_coords", "    for name in ORDERS[order]:\n        r = r * sizes",
+        "    for name in reversed(ORDERS[order]):\n        r = r * sizes",
+        ["rank((0, 0, 1)) for dp=1, pp=2, tp=2, order='megatron' is 2; expected 1",
+         "rank must undo coords"]),
     "merge_averages": (
         "attention_merge", "    return w_a * out_a + w_b * out_b, lse\n",
         "    return (out_a + out_b) / 2, lse\n",
