@@ -237,6 +237,11 @@ RING_MUTANTS = {
     "deadlock": ("exchange(comm, chunks[send_i], right, incoming, left)",
                  "comm.recv(incoming, left); comm.send(chunks[send_i], right)",
                  ["FAIL", "hung", "recv on world"]),
+    "forgets_the_wait": ("    pending = comm.isend(send, dst)\n    comm.recv(recv, src)\n"
+                         "    pending.wait()\n",
+                         "    comm.isend(send, dst)\n    comm.irecv(recv, src)\n",
+                         ["FAIL", "ring_reduce_scatter on 2 ranks", "never waited for",
+                          "(the first: send on world with rank 1", "call .wait()"]),
     "wrong_send_index": ("send_i, recv_i = (rank - step) % n, (rank - step - 1) % n",
                          "send_i, recv_i = (rank + step) % n, (rank - step - 1) % n",
                          ["FAIL", "on 3 ranks", "not the full sum", "hint:"]),
@@ -393,6 +398,10 @@ MESSAGE_MUTANTS = {
     "ddp_world_size": (
         "ddp_buckets", "flat = self.flat[i] / self.comm.size", "flat = self.flat[i]",
         ["your gradients are exactly 2.0x the whole-batch gradient = world size (2)"]),
+    "ddp_forgets_the_wait": (
+        "ddp_buckets", "            self.pending[i].wait()\n", "",
+        ["finish_gradient_sync returned on rank 0 with overlap=True, step 0 with",
+         "all-reduces never waited for", "call .wait() on each bucket's Pending"]),
     "ddp_divided_twice": (
         "ddp_buckets", "        self.flat[i] = flat\n",
         "        self.flat[i] = flat = flat / self.comm.size\n",

@@ -10,6 +10,7 @@ order, and whether they started before ``backward()`` returned (overlap).
 from __future__ import annotations
 
 import importlib
+import math
 import time
 
 import torch
@@ -156,6 +157,7 @@ def _rank_cases(impl: str, overlap: bool) -> dict:
             "numels": [r.nbytes // 4 for r in records if r.op == "all_reduce"],
             "bucket_numels": bucket_numels,
             "early": sum(1 for r in records if r.start <= backward_end),
+            "unwaited": sum(1 for r in records if math.isnan(r.end)),
         })
         with torch.no_grad():  # a step, so the weights of step 2 differ from step 1
             for p, q in zip(model.parameters(), ref.parameters()):
@@ -178,6 +180,12 @@ def _judge(rank: int, overlap: bool, f: dict) -> None:
                  f"= 1 / world size ({WORLD}), divided once too often: "
                  if abs(ratio - 1 / WORLD) < 1e-3 else
                  f"your gradient norm is {ratio:.3g}x the whole-batch gradient's; ")
+        expect(not s["unwaited"],
+               f"finish_gradient_sync returned {at} with {s['unwaited']} of "
+               f"{len(s['numels'])} all-reduces never waited for: their buckets may not "
+               "hold the sum yet",
+               "comm.all_reduce(..., async_op=True) returns at once: call .wait() on "
+               "each bucket's Pending before reading its flat tensor")
         expect(s["worst"] < TOL,
                f"{scale}gradients differ from the whole-batch gradient by up to "
                f"{s['worst']:.3g} {at}",
