@@ -406,6 +406,11 @@ MESSAGE_MUTANTS = {
         "ddp_buckets", "        self.flat[i] = flat\n",
         "        self.flat[i] = flat = flat / self.comm.size\n",
         ["your gradients are exactly 0.5x the whole-batch gradient = 1 / world size (2)"]),
+    "zero1_world_size": (
+        "zero1", "self.comm.reduce_scatter(grads) / self.comm.size",
+        "self.comm.reduce_scatter(grads)",
+        ["step 0 on 2 ranks, rank 0: the gradient your optimizer stepped on",
+         "exactly 2.0x the mean gradient's = world size (2)", "divide the reduce-scattered"]),
     "ddp_launch_when_full": (
         "ddp_buckets",
         "        while (self.next_to_launch < len(self.buckets)\n"
