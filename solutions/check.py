@@ -186,9 +186,12 @@ def _classify(name: str, impl: str, exc: BaseException) -> CheckResult:
             return _todo(name, m.group(3))
         where = _where_in_learner_code(str(exc), impl)
         first = str(exc).splitlines()[0]
+        source = ("the error came from the line named above" if where else
+                  "the error was raised outside your file, by the code (torch's or the "
+                  "check's) that your functions or what they returned were handed to")
         return CheckResult(name, "fail", f"{first}{where}",
-                           f"the error came from the line named above; "
-                           f"check({name!r}, raise_errors=True) shows the full traceback")
+                           f"{source}; check({name!r}, raise_errors=True) shows the full "
+                           "traceback")
     if isinstance(exc, LaunchError) and "data size doesn't match" in str(exc):
         sizes = re.search(r"(\d+) vs (\d+)", str(exc))
         got = f" ({sizes.group(1)} bytes arrived for a {sizes.group(2)}-byte buffer)" \
@@ -203,9 +206,13 @@ def _classify(name: str, impl: str, exc: BaseException) -> CheckResult:
                            "a rank died without reporting: look for os._exit, sys.exit "
                            "or running out of memory")
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return CheckResult(name, "fail",
-                       f"{type(exc).__name__}: {exc}{_where_in_learner_code(tb, impl)}",
-                       "the exception came from the line named above")
+    where = _where_in_learner_code(tb, impl)
+    return CheckResult(name, "fail", f"{type(exc).__name__}: {exc}{where}",
+                       "the exception came from the line named above" if where else
+                       "the exception was raised outside your file, by the code (torch's "
+                       "or the check's) that your functions or what they returned were "
+                       f"handed to; check({name!r}, raise_errors=True) shows the full "
+                       "traceback")
 
 
 def run_one(name: str, impl: str | None = None, timeout: float | None = None,

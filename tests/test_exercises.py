@@ -428,6 +428,12 @@ MESSAGE_MUTANTS = {
         "    for name in reversed(ORDERS[order]):\n        r = r * sizes",
         ["rank((0, 0, 1)) for dp=1, pp=2, tp=2, order='megatron' is 2; expected 1",
          "rank must undo coords"]),
+    "tp_backward_one_gradient": (
+        "tp_linear", "        ctx.comm.all_reduce(grad)\n        return grad, None\n",
+        "        ctx.comm.all_reduce(grad)\n        return grad\n",
+        ["raised RuntimeError: function CopyToTPBackward returned an incorrect number of "
+         "gradients (expected 2, got 1)", "the error was raised outside your file",
+         "check('tp_linear', raise_errors=True) shows the full traceback"]),
     "merge_averages": (
         "attention_merge", "    return w_a * out_a + w_b * out_b, lse\n",
         "    return (out_a + out_b) / 2, lse\n",
