@@ -15,9 +15,11 @@ another package that has the same modules. It prints one line per exercise:
   the blank's hint).
 * ``FAIL``: a wrong answer, an exception, or a hang; with what went wrong and a hint.
 
-Multi-rank checks run through ``minipar.launch`` with a short timeout, so a deadlock in
-your code comes back as a message naming the op each rank was stuck in. Before a check
-runs, your module is re-imported, so edits you saved since the last check count.
+Multi-rank checks run through ``minipar.launch`` (``launch_case``): the ranks get the
+exercise's timeout to start, then ``HANG_SECONDS`` without progress, so a deadlock in
+your code comes back within seconds as a message naming the op each rank was stuck in.
+Before a check runs, your module is re-imported, so edits you saved since the last check
+count.
 
 Each exercise's cases live in ``checks/<name>.py``: a function ``run(impl, timeout)``
 that raises ``CheckFailure`` (a message and a hint) or returns a one-line summary.
@@ -32,7 +34,8 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-from minipar.launch import LaunchError, RankFailed, RankTimeout
+from minipar.launch import LaunchError, RankFailed, RankTimeout, launch
+from minipar.rank import heartbeat
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,24 @@ EXERCISES: dict[str, Exercise] = {
         "09", "dispatch and combine by all-to-all (expert parallelism)",
         ("dispatch", "combine"), timeout=60.0),
 }
+
+
+# Seconds a check's rank may go without progress (a counted collective or message that
+# finished) once every rank has started: the cases make one every few milliseconds.
+HANG_SECONDS = 10.0
+
+
+def _started(fn, *args):
+    heartbeat()  # this rank is up: from here on a hang counts HANG_SECONDS, not start-up's
+    return fn(*args)
+
+
+def launch_case(fn, world: int, args: tuple, timeout: float) -> list:
+    """``launch(fn, world, args=args)`` for a check's cases: ``timeout`` seconds for the
+    ranks to start, then a rank that makes no progress for ``HANG_SECONDS`` (or the
+    timeout, if shorter) is reported as hung."""
+    return launch(_started, world, args=(fn, *args), timeout=min(timeout, HANG_SECONDS),
+                  startup=timeout)
 
 
 class CheckFailure(AssertionError):

@@ -15,6 +15,7 @@ import ast
 import math
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -279,6 +280,22 @@ def test_checker_catches_ring_mistakes(mutant: str, tmp_path, monkeypatch) -> No
     result = run_one("ring_allreduce", impl=pkg, timeout=10)
     text = str(result)
     assert result.status == "fail", text
+    for word in words:
+        assert word in text, f"{word!r} missing from the report:\n{text}"
+
+
+def test_a_hang_is_reported_within_seconds_of_the_start(tmp_path, monkeypatch) -> None:
+    """The exercise's timeout (30 s for the ring) is the ranks' allowance to start; once
+    they have, a deadlock is reported after HANG_SECONDS without progress."""
+    from solutions.check import HANG_SECONDS
+    old, new, words = RING_MUTANTS["deadlock"]
+    source = (ROOT / "solutions" / "ring_allreduce.py").read_text().replace(old, new)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = _package(tmp_path, "hang_default", {"ring_allreduce.py": source})
+    start = time.monotonic()
+    text = str(run_one("ring_allreduce", impl=pkg))  # the exercise's own timeout
+    assert time.monotonic() - start < EXERCISES["ring_allreduce"].timeout - 5, text
+    assert f"last progress {HANG_SECONDS:.0f} s ago" in text
     for word in words:
         assert word in text, f"{word!r} missing from the report:\n{text}"
 

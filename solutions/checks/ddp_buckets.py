@@ -17,10 +17,9 @@ import torch
 
 from minipar.comm import Comm
 from minipar.data import MarkovData, split_batch
-from minipar.launch import launch
 from minipar.model import GPT, get_config
 
-from ..check import expect
+from ..check import expect, launch_case
 
 WORLD = 2
 BUCKET_BYTES = 40_000  # several buckets for the two-layer tiny GPT (about 0.5 MB)
@@ -218,8 +217,8 @@ def run(impl: str, timeout: float) -> str:
     _check_bucketing(importlib.import_module(f"{impl}.ddp_buckets"))
     _check_hook_order(importlib.import_module(f"{impl}.ddp_buckets"))
     for overlap in (True, False):
-        for rank, facts in enumerate(launch(_rank_cases, WORLD, args=(impl, overlap),
-                                            timeout=timeout)):
+        for rank, facts in enumerate(launch_case(_rank_cases, WORLD, args=(impl, overlap),
+                                                 timeout=timeout)):
             _judge(rank, overlap, facts)
     return ("bucketing rule ok; on 2 ranks gradients equal the whole batch's, one "
             "all-reduce per bucket in order, all started during backward when overlapping")

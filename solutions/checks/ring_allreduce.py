@@ -14,9 +14,8 @@ import math
 import torch
 
 from minipar.comm import Comm, wire_bytes
-from minipar.launch import launch
 
-from ..check import expect
+from ..check import expect, launch_case
 
 WORLDS = (2, 3, 4)
 # Even sizes first, in their own run: an index bug there shows up as a wrong sum. With
@@ -161,7 +160,7 @@ def run(impl: str, timeout: float) -> str:
     """All cases on 2, 3 and 4 ranks; the first disagreement raises ``CheckFailure``."""
     for n in WORLDS:
         for shapes in (EVEN, UNEVEN):
-            per_rank = launch(_rank_cases, n, args=(impl, shapes), timeout=timeout)
+            per_rank = launch_case(_rank_cases, n, args=(impl, shapes), timeout=timeout)
             for rank, facts in enumerate(per_rank):
                 for f in facts:
                     _judge(n, rank, f)

@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.launch import launch
 
-from ..check import expect
+from ..check import expect, launch_case
 
 WORLDS = (2, 3)
 STEPS = 3
@@ -137,7 +136,7 @@ def run(impl: str, timeout: float) -> str:
     _check_ranges(importlib.import_module(f"{impl}.zero1"))
     _warm_up_adamw()
     for n in WORLDS:
-        for rank, facts in enumerate(launch(_rank_cases, n, args=(impl,), timeout=timeout)):
+        for rank, facts in enumerate(launch_case(_rank_cases, n, args=(impl,), timeout=timeout)):
             _judge(n, rank, facts)
     return (f"{STEPS} AdamW steps on {' and '.join(map(str, WORLDS))} ranks equal one "
             "process; one reduce-scatter + one all-gather per step; states 1/N")
