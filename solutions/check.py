@@ -220,8 +220,9 @@ def _classify(name: str, impl: str, exc: BaseException) -> CheckResult:
         return CheckResult(
             name, "fail", f"{str(exc).splitlines()[0]}: a message did not fit its "
             f"receive buffer{got}",
-            "gloo aborts when a send and its receive differ in size: at every step the "
-            "chunk a rank sends must be the chunk its neighbour receives into")
+            "gloo aborts when a message and the buffer that receives it differ in size: "
+            "what a rank sends must have the size its partner receives into (a ring's "
+            "chunk at each step; an all-to-all's split sizes, as each side gives them)")
     if isinstance(exc, LaunchError):
         return CheckResult(name, "fail", str(exc).splitlines()[0],
                            "a rank died without reporting: look for os._exit, sys.exit "

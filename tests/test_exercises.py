@@ -498,6 +498,9 @@ MESSAGE_MUTANTS = {
         "    return all_to_all(y[back], comm, send, recv)\n",
         ["2 ranks: on rank 0, combine (given 5 result rows", "send sizes [3, 5], which "
          "add up to 8", "combine sends back with the split sizes of dispatch swapped"]),
+    "dispatch_receives_its_send_sizes": (
+        "moe_dispatch", "    recv = got.sum(1).tolist()\n", "    recv = send\n",
+        ["a message did not fit its receive buffer", "an all-to-all's split sizes"]),
     "dispatch_not_differentiable": (
         "moe_dispatch", "    rows = all_to_all(x, comm, send, recv)\n",
         "    rows = comm.all_to_all(x, send, recv)\n",
