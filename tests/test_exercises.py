@@ -342,6 +342,22 @@ def test_generator_replaces_blocks_with_hinted_blanks() -> None:
     assert "double it" not in out  # the hint stays in solutions/, behind hint()
 
 
+def test_generator_names_a_methods_class() -> None:
+    """Two classes with a forward each: the blank says which forward is not written."""
+    src = "".join(f"class {c}:\n"
+                  "    def forward(self, x):\n"
+                  "        ### BEGIN SOLUTION\n"
+                  "        return x\n"
+                  "        ### END SOLUTION\n\n" for c in ("A", "B"))
+    out = gen.strip_solutions(src, "exercises/m.py")
+    namespace: dict = {}
+    exec(compile(out, "m.py", "exec"), namespace)
+    for c in ("A", "B"):
+        with pytest.raises(NotImplementedError) as err:
+            namespace[c]().forward(1)
+        assert str(err.value).startswith(f"{c}.forward in exercises/m.py is not implemented")
+
+
 def test_generator_plants_a_bug() -> None:
     src = ("def f(m):\n"
            "    ### BEGIN SOLUTION\n"
