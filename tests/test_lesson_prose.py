@@ -248,3 +248,15 @@ def test_gpt3_model_states_are_predicted_before_a_table_prints_them() -> None:
     shows = [i for i, s in enumerate(cells)
              if 'memory_breakdown("gpt3-175b"' in s and "print(" in s]
     assert shows and guess < ask < min(shows), (guess, ask, shows)
+
+
+def test_lesson_00_states_the_checkers_limits() -> None:
+    """The times lesson 00 gives for a check's hang report are the checker's own."""
+    from solutions.check import EXERCISES, HANG_SECONDS
+    cells = json.loads((ROOT / "notebooks" / "00_collectives_and_launcher.ipynb")
+                       .read_text())["cells"]
+    text = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    text = " ".join(text.split())
+    start, hang = EXERCISES["ring_allreduce"].timeout, HANG_SECONDS
+    assert f"no progress for {hang:.0f} s (they get {start:.0f} s to start)" in text
+    assert f"ranks get {start:.0f} s to start, then {hang:.0f} s without progress" in text
