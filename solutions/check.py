@@ -34,6 +34,8 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
+import torch
+
 from minipar.launch import LaunchError, RankFailed, RankTimeout, launch
 from minipar.rank import heartbeat
 
@@ -88,7 +90,17 @@ EXERCISES: dict[str, Exercise] = {
 HANG_SECONDS = 10.0
 
 
+def warm_up_optimizers() -> None:
+    """Step an optimizer once: the first step in a process imports torch's compiler
+    machinery (1-2 s, longer on a busy machine). Forked ranks inherit it from a parent
+    that ran this; a spawned rank runs it while it still counts as starting."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    torch.optim.AdamW([p]).step()
+
+
 def _started(fn, *args):
+    warm_up_optimizers()
     heartbeat()  # this rank is up: from here on a hang counts HANG_SECONDS, not start-up's
     return fn(*args)
 
@@ -97,6 +109,7 @@ def launch_case(fn, world: int, args: tuple, timeout: float) -> list:
     """``launch(fn, world, args=args)`` for a check's cases: ``timeout`` seconds for the
     ranks to start, then a rank that makes no progress for ``HANG_SECONDS`` (or the
     timeout, if shorter) is reported as hung."""
+    warm_up_optimizers()
     return launch(_started, world, args=(fn, *args), timeout=min(timeout, HANG_SECONDS),
                   startup=timeout)
 

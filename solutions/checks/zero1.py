@@ -51,14 +51,6 @@ def _check_ranges(mod) -> None:
                "every shard has ceil(numel / world) elements, rank r starts at r * size")
 
 
-def _warm_up_adamw() -> None:
-    """Step AdamW once here: its first step imports torch's compiler machinery (seconds),
-    and forked ranks inherit what the parent has already imported."""
-    p = nn.Parameter(torch.zeros(1))
-    p.grad = torch.zeros(1)
-    torch.optim.AdamW([p]).step()
-
-
 def _rank_cases(impl: str) -> dict:
     mod = importlib.import_module(f"{impl}.zero1")
     comm = Comm()
@@ -134,7 +126,6 @@ def _judge(n: int, rank: int, f: dict) -> None:
 def run(impl: str, timeout: float) -> str:
     """Ranges here; then three steps on 2 and 3 ranks against single-process AdamW."""
     _check_ranges(importlib.import_module(f"{impl}.zero1"))
-    _warm_up_adamw()
     for n in WORLDS:
         for rank, facts in enumerate(launch_case(_rank_cases, n, args=(impl,), timeout=timeout)):
             _judge(n, rank, facts)
