@@ -92,9 +92,9 @@ class BucketedDDP:
         """Hook: ``p.grad`` is final. Mark it; launch every bucket that may now start."""
         # YOUR CODE HERE
         raise NotImplementedError(
-            '_on_grad in exercises/ddp_buckets.py is not implemented yet. Hint: ask '
-            "for one with hint('ddp_buckets', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'BucketedDDP._on_grad in exercises/ddp_buckets.py is not implemented yet.'
+            " Hint: ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the method)"
+            ' or 3 (the answer), from exercises.course')
 
     def _launch(self, i: int) -> None:
         """Start the asynchronous all-reduce of bucket ``i``.
@@ -106,18 +106,18 @@ class BucketedDDP:
         """
         # YOUR CODE HERE
         raise NotImplementedError(
-            '_launch in exercises/ddp_buckets.py is not implemented yet. Hint: ask '
-            "for one with hint('ddp_buckets', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'BucketedDDP._launch in exercises/ddp_buckets.py is not implemented yet. '
+            "Hint: ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the method) "
+            'or 3 (the answer), from exercises.course')
 
     def finish_gradient_sync(self) -> None:
         """Launch the buckets not started yet (in order), wait for all, then write
         each bucket's sum divided by ``comm.size`` back into its parameters' ``.grad``."""
         # YOUR CODE HERE
         raise NotImplementedError(
-            'finish_gradient_sync in exercises/ddp_buckets.py is not implemented yet.'
-            " Hint: ask for one with hint('ddp_buckets', 1) (a nudge), 2 (the method)"
-            ' or 3 (the answer), from exercises.course')
+            'BucketedDDP.finish_gradient_sync in exercises/ddp_buckets.py is not '
+            "implemented yet. Hint: ask for one with hint('ddp_buckets', 1) (a "
+            'nudge), 2 (the method) or 3 (the answer), from exercises.course')
 
     def remove(self) -> None:
         """Take the hooks off the module's parameters."""

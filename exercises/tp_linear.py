@@ -46,17 +46,17 @@ class CopyToTP(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
         # YOUR CODE HERE
         raise NotImplementedError(
-            'forward in exercises/tp_linear.py is not implemented yet. Hint: ask for '
-            "one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'CopyToTP.forward in exercises/tp_linear.py is not implemented yet. Hint:'
+            " ask for one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 "
+            '(the answer), from exercises.course')
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # YOUR CODE HERE
         raise NotImplementedError(
-            'backward in exercises/tp_linear.py is not implemented yet. Hint: ask for'
-            " one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'CopyToTP.backward in exercises/tp_linear.py is not implemented yet. '
+            "Hint: ask for one with hint('tp_linear', 1) (a nudge), 2 (the method) or"
+            ' 3 (the answer), from exercises.course')
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -67,17 +67,17 @@ class ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
         # YOUR CODE HERE
         raise NotImplementedError(
-            'forward in exercises/tp_linear.py is not implemented yet. Hint: ask for '
-            "one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'ReduceFromTP.forward in exercises/tp_linear.py is not implemented yet. '
+            "Hint: ask for one with hint('tp_linear', 1) (a nudge), 2 (the method) or"
+            ' 3 (the answer), from exercises.course')
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # YOUR CODE HERE
         raise NotImplementedError(
-            'backward in exercises/tp_linear.py is not implemented yet. Hint: ask for'
-            " one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'ReduceFromTP.backward in exercises/tp_linear.py is not implemented yet. '
+            "Hint: ask for one with hint('tp_linear', 1) (a nudge), 2 (the method) or"
+            ' 3 (the answer), from exercises.course')
 
 
 class ColumnParallelLinear(nn.Module):
@@ -90,16 +90,16 @@ class ColumnParallelLinear(nn.Module):
         self.comm = comm
         # YOUR CODE HERE
         raise NotImplementedError(
-            '__init__ in exercises/tp_linear.py is not implemented yet. Hint: ask for'
-            " one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'ColumnParallelLinear.__init__ in exercises/tp_linear.py is not '
+            "implemented yet. Hint: ask for one with hint('tp_linear', 1) (a nudge), "
+            '2 (the method) or 3 (the answer), from exercises.course')
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # YOUR CODE HERE
         raise NotImplementedError(
-            'forward in exercises/tp_linear.py is not implemented yet. Hint: ask for '
-            "one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'ColumnParallelLinear.forward in exercises/tp_linear.py is not '
+            "implemented yet. Hint: ask for one with hint('tp_linear', 1) (a nudge), "
+            '2 (the method) or 3 (the answer), from exercises.course')
 
 
 class RowParallelLinear(nn.Module):
@@ -112,16 +112,16 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         # YOUR CODE HERE
         raise NotImplementedError(
-            '__init__ in exercises/tp_linear.py is not implemented yet. Hint: ask for'
-            " one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'RowParallelLinear.__init__ in exercises/tp_linear.py is not implemented '
+            "yet. Hint: ask for one with hint('tp_linear', 1) (a nudge), 2 (the "
+            'method) or 3 (the answer), from exercises.course')
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # YOUR CODE HERE
         raise NotImplementedError(
-            'forward in exercises/tp_linear.py is not implemented yet. Hint: ask for '
-            "one with hint('tp_linear', 1) (a nudge), 2 (the method) or 3 (the "
-            'answer), from exercises.course')
+            'RowParallelLinear.forward in exercises/tp_linear.py is not implemented '
+            "yet. Hint: ask for one with hint('tp_linear', 1) (a nudge), 2 (the "
+            'method) or 3 (the answer), from exercises.course')
 
 
 class ParallelMLP(nn.Module):

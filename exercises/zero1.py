@@ -87,9 +87,9 @@ class Zero1:
         of one process stepping on the mean of the ranks' gradients."""
         # YOUR CODE HERE
         raise NotImplementedError(
-            'step in exercises/zero1.py is not implemented yet. Hint: ask for one '
-            "with hint('zero1', 1) (a nudge), 2 (the method) or 3 (the answer), from "
-            'exercises.course')
+            'Zero1.step in exercises/zero1.py is not implemented yet. Hint: ask for '
+            "one with hint('zero1', 1) (a nudge), 2 (the method) or 3 (the answer), "
+            'from exercises.course')
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -15,9 +15,11 @@ another package that has the same modules. It prints one line per exercise:
   the blank's hint).
 * ``FAIL``: a wrong answer, an exception, or a hang; with what went wrong and a hint.
 
-Multi-rank checks run through ``minipar.launch`` with a short timeout, so a deadlock in
-your code comes back as a message naming the op each rank was stuck in. Before a check
-runs, your module is re-imported, so edits you saved since the last check count.
+Multi-rank checks run through ``minipar.launch`` (``launch_case``): the ranks get the
+exercise's timeout to start, then ``HANG_SECONDS`` without progress, so a deadlock in
+your code comes back within seconds as a message naming the op each rank was stuck in.
+Before a check runs, your module is re-imported, so edits you saved since the last check
+count.
 
 Each exercise's cases live in ``checks/<name>.py``: a function ``run(impl, timeout)``
 that raises ``CheckFailure`` (a message and a hint) or returns a one-line summary.
@@ -32,7 +34,10 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-from minipar.launch import LaunchError, RankFailed, RankTimeout
+import torch
+
+from minipar.launch import LaunchError, RankFailed, RankTimeout, launch
+from minipar.rank import heartbeat
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,35 @@ EXERCISES: dict[str, Exercise] = {
         "09", "dispatch and combine by all-to-all (expert parallelism)",
         ("dispatch", "combine"), timeout=60.0),
 }
+
+
+# Seconds a check's rank may go without progress (a counted collective or message that
+# finished) once every rank has started: the cases make one every few milliseconds.
+HANG_SECONDS = 10.0
+
+
+def warm_up_optimizers() -> None:
+    """Step an optimizer once: the first step in a process imports torch's compiler
+    machinery (1-2 s, longer on a busy machine). Forked ranks inherit it from a parent
+    that ran this; a spawned rank runs it while it still counts as starting."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    torch.optim.AdamW([p]).step()
+
+
+def _started(fn, *args):
+    warm_up_optimizers()
+    heartbeat()  # this rank is up: from here on a hang counts HANG_SECONDS, not start-up's
+    return fn(*args)
+
+
+def launch_case(fn, world: int, args: tuple, timeout: float) -> list:
+    """``launch(fn, world, args=args)`` for a check's cases: ``timeout`` seconds for the
+    ranks to start, then a rank that makes no progress for ``HANG_SECONDS`` (or the
+    timeout, if shorter) is reported as hung."""
+    warm_up_optimizers()
+    return launch(_started, world, args=(fn, *args), timeout=min(timeout, HANG_SECONDS),
+                  startup=timeout)
 
 
 class CheckFailure(AssertionError):
@@ -186,9 +220,12 @@ def _classify(name: str, impl: str, exc: BaseException) -> CheckResult:
             return _todo(name, m.group(3))
         where = _where_in_learner_code(str(exc), impl)
         first = str(exc).splitlines()[0]
+        source = ("the error came from the line named above" if where else
+                  "the error was raised outside your file, by the code (torch's or the "
+                  "check's) that your functions or what they returned were handed to")
         return CheckResult(name, "fail", f"{first}{where}",
-                           f"the error came from the line named above; "
-                           f"check({name!r}, raise_errors=True) shows the full traceback")
+                           f"{source}; check({name!r}, raise_errors=True) shows the full "
+                           "traceback")
     if isinstance(exc, LaunchError) and "data size doesn't match" in str(exc):
         sizes = re.search(r"(\d+) vs (\d+)", str(exc))
         got = f" ({sizes.group(1)} bytes arrived for a {sizes.group(2)}-byte buffer)" \
@@ -196,16 +233,21 @@ def _classify(name: str, impl: str, exc: BaseException) -> CheckResult:
         return CheckResult(
             name, "fail", f"{str(exc).splitlines()[0]}: a message did not fit its "
             f"receive buffer{got}",
-            "gloo aborts when a send and its receive differ in size: at every step the "
-            "chunk a rank sends must be the chunk its neighbour receives into")
+            "gloo aborts when a message and the buffer that receives it differ in size: "
+            "what a rank sends must have the size its partner receives into (a ring's "
+            "chunk at each step; an all-to-all's split sizes, as each side gives them)")
     if isinstance(exc, LaunchError):
         return CheckResult(name, "fail", str(exc).splitlines()[0],
                            "a rank died without reporting: look for os._exit, sys.exit "
                            "or running out of memory")
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return CheckResult(name, "fail",
-                       f"{type(exc).__name__}: {exc}{_where_in_learner_code(tb, impl)}",
-                       "the exception came from the line named above")
+    where = _where_in_learner_code(tb, impl)
+    return CheckResult(name, "fail", f"{type(exc).__name__}: {exc}{where}",
+                       "the exception came from the line named above" if where else
+                       "the exception was raised outside your file, by the code (torch's "
+                       "or the check's) that your functions or what they returned were "
+                       f"handed to; check({name!r}, raise_errors=True) shows the full "
+                       "traceback")
 
 
 def run_one(name: str, impl: str | None = None, timeout: float | None = None,

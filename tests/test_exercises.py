@@ -15,6 +15,7 @@ import ast
 import math
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,11 @@ RING_MUTANTS = {
     "deadlock": ("exchange(comm, chunks[send_i], right, incoming, left)",
                  "comm.recv(incoming, left); comm.send(chunks[send_i], right)",
                  ["FAIL", "hung", "recv on world"]),
+    "forgets_the_wait": ("    pending = comm.isend(send, dst)\n    comm.recv(recv, src)\n"
+                         "    pending.wait()\n",
+                         "    comm.isend(send, dst)\n    comm.irecv(recv, src)\n",
+                         ["FAIL", "ring_reduce_scatter on 2 ranks", "never waited for",
+                          "(the first: send on world with rank 1", "call .wait()"]),
     "wrong_send_index": ("send_i, recv_i = (rank - step) % n, (rank - step - 1) % n",
                          "send_i, recv_i = (rank + step) % n, (rank - step - 1) % n",
                          ["FAIL", "on 3 ranks", "not the full sum", "hint:"]),
@@ -274,6 +280,22 @@ def test_checker_catches_ring_mistakes(mutant: str, tmp_path, monkeypatch) -> No
     result = run_one("ring_allreduce", impl=pkg, timeout=10)
     text = str(result)
     assert result.status == "fail", text
+    for word in words:
+        assert word in text, f"{word!r} missing from the report:\n{text}"
+
+
+def test_a_hang_is_reported_within_seconds_of_the_start(tmp_path, monkeypatch) -> None:
+    """The exercise's timeout (30 s for the ring) is the ranks' allowance to start; once
+    they have, a deadlock is reported after HANG_SECONDS without progress."""
+    from solutions.check import HANG_SECONDS
+    old, new, words = RING_MUTANTS["deadlock"]
+    source = (ROOT / "solutions" / "ring_allreduce.py").read_text().replace(old, new)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = _package(tmp_path, "hang_default", {"ring_allreduce.py": source})
+    start = time.monotonic()
+    text = str(run_one("ring_allreduce", impl=pkg))  # the exercise's own timeout
+    assert time.monotonic() - start < EXERCISES["ring_allreduce"].timeout - 5, text
+    assert f"last progress {HANG_SECONDS:.0f} s ago" in text
     for word in words:
         assert word in text, f"{word!r} missing from the report:\n{text}"
 
@@ -318,6 +340,22 @@ def test_generator_replaces_blocks_with_hinted_blanks() -> None:
                               "one with hint('m', 1) (a nudge), 2 (the method) or 3 (the "
                               "answer), from exercises.course")
     assert "double it" not in out  # the hint stays in solutions/, behind hint()
+
+
+def test_generator_names_a_methods_class() -> None:
+    """Two classes with a forward each: the blank says which forward is not written."""
+    src = "".join(f"class {c}:\n"
+                  "    def forward(self, x):\n"
+                  "        ### BEGIN SOLUTION\n"
+                  "        return x\n"
+                  "        ### END SOLUTION\n\n" for c in ("A", "B"))
+    out = gen.strip_solutions(src, "exercises/m.py")
+    namespace: dict = {}
+    exec(compile(out, "m.py", "exec"), namespace)
+    for c in ("A", "B"):
+        with pytest.raises(NotImplementedError) as err:
+            namespace[c]().forward(1)
+        assert str(err.value).startswith(f"{c}.forward in exercises/m.py is not implemented")
 
 
 def test_generator_plants_a_bug() -> None:
@@ -393,6 +431,19 @@ MESSAGE_MUTANTS = {
     "ddp_world_size": (
         "ddp_buckets", "flat = self.flat[i] / self.comm.size", "flat = self.flat[i]",
         ["your gradients are exactly 2.0x the whole-batch gradient = world size (2)"]),
+    "ddp_forgets_the_wait": (
+        "ddp_buckets", "            self.pending[i].wait()\n", "",
+        ["finish_gradient_sync returned on rank 0 with overlap=True, step 0 with",
+         "all-reduces never waited for", "call .wait() on each bucket's Pending"]),
+    "ddp_divided_twice": (
+        "ddp_buckets", "        self.flat[i] = flat\n",
+        "        self.flat[i] = flat = flat / self.comm.size\n",
+        ["your gradients are exactly 0.5x the whole-batch gradient = 1 / world size (2)"]),
+    "zero1_world_size": (
+        "zero1", "self.comm.reduce_scatter(grads) / self.comm.size",
+        "self.comm.reduce_scatter(grads)",
+        ["step 0 on 2 ranks, rank 0: the gradient your optimizer stepped on",
+         "exactly 2.0x the mean gradient's = world size (2)", "divide the reduce-scattered"]),
     "ddp_launch_when_full": (
         "ddp_buckets",
         "        while (self.next_to_launch < len(self.buckets)\n"
@@ -405,6 +456,17 @@ MESSAGE_MUTANTS = {
         "            self._launch(b)\n"
         "            self.next_to_launch = max(self.next_to_launch, b + 1)\n",
         ["expected all-reduces of buckets [0, 1, 2], got [1, 0, 2]"]),
+    "mesh_rank_reversed": (
+        "mesh_coords", "    for name in ORDERS[order]:\n        r = r * sizes",
+        "    for name in reversed(ORDERS[order]):\n        r = r * sizes",
+        ["rank((0, 0, 1)) for dp=1, pp=2, tp=2, order='megatron' is 2; expected 1",
+         "rank must undo coords"]),
+    "tp_backward_one_gradient": (
+        "tp_linear", "        ctx.comm.all_reduce(grad)\n        return grad, None\n",
+        "        ctx.comm.all_reduce(grad)\n        return grad\n",
+        ["raised RuntimeError: function CopyToTPBackward returned an incorrect number of "
+         "gradients (expected 2, got 1)", "the error was raised outside your file",
+         "check('tp_linear', raise_errors=True) shows the full traceback"]),
     "merge_averages": (
         "attention_merge", "    return w_a * out_a + w_b * out_b, lse\n",
         "    return (out_a + out_b) / 2, lse\n",
@@ -452,6 +514,9 @@ MESSAGE_MUTANTS = {
         "    return all_to_all(y[back], comm, send, recv)\n",
         ["2 ranks: on rank 0, combine (given 5 result rows", "send sizes [3, 5], which "
          "add up to 8", "combine sends back with the split sizes of dispatch swapped"]),
+    "dispatch_receives_its_send_sizes": (
+        "moe_dispatch", "    recv = got.sum(1).tolist()\n", "    recv = send\n",
+        ["a message did not fit its receive buffer", "an all-to-all's split sizes"]),
     "dispatch_not_differentiable": (
         "moe_dispatch", "    rows = all_to_all(x, comm, send, recv)\n",
         "    rows = comm.all_to_all(x, send, recv)\n",
@@ -470,6 +535,30 @@ def test_checker_shows_expected_against_got(mutant: str, tmp_path, monkeypatch) 
     assert text.startswith(f"FAIL  {name}: "), text
     for word in words:
         assert word in text, f"{word!r} missing from the report:\n{text}"
+
+
+# --- other correct answers pass (a check tests the contract, not the reference's way) -
+CORRECT_VARIANTS = {
+    # name: (exercise, [(text in its solution, replacement), ...])
+    "ddp_divides_before_the_all_reduce": (
+        "ddp_buckets", [("        self.flat[i] = flat\n",
+                         "        flat = flat / self.comm.size\n        self.flat[i] = flat\n"),
+                        ("            flat = self.flat[i] / self.comm.size\n",
+                         "            flat = self.flat[i]\n")]),
+}
+
+
+@pytest.mark.parametrize("variant", list(CORRECT_VARIANTS))
+def test_checker_passes_other_correct_answers(variant: str, tmp_path, monkeypatch) -> None:
+    name, edits = CORRECT_VARIANTS[variant]
+    source = (ROOT / "solutions" / f"{name}.py").read_text()
+    for old, new in edits:
+        assert source.count(old) == 1, f"variant {variant} no longer matches the solution"
+        source = source.replace(old, new)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = _package(tmp_path, f"ok_{variant}", {f"{name}.py": source})
+    result = run_one(name, impl=pkg, timeout=20)
+    assert result.passed, str(result)
 
 
 # --- the design puzzles are solvable, and the instruments say so -------------------

@@ -232,3 +232,31 @@ def test_every_lesson_ends_with_its_summary_and_links_on() -> None:
             assert LESSONS[k + 1].name in links, f"{path.name}: no link to the next lesson"
         assert all((path.parent / link).exists() for link in links), (path.name, links)
         assert "show_calibration()" in "".join(cells[-1]["source"]), path.name
+
+
+# --- a prediction is asked before any cell shows its answer --------------------------
+
+def test_gpt3_model_states_are_predicted_before_a_table_prints_them() -> None:
+    """Lesson 07 asks for GPT-3's model states per GPU on tp = 8, pp = 16; its table of
+    stage 0's bytes by pp prints that figure (with the embeddings), so the table comes
+    after the prediction's answer, not before the guess."""
+    cells = ["".join(c["source"]) for c in
+             json.loads((ROOT / "notebooks" / "07_planning_at_scale.ipynb").read_text())
+             ["cells"]]
+    ask = next(i for i, s in enumerate(cells) if 'predict("GPT-3 model states per GPU' in s)
+    guess = next(i for i, s in enumerate(cells) if s.startswith("my_states_gb = None"))
+    shows = [i for i, s in enumerate(cells)
+             if 'memory_breakdown("gpt3-175b"' in s and "print(" in s]
+    assert shows and guess < ask < min(shows), (guess, ask, shows)
+
+
+def test_lesson_00_states_the_checkers_limits() -> None:
+    """The times lesson 00 gives for a check's hang report are the checker's own."""
+    from solutions.check import EXERCISES, HANG_SECONDS
+    cells = json.loads((ROOT / "notebooks" / "00_collectives_and_launcher.ipynb")
+                       .read_text())["cells"]
+    text = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    text = " ".join(text.split())
+    start, hang = EXERCISES["ring_allreduce"].timeout, HANG_SECONDS
+    assert f"no progress for {hang:.0f} s (they get {start:.0f} s to start)" in text
+    assert f"ranks get {start:.0f} s to start, then {hang:.0f} s without progress" in text

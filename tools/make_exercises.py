@@ -62,6 +62,7 @@ LAB_HEADER = ("# Your copy of this debugging lab, generated from {src}\n"
 PLAIN_HEADER = ("# Generated from {src} by tools/make_exercises.py: "
                 "edit that file, not this one.\n")
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
+_CLASS = re.compile(r"^(\s*)class\s+(\w+)")
 
 
 class MarkerError(ValueError):
@@ -69,12 +70,18 @@ class MarkerError(ValueError):
 
 
 def _enclosing_function(lines: list[str], index: int, indent: int) -> str | None:
-    """The name of the nearest ``def`` above ``index`` that is less indented."""
+    """The name of the nearest ``def`` above ``index`` that is less indented, with its
+    class for a method (``RowParallelLinear.forward``: a file may hold several
+    ``forward``)."""
+    names: list[str] = []
     for line in reversed(lines[:index]):
-        m = _DEF.match(line)
+        m = _DEF.match(line) or (_CLASS.match(line) if names else None)
         if m and len(m.group(1)) < indent:
-            return m.group(2)
-    return None
+            names.insert(0, m.group(2))
+            indent = len(m.group(1))
+            if _CLASS.match(line) or indent == 0:
+                break
+    return ".".join(names) or None
 
 
 def _hints(block: list[str]) -> list[str]:

@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from minipar.comm import Comm
-from minipar.launch import launch
 from minipar.parallel import cp as cpmod
 
-from ..check import CheckFailure, expect
+from ..check import CheckFailure, expect, launch_case
 
 TOL = 1e-5  # fp32; the reference merge is off by about 1e-6 on these cases
 RING_TOL = 3e-6  # outputs and gradients of the ring against one device (tests/test_cp.py)
@@ -153,7 +152,7 @@ def _ring_rank(impl: str) -> dict:
 
 
 def _ring(impl: str, n: int, timeout: float) -> None:
-    res = launch(_ring_rank, n, args=(impl,), timeout=timeout)
+    res = launch_case(_ring_rank, n, args=(impl,), timeout=timeout)
     q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(_full_inputs()))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref.backward(dout)

@@ -10,16 +10,16 @@ order, and whether they started before ``backward()`` returned (overlap).
 from __future__ import annotations
 
 import importlib
+import math
 import time
 
 import torch
 
 from minipar.comm import Comm
 from minipar.data import MarkovData, split_batch
-from minipar.launch import launch
 from minipar.model import GPT, get_config
 
-from ..check import expect
+from ..check import expect, launch_case
 
 WORLD = 2
 BUCKET_BYTES = 40_000  # several buckets for the two-layer tiny GPT (about 0.5 MB)
@@ -84,6 +84,22 @@ class _RecordingComm:
         return _Pending() if async_op else t
 
 
+def _bucket_launched(flat: torch.Tensor, buckets, params) -> int | str:
+    """Which bucket an all-reduced tensor holds, read from its values: parameter i's
+    gradient is i + 1 everywhere, so a bucket is known by the ratios of its values,
+    whatever scale it was sent at (a gradient may be divided by comm.size before the
+    all-reduce); "?" when no bucket matches."""
+    top = float(flat.abs().max()) if flat.numel() else 0.0
+    for b, members in enumerate(buckets):
+        index = [next(i for i, p in enumerate(params) if p is q) for q in members]
+        want = torch.cat([torch.full((10,), i + 1.0) for i in index])
+        if top and flat.shape == want.shape and torch.allclose(
+                (flat.reshape(-1) / top).sort()[0], (want / want.max()).sort()[0],
+                rtol=1e-4):
+            return b
+    return "?"
+
+
 def _check_hook_order(mod) -> None:
     """Hooks that fire out of bucket order must not change the order of the all-reduces.
 
@@ -94,13 +110,12 @@ def _check_hook_order(mod) -> None:
     params = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(10)) for _ in range(6))
     comm = _RecordingComm()
     ddp = mod.BucketedDDP(params, comm, bucket_bytes=80, overlap=True)
-    bucket_of = {id(p): i for i, b in enumerate(ddp.buckets) for p in b}
     fired = [3, 2, 5, 4, 1, 0]
     for i in fired:
-        params[i].grad = torch.full((10,), float(i))
+        params[i].grad = torch.full((10,), float(i + 1))
         ddp._on_grad(params[i])
     ddp.finish_gradient_sync()
-    order = [bucket_of[id(params[int(t[0])])] for t in comm.launched]
+    order = [_bucket_launched(t, ddp.buckets, params) for t in comm.launched]
     ddp.remove()
     expect(order == [0, 1, 2],
            f"hooks fired for parameters {fired} (bucket 1 was complete before bucket 0); "
@@ -141,6 +156,7 @@ def _rank_cases(impl: str, overlap: bool) -> dict:
             "numels": [r.nbytes // 4 for r in records if r.op == "all_reduce"],
             "bucket_numels": bucket_numels,
             "early": sum(1 for r in records if r.start <= backward_end),
+            "unwaited": sum(1 for r in records if math.isnan(r.end)),
         })
         with torch.no_grad():  # a step, so the weights of step 2 differ from step 1
             for p, q in zip(model.parameters(), ref.parameters()):
@@ -159,7 +175,16 @@ def _judge(rank: int, overlap: bool, f: dict) -> None:
         ratio = s["ratio"]
         scale = (f"your gradients are exactly {ratio:.1f}x the whole-batch gradient "
                  f"= world size ({WORLD}): " if abs(ratio - WORLD) < 1e-3 else
+                 f"your gradients are exactly {ratio:.1f}x the whole-batch gradient "
+                 f"= 1 / world size ({WORLD}), divided once too often: "
+                 if abs(ratio - 1 / WORLD) < 1e-3 else
                  f"your gradient norm is {ratio:.3g}x the whole-batch gradient's; ")
+        expect(not s["unwaited"],
+               f"finish_gradient_sync returned {at} with {s['unwaited']} of "
+               f"{len(s['numels'])} all-reduces never waited for: their buckets may not "
+               "hold the sum yet",
+               "comm.all_reduce(..., async_op=True) returns at once: call .wait() on "
+               "each bucket's Pending before reading its flat tensor")
         expect(s["worst"] < TOL,
                f"{scale}gradients differ from the whole-batch gradient by up to "
                f"{s['worst']:.3g} {at}",
@@ -192,8 +217,8 @@ def run(impl: str, timeout: float) -> str:
     _check_bucketing(importlib.import_module(f"{impl}.ddp_buckets"))
     _check_hook_order(importlib.import_module(f"{impl}.ddp_buckets"))
     for overlap in (True, False):
-        for rank, facts in enumerate(launch(_rank_cases, WORLD, args=(impl, overlap),
-                                            timeout=timeout)):
+        for rank, facts in enumerate(launch_case(_rank_cases, WORLD, args=(impl, overlap),
+                                                 timeout=timeout)):
             _judge(rank, overlap, facts)
     return ("bucketing rule ok; on 2 ranks gradients equal the whole batch's, one "
             "all-reduce per bucket in order, all started during backward when overlapping")

@@ -17,6 +17,8 @@ def run(impl: str, timeout: float) -> str:
     for order in ORDERS:
         for d, p, t in layouts:
             mesh = Mesh(d, p, t, order)
+            # coords and rank on every rank before any group: a group is built from
+            # both, so a wrong rank would otherwise be reported as a wrong group
             for r in range(mesh.world_size):
                 where = f"rank {r} of dp={d}, pp={p}, tp={t}, order={order!r}"
                 want = tuple(mesh.coords(r))[:3]  # (dp, pp, tp); cp = 1 here
@@ -27,6 +29,8 @@ def run(impl: str, timeout: float) -> str:
                 back = mod.rank(want, d, p, t, order)
                 expect(back == r, f"rank({want}) for dp={d}, pp={p}, tp={t}, order={order!r} "
                        f"is {back}; expected {r}", "rank must undo coords")
+            for r in range(mesh.world_size):
+                where = f"rank {r} of dp={d}, pp={p}, tp={t}, order={order!r}"
                 for dim in DIMS[:3]:  # the exercise's three dimensions
                     g = list(mod.group(dim, r, d, p, t, order))
                     expect(g == mesh.group_ranks(dim, r),

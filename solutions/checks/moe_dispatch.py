@@ -27,7 +27,7 @@ from minipar.launch import launch
 from minipar.parallel import ep as epmod
 from minipar.parity import TOLERANCES, compare
 
-from ..check import CheckFailure, expect
+from ..check import CheckFailure, expect, launch_case
 
 E, D = 8, 4  # experts; features per row (two tags, two values)
 WORLDS = (2, 4)
@@ -102,7 +102,7 @@ def _name(row: torch.Tensor) -> str:
 
 def _exchange(impl: str, ep: int, timeout: float) -> None:
     seed = ep
-    res = launch(_exchange_rank, ep, args=(impl, seed), timeout=timeout)
+    res = launch_case(_exchange_rank, ep, args=(impl, seed), timeout=timeout)
     split = [(rank, got["split"]) for rank, got in enumerate(res) if got.get("split")]
     if split:
         rank, said = split[0]

@@ -18,13 +18,12 @@ import torch
 
 from minipar.comm import Comm
 from minipar.data import MarkovData, split_batch
-from minipar.launch import launch
 from minipar.model import GPT, get_config
 from minipar.parallel.pp import PipelineExecutor, build_stage
 from minipar.parallel.schedules import ScheduleError, make_schedule, validate
 from minipar.theory import bubble
 
-from ..check import CheckFailure, expect
+from ..check import CheckFailure, expect, launch_case
 
 CFG = get_config("tiny").with_(n_layer=4)
 BATCH, M = 12, 3
@@ -150,7 +149,7 @@ def run(impl: str, timeout: float) -> str:
     ref = GPT(CFG)
     loss = ref(*MarkovData(CFG.vocab_size, CFG.seq_len).batch(0, BATCH))
     loss.backward()
-    per_rank = launch(_run_rank, 2, args=(impl,), timeout=timeout)
+    per_rank = launch_case(_run_rank, 2, args=(impl,), timeout=timeout)
     for r, out in enumerate(per_rank):
         expect(abs(out["loss"] - loss.item()) < 1e-5,
                f"the pipeline's loss on rank {r} is {out['loss']:.6f}, one process gives "

@@ -24,12 +24,11 @@ from torch import nn
 
 from minipar.comm import Comm
 from minipar.data import MarkovData, split_batch
-from minipar.launch import launch
 from minipar.model import GPT, Block, get_config
 from minipar.parallel import recompute
 from minipar.theory.memory import layer_activations
 
-from ..check import CheckFailure, expect
+from ..check import CheckFailure, expect, launch_case
 
 DP_TOL = 1e-5  # two ranks' averaged gradients against one process's: summation order
 
@@ -155,7 +154,7 @@ def _train(steps: int, rank: int, world: int, comm, cheap: bool) -> dict:
 
 def run(impl: str, timeout: float) -> str:
     kept = _one_block(impl)
-    ranks = launch(_dp_rank, 2, args=(impl,), timeout=timeout)
+    ranks = launch_case(_dp_rank, 2, args=(impl,), timeout=timeout)
     one = _train(3, 0, 1, None, cheap=False)
     for step, want in enumerate(one["losses"]):
         got = sum(r["losses"][step] for r in ranks) / 2

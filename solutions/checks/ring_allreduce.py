@@ -9,13 +9,13 @@ sizes that divide evenly, that do not, and that are smaller than the ring.
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 
 from minipar.comm import Comm, wire_bytes
-from minipar.launch import launch
 
-from ..check import expect
+from ..check import expect, launch_case
 
 WORLDS = (2, 3, 4)
 # Even sizes first, in their own run: an index bug there shows up as a wrong sum. With
@@ -37,6 +37,12 @@ def _ops(comm: Comm) -> dict[str, int]:
     for r in comm.log.records:
         ops[r.op] = ops.get(r.op, 0) + 1
     return ops
+
+
+def _unwaited(comm: Comm) -> list[str]:
+    """The isend/irecv calls logged since the last clear that nobody waited for: their
+    records never got an end time."""
+    return [r.describe() for r in comm.log.records if math.isnan(r.end)]
 
 
 def _contributors(value: float, n: int) -> str:
@@ -70,6 +76,7 @@ def _rank_cases(impl: str, shapes: tuple[tuple[int, ...], ...]) -> list[dict]:
         comm.log.clear()
         chunks = list(torch.tensor_split(xs[rank].clone().reshape(-1), n))
         owned = mod.ring_reduce_scatter(comm, chunks)
+        rs_unwaited = _unwaited(comm)
         rs_ok = isinstance(owned, int) and 0 <= owned < n and torch.equal(chunks[owned],
                                                                          want[owned])
         rs_ops = _ops(comm)
@@ -79,6 +86,7 @@ def _rank_cases(impl: str, shapes: tuple[tuple[int, ...], ...]) -> list[dict]:
         chunks = [torch.full_like(w, float("nan")) for w in want]
         chunks[mine] = want[mine].clone()
         mod.ring_all_gather(comm, chunks, mine)
+        ag_unwaited = _unwaited(comm)
         ag_ok = all(torch.equal(c, w) for c, w in zip(chunks, want))
         ag_ops = _ops(comm)
 
@@ -87,7 +95,9 @@ def _rank_cases(impl: str, shapes: tuple[tuple[int, ...], ...]) -> list[dict]:
         out = mod.ring_all_reduce(comm, t)
         facts.append({
             "shape": shape, "owned": owned, "probe": probe, "rs_ok": rs_ok, "rs_ops": rs_ops,
-            "ag_ok": ag_ok, "ag_ops": ag_ops,
+            "ag_ok": ag_ok, "ag_ops": ag_ops, "unwaited": {
+                "ring_reduce_scatter": rs_unwaited, "ring_all_gather": ag_unwaited,
+                "ring_all_reduce": _unwaited(comm)},
             "ar_same": out is t, "ar_ok": torch.equal(t, total),
             "ar_ops": _ops(comm), "ar_wire": comm.log.total("nbytes", op="send"),
             "ar_expected_wire": wire_bytes("all_reduce", t.numel() * t.element_size(), n)})
@@ -101,6 +111,12 @@ def _judge(n: int, rank: int, f: dict) -> None:
            f"ring_reduce_scatter returned {f['owned']!r} {where}; expected {want_owned}",
            "return (rank + 1) % size: after size-1 steps that is the chunk that has "
            "collected every rank's contribution")
+    for fn, calls in f["unwaited"].items():
+        expect(not calls, f"{fn} {where} returned with {len(calls)} message(s) never "
+               f"waited for (the first: {calls[0] if calls else ''}): a receive's buffer "
+               "may not hold its data yet, and a send's may still be read",
+               "isend and irecv return at once: call .wait() on what they return before "
+               "reading or changing the buffer (exchange() does that for you)")
     held = "; ".join(f"chunk {k} holds ranks {_contributors(v, n)}"
                      for k, v in enumerate(f["probe"]))
     expect(f["rs_ok"], f"ring_reduce_scatter: chunk {want_owned} is not the full sum {where}: "
@@ -144,7 +160,7 @@ def run(impl: str, timeout: float) -> str:
     """All cases on 2, 3 and 4 ranks; the first disagreement raises ``CheckFailure``."""
     for n in WORLDS:
         for shapes in (EVEN, UNEVEN):
-            per_rank = launch(_rank_cases, n, args=(impl, shapes), timeout=timeout)
+            per_rank = launch_case(_rank_cases, n, args=(impl, shapes), timeout=timeout)
             for rank, facts in enumerate(per_rank):
                 for f in facts:
                     _judge(n, rank, f)

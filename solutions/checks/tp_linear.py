@@ -17,9 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.launch import launch
 
-from ..check import expect
+from ..check import expect, launch_case
 
 WORLDS = (2, 4)
 H, FF = 8, 16
@@ -144,7 +143,7 @@ def _judge(n: int, rank: int, f: dict) -> None:
 def run(impl: str, timeout: float) -> str:
     """Column alone, row alone and the MLP on 2 and 4 ranks against nn.Linear."""
     for n in WORLDS:
-        for rank, facts in enumerate(launch(_rank_cases, n, args=(impl,), timeout=timeout)):
+        for rank, facts in enumerate(launch_case(_rank_cases, n, args=(impl,), timeout=timeout)):
             _judge(n, rank, facts)
     return (f"on {' and '.join(map(str, WORLDS))} ranks: outputs and all gradients equal "
             "nn.Linear's; one all-reduce forward (g), one backward (f)")

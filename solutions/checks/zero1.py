@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.launch import launch
 
-from ..check import expect
+from ..check import expect, launch_case
 
 WORLDS = (2, 3)
 STEPS = 3
@@ -52,14 +51,6 @@ def _check_ranges(mod) -> None:
                "every shard has ceil(numel / world) elements, rank r starts at r * size")
 
 
-def _warm_up_adamw() -> None:
-    """Step AdamW once here: its first step imports torch's compiler machinery (seconds),
-    and forked ranks inherit what the parent has already imported."""
-    p = nn.Parameter(torch.zeros(1))
-    p.grad = torch.zeros(1)
-    torch.optim.AdamW([p]).step()
-
-
 def _rank_cases(impl: str) -> dict:
     mod = importlib.import_module(f"{impl}.zero1")
     comm = Comm()
@@ -68,20 +59,28 @@ def _rank_cases(impl: str) -> dict:
     zero = mod.Zero1(model.parameters(), comm, lr=0.05)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     facts = {"steps": []}
+    full = sum(p.numel() for p in model.parameters())
     for step in range(STEPS):
         comm.log.clear()
         _loss(model, *_batch(step, rank)).backward()
         zero.step()
+        got = zero.shard.grad  # what the inner optimizer stepped on
+        got = None if got is None else got.detach().clone()
         zero.zero_grad()
         for r in range(n):  # the reference: the mean gradient of all ranks' batches
             (_loss(ref, *_batch(step, r)) / n).backward()
+        mean = torch.zeros(zero.padded)
+        mean[:full] = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+        want = mean[zero.lo:zero.hi]
+        ratio = (float(got.norm() / want.norm())
+                 if got is not None and got.shape == want.shape and want.norm() > 0
+                 else None)
         ref_opt.step()
         ref_opt.zero_grad()
         worst = max(float((p - q).abs().max()) for p, q in zip(model.parameters(),
                                                                  ref.parameters()))
-        facts["steps"].append({"worst": worst,
+        facts["steps"].append({"worst": worst, "ratio": ratio,
                                "ops": [(r.op, r.nbytes) for r in comm.log.records]})
-    full = sum(p.numel() for p in model.parameters())
     facts["state_bytes"] = zero.state_bytes()
     facts["full_state_bytes"] = 2 * 4 * full  # exp_avg and exp_avg_sq, fp32, whole model
     facts["padded_bytes"] = 4 * math.ceil(full / n) * n
@@ -101,6 +100,17 @@ def _judge(n: int, rank: int, f: dict) -> None:
                f"step {step} {where}: payloads {[b for _, b in s['ops']]} bytes; both ops "
                f"should move the padded flat vector ({f['padded_bytes']} bytes)",
                "reduce-scatter self.flatten(grads), all-gather the shard (1/N of it)")
+        ratio = s["ratio"]
+        if ratio is not None:
+            named = (f"exactly {ratio:.1f}x the mean gradient's = world size ({n})"
+                     if abs(ratio - n) < 1e-3 else f"{ratio:.3g}x the mean gradient's")
+            expect(abs(ratio - 1) < 1e-4,
+                   f"step {step} {where}: the gradient your optimizer stepped on "
+                   f"(self.shard.grad) has a norm {named}; the weights end up off by "
+                   f"{s['worst']:.3g} (Adam's update divides by the gradient's own size, "
+                   "which hides most of a constant factor)",
+                   "each rank's gradient is of its own batch: divide the reduce-scattered "
+                   "sum by comm.size to get the mean")
         expect(s["worst"] < TOL,
                f"after step {step} {where} the weights differ from single-process AdamW "
                f"on the mean gradient by {s['worst']:.3g}",
@@ -116,9 +126,8 @@ def _judge(n: int, rank: int, f: dict) -> None:
 def run(impl: str, timeout: float) -> str:
     """Ranges here; then three steps on 2 and 3 ranks against single-process AdamW."""
     _check_ranges(importlib.import_module(f"{impl}.zero1"))
-    _warm_up_adamw()
     for n in WORLDS:
-        for rank, facts in enumerate(launch(_rank_cases, n, args=(impl,), timeout=timeout)):
+        for rank, facts in enumerate(launch_case(_rank_cases, n, args=(impl,), timeout=timeout)):
             _judge(n, rank, facts)
     return (f"{STEPS} AdamW steps on {' and '.join(map(str, WORLDS))} ranks equal one "
             "process; one reduce-scatter + one all-gather per step; states 1/N")
