@@ -425,6 +425,11 @@ MESSAGE_MUTANTS = {
         "            acts += [Action(\"B\", i, r), Action(\"F\", warm + i, r)]\n",
         ["differs from 1F1B at pp=2, m=1, rank 1, position 0: expected F0, got B0",
          "runs 1; yours runs 0"]),
+    "1f1b_chunk": (
+        "pipeline_1f1b", "        acts = [Action(\"F\", i, r) for i in range(warm)]\n",
+        "        acts = [Action(\"F\", i, 0) for i in range(warm)]\n",
+        ["rank 1 (pp=3, m=1): every action's chunk must be the rank's stage, 1; "
+         "got chunk 0, 1"]),
     "1f1b_gpipe": (
         "pipeline_1f1b", "        warm = min(pp - r - 1, microbatches)\n",
         "        warm = microbatches\n", ["differs from 1F1B", "that is GPipe's order"]),
