@@ -357,9 +357,15 @@ def block_activations(cfg: GPTConfig, layout: Layout, mode: str,
     then, and keeps GELU's input besides."""
     # (tp's float8 linears gather or keep their inputs themselves: not counted as gone)
     float8_compiled = layout.fp8 is not None and layout.compiled and layout.tp == 1
+    return _block_bytes(cfg, layout.microbatch_size, layout.tp, layout.sp, layout.dtype,
+                        layout.cp, float8_compiled, mode, accounting, weight_pass)
+
+
+@lru_cache(maxsize=4096)  # (asked for every stage of every layout a planner prices)
+def _block_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, dtype: str, cp: int,
+                 float8_compiled: bool, mode: str, accounting: str, weight_pass: bool) -> float:
     held = "none" if weight_pass and mode == "cheap" else mode
-    items = layer_activations(cfg, layout.microbatch_size, layout.tp, layout.sp, held,
-                              layout.dtype, accounting, layout.cp, float8_compiled)
+    items = layer_activations(cfg, b, tp, sp, held, dtype, accounting, cp, float8_compiled)
     if not weight_pass:
         return sum(items.values())
     recipe = items["gelu input"] if mode == "cheap" else 0

@@ -33,7 +33,7 @@ gradient with the first stage), so tying saves memory only when pp = 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 from minipar.model import GPTConfig
 from minipar.parallel.pp import partition_layers  # the pipeline's own split rule
@@ -117,7 +117,13 @@ def stage_recomputed_layers(cfg: GPTConfig | str, pp: int = 1, stage: int = 0,
     ``recompute_layers`` N of each of its chunks, every block with N None (the rule of
     ``parallel.recompute.apply_recompute``, Megatron's ``--recompute-num-layers``). The
     memory and the communication theory both ask here."""
-    cfg = get_model(cfg)
+    return _stage_recomputed_layers(get_model(cfg), pp, stage, virtual, head_layers,
+                                    recompute_layers)
+
+
+@lru_cache(maxsize=4096)  # (asked for every stage of every layout a planner prices)
+def _stage_recomputed_layers(cfg: GPTConfig, pp: int, stage: int, virtual: int,
+                             head_layers: int, recompute_layers: int | None) -> tuple[int, int]:
     chunks = partition_layers(cfg.n_layer, pp * virtual, head_layers)
     redone = [i for c in range(stage, pp * virtual, pp) for i in chunks[c][:recompute_layers]]
     return len(redone), sum(cfg.is_moe(i) for i in redone) if cfg.n_expert else 0
@@ -184,7 +190,12 @@ def stage_params(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int = 0,
     With ``virtual`` chunks per stage (interleaved schedule) a stage holds about the
     same number of layers, only not consecutive ones.
     """
-    cfg = get_model(cfg)
+    return _stage_params(get_model(cfg), pp, tp, stage, virtual, head_layers, ep)
+
+
+@lru_cache(maxsize=4096)  # (asked for every stage of every layout a planner prices)
+def _stage_params(cfg: GPTConfig, pp: int, tp: int, stage: int, virtual: int,
+                  head_layers: int, ep: int) -> int:
     check_divisible(cfg, tp)
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers)
     table = param_table(cfg)
