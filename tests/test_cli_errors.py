@@ -87,6 +87,16 @@ def _corpora(d: Path) -> None:
         prepare(str(d / name), "byte", 256, str(d / "cache"))
 
 
+def _no_text(d: Path) -> None:
+    """An empty file, a binary one, and a directory of both: nothing to tokenise."""
+    d.mkdir()
+    (d / "empty.txt").write_text("")
+    (d / "blob.dat").write_bytes(bytes(range(256)) * 4)
+    (d / "both").mkdir()
+    (d / "both" / "empty.txt").write_text("")
+    (d / "both" / "blob.dat").write_bytes(bytes(range(256)) * 4)
+
+
 SETUPS = {
     "empty": lambda d: d.mkdir(), "file": lambda d: d.write_text("x"),
     "tiny": fake_checkpoint, "small": lambda d: fake_checkpoint(d, "small"),
@@ -94,7 +104,7 @@ SETUPS = {
     "at3": lambda d: fake_checkpoint(d, step=3), "truncated": _truncated,
     "random": _random_bytes, "badmeta": _bad_meta, "nofiles": _meta_without_files,
     "dangling": _dangling, "noshard": _missing_shard, "locked": _locked,
-    "corpora": _corpora,
+    "corpora": _corpora, "notext": _no_text,
 }
 
 # (id, arguments with {name} for a path made by SETUPS[name], what the one line says)
@@ -138,6 +148,12 @@ CASES = [
     ("eval batches past the held-out split", "train --eval-every 1 --eval-batches 100000 "
      "--data {corpora}/small.txt --data-cache {corpora}/cache",
      "has 168: pass --eval-batches 10 or fewer"),
+    ("text file empty", "train --data {notext}/empty.txt --data-cache {notext}/c",
+     "empty.txt: no text found (the file is empty or binary; a token file's name ends in"),
+    ("text file binary", "train --data {notext}/blob.dat --data-cache {notext}/c",
+     "blob.dat: no text found (the file is empty or binary"),
+    ("text dir of no text", "train --data {notext}/both --data-cache {notext}/c",
+     "both: no text found (its 2 files are empty or binary"),
     # --- train: numbers --------------------------------------------------------------
     ("seed too large", f"train --seed {2**70}", "--seed must be an integer from 0 to"),
     ("seed negative", "train --seed -1", "--seed must be an integer from 0 to"),
@@ -285,6 +301,17 @@ def test_an_output_failing_late_is_one_line_after_the_table(tmp_path, capsys, mo
     assert "total" in out
     assert err.strip() == (f"minipar memory: error: {tmp_path / 'm.json'}: No space left "
                            "on device")
+
+
+def test_a_corpus_without_text_is_named_once(tmp_path, capsys) -> None:
+    """Found only by tokenising (every record's text empty): one error line, its
+    ``--data`` named once, after the line that says tokenising started."""
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": ""}\n')
+    code = main(["train", "--quiet", "--data", str(blank), "--data-cache", str(tmp_path / "c")])
+    assert code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"minipar train: error: --data {blank}: no text found"
 
 
 # --- failures after launch: results kept, one line -------------------------------------
