@@ -67,6 +67,13 @@ class GPTConfig:
         if self.n_expert and not 1 <= self.moe_top_k <= self.n_expert:
             raise ValueError(f"--moe-top-k must be between 1 and --moe-experts "
                              f"({self.n_expert}), got {self.moe_top_k}")
+        if self.moe_every < 1:
+            raise ValueError(f"--moe-every must be a positive integer, got {self.moe_every}")
+        for flag, value in (("capacity-factor", self.capacity_factor),
+                            ("aux-loss-coef", self.aux_loss_coef),
+                            ("z-loss-coef", self.z_loss_coef)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"--{flag} must be a finite number >= 0, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_head={self.n_head}"

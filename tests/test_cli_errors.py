@@ -183,6 +183,8 @@ CASES = [
     ("memory tp not dividing", "memory --tp 3", "is not divisible by tp=3"),
     ("memory hidden vs heads", "memory --hidden 100", "d_model=100 is not divisible by"),
     ("memory unknown model", "memory --model nope", "unknown model preset 'nope'"),
+    ("memory capacity factor negative", "memory --moe-experts 4 --capacity-factor -1",
+     "--capacity-factor must be a finite number >= 0, got -1.0"),
     ("memory json dir missing", f"memory --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- bubble ----------------------------------------------------------------------
     ("bubble pp zero", "bubble --pp 0", "--pp must be a positive integer, got 0"),
@@ -204,6 +206,8 @@ CASES = [
     ("plan pp no layout has", "plan --gpus 4 --pp 3", "no layout of 4 GPUs has pp=3"),
     ("plan pp zero", "plan --gpus 4 --pp 0", "--pp must be a positive integer, got 0"),
     ("plan layers zero", "plan --layers 0", "--layers must be a positive integer"),
+    ("plan capacity factor nan", "plan --moe-experts 4 --capacity-factor nan",
+     "--capacity-factor must be a finite number >= 0, got nan"),
     ("plan json dir missing", f"plan --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- doctor and the program itself ---------------------------------------------
     ("doctor json dir missing", f"doctor --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
