@@ -363,12 +363,23 @@ def parse_count(text: str) -> int:
     return int(round(value))
 
 
+# the model flags beside --model (``_add_model_args``)
+MODEL_SIZES = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len", "moe_experts",
+               "moe_top_k", "capacity_factor")
+
+
 def _model_from_args(args):
     """A preset, optionally with custom sizes (``--layers --hidden --heads ...``)."""
     checks.output_file("json", args.json)
     checks.model_sizes(layers=args.layers, hidden=args.hidden, heads=args.heads,
                        vocab=args.vocab, seq_len=args.seq_len)
-    if args.model is None and getattr(args, "params", None) is not None:
+    if getattr(args, "params", None) is not None:
+        given = [f"--{k.replace('_', '-')} {v}" for k in ("model", *MODEL_SIZES)
+                 if (v := getattr(args, k)) is not None]
+        if given:
+            raise ValueError(f"--params counts a model's states from its size alone: give "
+                             f"it without --model and the sizes, or drop it (got "
+                             f"{' '.join(given)} too)")
         return None
     cfg = sized(get_config(args.model or "tiny"), args.layers, args.hidden, args.heads,
                 args.ffn, args.vocab, args.seq_len)
@@ -379,9 +390,7 @@ def _model_from_args(args):
 
 def _model_label(args) -> str:
     """What ``_model_from_args`` built, in words: the preset, and any sizes changed."""
-    changed = [f"--{k.replace('_', '-')} {v}" for k in ("layers", "hidden", "heads", "vocab",
-                                                        "seq_len", "moe_experts",
-                                                        "moe_top_k", "capacity_factor")
+    changed = [f"--{k.replace('_', '-')} {v}" for k in MODEL_SIZES
                if (v := getattr(args, k)) is not None]
     return (args.model or "tiny") + (f" with {' '.join(changed)}" if changed else "")
 
@@ -518,9 +527,7 @@ def _offload_hint(cfg, where, args, model_flags: str, degrees: dict[str, int]) -
 def _model_flags(args) -> str:
     """The model flags given to ``plan`` (sizes, experts), for the ``train`` commands it
     prints."""
-    sizes = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len", "moe_experts",
-             "moe_top_k", "capacity_factor")
-    return "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in sizes
+    return "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in MODEL_SIZES
                    if getattr(args, k, None) is not None)
 
 

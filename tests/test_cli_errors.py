@@ -174,6 +174,10 @@ CASES = [
     ("memory heads zero", "memory --heads 0", "--heads must be a positive integer"),
     ("memory tp negative", "memory --tp -4", "--tp must be a positive integer, got -4"),
     ("memory params negative", "memory --params -5", "is not a parameter count"),
+    ("memory params with a model", "memory --params 7.5B --model tiny", "--params counts a "
+     "model's states from its size alone: give it without --model and the sizes, or drop "
+     "it (got --model tiny too)"),
+    ("memory params with sizes", "memory --params 1e9 --layers 4", "(got --layers 4 too)"),
     ("memory microbatch size", "memory --microbatch-size -1", "--microbatch-size must be"),
     ("memory pp above layers", "memory --pp 1000", "8 layers cannot fill pp=1000"),
     ("memory microbatches zero", "memory --microbatches 0", "--microbatches must be a"),
@@ -275,6 +279,8 @@ def test_huge_bubble_prints_a_bounded_summary(capsys: pytest.CaptureFixture) -> 
 def test_memory_names_the_model_it_used(capsys: pytest.CaptureFixture) -> None:
     assert main(["memory", "--layers", "4"]) == 0
     assert "per-device memory of tiny with --layers 4," in capsys.readouterr().out
+    assert main(["memory", "--ffn", "1000"]) == 0
+    assert "per-device memory of tiny with --ffn 1000," in capsys.readouterr().out
 
 
 def test_more_than_8_ranks_get_a_note_with_the_slowdown() -> None:
