@@ -216,6 +216,9 @@ CASES = [
     # --- doctor and the program itself ---------------------------------------------
     ("doctor json dir missing", f"doctor --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     ("doctor unknown flag", "doctor --nope", "unrecognized arguments: --nope"),
+    ("doctor pp above layers", "doctor --model tiny --pp 100", "8 layers cannot fill pp=100"),
+    ("doctor layout without a model", "doctor --dp 2 --dtype bf16", "--dp 2 --dtype bf16 is "
+     "the layout of --model: give --model NAME too"),
     ("no subcommand", "", "the following arguments are required: command"),
     ("unknown subcommand", "fly", "argument command: invalid choice: 'fly'"),
 ]
