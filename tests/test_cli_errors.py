@@ -186,7 +186,7 @@ CASES = [
     ("memory cp zero", "memory --cp 0", "--cp must be a positive integer, got 0"),
     ("memory tp not dividing", "memory --tp 3", "is not divisible by tp=3"),
     ("memory hidden vs heads", "memory --hidden 100", "d_model=100 is not divisible by"),
-    ("memory unknown model", "memory --model nope", "unknown model preset 'nope'"),
+    ("memory unknown model", "memory --model nope", "unknown model preset 'nope'; choose"),
     ("memory capacity factor negative", "memory --moe-experts 4 --capacity-factor -1",
      "--capacity-factor must be a finite number >= 0, got -1.0"),
     ("memory json dir missing", f"memory --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
@@ -207,6 +207,14 @@ CASES = [
     ("plan zero top", "plan --top 0", "--top must be a positive integer, got 0"),
     ("plan gpus not filling nodes", "plan --gpus 12", "12 GPUs do not fill nodes of 8"),
     ("plan unknown cluster", "plan --cluster nope", "unknown cluster 'nope'"),
+    ("plan cluster in capitals", "plan --cluster DGX-A100", "unknown cluster 'DGX-A100' (did "
+     "you mean 'dgx-a100'?); choose one of"),
+    ("plan gpu without its memory", "plan --gpus 8 --gpu h200", "unknown --gpu 'h200' (did "
+     "you mean 'H200-141GB'?); choose one of ["),
+    ("plan gpu of two sizes", "plan --gpus 8 --gpu A100", "(did you mean 'A100-40GB' or "
+     "'A100-80GB'?)"),
+    ("plan model misspelt", "plan --model gpt-13", "unknown model preset 'gpt-13' (did you "
+     "mean 'gpt-13b'?); choose one of ['gpt-1.3b',"),
     ("plan pp no layout has", "plan --gpus 4 --pp 3", "no layout of 4 GPUs has pp=3"),
     ("plan pp zero", "plan --gpus 4 --pp 0", "--pp must be a positive integer, got 0"),
     ("plan layers zero", "plan --layers 0", "--layers must be a positive integer"),
