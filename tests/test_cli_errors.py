@@ -216,6 +216,10 @@ CASES = [
     ("plan model misspelt", "plan --model gpt-13", "unknown model preset 'gpt-13' (did you "
      "mean 'gpt-13b'?); choose one of ['gpt-1.3b',"),
     ("plan pp no layout has", "plan --gpus 4 --pp 3", "no layout of 4 GPUs has pp=3"),
+    ("plan cp too short", "plan --model tiny --gpus 2 --cp 2", "no layout of 2 GPUs has cp=2"
+     ": dp x pp x tp x cp must make 2, pp divide the 8 layers, tp the heads, FFN and "
+     "vocabulary; tp and cp are powers of two, tp x cp within a node of 2, and cp leaves "
+     "each rank 4096 or more of the 32 tokens of a sequence (in 2*cp equal chunks)"),
     ("plan pp zero", "plan --gpus 4 --pp 0", "--pp must be a positive integer, got 0"),
     ("plan layers zero", "plan --layers 0", "--layers must be a positive integer"),
     ("plan capacity factor nan", "plan --moe-experts 4 --capacity-factor nan",
