@@ -339,6 +339,23 @@ def test_a_corpus_without_text_is_named_once(tmp_path, capsys) -> None:
     assert last == f"minipar train: error: --data {blank}: no text found"
 
 
+def test_resuming_on_other_data_is_noted(tmp_path, capsys) -> None:
+    """A run trained on pystdlib resumed without its --data reads the generated corpus:
+    allowed (a fine-tune may mean it), and said in one note before the run starts."""
+    from minipar.checkpoint import resume_notes
+    from minipar.config import TrainConfig
+
+    step = fake_checkpoint(tmp_path / "ck")
+    meta = json.loads((step / "meta.json").read_text())
+    meta["config"]["data"] = "pystdlib"
+    (step / "meta.json").write_text(json.dumps(meta))
+    ck = str(tmp_path / "ck")
+    assert resume_notes(ck, TrainConfig(resume=ck, data="pystdlib", steps=3)) == []
+    note, = resume_notes(ck, TrainConfig(resume=ck, steps=3))
+    assert note == (f"--resume {ck} was trained on --data pystdlib: this run reads --data "
+                    "markov (pass --data pystdlib to go on with the same text)")
+
+
 # --- failures after launch: results kept, one line -------------------------------------
 def test_a_late_trace_error_keeps_the_losses_and_the_json(tmp_path, capsys, monkeypatch):
     import minipar.trace
