@@ -33,6 +33,7 @@ from minipar.engine import RunStopped, rehearse, train
 from minipar.export import export, export_hf
 from minipar.launch import LaunchError
 from minipar.model import get_config
+from minipar.parallel.schedules import check_schedule
 from minipar.parity import check_run
 from minipar.sample import sample
 from minipar.startup import release_interrupts
@@ -415,6 +416,8 @@ def _cmd_memory(args) -> int:
     checks.positive("microbatch-size", args.microbatch_size)
     checks.positive("microbatches", args.microbatches)
     checks.layout(cfg, args.dp, args.pp, args.tp, args.virtual, args.sp)
+    check_schedule(args.schedule, args.pp, args.microbatches, args.virtual, zero=args.zero,
+                   recompute=args.recompute)  # the layouts train and bubble refuse
     layout = Layout(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep,
                     zero=args.zero, microbatch_size=args.microbatch_size,
                     microbatches=args.microbatches, schedule=args.schedule,

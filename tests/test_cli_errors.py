@@ -181,6 +181,12 @@ CASES = [
     ("memory microbatch size", "memory --microbatch-size -1", "--microbatch-size must be"),
     ("memory pp above layers", "memory --pp 1000", "8 layers cannot fill pp=1000"),
     ("memory microbatches zero", "memory --microbatches 0", "--microbatches must be a"),
+    ("memory virtual without interleaved", "memory --pp 2 --virtual 2", "--virtual 2 needs "
+     "--schedule interleaved or interleaved-zb (got 1f1b)"),
+    ("memory interleaved one chunk", "memory --pp 2 --schedule interleaved",
+     "--schedule interleaved needs --virtual 2 or more"),
+    ("memory interleaved m % pp", "memory --pp 2 --virtual 2 --schedule interleaved "
+     "--microbatches 3", "needs --microbatches divisible by --pp (3 % 2 != 0)"),
     ("memory sp without tp", "memory --sp", "--sp (sequence parallelism) splits along tp"),
     ("memory cp not cutting", "memory --cp 3", "needs a sequence length divisible by 2*cp=6"),
     ("memory cp zero", "memory --cp 0", "--cp must be a positive integer, got 0"),
