@@ -33,6 +33,7 @@ from minipar.engine import RunStopped, rehearse, train
 from minipar.export import export, export_hf
 from minipar.launch import LaunchError
 from minipar.model import get_config
+from minipar.parallel.schedules import check_schedule
 from minipar.parity import check_run
 from minipar.sample import sample
 from minipar.startup import release_interrupts
@@ -330,8 +331,18 @@ def _cmd_export(args) -> int:
 
 # --- the theory and machine subcommands --------------------------------------------------
 
+# doctor's layout flags for --model, at their defaults
+DOCTOR_LAYOUT = {"dp": 1, "pp": 1, "tp": 1, "zero": 0, "dtype": "fp32"}
+
+
 def _cmd_doctor(args) -> int:
     checks.output_file("json", args.json)
+    layout = [f"--{k} {v}" for k, v in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp),
+                                         ("zero", args.zero), ("dtype", args.dtype))
+              if v != DOCTOR_LAYOUT[k]]
+    if layout and not args.model:
+        raise ValueError(f"{' '.join(layout)} is the layout of --model: give --model NAME "
+                         "too (doctor checks it fits this machine)")
     # the model's fit first: pure arithmetic, so a bad --model or size is refused before
     # the checks start processes
     fit = fits_report(args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
@@ -363,12 +374,23 @@ def parse_count(text: str) -> int:
     return int(round(value))
 
 
+# the model flags beside --model (``_add_model_args``)
+MODEL_SIZES = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len", "moe_experts",
+               "moe_top_k", "capacity_factor")
+
+
 def _model_from_args(args):
     """A preset, optionally with custom sizes (``--layers --hidden --heads ...``)."""
     checks.output_file("json", args.json)
     checks.model_sizes(layers=args.layers, hidden=args.hidden, heads=args.heads,
                        vocab=args.vocab, seq_len=args.seq_len)
-    if args.model is None and getattr(args, "params", None) is not None:
+    if getattr(args, "params", None) is not None:
+        given = [f"--{k.replace('_', '-')} {v}" for k in ("model", *MODEL_SIZES)
+                 if (v := getattr(args, k)) is not None]
+        if given:
+            raise ValueError(f"--params counts a model's states from its size alone: give "
+                             f"it without --model and the sizes, or drop it (got "
+                             f"{' '.join(given)} too)")
         return None
     cfg = sized(get_config(args.model or "tiny"), args.layers, args.hidden, args.heads,
                 args.ffn, args.vocab, args.seq_len)
@@ -379,9 +401,7 @@ def _model_from_args(args):
 
 def _model_label(args) -> str:
     """What ``_model_from_args`` built, in words: the preset, and any sizes changed."""
-    changed = [f"--{k.replace('_', '-')} {v}" for k in ("layers", "hidden", "heads", "vocab",
-                                                        "seq_len", "moe_experts",
-                                                        "moe_top_k", "capacity_factor")
+    changed = [f"--{k.replace('_', '-')} {v}" for k in MODEL_SIZES
                if (v := getattr(args, k)) is not None]
     return (args.model or "tiny") + (f" with {' '.join(changed)}" if changed else "")
 
@@ -396,6 +416,8 @@ def _cmd_memory(args) -> int:
     checks.positive("microbatch-size", args.microbatch_size)
     checks.positive("microbatches", args.microbatches)
     checks.layout(cfg, args.dp, args.pp, args.tp, args.virtual, args.sp)
+    check_schedule(args.schedule, args.pp, args.microbatches, args.virtual, zero=args.zero,
+                   recompute=args.recompute)  # the layouts train and bubble refuse
     layout = Layout(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep,
                     zero=args.zero, microbatch_size=args.microbatch_size,
                     microbatches=args.microbatches, schedule=args.schedule,
@@ -518,9 +540,7 @@ def _offload_hint(cfg, where, args, model_flags: str, degrees: dict[str, int]) -
 def _model_flags(args) -> str:
     """The model flags given to ``plan`` (sizes, experts), for the ``train`` commands it
     prints."""
-    sizes = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len", "moe_experts",
-             "moe_top_k", "capacity_factor")
-    return "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in sizes
+    return "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in MODEL_SIZES
                    if getattr(args, k, None) is not None)
 
 
@@ -606,9 +626,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json")
     d.add_argument("--model", help="also check this preset fits here (host and GPU memory)")
     for dim in ("dp", "pp", "tp"):
-        d.add_argument(f"--{dim}", type=int, default=1, help="layout for --model")
-    d.add_argument("--zero", type=int, default=0, choices=range(4))
-    d.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+        d.add_argument(f"--{dim}", type=int, default=DOCTOR_LAYOUT[dim],
+                       help="layout for --model")
+    d.add_argument("--zero", type=int, default=DOCTOR_LAYOUT["zero"], choices=range(4))
+    d.add_argument("--dtype", default=DOCTOR_LAYOUT["dtype"], choices=("fp32", "bf16"))
     s = sub.add_parser("sample", help="text generated by a checkpoint of any layout")
     s.add_argument("--resume", required=True, help="checkpoint directory (train --save)")
     s.add_argument("--prompt", default="", help="text to continue")

@@ -458,12 +458,19 @@ def check_resume(directory: str, cfg) -> None:
 
 def resume_notes(directory: str, cfg) -> list[str]:
     """What resuming ``directory`` with ``cfg`` changes that it may not mean to, a line
-    each: another optimizer, whose states (none of the saved ones) start fresh."""
-    saved = inspect(directory)["config"].get("optimizer", cfg.optimizer)
-    if saved == cfg.optimizer:
-        return []
-    return [f"--resume {directory} was trained with --optimizer {saved}: {cfg.optimizer}'s "
-            "states start fresh (the weights and the step count carry over)"]
+    each: another optimizer, whose states (none of the saved ones) start fresh; other
+    data (a fine-tune may mean it; a forgotten ``--data`` does not)."""
+    config, notes = inspect(directory)["config"], []
+    saved = config.get("optimizer", cfg.optimizer)
+    if saved != cfg.optimizer:
+        notes.append(f"--resume {directory} was trained with --optimizer {saved}: "
+                     f"{cfg.optimizer}'s states start fresh (the weights and the step count "
+                     "carry over)")
+    data = config.get("data", cfg.data)
+    if data != cfg.data and os.path.realpath(data) != os.path.realpath(cfg.data):
+        notes.append(f"--resume {directory} was trained on --data {data}: this run reads "
+                     f"--data {cfg.data} (pass --data {data} to go on with the same text)")
+    return notes
 
 
 def _shape(m) -> str:

@@ -17,6 +17,7 @@ import os
 import tempfile
 from collections.abc import Collection
 
+from minipar.model import did_you_mean
 from minipar.parallel.schedules import check_schedule
 
 SEED_MAX = 2**32 - 1  # seeds mix into torch generators as seed * 1_000_003 + step
@@ -185,7 +186,8 @@ def cluster(gpus: int | None, gpu: str, gpus_per_node: int, batch: int | None,
         raise ValueError(f"--gpus {gpus} is beyond the largest cluster plan considers "
                          f"({GPUS_MAX:,} GPUs)")
     if gpu not in known_gpus:
-        raise ValueError(f"unknown --gpu {gpu!r}; choose one of {sorted(known_gpus)}")
+        raise ValueError(f"unknown --gpu {gpu!r}{did_you_mean(gpu, known_gpus)}; choose one "
+                         f"of {sorted(known_gpus)}")
     if not 0 <= memory_margin < 1:
         raise ValueError(f"--memory-margin must be in [0, 1) (a share of each GPU's memory "
                          f"left free), got {memory_margin!r}")

@@ -602,8 +602,9 @@ def _check_data_and_knobs(cfg: TrainConfig, model: GPTConfig) -> None:
 def _check_corpus_size(cfg: TrainConfig, model: GPTConfig) -> None:
     """The corpus against the sequence length and the evaluation, before any rank starts:
     text is tokenised here to count its tokens (the cache keeps them for the ranks)."""
+    n_tokens = token_count(cfg, model.vocab_size)  # (its own errors name --data)
     try:
-        _, n_val = split_sizes(token_count(cfg, model.vocab_size), model.seq_len)
+        _, n_val = split_sizes(n_tokens, model.seq_len)
     except ValueError as e:
         raise ValueError(f"--data {cfg.data}: {e}") from None
     # more rows than the held-out split's distinct sequences only re-reads them, and a

@@ -53,6 +53,7 @@ VAL_FRACTION = 0.05
 PYSTDLIB_BYTES = 4 * 2**20  # enough text to learn from; tokenises in seconds
 EOT = "<|endoftext|>"  # BPE's document separator (id 0)
 DATASETS_MARKS = ("dataset_info.json", "dataset_dict.json")  # a save_to_disk directory
+BINARY_SNIFF = 4096  # a NUL byte among a file's first bytes: binary, not text
 
 
 def default_cache() -> str:
@@ -128,10 +129,15 @@ def check_source(source: str, tokenizer: str, text_field: str = "text") -> None:
         sidecar(source)  # (one line for a sidecar that cannot be used)
         return
     if os.path.isfile(source) or os.path.isdir(source):
-        if not text_files(source):
+        files = text_files(source)
+        if not files:
             raise ValueError(f"--data {source}: the directory holds no files")
         if data_format(source) != "text":
             next(documents(source, text_field), None)  # the library, the field: or why not
+        elif not any(_may_hold_text(p) for p in files):
+            what = "the file is" if files == [source] else f"its {len(files)} files are"
+            raise ValueError(f"--data {source}: no text found ({what} empty or binary; a "
+                             "token file's name ends in .bin)")
         return
     raise ValueError(f"--data {source!r} is not a file, a directory, a .bin token file or a "
                      f"built-in corpus ({', '.join(BUILTIN)})")
@@ -207,17 +213,30 @@ def _table_batches(source: str, fmt: str, text_field: str) -> Iterator[list]:
         yield b[text_field]
 
 
+def _is_binary(head: bytes) -> bool:
+    """Whether a file whose first bytes are ``head`` is binary, not text."""
+    return b"\0" in head[:BINARY_SNIFF]
+
+
+def _may_hold_text(path: str) -> bool:
+    """Whether ``_read_text`` would find any text in ``path`` (its first bytes only)."""
+    with open(path, "rb") as f:
+        head = f.read(BINARY_SNIFF)
+    return bool(head) and not _is_binary(head)
+
+
 def _read_text(path: str, not_utf8: list[str] | None = None) -> str | None:
     """The file's text; None for a binary file. Bytes that are not UTF-8 become U+FFFD,
     and the file is added to ``not_utf8`` (a warning names it)."""
     with open(path, "rb") as f:
         raw = f.read()
-    if b"\0" in raw[:4096]:
+    if _is_binary(raw):
         return None  # binary: not text
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        not_utf8.append(f"{path} (byte {e.start})")
+        if not_utf8 is not None:
+            not_utf8.append(f"{path} (byte {e.start})")
         return raw.decode("utf-8", errors="replace")
 
 

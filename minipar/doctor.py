@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from minipar import checks
 from minipar.launch import launch
 from minipar.model import get_config
 from minipar.theory.layout import Layout
@@ -124,30 +125,31 @@ def fits_report(model: str, dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0
     allocator slack, temporary buffers: a fit with under 20% to spare is called tight.
     """
     cfg = get_config(model)
+    checks.layout(cfg, dp, pp, tp)  # the layouts train refuses (more stages than layers)
     mem = memory_breakdown(cfg, Layout(dp=dp, pp=pp, tp=tp, zero=zero, dtype=dtype,
                                        optimizer="adamw", microbatch_size=microbatch_size),
                            accounting="fused")
     ranks = dp * pp * tp
     need = mem["total"]
     total, available = host_memory()
-    checks = []
+    verdicts = []
 
     def verdict(name: str, have: int, want: int, what: str) -> None:
         ok = want <= have
         tight = ok and want > 0.8 * have
-        checks.append({"check": name, "ok": ok, "message":
-                       f"{what}: needs {want / 2**30:.2f} GiB of {have / 2**30:.2f} GiB"
-                       + (" (tight)" if tight else "" if ok else
-                          ": does not fit; try more ranks, --zero, bf16 or a smaller model")})
+        verdicts.append({"check": name, "ok": ok, "message":
+                         f"{what}: needs {want / 2**30:.2f} GiB of {have / 2**30:.2f} GiB"
+                         + (" (tight)" if tight else "" if ok else
+                            ": does not fit; try more ranks, --zero, bf16 or a smaller model")})
 
     layout = f"{model} dp={dp} pp={pp} tp={tp} zero={zero} {dtype}"
     if torch.cuda.is_available():
         device = min(torch.cuda.mem_get_info(i)[1] for i in range(torch.cuda.device_count()))
         verdict("gpu memory", device, need, f"{layout}, per GPU")
         verdict("gpus", torch.cuda.device_count(), ranks, "ranks (one per GPU with nccl)")
-        checks[-1]["message"] = (f"{ranks} rank(s), {torch.cuda.device_count()} GPU(s)")
+        verdicts[-1]["message"] = (f"{ranks} rank(s), {torch.cuda.device_count()} GPU(s)")
     else:
         verdict("host memory", available, need * ranks,
                 f"{layout}, {ranks} rank(s) in host memory (available)")
     return {"model": model, "per_rank": mem, "ranks": ranks, "host_total": total,
-            "host_available": available, "checks": checks}
+            "host_available": available, "checks": verdicts}

@@ -23,9 +23,10 @@ dropout), and dropout masks are keyed by position in the global batch
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 
@@ -66,6 +67,13 @@ class GPTConfig:
         if self.n_expert and not 1 <= self.moe_top_k <= self.n_expert:
             raise ValueError(f"--moe-top-k must be between 1 and --moe-experts "
                              f"({self.n_expert}), got {self.moe_top_k}")
+        if self.moe_every < 1:
+            raise ValueError(f"--moe-every must be a positive integer, got {self.moe_every}")
+        for flag, value in (("capacity-factor", self.capacity_factor),
+                            ("aux-loss-coef", self.aux_loss_coef),
+                            ("z-loss-coef", self.z_loss_coef)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"--{flag} must be a finite number >= 0, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_head={self.n_head}"
@@ -128,6 +136,24 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def did_you_mean(name: str, known: Collection[str]) -> str:
+    """`` (did you mean 'small'?)`` after "unknown ... 'smal'", letter case aside: the
+    names of ``known`` that ``name`` begins (``h200``: ``H200-141GB``), else the closest
+    (more than one only when as close); "" when none is close, or too many are (the
+    list of every name follows it)."""
+    typed = str(name).lower()
+    close = [k for k in known if typed and k.lower().startswith(typed)]
+    if not close:
+        score = {k: difflib.SequenceMatcher(None, typed, k.lower()).ratio() for k in known}
+        best = max(score.values(), default=0.0)
+        if best < 0.6:  # (difflib.get_close_matches's cutoff)
+            return ""
+        close = [k for k in known if score[k] >= best - 0.01]
+    if len(close) > 3:
+        return ""
+    return f" (did you mean {' or '.join(repr(k) for k in sorted(close))}?)"
+
+
 def get_config(name_or_config: str | GPTConfig) -> GPTConfig:
     """A preset by name, or the config itself."""
     if isinstance(name_or_config, GPTConfig):
@@ -135,9 +161,9 @@ def get_config(name_or_config: str | GPTConfig) -> GPTConfig:
     try:
         return PRESETS[name_or_config]
     except KeyError:
-        raise ValueError(
-            f"unknown model preset {name_or_config!r}; choose one of {sorted(PRESETS)}"
-        ) from None
+        raise ValueError(f"unknown model preset {name_or_config!r}"
+                         f"{did_you_mean(name_or_config, PRESETS)}; choose one of "
+                         f"{sorted(PRESETS)}") from None
 
 
 class KeyedDropout(nn.Module):

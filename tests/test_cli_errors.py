@@ -87,6 +87,16 @@ def _corpora(d: Path) -> None:
         prepare(str(d / name), "byte", 256, str(d / "cache"))
 
 
+def _no_text(d: Path) -> None:
+    """An empty file, a binary one, and a directory of both: nothing to tokenise."""
+    d.mkdir()
+    (d / "empty.txt").write_text("")
+    (d / "blob.dat").write_bytes(bytes(range(256)) * 4)
+    (d / "both").mkdir()
+    (d / "both" / "empty.txt").write_text("")
+    (d / "both" / "blob.dat").write_bytes(bytes(range(256)) * 4)
+
+
 SETUPS = {
     "empty": lambda d: d.mkdir(), "file": lambda d: d.write_text("x"),
     "tiny": fake_checkpoint, "small": lambda d: fake_checkpoint(d, "small"),
@@ -94,7 +104,7 @@ SETUPS = {
     "at3": lambda d: fake_checkpoint(d, step=3), "truncated": _truncated,
     "random": _random_bytes, "badmeta": _bad_meta, "nofiles": _meta_without_files,
     "dangling": _dangling, "noshard": _missing_shard, "locked": _locked,
-    "corpora": _corpora,
+    "corpora": _corpora, "notext": _no_text,
 }
 
 # (id, arguments with {name} for a path made by SETUPS[name], what the one line says)
@@ -138,6 +148,12 @@ CASES = [
     ("eval batches past the held-out split", "train --eval-every 1 --eval-batches 100000 "
      "--data {corpora}/small.txt --data-cache {corpora}/cache",
      "has 168: pass --eval-batches 10 or fewer"),
+    ("text file empty", "train --data {notext}/empty.txt --data-cache {notext}/c",
+     "empty.txt: no text found (the file is empty or binary; a token file's name ends in"),
+    ("text file binary", "train --data {notext}/blob.dat --data-cache {notext}/c",
+     "blob.dat: no text found (the file is empty or binary"),
+    ("text dir of no text", "train --data {notext}/both --data-cache {notext}/c",
+     "both: no text found (its 2 files are empty or binary"),
     # --- train: numbers --------------------------------------------------------------
     ("seed too large", f"train --seed {2**70}", "--seed must be an integer from 0 to"),
     ("seed negative", "train --seed -1", "--seed must be an integer from 0 to"),
@@ -158,15 +174,27 @@ CASES = [
     ("memory heads zero", "memory --heads 0", "--heads must be a positive integer"),
     ("memory tp negative", "memory --tp -4", "--tp must be a positive integer, got -4"),
     ("memory params negative", "memory --params -5", "is not a parameter count"),
+    ("memory params with a model", "memory --params 7.5B --model tiny", "--params counts a "
+     "model's states from its size alone: give it without --model and the sizes, or drop "
+     "it (got --model tiny too)"),
+    ("memory params with sizes", "memory --params 1e9 --layers 4", "(got --layers 4 too)"),
     ("memory microbatch size", "memory --microbatch-size -1", "--microbatch-size must be"),
     ("memory pp above layers", "memory --pp 1000", "8 layers cannot fill pp=1000"),
     ("memory microbatches zero", "memory --microbatches 0", "--microbatches must be a"),
+    ("memory virtual without interleaved", "memory --pp 2 --virtual 2", "--virtual 2 needs "
+     "--schedule interleaved or interleaved-zb (got 1f1b)"),
+    ("memory interleaved one chunk", "memory --pp 2 --schedule interleaved",
+     "--schedule interleaved needs --virtual 2 or more"),
+    ("memory interleaved m % pp", "memory --pp 2 --virtual 2 --schedule interleaved "
+     "--microbatches 3", "needs --microbatches divisible by --pp (3 % 2 != 0)"),
     ("memory sp without tp", "memory --sp", "--sp (sequence parallelism) splits along tp"),
     ("memory cp not cutting", "memory --cp 3", "needs a sequence length divisible by 2*cp=6"),
     ("memory cp zero", "memory --cp 0", "--cp must be a positive integer, got 0"),
     ("memory tp not dividing", "memory --tp 3", "is not divisible by tp=3"),
     ("memory hidden vs heads", "memory --hidden 100", "d_model=100 is not divisible by"),
-    ("memory unknown model", "memory --model nope", "unknown model preset 'nope'"),
+    ("memory unknown model", "memory --model nope", "unknown model preset 'nope'; choose"),
+    ("memory capacity factor negative", "memory --moe-experts 4 --capacity-factor -1",
+     "--capacity-factor must be a finite number >= 0, got -1.0"),
     ("memory json dir missing", f"memory --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- bubble ----------------------------------------------------------------------
     ("bubble pp zero", "bubble --pp 0", "--pp must be a positive integer, got 0"),
@@ -185,13 +213,30 @@ CASES = [
     ("plan zero top", "plan --top 0", "--top must be a positive integer, got 0"),
     ("plan gpus not filling nodes", "plan --gpus 12", "12 GPUs do not fill nodes of 8"),
     ("plan unknown cluster", "plan --cluster nope", "unknown cluster 'nope'"),
+    ("plan cluster in capitals", "plan --cluster DGX-A100", "unknown cluster 'DGX-A100' (did "
+     "you mean 'dgx-a100'?); choose one of"),
+    ("plan gpu without its memory", "plan --gpus 8 --gpu h200", "unknown --gpu 'h200' (did "
+     "you mean 'H200-141GB'?); choose one of ["),
+    ("plan gpu of two sizes", "plan --gpus 8 --gpu A100", "(did you mean 'A100-40GB' or "
+     "'A100-80GB'?)"),
+    ("plan model misspelt", "plan --model gpt-13", "unknown model preset 'gpt-13' (did you "
+     "mean 'gpt-13b'?); choose one of ['gpt-1.3b',"),
     ("plan pp no layout has", "plan --gpus 4 --pp 3", "no layout of 4 GPUs has pp=3"),
+    ("plan cp too short", "plan --model tiny --gpus 2 --cp 2", "no layout of 2 GPUs has cp=2"
+     ": dp x pp x tp x cp must make 2, pp divide the 8 layers, tp the heads, FFN and "
+     "vocabulary; tp and cp are powers of two, tp x cp within a node of 2, and cp leaves "
+     "each rank 4096 or more of the 32 tokens of a sequence (in 2*cp equal chunks)"),
     ("plan pp zero", "plan --gpus 4 --pp 0", "--pp must be a positive integer, got 0"),
     ("plan layers zero", "plan --layers 0", "--layers must be a positive integer"),
+    ("plan capacity factor nan", "plan --moe-experts 4 --capacity-factor nan",
+     "--capacity-factor must be a finite number >= 0, got nan"),
     ("plan json dir missing", f"plan --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- doctor and the program itself ---------------------------------------------
     ("doctor json dir missing", f"doctor --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     ("doctor unknown flag", "doctor --nope", "unrecognized arguments: --nope"),
+    ("doctor pp above layers", "doctor --model tiny --pp 100", "8 layers cannot fill pp=100"),
+    ("doctor layout without a model", "doctor --dp 2 --dtype bf16", "--dp 2 --dtype bf16 is "
+     "the layout of --model: give --model NAME too"),
     ("no subcommand", "", "the following arguments are required: command"),
     ("unknown subcommand", "fly", "argument command: invalid choice: 'fly'"),
 ]
@@ -255,6 +300,8 @@ def test_huge_bubble_prints_a_bounded_summary(capsys: pytest.CaptureFixture) -> 
 def test_memory_names_the_model_it_used(capsys: pytest.CaptureFixture) -> None:
     assert main(["memory", "--layers", "4"]) == 0
     assert "per-device memory of tiny with --layers 4," in capsys.readouterr().out
+    assert main(["memory", "--ffn", "1000"]) == 0
+    assert "per-device memory of tiny with --ffn 1000," in capsys.readouterr().out
 
 
 def test_more_than_8_ranks_get_a_note_with_the_slowdown() -> None:
@@ -285,6 +332,34 @@ def test_an_output_failing_late_is_one_line_after_the_table(tmp_path, capsys, mo
     assert "total" in out
     assert err.strip() == (f"minipar memory: error: {tmp_path / 'm.json'}: No space left "
                            "on device")
+
+
+def test_a_corpus_without_text_is_named_once(tmp_path, capsys) -> None:
+    """Found only by tokenising (every record's text empty): one error line, its
+    ``--data`` named once, after the line that says tokenising started."""
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": ""}\n')
+    code = main(["train", "--quiet", "--data", str(blank), "--data-cache", str(tmp_path / "c")])
+    assert code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"minipar train: error: --data {blank}: no text found"
+
+
+def test_resuming_on_other_data_is_noted(tmp_path, capsys) -> None:
+    """A run trained on pystdlib resumed without its --data reads the generated corpus:
+    allowed (a fine-tune may mean it), and said in one note before the run starts."""
+    from minipar.checkpoint import resume_notes
+    from minipar.config import TrainConfig
+
+    step = fake_checkpoint(tmp_path / "ck")
+    meta = json.loads((step / "meta.json").read_text())
+    meta["config"]["data"] = "pystdlib"
+    (step / "meta.json").write_text(json.dumps(meta))
+    ck = str(tmp_path / "ck")
+    assert resume_notes(ck, TrainConfig(resume=ck, data="pystdlib", steps=3)) == []
+    note, = resume_notes(ck, TrainConfig(resume=ck, steps=3))
+    assert note == (f"--resume {ck} was trained on --data pystdlib: this run reads --data "
+                    "markov (pass --data pystdlib to go on with the same text)")
 
 
 # --- failures after launch: results kept, one line -------------------------------------

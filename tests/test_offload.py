@@ -13,10 +13,14 @@ moved are checked against ``minipar.theory.offload``.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from minipar.comm import Comm
+from minipar.config import TrainConfig, validate
 from minipar.launch import launch
 from minipar.model import GPT, GPTConfig
 from minipar.parallel.zero import OnHost, Zero3, ZeroOptimizer
@@ -372,3 +376,13 @@ def test_host_optimizer_is_the_fused_adamw():
     assert optimizer_kwargs(TrainConfig(offload=True, fused=False), host=True)["fused"]
     assert "fused" not in optimizer_kwargs(TrainConfig(offload=True, optimizer="sgd"),
                                            host=True)
+
+
+def test_the_readme_names_every_zero_stage_train_offloads() -> None:
+    """The README's range of ``--offload``'s ZeRO stages is the range ``train`` takes."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    said = re.search(r"step on the host \(ZeRO 0-(\d)\)", readme.replace("\n", " "))
+    assert said is not None
+    for zero in range(4):
+        validate(TrainConfig(dp=2, zero=zero, offload=True))
+    assert int(said.group(1)) == 3

@@ -36,6 +36,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from functools import cache
 
+from minipar.model import did_you_mean
+
 MiB = 2**20
 GB = 10**9
 
@@ -284,7 +286,8 @@ def get_cluster(name_or_cluster: str | Cluster) -> Cluster:
     try:
         return CLUSTERS[name_or_cluster]
     except KeyError:
-        raise ValueError(f"unknown cluster {name_or_cluster!r}; choose one of "
+        raise ValueError(f"unknown cluster {name_or_cluster!r}"
+                         f"{did_you_mean(name_or_cluster, CLUSTERS)}; choose one of "
                          f"{sorted(CLUSTERS)} or build one with cluster(...)") from None
 
 

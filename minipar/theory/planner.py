@@ -552,7 +552,10 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
         asked = ", ".join(f"{k}={v}" for k, v in fixed.items())
         raise ValueError(f"no layout of {gpus} GPUs has {asked}: dp x pp x tp x cp must "
                          f"make {gpus}, pp divide the {cfg.n_layer} layers, tp the heads, "
-                         "FFN and vocabulary")
+                         f"FFN and vocabulary; tp and cp are powers of two, tp x cp within "
+                         f"a node of {cluster.gpus_per_node}, and cp leaves each rank "
+                         f"{min_cp_tokens} or more of the {cfg.seq_len} tokens of a sequence "
+                         f"(in 2*cp equal chunks)")
     rests = ("none", "cheap") if "cheap" in recomputes else ("none",)
     layouts += _partial_recomputation(cfg, cluster, partial_candidates, layouts, settings,
                                       rests)
