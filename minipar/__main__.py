@@ -617,7 +617,11 @@ def _add_theory(sub) -> None:
 # --- the parser and the dispatch ----------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minipar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="minipar", description="Train a GPT on any layout of data, tensor, pipeline, "
+        "context and expert parallelism, and plan, price and check layouts before a run. "
+        "Each subcommand's --help lists its flags; invalid input is refused in one line "
+        "before any process starts.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_rehearse(sub)
