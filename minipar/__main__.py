@@ -153,7 +153,8 @@ def _cmd_train(args) -> int:
             compared = "interrupted while training the one-process reference"
     _print_run(cfg, record)  # printed first: a failing output below loses nothing
     for e in record.get("eval", []):
-        print(f"validation loss after step {e['step']:>6}: {e['loss']:.4f}")
+        # (the table above numbers steps from 0; an evaluation counts the steps done)
+        print(f"validation loss after {e['step']} steps: {e['loss']:.4f}")
     _write_json(args.json, record)
     if compared:
         print(f"minipar train: {compared} (the run's record is kept)", file=sys.stderr)
