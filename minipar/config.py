@@ -316,6 +316,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
         raise ValueError(f"--head-layers must be 0 or a positive integer, got "
                          f"{cfg.head_layers!r}")
     partition_layers(model.n_layer, cfg.pp * cfg.virtual, cfg.head_layers)  # (or says why)
+    if cfg.head_layers and cfg.pp == 1:
+        raise ValueError(f"--head-layers {cfg.head_layers} balances a pipeline's stages "
+                         "for the head the last one runs: it needs --pp 2 or more")
     if cfg.chunked_loss and cfg.tp > 1:
         raise ValueError("--chunked-loss with --tp > 1 is not supported: tensor parallelism "
                          "has its own loss over logits split by vocabulary")

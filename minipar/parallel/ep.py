@@ -43,12 +43,22 @@ def split_experts(model: nn.Module) -> tuple[list[str], list[str]]:
     return [n for n in names if not is_expert(n)], [n for n in names if is_expert(n)]
 
 
+# the train flags that only a mixture-of-experts model reads
+MOE_SETTINGS = ("moe_top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+
+
 def check_ep(cfg, model: GPTConfig) -> None:
     """One line for each MoE setting or expert-parallel layout that cannot run (each
     number's own range: ``GPTConfig``, for every command that builds a model)."""
     if model.n_expert and model.n_moe_layers == 0:
         raise ValueError(f"--moe-every {model.moe_every} leaves no MoE block in "
                          f"{model.n_layer} layers")
+    routing = [f"--{name.replace('_', '-')} {value}" for name in MOE_SETTINGS
+               if (value := getattr(cfg, name, None)) is not None]
+    if routing and not model.n_expert:
+        raise ValueError(f"{' '.join(routing)} set{'s' if len(routing) == 1 else ''} how "
+                         f"a mixture of experts routes, and {cfg.model} has none: add "
+                         "--moe-experts E or take a moe-* preset")
     if cfg.ep == 1:
         return
     if not model.n_expert:
