@@ -314,7 +314,8 @@ def _opt(x: float | None, unit: float, digits: int = 2) -> str:
 # --- sample and export ------------------------------------------------------------------
 
 def _cmd_sample(args) -> int:
-    print(sample(args.resume, args.prompt, args.tokens, args.temperature, args.seed))
+    print(sample(args.resume, args.prompt, args.tokens, args.temperature, args.seed,
+                 progress=True))
     return 0
 
 

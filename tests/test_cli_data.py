@@ -3,7 +3,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
@@ -119,6 +126,32 @@ def test_markov_run_samples_token_ids_and_prunes(tmp_path, capsys) -> None:
     assert len(ids) == 5 and all(0 <= int(i) < 64 for i in ids)
     assert main(["sample", "--resume", ckpt, "--prompt", "def"]) == 2  # no tokenizer
     assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_sample_shows_its_progress_on_a_terminal_only(tmp_path) -> None:
+    """A long ``sample`` draws a bar on a terminal's stderr (the text is printed at the
+    end); piped, stderr stays empty. The terminal is a pty of 100 columns."""
+    ckpt = str(tmp_path / "ck")
+    assert main(["train", "--steps", "1", "--save", ckpt, "--quiet"]) == 0
+    command = [sys.executable, "-m", "minipar", "sample", "--resume", ckpt, "--prompt", "3",
+               "--tokens", "200"]
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    shown = b""
+    while chunk := _read_or_end(leader):
+        shown += chunk
+    assert run.wait() == 0 and b"200/200" in shown and b"token/s" in shown
+    piped = subprocess.run(command, capture_output=True, text=True)
+    assert piped.returncode == 0 and piped.stderr == "" and len(piped.stdout.split()) == 200
+
+
+def _read_or_end(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # the other end closed: Linux says EIO
+        return b""
 
 
 def test_bin_token_file_trains_and_bad_tokens_are_refused(tmp_path, capsys) -> None:
