@@ -969,12 +969,14 @@ def speed_pp(run: Run) -> None:
             speed_row(run, "speed", f"minipar pp{n} {sched} unfused",
                       minipar_spec(run, model, n, b, ov, pp=n, microbatches=m,
                                    schedule=sched, virtual=1, wgrad_fusion=False), "pp")
-    # balanced stages: the last holds k layers fewer (its head and loss cost ~k), both
+    # balanced stages: the last holds k layers fewer (its head and loss cost ~k), both;
+    # each named as the row above it plus " head-layers k" (one --only selects both)
     k = head_layers_for(model)
     for sched in ("1f1b", "zb", "interleaved-zb"):
         v = 2 if sched in VIRTUAL_STAGES else 1
         ov = _untied_if_needed(run, model, pp=n, microbatches=m, schedule=sched, virtual=v)
-        speed_row(run, "speed", f"minipar pp{n} {sched} head-layers {k}",
+        speed_row(run, "speed", f"minipar pp{n} {sched}" + (" v2" if v > 1 else "")
+                  + f" head-layers {k}",
                   minipar_spec(run, model, n, b, ov, pp=n, microbatches=m, schedule=sched,
                                virtual=v, head_layers=k), "pp")
         speed_row(run, "speed", f"torch pipelining pp{n} {sched} head-layers {k}",
@@ -1298,13 +1300,16 @@ def derived(report: dict) -> dict:
     ratio(f"minipar dp{n} zero0", f"torch DDP dp{n}")
     for tag in (" sp", ""):
         ratio(f"minipar tp{n}{tag}", f"torch DTensor tp{n}{tag}")
-    for sched, v in (("1f1b", ""), ("interleaved", " v2"), ("zb", "")):
+    for sched, v in (("1f1b", ""), ("interleaved", " v2"), ("zb", ""),
+                     ("interleaved-zb", " v2")):
         ratio(f"minipar pp{n} {sched}{v}", f"torch pipelining pp{n} {sched}")
         if not v:  # like for like: both sum micro-batch gradients in bf16
             ratio(f"minipar pp{n} {sched} grad-bf16", f"torch pipelining pp{n} {sched}")
-    for r in speed:  # balanced stages, the same split on both sides
+    for r in speed:  # balanced stages, the same split on both sides (the peer's name
+        # has no " v2": its schedule sets the chunks)
         if r["name"].startswith(f"minipar pp{n} ") and " head-layers " in r["name"]:
-            ratio(r["name"], r["name"].replace("minipar", "torch pipelining"))
+            ratio(r["name"], r["name"].replace("minipar", "torch pipelining")
+                  .replace(" v2", ""))
     big = [r for r in speed if r.get("group") == "big" and r.get("status") == "ok"]
     peer = [r for r in big if r["impl"] == "fsdp2"]
     for impl in ("minipar", "minipar-cli"):  # engine rows, then the command line's

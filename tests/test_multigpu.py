@@ -102,6 +102,37 @@ def test_budget_spent_rows_are_skipped_not_lost(tmp_path) -> None:
     assert rows and all(r["status"] == "skipped" for r in rows)
 
 
+def test_pp_rows_with_balanced_stages_are_named_as_their_unbalanced_twins(monkeypatch):
+    """The 4-GPU pp rows, listed without running: each minipar head-layers row is its
+    schedule's row plus " head-layers k" (interleaved-zb's kept its " v2"), so the list
+    owed to 4 x H100 (docs/benchmarks.md) selects every schedule both ways with one
+    regex; ``derived`` pairs each with torch's row of the same split."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import re
+    import types
+
+    import multigpu
+
+    names: list[str] = []
+    monkeypatch.setattr(multigpu, "speed_row", lambda run, section, name, *a, **k:
+                        names.append(name))
+    run = types.SimpleNamespace(sizes=multigpu.Sizes(), n=4, cuda=True, backend="nccl")
+    multigpu.speed_pp(run)
+    owed = re.compile(r"^speed minipar pp4 (1f1b|zb|interleaved v2|interleaved-zb v2)"
+                      r"( head-layers 2)?$|^speed torch pipelining pp4")
+    mine = [n for n in names if n.startswith("minipar") and owed.search(f"speed {n}")]
+    assert mine == [f"minipar pp4 {s}" for s in (
+        "1f1b", "interleaved v2", "zb", "interleaved-zb v2", "1f1b head-layers 2",
+        "zb head-layers 2", "interleaved-zb v2 head-layers 2")]
+    rows = [{"name": n, "status": "ok", "step_s": 1.0, "peak_gib": 1.0, "group": "pp",
+             "impl": n.split()[0], "world": 4} for n in names]
+    pairs = {(r["minipar"], r["peer"]) for r in multigpu.derived(
+        {"meta": {"gpus": 4}, "sections": {"speed": {"rows": rows}}})["ratios"]}
+    assert ("minipar pp4 interleaved-zb v2 head-layers 2",
+            "torch pipelining pp4 interleaved-zb head-layers 2") in pairs
+    assert ("minipar pp4 interleaved-zb v2", "torch pipelining pp4 interleaved-zb") in pairs
+
+
 # --- the overlap section (benchmarks/mg_overlap.py) --------------------------------------
 def _mg_overlap():
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -357,6 +357,21 @@ def test_the_fullest_moment_of_a_split_backward_is_the_schedules_own(schedule, v
                         got[0] * kept + got[1]), (pp, m, stage, kept)
 
 
+@pytest.mark.parametrize("schedule, virtual", [("zb", 1), ("interleaved-zb", 2)])
+def test_a_split_backward_stage_of_the_head_alone_is_priced(schedule, virtual):
+    """``--head-layers`` may leave the last stage no block (8 layers, pp 4, head 2: 3, 3,
+    2 and 0): under a split backward it keeps no block's inputs for W, only the head's
+    logits gradient, and is priced, not divided by its zero blocks (interleaved: 14
+    layers in 8 chunks, the last of them empty)."""
+    cfg = TINY.with_(n_layer=8 if virtual == 1 else 14)
+    layout = Layout(pp=4, microbatches=8, schedule=schedule, virtual=virtual, head_layers=2)
+    assert not partition_layers(cfg.n_layer, 4 * virtual, 2)[-1]
+    for accounting in ("korthikanti", "fused"):  # (fused: what card_peak prices)
+        rows = memory_per_stage(cfg, layout, accounting=accounting)
+        assert len(rows) == 4 and all(r["total"] > 0 for r in rows)
+        assert rows[-1]["total"] < rows[0]["total"]
+
+
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])
 def test_fused_accounting_matches_tensor_parallel_count(tp, sp):
     """tp.py derives (and measures) the saved tensors of its layers; same total."""

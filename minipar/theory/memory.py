@@ -541,8 +541,10 @@ def _split_backward_peaks(cfg: GPTConfig, layout: Layout, stage: int, per_chunk:
     too; on the first, W makes the embedding's whole gradient."""
     pp, virtual, head, tp = layout.pp, layout.virtual, layout.head_layers, layout.tp
     mean = stage_layers(cfg.n_layer, pp, stage, virtual, head) / virtual
-    share = [len(partition_layers(cfg.n_layer, pp * virtual, head)[stage + j * pp]) / mean
-             for j in range(virtual)]
+    chunks = partition_layers(cfg.n_layer, pp * virtual, head)
+    # a stage of no blocks (the head alone, --head-layers taking its last chunk's share)
+    # keeps no block's inputs for W
+    share = [len(chunks[stage + j * pp]) / mean if mean else 0.0 for j in range(virtual)]
     keeps = [kept * x for x in share]
     logits_grad = (cfg.seq_len * layout.microbatch_size * cfg.vocab_size
                    * _act_bytes(layout.dtype) / tp if stage == pp - 1 else 0)
