@@ -281,6 +281,17 @@ def _latest_name(directory: str) -> str | None:
         return None
 
 
+def require_directory(directory: str) -> None:
+    """One line unless ``directory`` exists as a directory: what ``--resume`` names is
+    the directory ``train --save`` wrote (or one of its ``step-N``)."""
+    if os.path.isdir(directory):
+        return
+    if os.path.exists(directory):
+        raise ValueError(f"--resume {directory}: a file, not a checkpoint directory (give the "
+                         "directory train --save wrote)")
+    raise ValueError(f"--resume {directory}: no such checkpoint directory")
+
+
 def resolve(directory: str) -> str:
     """The checkpoint a directory means: its ``latest``, or the directory itself."""
     pointer = os.path.join(directory, "latest")

@@ -428,8 +428,7 @@ def _check_files(cfg: TrainConfig) -> None:
                     {"data": cfg.data, "resume": cfg.resume})
     checks.not_inside({"trace": cfg.trace}, "save", cfg.save, checkpoint.SAVE_NAMES)
     if cfg.resume is not None:
-        if not os.path.isdir(cfg.resume):
-            raise ValueError(f"--resume {cfg.resume}: no such checkpoint directory")
+        checkpoint.require_directory(cfg.resume)
         checkpoint.check_resume(cfg.resume, cfg)
     if cfg.save is not None:
         checkpoint.check_save(cfg.save, cfg.resume)

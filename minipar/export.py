@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from minipar.checkpoint import require_directory
 from minipar.checks import distinct, new_output_dir, output_file
 from minipar.hf import parameter_names, save_hf
 from minipar.model import GPT, GPTConfig, materialize
@@ -32,8 +33,7 @@ def export(directory: str, out: str) -> dict:
     Returns ``{"path", "step", "tensors", "bytes"}``."""
     from safetensors.torch import save_file  # optional: only exports need it
 
-    if not os.path.isdir(directory):
-        raise ValueError(f"--resume {directory}: no such checkpoint directory")
+    require_directory(directory)
     if not out.endswith(".safetensors"):
         raise ValueError(f"--out {out}: the file name must end in .safetensors")
     output_file("out", out, new=True)  # train's rules: an existing directory, no overwrite
@@ -97,8 +97,7 @@ def export_hf(directory: str, out: str) -> dict:
     its shards alone (``reshard.ShardReader``; no optimizer state is read). ``export``'s
     rules: ``out`` is new (or empty), never half-written (a temporary directory renamed
     at the end), and a diverged model is refused."""
-    if not os.path.isdir(directory):
-        raise ValueError(f"--resume {directory}: no such checkpoint directory")
+    require_directory(directory)
     new_output_dir("out", out)
     distinct({"out": out}, {"resume": directory})
     cfg, tok = run_card(directory)

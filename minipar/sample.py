@@ -27,6 +27,7 @@ from minipar.checkpoint import (
     TOKENIZER,
     inspect,
     read_text,
+    require_directory,
     saved_model_config,
 )
 from minipar.checks import seed as check_seed
@@ -79,8 +80,7 @@ def run_card(directory: str) -> tuple[GPTConfig, object | None]:
 
 def load_model(directory: str) -> tuple[GPT, object | None]:
     """The full single-device model from a checkpoint of any layout, and its tokenizer."""
-    if not os.path.isdir(directory):
-        raise ValueError(f"--resume {directory}: no such checkpoint directory")
+    require_directory(directory)
     model_cfg, tok = run_card(directory)
     model = GPT(model_cfg, device="meta")  # then each weight straight from its shards
     materialize(model, ShardReader(directory, model_cfg).values())

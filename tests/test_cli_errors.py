@@ -126,7 +126,7 @@ CASES = [
     ("train bf16 sums of fp32", "train --grad-dtype bf16", "--grad-dtype bf16 needs --dtype bf16"),
     # --- train: resume ---------------------------------------------------------------
     ("resume empty", "train --resume {empty}", "no checkpoint in"),
-    ("resume a file", "train --resume {file}", "no such checkpoint directory"),
+    ("resume a file", "train --resume {file}", "a file, not a checkpoint directory"),
     ("resume other preset", "train --resume {small}", "holds model 'small'"),
     ("resume dense as moe", "train --resume {tiny} --moe-experts 4 --moe-top-k 1",
      "they differ in n_expert"),
