@@ -138,20 +138,15 @@ PRESETS: dict[str, GPTConfig] = {
 
 def did_you_mean(name: str, known: Collection[str]) -> str:
     """`` (did you mean 'small'?)`` after "unknown ... 'smal'", letter case aside: the
-    names of ``known`` that ``name`` begins (``h200``: ``H200-141GB``), else the closest
-    (more than one only when as close); "" when none is close, or too many are (the
+    names of ``known`` that ``name`` begins (``h200``: ``H200-141GB``), else difflib's
+    closest three, the closest first; "" when none is close, or too many begin so (the
     list of every name follows it)."""
-    typed = str(name).lower()
-    close = [k for k in known if typed and k.lower().startswith(typed)]
-    if not close:
-        score = {k: difflib.SequenceMatcher(None, typed, k.lower()).ratio() for k in known}
-        best = max(score.values(), default=0.0)
-        if best < 0.6:  # (difflib.get_close_matches's cutoff)
-            return ""
-        close = [k for k in known if score[k] >= best - 0.01]
-    if len(close) > 3:
+    typed, by_lower = str(name).lower(), {k.lower(): k for k in known}
+    close = sorted(k for low, k in by_lower.items() if typed and low.startswith(typed)) or [
+        by_lower[low] for low in difflib.get_close_matches(typed, by_lower, n=3)]  # best first
+    if not close or len(close) > 3:
         return ""
-    return f" (did you mean {' or '.join(repr(k) for k in sorted(close))}?)"
+    return f" (did you mean {' or '.join(repr(k) for k in close)}?)"
 
 
 def get_config(name_or_config: str | GPTConfig) -> GPTConfig:
