@@ -34,11 +34,12 @@ their results (rank order). What makes it safe for a room of laptops:
   or, for a rank still running, before its group is stopped (``rank.kill_strays``).
   The store, the rank logs and their progress files live in one temporary directory,
   removed on every exit path (a SIGTERM or SIGHUP included).
-  Even ``kill -9`` of the launcher leaves no rank and no file (only what left a rank's
-  group, which nothing alive then knows of): each rank asks the kernel to kill it with
-  its parent (Linux ``PR_SET_PDEATHSIG``), and a *keeper*, a tiny process started first
-  with ``setsid``, waits on a pipe from the launcher: when the pipe closes without a
-  "done", it kills the ranks' groups and removes the directory.
+  Even ``kill -9`` of the launcher leaves no process and no file: each rank watches its
+  parent and, once the launcher is gone, kills what left its group, then its group and
+  itself (``rank._die_with_parent``); a *keeper*, a tiny process started first with
+  ``setsid``, waits on a pipe from the launcher: when the pipe closes without a "done",
+  it kills whatever is left of the ranks it was told of and removes the directory.
+  (Outside Linux, a rank's orphan that left its group is beyond reach.)
 * **Quiet ranks.** A rank's stdout and stderr (warnings, gloo's C++ logs) go to a file,
   never to the notebook; ``capture_output=True`` returns them, and error reports end
   with their last lines (read from the end of the file, however long it grew).
@@ -179,22 +180,36 @@ def spawnable(fn: Callable) -> Callable:
 
 # The keeper: makes this launch's temporary directory, prints its path, then waits. A
 # "done" line from the launcher ends it; the pipe closing without one means the launcher
-# died (kill -9): it kills the process group of every rank it was told of, and removes
-# the directory. Run as ``python -I -S`` (no site, no environment): a few milliseconds.
+# died (kill -9). Each rank then ends itself and what it started (``rank._die_with_parent``:
+# it alone can still find what left its group); the keeper gives the ranks it was told of
+# ``KEEPER_GRACE_S`` for that, kills what is left of each (its group, and the rank itself:
+# a spawned rank still importing leads no group yet), and removes the directory. Run as
+# ``python -I -S`` (no site, no environment): a few milliseconds.
+KEEPER_GRACE_S = 2.0
 _KEEPER = """# minipar-keeper
-import os, shutil, signal, sys, tempfile
+import os, shutil, signal, sys, tempfile, time
 path = tempfile.mkdtemp(prefix="minipar-run-", dir=sys.argv[1])
 print(path, flush=True)
-groups = []
+ranks = []
 for line in sys.stdin:
     if line == "done\\n":
         sys.exit()
-    groups.append(int(line))
-for group in groups:
+    ranks.append(int(line))
+def alive(pid):
     try:
-        os.killpg(group, signal.SIGKILL)
+        os.kill(pid, 0)
+        return True
     except OSError:
-        pass
+        return False
+deadline = time.monotonic() + float(sys.argv[2])
+while any(alive(rank) for rank in ranks) and time.monotonic() < deadline:
+    time.sleep(0.02)
+for rank in ranks:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(rank, signal.SIGKILL)
+        except OSError:
+            pass
 shutil.rmtree(path, ignore_errors=True)
 """
 
@@ -207,9 +222,9 @@ class _Scratch:
         base = tempfile.gettempdir()
         try:
             self.keeper = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _KEEPER, base], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                start_new_session=True)  # (no traceback of its own reaches a user)
+                [sys.executable, "-I", "-S", "-c", _KEEPER, base, str(KEEPER_GRACE_S)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, start_new_session=True)  # (no traceback of its own reaches a user)
             self.path = self.keeper.stdout.readline().strip()
             self.keeper.stdout.close()
         except OSError:  # no interpreter to start (an embedded Python): no keeper
@@ -228,7 +243,7 @@ class _Scratch:
         return path
 
     def watch(self, pid: int) -> None:
-        """Tell the keeper of a rank's process group."""
+        """Tell the keeper of a rank (the leader of its process group)."""
         self._tell(f"{pid}\n")
 
     def close(self) -> None:
@@ -359,6 +374,7 @@ def launch(
         try:
             store_path = scratch.file("store")
             keeper_fd = scratch.fd if method == "fork" else None
+            parent = None if method == "forkserver" else os.getpid()  # whom a rank dies with
             for rank in range(world_size):
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 slots.append(ctx.Array("c", 400, lock=False))
@@ -369,7 +385,7 @@ def launch(
                     target=child, name=f"minipar-rank{rank}", daemon=True,
                     args=(rank, world_size, backend, store_path, fn, args, kwargs, send_end,
                           slots[rank], progress[rank], beats[rank], paths[rank], threads,
-                          max(timeout, startup), os.getpid(), keeper_fd))
+                          max(timeout, startup), parent, keeper_fd))
                 with _start_held():  # a signal now finds the rank started and known
                     p.start()
                     procs.append(p)

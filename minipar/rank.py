@@ -2,14 +2,16 @@
 
 A launched rank, before it calls the user's function:
 
-* dies with its parent (Linux ``PR_SET_PDEATHSIG``) and leads a process group of its
-  own, so the launcher can stop the rank *and* whatever the rank started (a data-loader
-  worker, a shell command) with one signal to the group: nothing outlives a run;
+* leads a process group of its own, so the launcher can stop the rank *and* whatever
+  the rank started (a data-loader worker, a shell command) with one signal to the
+  group: nothing outlives a run;
 * adopts its orphans (Linux ``PR_SET_CHILD_SUBREAPER``): a process below it whose parent
   exits stays below it, so one that left the group (``setsid``), which the group's
   signal misses, is still found and killed (``kill_strays``): by the rank as ``fn``
-  ends, by the launcher when it stops a rank still running; elsewhere the group is all
-  that is stopped;
+  ends, by the launcher when it stops a rank still running; elsewhere only those still
+  below the rank are found (``ps``: a child it started with ``start_new_session``);
+* dies with its launcher (``_die_with_parent``): should the launcher die without a
+  cleanup (``kill -9``), the rank first kills what left its group, then the group;
 * writes its stdout and stderr to a log file, never to the notebook;
 * keeps a short text in shared memory the parent can read at any time: its *status*
   (where it is: inside or after which counted collective, shown when a run hangs);
@@ -33,7 +35,9 @@ import faulthandler
 import os
 import pickle
 import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -106,7 +110,8 @@ def get_status(slot) -> str:
 
 
 # --- the rank process ------------------------------------------------------------------
-PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
+PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 15, 36
+PARENT_POLL_S = 0.1  # how often a rank looks whether its launcher is alive
 
 
 def _prctl(option: int, arg: int | bytes) -> None:
@@ -118,9 +123,27 @@ def _prctl(option: int, arg: int | bytes) -> None:
             pass
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent exits (no orphans)."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(parent: int) -> None:
+    """End this rank, what it started and what left its group, once ``parent`` (the
+    process that started it) is gone: the launcher's ``kill -9`` runs no cleanup of its
+    own. A thread looks at this process's parent every ``PARENT_POLL_S`` seconds (its
+    own parent is gone when that changed, to init or an adopting ancestor), portable
+    where Linux's ``PR_SET_PDEATHSIG`` is not; that signal would also kill the rank at
+    once, before it could find its strays (they are below it only while it lives)."""
+    threading.Thread(target=_watch_parent, args=(parent,), name="minipar-parent-watch",
+                     daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    kill_strays([os.getpid()])
+    try:
+        if os.getpgid(0) == os.getpid():  # (never the launcher's group: a failed setpgid)
+            os.killpg(0, signal.SIGKILL)
+    except OSError:
+        pass
+    os._exit(1)
 
 
 def _adopt_orphans() -> None:
@@ -137,9 +160,9 @@ def _set_process_name(name: str) -> None:
 def kill_strays(ranks: list[int]) -> None:
     """SIGKILL every process below each of ``ranks`` (pids, each its process group's
     leader) that left the rank's group (``setsid``), which the signal to the group
-    misses. Call it while the rank lives: it holds its orphans (``_adopt_orphans``).
-    Looked up in Linux's /proc until none is left (a stray may fork meanwhile);
-    elsewhere none is found."""
+    misses. Call it while the rank lives: it holds its orphans (``_adopt_orphans``, Linux;
+    elsewhere an orphan is beyond reach). Looked up until none is left (a stray may fork
+    meanwhile)."""
     for _ in range(50):  # (about a second at most, for one that cannot die at once)
         below = _children()
         strays = [pid for rank in ranks for pid, group in _descendants(below, rank)
@@ -155,23 +178,49 @@ def kill_strays(ranks: list[int]) -> None:
 
 
 def _children() -> dict[int, list[tuple[int, int]]]:
-    """Each live process's children, as (pid, process group), from /proc: {} elsewhere."""
+    """Each live process's children, as (pid, process group)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for pid, parent, group in _processes():
+        children.setdefault(parent, []).append((pid, group))
+    return children
+
+
+def _processes() -> list[tuple[int, int, int]]:
+    """(pid, parent, process group) of each live process (a zombie is dead: its parent
+    reaps it), from Linux's /proc, else from ``ps`` (macOS); none where neither answers."""
+    if not os.path.isdir("/proc/self"):
+        return _processes_of_ps()
     try:
         entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
-        return {}
-    children: dict[int, list[tuple[int, int]]] = {}
+        return []
+    rows = []
     for pid in entries:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 stat = f.read()
             # "pid (name) state ppid pgrp ...": the name may hold spaces and parentheses
-            state, ppid, group = stat[stat.rindex(b")") + 2:].split()[:3]
+            state, parent, group = stat[stat.rindex(b")") + 2:].split()[:3]
         except (OSError, ValueError):  # it ended meanwhile
             continue
-        if state not in (b"Z", b"X"):  # (a zombie is dead: its parent reaps it)
-            children.setdefault(int(ppid), []).append((pid, int(group)))
-    return children
+        if state not in (b"Z", b"X"):
+            rows.append((pid, int(parent), int(group)))
+    return rows
+
+
+def _processes_of_ps() -> list[tuple[int, int, int]]:
+    try:
+        out = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid=", "-o", "pgid=", "-o",
+                              "stat="], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) == 4 and all(f.isdigit() for f in fields[:3]) \
+                and not fields[3].startswith("Z"):
+            rows.append((int(fields[0]), int(fields[1]), int(fields[2])))
+    return rows
 
 
 def _descendants(children: dict[int, list[tuple[int, int]]], pid: int) -> list[tuple[int, int]]:
@@ -206,15 +255,15 @@ START_SIGNALS = {s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTE
 def child(rank, world_size, backend, store_path, fn, args, kwargs, conn, slot, progress_path,
           beat, out_path, threads, timeout, parent_pid, keeper_fd=None):
     """The body of rank ``rank``: set up, run ``fn``, send back its result or error.
+    ``parent_pid``: the launcher's pid (the rank dies with it), or None where a server
+    forks the ranks (``forkserver``, which exits with the launcher): that server's.
     ``keeper_fd``: a forked rank's copy of the launcher's pipe to its keeper, closed at
     once (held open, it would hide the launcher's death from the keeper)."""
     global _STATUS_SLOT, _PROGRESS_FD, _BEAT
-    _die_with_parent()
     _adopt_orphans()
     lead_process_group()
     _set_process_name(f"minipar-rank{rank}")
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    _die_with_parent(parent_pid or os.getppid())  # (already gone: it ends the rank now)
     if keeper_fd is not None:
         os.close(keeper_fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for us

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minipar import rank as rank_module
 from minipar.comm import Comm
 from minipar.launch import (
     LaunchError,
@@ -146,6 +147,13 @@ def test_the_start_method_can_be_forced(monkeypatch):
 
 def test_module_function_runs_under_spawn():
     res = launch(helpers.token_sum, 2, args=(7,), start_method="spawn", timeout=120)
+    assert res == [(14.0, 1.0)] * 2
+
+
+def test_module_function_runs_under_forkserver():
+    """A forkserver's rank is the server's child, not the launcher's: it watches that
+    server (which exits with the launcher), not a parent it never had."""
+    res = launch(helpers.token_sum, 2, args=(7,), start_method="forkserver", timeout=120)
     assert res == [(14.0, 1.0)] * 2
 
 
@@ -478,6 +486,26 @@ def test_a_process_that_left_the_ranks_group_dies_too(then, how, tmp_path, monke
     if not gone:  # (not left to the machine's other work)
         os.kill(pid, signal.SIGKILL)
     assert gone, f"the rank's {how} {pid} outlived the launch ({then})"
+
+
+def test_where_there_is_no_proc_ps_finds_what_left_the_group(monkeypatch):
+    """macOS has no /proc: ``kill_strays`` reads the process table from ``ps``, and still
+    finds a child a rank started in a session of its own."""
+    monkeypatch.setattr(rank_module, "_processes", rank_module._processes_of_ps)
+    leader = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", "import subprocess as s, sys; print(s.Popen("
+         "['sleep', '60'], start_new_session=True).pid, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    stray = int(leader.stdout.readline())
+    try:
+        rank_module.kill_strays([leader.pid])
+        assert _gone(stray, within=1.0), f"ps did not find the stray {stray}"
+    finally:
+        leader.communicate("")
+        try:  # (a stray not found is not left to the machine's other work)
+            os.kill(stray, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _ranks_of(parent: psutil.Process) -> list[psutil.Process]:

@@ -863,8 +863,8 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "kill -9"])
 def test_a_killed_launcher_leaves_no_rank_and_no_file(sig, tmp_path) -> None:
-    """SIGHUP runs the launcher's own cleanup; after kill -9 the kernel kills the ranks
-    (PR_SET_PDEATHSIG) and the launcher's keeper removes its temporary directory."""
+    """SIGHUP runs the launcher's own cleanup; after kill -9 the ranks end themselves
+    (each watches its parent) and the launcher's keeper removes its temporary directory."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     cli = subprocess.Popen([sys.executable, "-m", "minipar", "train", "--dp", "2", "--steps",
                             "100000", "--quiet"], cwd=tmp_path, env=env,
@@ -888,4 +888,69 @@ def test_a_killed_launcher_leaves_no_rank_and_no_file(sig, tmp_path) -> None:
             and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(started)
+    assert not list(tmp_path.glob("minipar-*"))
+
+
+# Each rank starts a sleeper in its group, one in a session of its own (its child) and
+# an orphan in a session of its own (a second Python started it and exited), then
+# reports their pids; the keeper is never told of rank 1 (as if the launcher died
+# between starting it and telling the keeper).
+STRAYS_SCRIPT = """
+import importlib, os, subprocess, sys, time
+launcher = importlib.import_module("minipar.launch")
+
+def rank(pidfile):
+    sleepers = [subprocess.Popen(["sleep", "120"]).pid,
+                subprocess.Popen(["sleep", "120"], start_new_session=True).pid,
+                int(subprocess.run([sys.executable, "-I", "-S", "-c",
+                    "import subprocess as s; print(s.Popen(['sleep', '120'], "
+                    "start_new_session=True, stdout=s.DEVNULL).pid)"],
+                    stdout=subprocess.PIPE, text=True).stdout)]
+    with open(pidfile, "a") as f:
+        f.write(" ".join(map(str, [os.getpid(), *sleepers])) + chr(10))
+    time.sleep(120)
+
+class HeardOfRankZeroOnly(launcher._Scratch):
+    def watch(self, pid):
+        if not hasattr(self, "told"):
+            super().watch(pid)
+            self.told = pid
+
+launcher._Scratch = HeardOfRankZeroOnly
+launcher.launch(rank, 2, args=(sys.argv[1],), timeout=300)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="elsewhere a rank's orphan in a session of its own is beyond reach")
+def test_kill_9_of_a_launcher_leaves_no_process_of_the_run(tmp_path) -> None:
+    """What left a rank's process group (``setsid``: a compile worker pool, a loader, a
+    ``subprocess``), an orphan among them, and a rank the keeper never heard of: none
+    survives ``kill -9`` of the launcher, and no file does."""
+    pidfile = tmp_path / "pids"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    cli = subprocess.Popen([sys.executable, "-c", STRAYS_SCRIPT, str(pidfile)], cwd=tmp_path,
+                           env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+                not pidfile.exists() or pidfile.read_text().count("\n") < 2):
+            time.sleep(0.05)
+        pids = [int(p) for p in pidfile.read_text().split()]
+        assert len(pids) == 8
+        started = [psutil.Process(p) for p in pids]
+        started += [p for p in psutil.Process(cli.pid).children(recursive=True)
+                    if p.pid not in pids]  # the keeper, and anything else of the run's
+        what = {p.pid: " ".join(p.cmdline())[:60] for p in started}
+    finally:
+        cli.kill()
+        cli.wait(30)
+    deadline = time.monotonic() + 5
+    while (_alive(started) or list(tmp_path.glob("minipar-*"))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _alive(started)
+    for p in left:  # (not left to the machine's other work)
+        p.kill()
+    assert not left, "survived the launcher: " + "; ".join(what[p.pid] for p in left)
     assert not list(tmp_path.glob("minipar-*"))
