@@ -38,6 +38,7 @@ from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
 from minipar.parallel.fp8 import check_fp8
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.recompute import MODES as RECOMPUTE
+from minipar.parallel.recompute import check_recompute_layers
 from minipar.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule
 from minipar.parallel.tp import check_tp  # the rules of tensor parallelism live there
 from minipar.theory import clusters
@@ -341,7 +342,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None,
     _check_device(cfg, rehearsal)
     _check_fp8(cfg, model)
     _check_compile(cfg)
-    _check_recompute(cfg)
+    _check_recompute(cfg, model)
     _check_data_and_knobs(cfg, model)
     _check_files(cfg)
     if cfg.init_from is not None:
@@ -365,7 +366,7 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
                              f"{model.seq_len // cfg.cp} divisible by --tp {cfg.tp}")
 
 
-def _check_recompute(cfg: TrainConfig) -> None:
+def _check_recompute(cfg: TrainConfig, model: GPTConfig) -> None:
     if cheap_recompute(cfg) and cfg.fp8 == "tensorwise":
         raise ValueError("--recompute cheap with --fp8 tensorwise saves nothing: tensorwise "
                          "keeps float8 copies of the inputs it would recompute; use "
@@ -376,11 +377,10 @@ def _check_recompute(cfg: TrainConfig) -> None:
                          "(the rest: the blocks past the first N)")
     if n is None:
         return
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"--recompute-layers must be 0 or a positive integer, got {n!r}")
     if cfg.recompute == "none":
         raise ValueError("--recompute-layers needs --recompute full, cheap or selective "
                          "(which blocks to recompute, and how)")
+    check_recompute_layers(n, model.n_layer, cfg.pp, cfg.virtual, cfg.head_layers)
 
 
 def use_compile(cfg: TrainConfig) -> bool:

@@ -105,6 +105,31 @@ def test_recompute_layers_replaces_the_first_blocks_of_each_chunk() -> None:
         validate(TrainConfig(recompute_layers=2))
 
 
+@pytest.mark.parametrize("layout, most", [
+    ({}, 8), ({"pp": 2}, 4), ({"pp": 2, "virtual": 2}, 2), ({"pp": 3}, 3),
+    ({"pp": 2, "head_layers": 2}, 5)])
+def test_recompute_layers_beyond_the_largest_chunk_are_refused_alike(layout, most) -> None:
+    """N past the blocks of the largest chunk a rank holds would recompute every block
+    without a word: ``train`` refuses it before any process starts, and the memory model
+    (and with it ``plan``) refuses it in the same line; N up to that count is a layout."""
+    def run(n: int) -> TrainConfig:
+        m = 4 if layout.get("virtual") else 1
+        schedule = "interleaved" if layout.get("virtual") else "1f1b"
+        return TrainConfig(recompute="full", recompute_layers=n, microbatches=m,
+                           batch_size=4 * m, schedule=schedule, **layout)
+    validate(run(most))
+    stage_activations("tiny", run(most).layout())
+    with pytest.raises(ValueError) as refused:
+        validate(run(most + 1))
+    assert str(refused.value).startswith(f"--recompute-layers {most + 1} is more than the "
+                                         f"{most} blocks of the ")
+    assert str(refused.value).endswith(f"give at most {most}, or leave it out to recompute "
+                                       "every block")
+    with pytest.raises(ValueError) as priced:
+        stage_activations("tiny", run(most + 1).layout())
+    assert str(priced.value) == str(refused.value)
+
+
 def test_recompute_layers_in_the_memory_model_and_a_run() -> None:
     """Predicted: N of 8 blocks recomputed lies linearly between none and all. Measured
     (one rank, tiny): the activations a run holds fall in the same order."""

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from minipar.model import Block
+from minipar.parallel.pp import partition_layers  # the pipeline's own split rule
 
 MODES = ("none", "selective", "cheap", "full")
 
@@ -161,6 +162,28 @@ class _Kept(NamedTuple):
 
 def _same(x: object) -> object:
     return x
+
+
+def check_recompute_layers(layers, n_layer: int, pp: int = 1, virtual: int = 1,
+                           head_layers: int = 0) -> None:
+    """``layers`` N (``--recompute-layers``): the first N blocks of each pipeline chunk
+    recompute (``apply_recompute``), so N is 0 up to the blocks of the largest chunk
+    (``partition_layers``); one line otherwise. More would silently mean every block,
+    which leaving it out (None) says."""
+    if layers is None:
+        return
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        raise ValueError(f"--recompute-layers must be 0 or a positive integer, got {layers!r}")
+    most = max(len(c) for c in partition_layers(n_layer, pp * virtual, head_layers))
+    if layers > most:
+        split = [f"--pp {pp}"] + [f"--virtual {virtual}"] * (virtual > 1) + [
+            f"--head-layers {head_layers}"] * (head_layers > 0)
+        where = (f"the largest of the {pp * virtual} pipeline chunks of {n_layer} layers "
+                 f"({' '.join(split)})" if pp * virtual > 1
+                 else f"the model ({n_layer} layers)")
+        raise ValueError(f"--recompute-layers {layers} is more than the {most} blocks of "
+                         f"{where}: give at most {most}, or leave it out to recompute "
+                         "every block")
 
 
 def apply_recompute(stages: Iterable[nn.Module], mode: str, layers: int | None = None,

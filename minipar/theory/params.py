@@ -37,6 +37,7 @@ from functools import cache, lru_cache
 
 from minipar.model import GPTConfig
 from minipar.parallel.pp import partition_layers  # the pipeline's own split rule
+from minipar.parallel.recompute import check_recompute_layers
 from minipar.theory.models import get_model
 
 SECONDS_PER_DAY = 86400.0
@@ -115,8 +116,9 @@ def stage_recomputed_layers(cfg: GPTConfig | str, pp: int = 1, stage: int = 0,
                             recompute_layers: int | None = None) -> tuple[int, int]:
     """(blocks, MoE blocks among them) of pipeline ``stage`` that recompute: the first
     ``recompute_layers`` N of each of its chunks, every block with N None (the rule of
-    ``parallel.recompute.apply_recompute``, Megatron's ``--recompute-num-layers``). The
-    memory and the communication theory both ask here."""
+    ``parallel.recompute.apply_recompute``, Megatron's ``--recompute-num-layers``); an N
+    ``train`` refuses is refused here too (``check_recompute_layers``). The memory and
+    the communication theory both ask here."""
     return _stage_recomputed_layers(get_model(cfg), pp, stage, virtual, head_layers,
                                     recompute_layers)
 
@@ -124,6 +126,7 @@ def stage_recomputed_layers(cfg: GPTConfig | str, pp: int = 1, stage: int = 0,
 @lru_cache(maxsize=4096)  # (asked for every stage of every layout a planner prices)
 def _stage_recomputed_layers(cfg: GPTConfig, pp: int, stage: int, virtual: int,
                              head_layers: int, recompute_layers: int | None) -> tuple[int, int]:
+    check_recompute_layers(recompute_layers, cfg.n_layer, pp, virtual, head_layers)
     chunks = partition_layers(cfg.n_layer, pp * virtual, head_layers)
     redone = [i for c in range(stage, pp * virtual, pp) for i in chunks[c][:recompute_layers]]
     return len(redone), sum(cfg.is_moe(i) for i in redone) if cfg.n_expert else 0
