@@ -21,8 +21,9 @@ You write ``model_state_bytes``, ``in_flight``, ``stage_memory`` and
 ``device_memory``. What the check tests: each function, byte for byte, against
 ``minipar.theory.memory`` (``model_states``, the in-flight count, ``memory_breakdown``)
 on layouts of the four worked-example models (every ZeRO stage, GPipe, 1F1B and ZB-H1,
-with and without sp and recomputation, bf16 and fp32) and of the tiny one; a mismatch
-names the layout, the term and both numbers.
+with and without sp and recomputation, bf16 and fp32) and of the tiny one (its 8
+layers on 3 stages too: 3 + 3 + 2); a mismatch names the layout, the term and both
+numbers.
 """
 
 from __future__ import annotations

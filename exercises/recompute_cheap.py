@@ -33,7 +33,10 @@ What the check tests: one block of the tiny GPT with your hooks against the same
 keeping everything: every gradient equal (your recomputation runs the very kernels of
 the forward, so equal to the last bit), three recipes a forward (two layer norms, one
 GELU), no recipe holding an output, and the bytes the block keeps (about 40 a token and
-hidden unit in fp32 against 64, exactly what ``minipar.theory.memory`` predicts); then
+hidden unit in fp32 against 64, exactly what ``minipar.theory.memory`` predicts); your
+``pack`` and ``unpack`` alone: a transposed view of a noted output made again with its
+strides, and tensors at a noted output's address that are not the whole of it (a longer
+one, the same bytes as another dtype), which must come back as they are; then
 two processes training the two-layer tiny GPT with data parallelism and your hooks in
 every block, against one process keeping everything: the same losses and weights.
 """

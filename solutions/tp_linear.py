@@ -23,7 +23,8 @@ on one device: a column-parallel layer alone (its output slice and the input gra
 a row-parallel layer alone (the whole output and the input slice's gradient), and
 fc -> GELU -> proj as an MLP (output, input gradient, every weight and bias gradient),
 with the number of all-reduces in forward and in backward read from the communication
-log.
+log; then that ``ReduceFromTP`` leaves the tensor it is given as it was, and
+``CopyToTP``'s backward the gradient it is given (autograd may still need either).
 """
 
 from __future__ import annotations

@@ -505,6 +505,44 @@ MESSAGE_MUTANTS = {
         "            return module.forward(module.forward(source)).as_strided(*view)\n",
         ["gradient of attn.qkv.weight[", "]: expected 2.3174", "(the block keeping "
          "everything), got 2.3174", "(off by "]),
+    "recipe_without_size_test": (
+        "recompute_cheap", "        if out is None or t.numel() != out.numel() or t.dtype "
+        "!= out.dtype:\n",
+        "        if out is None or t.dtype != out.dtype:\n",
+        ["pack(t) for a tensor that starts at a noted output's address and is longer (64 "
+         "elements; the output is its first 32", "expected t itself back, got a recipe",
+         "unpack then raised RuntimeError", "as many elements, the same dtype"]),
+    "recipe_without_dtype_test": (
+        "recompute_cheap", "        if out is None or t.numel() != out.numel() or t.dtype "
+        "!= out.dtype:\n",
+        "        if out is None or t.numel() != out.numel():\n",
+        ["pack(t) for a noted output's bytes seen as int32", "expected t itself back, got a "
+         "recipe", "unpack then made torch.float32 of shape (4, 8) where t is torch.int32"]),
+    "recipe_ignores_the_strides": (
+        "recompute_cheap", "            return module.forward(source).as_strided(*view)\n",
+        "            return module.forward(source).reshape(view[0])\n",
+        ["unpack(pack(t)) for a transposed view of a noted output (shape (8, 4), strides "
+         "(1, 8)): element [0, 1] expected", ", got", "Tensor.as_strided"]),
+    "tp_reduce_in_place": (
+        "tp_linear", "        out = x.contiguous().clone()\n", "        out = x.contiguous()\n",
+        ["ReduceFromTP.forward changed its input in place on 2 ranks, rank 0: x[0, 0, 0] "
+         "expected", "(as it was handed over), got", "autograd may still need x itself"]),
+    "tp_backward_in_place": (
+        "tp_linear", "        grad = grad.contiguous().clone()\n",
+        "        grad = grad.contiguous()\n",
+        ["CopyToTP.backward changed the gradient it was handed in place on 2 ranks, rank 0: "
+         "grad[0, 0, 0] expected", "(as it was handed over), got",
+         "an add gives one gradient to both its inputs"]),
+    "memory_even_stages": (
+        "memory_formula", "    layers = stage_layers(cfg.n_layer, pp, stage)\n",
+        "    layers = cfg.n_layer // pp\n",
+        ["device_memory(tiny, {'dp': 1, 'pp': 3", "activations = 1260288; expected 1886976",
+         "8 layers on 3 stages are not 2 each but 3 + 3 + 2"]),
+    "ddp_forgets_the_reset": (
+        "ddp_buckets", "                offset += p.numel()\n        self.reset()\n",
+        "                offset += p.numel()\n",
+        ["0 all-reduces for", "with overlap=True, step 1; expected", "one per bucket",
+         "reset the bookkeeping"]),
     "dispatch_unsorted": (
         "moe_dispatch", "    return rows[order], got.sum(0), (order, send, recv)\n",
         "    return rows, got.sum(0), (torch.arange(len(rows)), send, recv)\n",

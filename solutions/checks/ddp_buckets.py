@@ -185,6 +185,13 @@ def _judge(rank: int, overlap: bool, f: dict) -> None:
                "hold the sum yet",
                "comm.all_reduce(..., async_op=True) returns at once: call .wait() on "
                "each bucket's Pending before reading its flat tensor")
+        # (before the gradients: a second step that launched nothing left the first
+        # step's gradients in place, off for a reason the count names)
+        expect(len(s["numels"]) == f["n_buckets"],
+               f"{len(s['numels'])} all-reduces for {f['n_buckets']} buckets {at}; expected "
+               f"{f['n_buckets']}, one per bucket",
+               "one all-reduce per bucket and step: launch each bucket exactly once, and "
+               "reset the bookkeeping at the end of finish_gradient_sync")
         expect(s["worst"] < TOL,
                f"{scale}gradients differ from the whole-batch gradient by up to "
                f"{s['worst']:.3g} {at}",
@@ -193,10 +200,6 @@ def _judge(rank: int, overlap: bool, f: dict) -> None:
         others = sorted(set(s["ops"]) - {"all_reduce"})
         expect(not others, f"used {others} {at}; only all_reduce is needed",
                "one comm.all_reduce(flat, async_op=True) per bucket")
-        expect(len(s["numels"]) == f["n_buckets"],
-               f"{len(s['numels'])} all-reduces for {f['n_buckets']} buckets {at}",
-               "one all-reduce per bucket and step: launch each bucket exactly once, and "
-               "reset the bookkeeping at the end of finish_gradient_sync")
         expect(s["numels"] == s["bucket_numels"],
                f"all-reduce sizes {s['numels']} (elements) {at}; the buckets, in order, "
                f"hold {s['bucket_numels']}",

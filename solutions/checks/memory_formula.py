@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib
 
+from minipar.model import get_config
 from minipar.theory import memory
 from minipar.theory.layout import Layout
+from minipar.theory.params import stage_layers
 
 from ..check import expect
 
@@ -23,6 +25,7 @@ LAYOUTS = [  # model, layout
     ("gpt-1t", dict(dp=8, pp=32, tp=16, zero=2, microbatches=48, recompute="full")),
     ("tiny", dict(dp=2, pp=2, tp=2, zero=0, microbatches=2, dtype="fp32")),
     ("tiny", dict(dp=1, pp=4, tp=1, zero=0, microbatches=3, dtype="fp32")),
+    ("tiny", dict(dp=1, pp=3, tp=1, zero=0, microbatches=3, dtype="fp32")),  # 3 + 3 + 2
 ]
 
 
@@ -57,6 +60,17 @@ def run(impl: str, timeout: float) -> str:
                    f"device_memory({model}, {lay}): {k} = {got.get(k)}; expected {want[k]}",
                    "activations = (per-layer bytes (+ the deferred W gradients under zb) x "
                    "layers of the stage + edge bytes) x "
-                   "micro-batches in flight; the device is the first or the last stage")
+                   "micro-batches in flight; the device is the first or the last stage"
+                   + _uneven(model, lay["pp"]))
     return (f"ZeRO states, in-flight counts and {len(LAYOUTS)} layouts agree with "
             "minipar.theory.memory")
+
+
+def _uneven(model: str, pp: int) -> str:
+    """A hint's note on a pipeline whose stages hold different numbers of layers."""
+    n = get_config(model).n_layer
+    if n % pp == 0:
+        return ""
+    split = " + ".join(str(stage_layers(n, pp, s)) for s in range(pp))
+    return (f"; {n} layers on {pp} stages are not {n // pp} each but {split} "
+            "(stage_layers: the first stages take the rest)")

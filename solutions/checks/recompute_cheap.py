@@ -7,7 +7,9 @@ gradient must be equal; a failure names the parameter, the worst element, the va
 expected and the value got. The packed values are inspected: three recipes a forward (two
 layer norms, one GELU) and none holding an output (it would keep the very bytes the
 recipe is for). The bytes the block keeps, counted by hooks around it, against
-``minipar.theory.memory``.
+``minipar.theory.memory``. ``pack`` and ``unpack`` alone: a transposed view of a noted
+output comes back element for element, with its strides; a tensor at a noted output's
+address that is not the whole of it (longer, or another dtype) stays as it is.
 
 Then two processes (data parallelism by hand: half the batch each, gradients averaged by
 an all-reduce, plain SGD) train the two-layer tiny GPT with the learner's hooks in every
@@ -121,6 +123,59 @@ def _one_block(impl: str) -> int:
     return held
 
 
+def _pack_alone(impl: str) -> None:
+    """``pack`` and ``unpack`` on single tensors at a noted output's address. A view of
+    the whole output with other strides (its transpose) becomes a recipe that ``unpack``
+    makes again element for element, with those strides. A tensor that is not the whole
+    of an output stays as it is: one longer than the output (the output is its first
+    part, as q is of a fused qkv: a recipe would make too few elements), and the
+    output's bytes seen as another dtype (a recipe would make floats)."""
+    gelu = nn.GELU()
+    source = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    buffer = torch.empty(2 * source.numel())
+    out = buffer[: source.numel()].view_as(source)  # the output: the buffer's first half
+    out.copy_(gelu(source))
+    pack, unpack = importlib.import_module(f"{impl}.recompute_cheap").recipe_hooks(
+        {out.data_ptr(): (gelu, out, source)})
+    t = out.t()
+    what = (f"a transposed view of a noted output (shape {tuple(t.shape)}, strides "
+            f"{t.stride()})")
+    value = pack(t)
+    expect(value is not t, f"pack(t) for {what}: expected a recipe, got t itself back",
+           "a view of the whole of a noted output (the same address, as many elements, the "
+           "same dtype) becomes a recipe, whatever its strides")
+    made = unpack(value)
+    if made.shape == t.shape and not torch.equal(made, t):
+        at = tuple(int(i) for i in torch.nonzero(made != t)[0])
+        raise CheckFailure(f"unpack(pack(t)) for {what}: element {list(at)} expected "
+                           f"{t[at].item():.6g}, got {made[at].item():.6g}",
+                           "make the tensor with the saved size, stride and offset "
+                           "(Tensor.as_strided): a view's elements are not in the output's "
+                           "order")
+    expect(made.shape == t.shape and made.stride() == t.stride(),
+           f"unpack(pack(t)) for {what}: expected shape {tuple(t.shape)} and strides "
+           f"{t.stride()}, got shape {tuple(made.shape)} and strides {made.stride()}",
+           "make the tensor with the saved size, stride and offset (Tensor.as_strided)")
+    cases = [(f"a tensor that starts at a noted output's address and is longer "
+              f"({buffer.numel()} elements; the output is its first {out.numel()}, as q is "
+              "of a fused qkv)", buffer),
+             ("a noted output's bytes seen as int32 (the same address, as many elements)",
+              out.view(torch.int32))]
+    for what, t in cases:
+        value = pack(t)
+        if value is t:
+            continue
+        try:
+            made = unpack(value)
+            got = (f"unpack then made {made.dtype} of shape {tuple(made.shape)} where t is "
+                   f"{t.dtype} of shape {tuple(t.shape)}")
+        except Exception as e:
+            got = f"unpack then raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        raise CheckFailure(f"pack(t) for {what}: expected t itself back, got a recipe; {got}",
+                           "only a view of the whole of a noted output becomes a recipe: "
+                           "the same address, as many elements, the same dtype")
+
+
 def _dp_rank(impl: str, steps: int = 3) -> dict:
     """One rank of two: the two-layer tiny GPT, every block cheaply recomputed with the
     learner's hooks, half the batch, gradients averaged by all-reduce, plain SGD."""
@@ -154,6 +209,7 @@ def _train(steps: int, rank: int, world: int, comm, cheap: bool) -> dict:
 
 def run(impl: str, timeout: float) -> str:
     kept = _one_block(impl)
+    _pack_alone(impl)
     ranks = launch_case(_dp_rank, 2, args=(impl,), timeout=timeout)
     one = _train(3, 0, 1, None, cheap=False)
     for step, want in enumerate(one["losses"]):

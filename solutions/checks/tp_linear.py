@@ -5,7 +5,8 @@ seed, so it computes the single-device answer itself and compares its part of it
 a column-parallel layer alone (output slice, input gradient), a row-parallel layer alone
 (whole output, input-slice gradient), and fc -> GELU -> proj as an MLP (output, input
 gradient, every weight and bias gradient), with the number of all-reduces in forward and
-backward read from the communication log.
+backward read from the communication log. Then f and g alone: neither may change the
+tensor it is handed (g's input, f's gradient), which autograd may still need.
 """
 
 from __future__ import annotations
@@ -97,7 +98,31 @@ def _rank_cases(impl: str) -> dict:
         "proj.weight": _close(mlp.proj.weight.grad, proj.weight.grad.chunk(n, 1)[r]),
         "proj.bias": _close(mlp.proj.bias.grad, proj.bias.grad),
         "fwd": fwd, "bwd": _ops(comm)}
+
+    # f and g alone, on tensors the case keeps: neither may change the one it is handed
+    # (autograd may still need it: tanh keeps its output for its backward, and an add
+    # hands one gradient tensor to both its inputs, a residual's too)
+    partial = torch.tanh(torch.randn(3, 5, H, generator=torch.Generator().manual_seed(4))
+                         .requires_grad_())
+    given = partial.detach().clone()
+    mod.ReduceFromTP.apply(partial, comm)
+    facts["g_input"] = (given, partial.detach().clone())
+    grad = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(5))
+    given = grad.clone()
+    mod.CopyToTP.apply(x.clone().requires_grad_(), comm).backward(grad)
+    facts["f_grad"] = (given, grad.clone())
+    comm.log.clear()
     return facts
+
+
+def _changed(given: torch.Tensor, after: torch.Tensor) -> str:
+    """Where a tensor handed to f or g changed: its first changed element, before and
+    after ("" if unchanged)."""
+    if torch.equal(given, after):
+        return ""
+    at = tuple(int(i) for i in torch.nonzero(given != after)[0])
+    return (f"{list(at)} expected {given[at].item():.6g} (as it was handed over), got "
+            f"{after[at].item():.6g}")
 
 
 def _judge(n: int, rank: int, f: dict) -> None:
@@ -130,6 +155,15 @@ def _judge(n: int, rank: int, f: dict) -> None:
            f"RowParallelLinear: input-slice gradient off by {row['grad_x']:.3g} with "
            f"{row['bwd']} in backward {where}",
            "ReduceFromTP.backward is the identity: the output gradient is already whole")
+    changed = _changed(*f["g_input"])
+    expect(not changed, f"ReduceFromTP.forward changed its input in place {where}: x{changed}",
+           "all-reduce a copy of x and return the copy: autograd may still need x itself "
+           "(tanh, for one, keeps its output for its backward)")
+    changed = _changed(*f["f_grad"])
+    expect(not changed, f"CopyToTP.backward changed the gradient it was handed in place "
+           f"{where}: grad{changed}",
+           "all-reduce a copy of the gradient and return the copy: autograd may hand the "
+           "same tensor to other nodes too (an add gives one gradient to both its inputs)")
     bad = [k for k in ("out", "grad_x", "fc.weight", "fc.bias", "proj.weight", "proj.bias")
            if m[k] >= TOL]
     expect(not bad, f"ParallelMLP differs from the full MLP in {bad} {where}",
