@@ -33,6 +33,7 @@ from minipar.engine import RunStopped, rehearse, train
 from minipar.export import export, export_hf
 from minipar.launch import LaunchError
 from minipar.model import get_config
+from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
 from minipar.parallel.schedules import check_schedule
 from minipar.parity import check_run
 from minipar.sample import sample
@@ -42,7 +43,14 @@ from minipar.theory.card import MEMORY_MARGIN
 from minipar.theory.layout import Layout
 from minipar.theory.memory import memory_breakdown
 from minipar.theory.params import mfu
-from minipar.theory.planner import HOST_SHORT, RECOMPUTES, plan
+from minipar.theory.planner import (
+    HOST_SHORT,
+    RECOMPUTES,
+    against_bf16,
+    as_run,
+    fp8_refusal,
+    plan,
+)
 
 # run as the program, a Ctrl-C since the package's first line was kept while all the
 # above loaded (``minipar/startup.py``): now it ends the program in one line
@@ -424,13 +432,23 @@ def _cmd_memory(args) -> int:
                     zero=args.zero, microbatch_size=args.microbatch_size,
                     microbatches=args.microbatches, schedule=args.schedule,
                     virtual=args.virtual, sp=args.sp, recompute=args.recompute,
-                    offload=args.offload, dtype=args.dtype, optimizer=args.optimizer)
+                    offload=args.offload, dtype=args.dtype, optimizer=args.optimizer,
+                    fp8=args.fp8)
+    if args.fp8:  # as train runs it on a GPU: the rules it checks, its blocks' compilation
+        if cfg is None:
+            raise ValueError("--fp8 changes what a model's blocks keep: give --model (or "
+                             "its sizes), not --params")
+        if refused := fp8_refusal(cfg, layout):
+            raise ValueError(refused)
+        layout = as_run(layout)
     mem = memory_breakdown(cfg, layout, params=args.params, accounting=args.accounting)
     what = _model_label(args) if cfg is not None else f"{args.params:,} parameters"
     cp = f" cp={args.cp}" if args.cp > 1 else ""
     cp += f" ep={args.ep}" if args.ep > 1 else ""
+    precision = args.dtype + (f" fp8={args.fp8} ({'compiled' if layout.compiled else 'eager'}"
+                              " blocks)" if args.fp8 else "")
     print(f"per-device memory of {what}, dp={args.dp} pp={args.pp} tp={args.tp}{cp} "
-          f"zero={args.zero}{' offload' if args.offload else ''} {args.dtype} "
+          f"zero={args.zero}{' offload' if args.offload else ''} {precision} "
           f"(stage {mem['stage']}, the most loaded)")
     for key in ("params", "grads", "optimizer", "activations", "loss_workspace",
                 "moe_dispatch", "in_flight", "total", "host"):
@@ -477,6 +495,8 @@ def _cmd_plan(args) -> int:
         where = clusters.cluster(gpus, kind, args.gpus_per_node if args.gpus else gpus)
     else:
         where = clusters.get_cluster(args.cluster)
+    if args.fp8:
+        clusters.check_fp8_card(where)
     if calib:
         where = clusters.calibrated(where, calib)
         rates = ", ".join(f"{op} {bw / 1e9:.0f} GB/s + {lat * 1e6:.0f} us"
@@ -491,9 +511,9 @@ def _cmd_plan(args) -> int:
                if getattr(args, d) is not None}
     for dim, n in degrees.items():
         checks.positive(dim, n)
-    result = plan(cfg, where, args.batch, offload=args.offload,
-                  memory_margin=args.memory_margin, recomputes=modes, degrees=degrees,
-                  separate_reduce_group=args.separate_reduce_group)
+    search = dict(offload=args.offload, memory_margin=args.memory_margin, recomputes=modes,
+                  degrees=degrees, separate_reduce_group=args.separate_reduce_group)
+    result = plan(cfg, where, args.batch, fp8=args.fp8, **search)
     model_flags = _model_flags(args)
     shown = result.layouts[: args.top]
     wide = max([60] + [len(est.layout.label()) for est in shown])  # the layout column
@@ -508,12 +528,17 @@ def _cmd_plan(args) -> int:
           "'rehearse' in place of 'train' tries a command's ranks on one GPU first)")
     print()
     print(result.why())
+    bf16 = plan(cfg, where, args.batch, **search) if args.fp8 else None
+    if bf16 is not None:
+        print(against_bf16(result, bf16))
     if not result.layouts and not args.offload:
         _offload_hint(cfg, where, args, model_flags, degrees)
     _write_json(args.json, {"best": result.best.to_dict() if result.best else None,
                             "layouts": [{**x.to_dict(), "command": x.layout.command(args.model)
                                          + model_flags} for x in result.layouts[: args.top]],
-                            "rejected": dict(result.rejected), "why": result.why()})
+                            "rejected": dict(result.rejected), "why": result.why(),
+                            **({"bf16_best": bf16.best and bf16.best.to_dict(),
+                                "against_bf16": against_bf16(result, bf16)} if bf16 else {})})
     return 0
 
 
@@ -521,7 +546,7 @@ def _offload_hint(cfg, where, args, model_flags: str, degrees: dict[str, int]) -
     """Where nothing fits, whether ZeRO-Offload (the fp32 states and the step on the
     host) would, and what it would cost: the first such layout and its command."""
     spilled = plan(cfg, where, args.batch, offload=True, memory_margin=args.memory_margin,
-                   degrees=degrees)
+                   degrees=degrees, fp8=args.fp8)
     if not spilled.layouts:
         if HOST_SHORT in spilled.examples:
             print(f"\nNor does --offload fit: its host states exceed the node's "
@@ -579,6 +604,10 @@ def _add_theory(sub) -> None:
     m.add_argument("--virtual", type=int, default=1)
     m.add_argument("--sp", action="store_true")
     m.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    m.add_argument("--fp8", choices=FP8_RECIPES,
+                   help="the blocks' linears in float8, as train --fp8 runs them on a GPU "
+                   "(a compiled float8 block keeps fewer activations; train's float8 rules "
+                   "checked)")
     m.add_argument("--accounting", default="korthikanti", choices=("korthikanti", "fused"),
                    help="activations: the paper's (attention scores stored) or a fused-"
                    "attention run's (what minipar's GPT keeps, plus the loss's workspace)")
@@ -612,6 +641,12 @@ def _add_theory(sub) -> None:
     p.add_argument("--separate-reduce-group", action="store_true",
                    help="ZeRO-3 layouts reduce on a second communicator (train's flag): "
                    "its buffers counted")
+    p.add_argument("--fp8", choices=FP8_RECIPES,
+                   help="plan a float8 run (train --fp8): every layout's blocks multiply "
+                   "their linears in float8, on GPUs that have float8 matmuls; layouts "
+                   "train would refuse are rejected. The same search runs in bf16 too, and "
+                   "a last line compares the two bests: float8 pays on wide compiled blocks, "
+                   "little on narrow ones, and costs on eager ones (pipelines, tp)")
     for dim in ("dp", "pp", "tp", "cp"):
         p.add_argument(f"--{dim}", type=int, help=f"only layouts with this {dim} degree")
 

@@ -35,7 +35,7 @@ from minipar.model import GPTConfig, get_config
 from minipar.parallel.compile import BACKENDS
 from minipar.parallel.ep import check_ep
 from minipar.parallel.fp8 import RECIPES as FP8_RECIPES
-from minipar.parallel.fp8 import check_fp8
+from minipar.parallel.fp8 import check_fp8, gemm_sizes
 from minipar.parallel.pp import partition_layers
 from minipar.parallel.recompute import MODES as RECOMPUTE
 from minipar.parallel.recompute import check_recompute_layers
@@ -367,10 +367,6 @@ def _check_cp_and_offload(cfg: TrainConfig, model: GPTConfig) -> None:
 
 
 def _check_recompute(cfg: TrainConfig, model: GPTConfig) -> None:
-    if cheap_recompute(cfg) and cfg.fp8 == "tensorwise":
-        raise ValueError("--recompute cheap with --fp8 tensorwise saves nothing: tensorwise "
-                         "keeps float8 copies of the inputs it would recompute; use "
-                         "--fp8 rowwise or another --recompute")
     n = cfg.recompute_layers
     if cfg.recompute_rest != "none" and (cfg.recompute != "full" or n is None):
         raise ValueError("--recompute-rest cheap needs --recompute full --recompute-layers N "
@@ -414,9 +410,8 @@ def _check_compile(cfg: TrainConfig) -> None:
 def _check_fp8(cfg: TrainConfig, model: GPTConfig) -> None:
     """The rules of float8 live in ``parallel/fp8.py``; here, the GEMM sizes a rank sees."""
     tokens = cfg.batch_size // (cfg.dp * cfg.microbatches) * (model.seq_len // cfg.cp)
-    sizes = {"hidden": model.d_model, "hidden / tp": model.d_model // cfg.tp,
-             "ffn / tp": model.d_ff // cfg.tp, "tokens per micro-batch": tokens}
-    check_fp8(cfg.fp8, cfg.fp8_emulate, device_for(cfg), cfg.dtype, cfg.sp, sizes)
+    check_fp8(cfg.fp8, cfg.fp8_emulate, device_for(cfg), cfg.dtype, cfg.sp,
+              gemm_sizes(model, cfg.tp, tokens), cheap_recompute(cfg))
 
 
 def _check_files(cfg: TrainConfig) -> None:

@@ -196,6 +196,14 @@ CASES = [
     ("memory capacity factor negative", "memory --moe-experts 4 --capacity-factor -1",
      "--capacity-factor must be a finite number >= 0, got -1.0"),
     ("memory json dir missing", f"memory --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
+    ("memory fp8 with sp", "memory --tp 2 --sp --fp8 rowwise",
+     "--fp8 with --sp is not supported: use --fp8 with tp alone"),
+    ("memory fp8 cheap tensorwise", "memory --recompute cheap --fp8 tensorwise",
+     "--recompute cheap with --fp8 tensorwise saves nothing"),
+    ("memory fp8 sizes", "memory --hidden 72 --fp8 rowwise",
+     "--fp8 needs GEMM sizes divisible by 16 (torch._scaled_mm); hidden is 72"),
+    ("memory fp8 without a model", "memory --params 7e9 --fp8 rowwise",
+     "--fp8 changes what a model's blocks keep: give --model (or its sizes), not --params"),
     # --- bubble ----------------------------------------------------------------------
     ("bubble pp zero", "bubble --pp 0", "--pp must be a positive integer, got 0"),
     ("bubble microbatches zero", "bubble --microbatches 0", "--microbatches must be a"),
@@ -207,6 +215,10 @@ CASES = [
     ("bubble unknown schedule", "bubble --schedule nope", "argument --schedule: invalid"),
     ("bubble json dir missing", f"bubble --json {NOWHERE}", f"directory {NOWHERE_DIR} does"),
     # --- plan ------------------------------------------------------------------------
+    ("plan fp8 on a card without it", "plan --fp8 rowwise", "--fp8 needs GPUs with float8 "
+     "matmuls: A100-80GB has none (H100-80GB, H200-141GB, B200 have them); plan without"),
+    ("plan fp8 unknown recipe", "plan --gpus 4 --gpu H100-80GB --fp8 fast",
+     "argument --fp8: invalid choice: 'fast'"),
     ("plan unknown gpu", "plan --gpus 8 --gpu nope", "unknown --gpu 'nope'"),
     ("plan zero gpus", "plan --gpus 0", "--gpus must be a positive integer, got 0"),
     ("plan zero batch", "plan --batch 0", "--batch must be a positive integer, got 0"),

@@ -820,3 +820,82 @@ def test_the_plan_prices_the_blocks_compiled_as_its_command_runs_them() -> None:
         cfg = train_config(build_parser().parse_args(est.layout.command("small").split()[3:]))
         # (the theory's "adam" is train's adamw: the same states and step)
         assert cfg.layout("cuda").with_(optimizer="adam") == est.layout, est.layout.label()
+
+
+def test_a_float8_plan_prints_what_train_accepts_on_a_float8_gpu(monkeypatch) -> None:
+    """``plan(fp8=...)`` puts every layout's blocks in float8 (``train --fp8``): each
+    printed command, parsed as ``train`` parses it, is the layout priced, and passes
+    ``train``'s checks (``config.validate``; the GPU's ``fp8_supported`` answered yes, the
+    ranks on gloo). Tensor parallelism runs without sp, which float8 refuses; tensorwise
+    recomputes nothing cheaply, and ``hidden / tp`` off a multiple of 16 refuses tp 2:
+    each counted under ``train``'s own line. Without ``fp8`` the same search is bf16's."""
+    import minipar.parallel.fp8 as fp8
+    from minipar.__main__ import build_parser, train_config
+    from minipar.config import TrainConfig, validate
+
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: True)
+    two = cluster(2, "H100-80GB", 2)
+    for recipe in ("rowwise", "tensorwise"):
+        found = plan("small", two, 8, fp8=recipe)
+        assert found.fp8 == recipe and len(found.layouts) > 20
+        assert all(e.layout.fp8 == recipe and not e.layout.sp for e in found.layouts)
+        assert any(e.layout.tp == 2 for e in found.layouts)
+        assert any(e.layout.cheap_recompute for e in found.layouts) == (recipe == "rowwise")
+        for est in found.layouts[:20]:
+            command = est.layout.command("small").split()[3:]
+            cfg = train_config(build_parser().parse_args(command))
+            assert cfg.layout("cuda").with_(optimizer="adam") == est.layout, est.layout.label()
+            validate(TrainConfig(**{**cfg.to_dict(), "backend": "gloo"}))
+    assert not any(e.layout.fp8 for e in plan("small", two, 8).layouts)
+
+    odd = get_model("small").with_(d_model=144, d_ff=576)  # hidden / tp 2 = 72
+    refused = plan(odd, two, 8, fp8="tensorwise").rejected
+    for refusal in ({"tp": 2}, {"recompute": "cheap"}):
+        with pytest.raises(ValueError) as line:
+            validate(TrainConfig(model="small", hidden=144, ffn=576, batch_size=8,
+                                 fp8="tensorwise", dtype="bf16", **refusal))
+        assert refused[str(line.value)] > 0, str(line.value)
+
+
+def test_plan_fp8_says_what_float8_buys_and_refuses_a_card_without_it(capsys) -> None:
+    """``plan --fp8`` plans the bf16 search too and says in one line how fast float8's
+    best runs against bf16's: gpt-13b on 4 x H100, 1.2x or more (its blocks wide and
+    compiled); gpt-1.3b in pipelines of 4 (eager blocks: its casts outweigh its GEMMs),
+    slower, which the line says. On a card without float8 matmuls (the A100 cluster
+    ``plan`` takes by default) it refuses in one line, before any layout."""
+    from minipar.__main__ import main
+
+    assert main(["plan", "--model", "gpt-13b", "--gpus", "4", "--gpu", "H100-80GB",
+                 "--batch", "16", "--top", "1", "--fp8", "rowwise"]) == 0
+    out = capsys.readouterr().out
+    assert "--fp8 rowwise --dtype bf16 --backend nccl" in out
+    line = out.rstrip().splitlines()[-1]
+    assert line.startswith("float8 rowwise: ") and float(line.split()[2][:-1]) > 1.2
+    assert main(["plan", "--model", "gpt-1.3b", "--gpus", "4", "--gpu", "H100-80GB",
+                 "--batch", "32", "--top", "1", "--pp", "4", "--fp8", "tensorwise"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("bf16 is faster here: drop --fp8")
+    assert main(["plan", "--fp8", "rowwise"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.strip() == (
+        "minipar plan: error: --fp8 needs GPUs with float8 matmuls: A100-80GB has none "
+        "(H100-80GB, H200-141GB, B200 have them); plan without --fp8")
+
+
+def test_memory_fp8_counts_what_train_s_float8_blocks_keep(tmp_path, capsys) -> None:
+    """``memory --fp8`` prices a layout as ``train --fp8`` runs it on a GPU: blocks
+    compiled where ``train`` compiles them (data parallelism), which keep 20 bytes a token
+    and hidden unit against bf16's 32 (``layer_activations(float8_compiled=)``); eager
+    under tensor parallelism, as many as bf16's."""
+    import json
+
+    from minipar.__main__ import main
+
+    def activations(*flags: str) -> int:
+        out = tmp_path / "m.json"
+        assert main(["memory", "--model", "gpt-1.3b", "--accounting", "fused", *flags,
+                     "--json", str(out)]) == 0
+        return json.loads(out.read_text())["activations"]
+
+    assert 0.6 < activations("--fp8", "rowwise") / activations() < 0.7
+    assert "bf16 fp8=rowwise (compiled blocks)" in capsys.readouterr().out
+    assert activations("--tp", "2", "--fp8", "tensorwise") == activations("--tp", "2")

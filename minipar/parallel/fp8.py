@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from minipar.comm import Comm
-from minipar.model import MoE
+from minipar.model import GPTConfig, MoE
 from minipar.parallel.tp import ColumnParallelLinear, wanted
 
 RECIPES = ("rowwise", "tensorwise")
@@ -218,10 +218,21 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def check_fp8(recipe: str | None, emulate: bool, device: torch.device, dtype: str,
-              sequence_parallel: bool, sizes: dict[str, int]) -> None:
+def gemm_sizes(cfg: GPTConfig, tp: int, tokens: int) -> dict[str, int]:
+    """The GEMM dimensions a rank's float8 linears see, by name: the hidden size, its
+    and the FFN's tp shares, and ``tokens``, a micro-batch's on the rank."""
+    return {"hidden": cfg.d_model, "hidden / tp": cfg.d_model // tp,
+            "ffn / tp": cfg.d_ff // tp, "tokens per micro-batch": tokens}
+
+
+def check_fp8(recipe: str | None, emulate: bool, device: torch.device | None, dtype: str,
+              sequence_parallel: bool, sizes: dict[str, int],
+              cheap_recompute: bool = False) -> None:
     """Raise ValueError (one line) if ``--fp8 recipe`` cannot run here. ``sizes``: the
-    GEMM dimensions a rank sees (local features, tokens per micro-batch)."""
+    GEMM dimensions a rank sees (``gemm_sizes``); ``cheap_recompute``: some blocks
+    recompute cheaply. ``device`` None: a GPU that has float8 matmuls (the planner's,
+    whose card ``theory.clusters.check_fp8_card`` checks): ``train`` and ``plan`` refuse
+    a layout by these same rules."""
     if recipe is None:
         if emulate:
             raise ValueError("--fp8-emulate needs --fp8 rowwise or --fp8 tensorwise")
@@ -230,9 +241,19 @@ def check_fp8(recipe: str | None, emulate: bool, device: torch.device, dtype: st
         raise ValueError(f"--fp8 must be one of {', '.join(RECIPES)}, got {recipe!r}")
     if sequence_parallel:
         raise ValueError("--fp8 with --sp is not supported: use --fp8 with tp alone")
-    if emulate:
-        return
-    if not fp8_supported(device):
+    if not emulate:
+        _check_kernels(recipe, device, dtype, sizes)
+    if cheap_recompute and recipe == "tensorwise":
+        raise ValueError("--recompute cheap with --fp8 tensorwise saves nothing: tensorwise "
+                         "keeps float8 copies of the inputs it would recompute; use "
+                         "--fp8 rowwise or another --recompute")
+
+
+def _check_kernels(recipe: str, device: torch.device | None, dtype: str,
+                   sizes: dict[str, int]) -> None:
+    """What ``torch._scaled_mm`` needs: a GPU that has it, bf16 outputs for rowwise
+    scales, every GEMM size a multiple of 16."""
+    if device is not None and not fp8_supported(device):
         where = "CPUs" if device.type == "cpu" else torch.cuda.get_device_name(device)
         raise ValueError(f"--fp8 needs float8 matmuls (a GPU of compute capability 8.9 or "
                          f"newer: Ada, Hopper); {where} have none: --fp8-emulate emulates "
@@ -247,4 +268,4 @@ def check_fp8(recipe: str | None, emulate: bool, device: torch.device, dtype: st
 
 
 __all__ = ["RECIPES", "Scaled", "scale_for", "to_float8", "Float8Matmul", "Float8Linear",
-           "apply_fp8", "float8_weights", "fp8_supported", "check_fp8"]
+           "apply_fp8", "float8_weights", "fp8_supported", "gemm_sizes", "check_fp8"]

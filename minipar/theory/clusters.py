@@ -8,6 +8,9 @@ not measurements:
   141 GB, which is the H200's HBM3e: 143771 MiB), a B200 183359 MiB (sold as 192 GB,
   180 GB usable).
 * peak_flops: dense bf16 tensor-core FLOP/s (the sparse figures are twice that).
+* fp8_flops: dense float8 tensor-core FLOP/s (H100 SXM and H200 1,979 T, B200 4,500 T);
+  0 for a GPU without float8 matmuls (A100: compute capability 8.0), on which
+  ``--fp8`` is refused (``check_fp8_card``).
 * nvlink: NVLink bandwidth per GPU *per direction* (the data sheets quote both
   directions together: A100 600 GB/s, H100/H200 900 GB/s, B200 1.8 TB/s). A ring
   collective's time is its wire bytes over this.
@@ -52,14 +55,17 @@ class GPU:
     nvlink: float        # bytes/s per GPU per direction, inside a node
     network: float       # bytes/s per GPU per direction, between nodes
     memory_bandwidth: float = 0.0  # bytes/s of its own memory, the spec (0: not known)
+    fp8_flops: float = 0.0  # dense float8 FLOP/s (0: no float8 matmuls)
 
 
 GPUS: dict[str, GPU] = {
     "A100-40GB": GPU("A100-40GB", 40960 * MiB, 312e12, 300 * GB, 25 * GB, 1555 * GB),
     "A100-80GB": GPU("A100-80GB", 81920 * MiB, 312e12, 300 * GB, 25 * GB, 2039 * GB),
-    "H100-80GB": GPU("H100-80GB", 81559 * MiB, 989e12, 450 * GB, 50 * GB, 3350 * GB),
-    "H200-141GB": GPU("H200-141GB", 143771 * MiB, 989e12, 450 * GB, 50 * GB, 4800 * GB),
-    "B200": GPU("B200", 183359 * MiB, 2250e12, 900 * GB, 50 * GB, 8000 * GB),
+    "H100-80GB": GPU("H100-80GB", 81559 * MiB, 989e12, 450 * GB, 50 * GB, 3350 * GB,
+                     1979e12),
+    "H200-141GB": GPU("H200-141GB", 143771 * MiB, 989e12, 450 * GB, 50 * GB, 4800 * GB,
+                      1979e12),
+    "B200": GPU("B200", 183359 * MiB, 2250e12, 900 * GB, 50 * GB, 8000 * GB, 4500e12),
 }
 
 
@@ -278,6 +284,15 @@ def gpu_for_device(name: str) -> str:
         if key in name.upper():
             return preset
     return "H100-80GB"
+
+
+def check_fp8_card(cluster: Cluster) -> None:
+    """Raise ValueError (one line) if ``cluster``'s GPU has no float8 matmuls to plan
+    ``--fp8`` on."""
+    if not cluster.gpu.fp8_flops:
+        have = [name for name, g in GPUS.items() if g.fp8_flops]
+        raise ValueError(f"--fp8 needs GPUs with float8 matmuls: {cluster.gpu.name} has none "
+                         f"({', '.join(have)} have them); plan without --fp8")
 
 
 def get_cluster(name_or_cluster: str | Cluster) -> Cluster:

@@ -75,7 +75,7 @@ from minipar.theory.models import get_model
 from minipar.theory.moe import COUNT_BYTES, all_to_all_bytes, kept_share
 from minipar.theory.params import (
     check_divisible,
-    layer_matmul_params,
+    float8_linears,
     param_table,
     stage_expert_params,
     stage_layers,
@@ -101,12 +101,14 @@ def float8_gathered(cfg: GPTConfig | str, pp: int = 1, tp: int = 1, stage: int =
     float8: every block's linear weights (a dense block's four, an MoE block's attention
     two, tp-split; its router stays in the compute dtype)."""
     cfg = get_model(cfg)
-    h = cfg.d_model
     layers = stage_layers(cfg.n_layer, pp, stage, virtual, head_layers)
     moe = stage_moe_layers(cfg, pp, stage, virtual, head_layers) if cfg.n_expert else 0
-    dense = layers - moe
-    numel = dense * layer_matmul_params(cfg) // tp + moe * 4 * h * h // tp
-    return numel, 4 * dense + 2 * moe
+    numel, matrices = 0, 0
+    for n, is_moe in ((layers - moe, False), (moe, True)):
+        linears = float8_linears(cfg, tp, is_moe)
+        numel += n * sum(k * out for k, out in linears)
+        matrices += n * len(linears)
+    return numel, matrices
 
 
 def dp_volume(n_params: int, dp: int, zero: int = 0, dtype: str = "bf16",

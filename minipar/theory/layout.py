@@ -77,8 +77,12 @@ class Layout:
         (docs/benchmarks.md; ``planner.HOST_COMPILED_FACTOR``); tp, cp and pipeline blocks
         compile when asked (``parallel/compile.py``)."""
         return (not dropout and self.schedule not in SPLIT_BACKWARD
-                and self.pp == self.tp == self.cp == 1
-                and "cheap" not in (self.recompute, self.recompute_rest))
+                and self.pp == self.tp == self.cp == 1 and not self.cheap_recompute)
+
+    @property
+    def cheap_recompute(self) -> bool:
+        """Whether some blocks recompute cheaply (``recompute`` or ``recompute_rest``)."""
+        return "cheap" in (self.recompute, self.recompute_rest)
 
     def with_(self, **changes) -> Layout:
         return replace(self, **changes)
@@ -102,7 +106,8 @@ class Layout:
             else "") + (
             f" head-layers={self.head_layers}" if self.head_layers else "") + (
             " chunked-loss" if self.chunked_loss else "") + (
-            " separate-reduce-group" if self.separate_reduce_group else "")
+            " separate-reduce-group" if self.separate_reduce_group else "") + (
+            f" fp8={self.fp8}" if self.fp8 else "")
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
         # the kernel only where it is not the default's (fused; offload's host step)

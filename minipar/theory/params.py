@@ -266,6 +266,19 @@ def layer_matmul_params(cfg: GPTConfig | str) -> int:
     return 4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff
 
 
+def float8_linears(cfg: GPTConfig | str, tp: int = 1, moe: bool = False
+                   ) -> tuple[tuple[int, int], ...]:
+    """(in, out) features, on one tp rank, of the linears ``--fp8`` multiplies in float8
+    in a block (``parallel.fp8.apply_fp8``): a dense block's four (q|k|v and fc split
+    along their outputs, the two projections along their inputs); an MoE block's two of
+    attention (its router stays in the compute dtype, its experts' grouped GEMMs in
+    16 bits). Not the embeddings, not the head."""
+    cfg = get_model(cfg)
+    h, f = cfg.d_model, cfg.d_ff
+    attention = ((h, 3 * h // tp), (h // tp, h))
+    return attention if moe else attention + ((h, f // tp), (f // tp, h))
+
+
 def attention_flops_per_token(cfg: GPTConfig | str, count: str = "full") -> float:
     """Forward FLOPs per token of the two attention products (Q K^T and softmax . V).
 

@@ -64,10 +64,11 @@ from functools import cache, lru_cache
 
 from minipar.mesh import Mesh
 from minipar.model import GPTConfig
+from minipar.parallel.fp8 import check_fp8, gemm_sizes
 from minipar.parallel.schedules import SPLIT_BACKWARD, VIRTUAL_STAGES, check_schedule
 from minipar.theory.bubble import partition_layers, pipeline_seconds
 from minipar.theory.card import MEMORY_MARGIN, card_peak, host_fit
-from minipar.theory.clusters import Cluster, get_cluster
+from minipar.theory.clusters import Cluster, check_fp8_card, get_cluster
 from minipar.theory.comm_volume import comm_volume
 from minipar.theory.context import min_local_tokens_to_hide_ring
 from minipar.theory.layout import Layout
@@ -383,6 +384,7 @@ class Plan:
     rejected: Counter
     examples: dict[str, str]
     smallest_misfit: Estimate | None = None
+    fp8: str | None = None  # every layout's float8 recipe (``plan(fp8=...)``)
 
     def __len__(self) -> int:
         return len(self.layouts)
@@ -419,7 +421,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
          offload: bool = False, dtype: str = "bf16", optimizer: str = "adam",
          optimizer_kernel: str = "fused", order: str = "megatron",
          degrees: dict[str, int] | None = None, separate_reduce_group: bool = False,
-         **settings) -> Plan:
+         fp8: str | None = None, **settings) -> Plan:
     """Enumerate, filter and rank the layouts of ``cfg`` on ``cluster``.
 
     Rejected (and counted by reason): tp above the GPUs of one node (its collectives
@@ -438,10 +440,19 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     the best pipelines of four stages; keys dp, pp, tp, cp);
     ``separate_reduce_group``: ZeRO-3 over more than one rank reduces on a communicator
     of its own (its buffers counted; its step priced as the shared one's);
+    ``fp8`` ("rowwise" or "tensorwise"): every layout's blocks multiply their linears in
+    float8, as ``train --fp8`` runs them (a card without float8 matmuls: ValueError,
+    before any layout); tensor parallelism runs without sp, and a layout ``train`` would
+    refuse (``parallel.fp8.check_fp8``: GEMM sizes, cheap recomputation under tensorwise)
+    is rejected under its line;
     ``settings`` go to ``evaluate`` (matmul_efficiency, memory_margin, accounting,
     overlap).
     """
     cfg, cluster = get_model(cfg), get_cluster(cluster)
+    if fp8 is not None:  # what holds for every layout: the card, the recipe, the dtype
+        check_fp8_card(cluster)
+        check_fp8(fp8, emulate=False, device=None, dtype=dtype, sequence_parallel=False,
+                  sizes={})
     gpus = cluster.gpus
     fixed = dict(degrees or {})
     unknown = set(fixed) - {"dp", "pp", "tp", "cp"}
@@ -537,8 +548,13 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                              optimizer=optimizer,
                                              optimizer_kernel=optimizer_kernel, order=order,
                                              separate_reduce_group=separate_reduce_group
-                                             and zero == 3 and dp * cp > 1)
+                                             and zero == 3 and dp * cp > 1, fp8=fp8)
                                 lay = as_run(lay)
+                                if fp8 is not None:
+                                    lay = _float8_sp(cfg, lay)
+                                    if refused := fp8_refusal(cfg, lay):
+                                        reject(refused, lay.label())
+                                        continue
                                 est = _priced(cfg, cluster, lay, offload, settings)
                                 if rc == "none":
                                     kept = est
@@ -565,7 +581,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
     layouts = [est for est in layouts if id(est) not in idle]
     layouts.sort(key=lambda x: (x.step_time, sum(x.traffic.values()), x.memory["process"]))
     return Plan(cfg, cluster, global_batch, _ties_by_memory(layouts), rejected, examples,
-                smallest)
+                smallest, fp8)
 
 
 
@@ -610,6 +626,8 @@ def _partial_recomputation(cfg: GPTConfig, cluster: Cluster,
     found: list[Estimate] = []
     for (kept, full), rest in itertools.product(
             sorted(candidates, key=lambda c: c[0].step_time), rests):
+        if fp8_refusal(cfg, full.layout.with_(recompute_rest=rest)):
+            continue  # (float8's rules, counted where the search met them)
         n = fewest_recomputed(cfg, cluster, full.layout.with_(recompute_rest=rest), settings)
         if n is None:
             continue
@@ -657,6 +675,36 @@ def _idle_recomputation(layouts: list[Estimate]) -> list[Estimate]:
         RECOMPUTE_ORDER[x.layout.recompute] < RECOMPUTE_ORDER[est.layout.recompute]
         and x.memory["process"] <= est.memory["process"] and x.step_time <= est.step_time
         for x in same[without_recompute(est)])]
+
+
+def fp8_refusal(cfg: GPTConfig, layout: Layout) -> str | None:
+    """Why ``train`` would refuse ``layout``'s float8 on a GPU that has float8 matmuls
+    (``parallel.fp8.check_fp8``'s line, the check ``train`` runs), or None."""
+    if layout.fp8 is None:
+        return None
+    tokens = layout.microbatch_size * cfg.seq_len // layout.cp  # a rank's micro-batch
+    return _fp8_refusal(cfg, layout.fp8, layout.dtype, layout.sp, layout.tp, tokens,
+                        layout.cheap_recompute)
+
+
+@cache
+def _fp8_refusal(cfg: GPTConfig, recipe: str, dtype: str, sp: bool, tp: int, tokens: int,
+                 cheap: bool) -> str | None:
+    try:
+        check_fp8(recipe, emulate=False, device=None, dtype=dtype, sequence_parallel=sp,
+                  sizes=gemm_sizes(cfg, tp, tokens), cheap_recompute=cheap)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _float8_sp(cfg: GPTConfig, layout: Layout) -> Layout:
+    """``layout`` without sequence parallelism where float8 refuses sp (its verdict
+    changes without it): float8 takes tensor parallelism alone."""
+    without = layout.with_(sp=False)
+    if layout.sp and fp8_refusal(cfg, layout) != fp8_refusal(cfg, without):
+        return without
+    return layout
 
 
 @cache
@@ -723,6 +771,22 @@ def _schedules(names: tuple[str, ...], cfg: GPTConfig, pp: int, m: int):
 
 def _gib(x: float) -> str:
     return f"{x / 2**30:.1f} GiB"
+
+
+def against_bf16(float8: Plan, bf16: Plan) -> str:
+    """One line: what float8 buys, the best layout of a float8 plan against the best of
+    the same search in bf16 (``bf16``: ``plan`` without ``fp8``), as a speed ratio."""
+    recipe = f"float8 {float8.fp8}"
+    if bf16.best is None:
+        return (f"{recipe}: no bf16 layout fits; float8 does" if float8.best
+                else f"{recipe}: neither float8 nor bf16 fits")
+    base = bf16.best
+    named = f"the best bf16 layout ({base.layout.label()}, {base.step_time:.3g} s a step)"
+    if float8.best is None:
+        return f"{recipe}: no layout fits; {named} does"
+    speed = base.step_time / float8.best.step_time
+    verdict = "; bf16 is faster here: drop --fp8" if speed < 1 else ""
+    return f"{recipe}: {speed:.2f}x the speed of {named}{verdict}"
 
 
 def explain(result: Plan) -> str:

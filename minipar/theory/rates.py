@@ -26,6 +26,9 @@
 Each function returns ``None`` (or 0 for the optimizer and the
 accumulation) when the calibration lacks the measurement, and the planner falls back
 to the data-sheet model.
+
+Float8 (``--fp8``; ``float8_seconds``) changes a block's measured pace by what the data
+sheet says its float8 linears gain and what their casts move through the card's memory.
 """
 
 from __future__ import annotations
@@ -35,13 +38,22 @@ import math
 from minipar.comm import wire_bytes
 from minipar.model import GPTConfig
 from minipar.theory.bubble import chunk_costs, partition_layers
-from minipar.theory.clusters import Cluster
+from minipar.theory.clusters import Cluster, check_fp8_card
 from minipar.theory.layout import Layout
 from minipar.theory.params import (
+    float8_linears,
     head_flops_per_token,
     hook_params,
     layer_flops_per_token,
 )
+
+# An eager block's float8 casts take this many times the seconds of a compiled block's
+# (``float8_cast_bytes`` at the memory bandwidth): there the amax, the scale, the multiply,
+# the conversion and a transposed operand's copy each run as a kernel of their own, and
+# the reductions over a transposed operand run far under the bandwidth. Fitted to one
+# gpt-13b MLP linear's forward and backward, eager, on one H100, both recipes
+# (docs/benchmarks.md, "The step model prices float8"; ``tests/test_card_memory.py``).
+FLOAT8_EAGER_CASTS = 4.6
 
 
 def interp_log(x: float, xs: list[float], ys: list[float]) -> float:
@@ -110,9 +122,10 @@ def chunk_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout,
     rate = block_flops(cluster.block_rates, cfg.d_model, tokens, tp) or slow
     head_rate = block_flops(cluster.head_rates, cfg.d_model, tokens, tp) or slow
     n, head_cost = pp * virtual, head_flops_per_token(cfg) / head_rate
-    def layer(mode: str) -> float:
+    def layer(mode: str) -> float:  # (float8's: a micro-batch's, per token of the tp share)
         return (layer_flops_per_token(cfg, mode) / rate
-                + cheap_recompute_seconds(cfg, cluster, layout.dtype, mode))
+                + cheap_recompute_seconds(cfg, cluster, layout.dtype, mode)
+                + float8_seconds(cfg, cluster, layout, mode, efficiency) * tp / tokens)
     per_token = chunk_costs(cfg.n_layer, n, layer(layout.recompute), head_cost, head)
     redo = layout.recompute_layers
     if redo is not None and layout.recompute != "none":  # the rest of a chunk: its own
@@ -139,6 +152,62 @@ def cheap_recompute_seconds(cfg: GPTConfig, cluster: Cluster, dtype: str,
         return 0.0
     e = 2 if dtype == "bf16" else 4
     return 2 * e * (2 * cfg.d_model + cfg.d_ff) / bandwidth
+
+
+def float8_seconds(cfg: GPTConfig, cluster: Cluster, layout: Layout, mode: str,
+                   efficiency: float) -> float:
+    """What ``--fp8`` changes in one block's forward and backward of one micro-batch on
+    one rank under recomputation ``mode`` (seconds; negative where it saves; 0 without
+    float8). Its float8 linears (``params.float8_linears``; an MoE model's blocks in
+    their shares) multiply in float8: three GEMMs a linear (y, dx, dW; y again under full
+    recomputation) at the card's float8 rate times ``efficiency`` instead of the 16-bit
+    rate (the measured matmul rate when calibrated, else the data sheet's times
+    ``efficiency``), plus their casts (``float8_cast_bytes``) at the card's memory
+    bandwidth, ``FLOAT8_EAGER_CASTS`` times longer in eager blocks. The head, the
+    embeddings, attention's own products and the experts' grouped GEMMs stay in 16
+    bits, in the block's measured pace. Float8's amax all-reduces over tp are not priced."""
+    if layout.fp8 is None:
+        return 0.0
+    check_fp8_card(cluster)
+    tokens = layout.microbatch_size * cfg.seq_len // layout.cp
+    forwards = 2 if mode == "full" else 1
+    e = 2 if layout.dtype == "bf16" else 4
+    weight8 = layout.fp8 == "tensorwise" and layout.zero == 3  # ZeRO-3 gathers float8
+    slower = 1 / (cluster.matmul_flops or cluster.peak_flops * efficiency)
+    faster = 1 / (cluster.gpu.fp8_flops * efficiency)
+    bandwidth = cluster.gpu.memory_bandwidth
+    casts = 1.0 if layout.compiled else FLOAT8_EAGER_CASTS
+    per_byte = casts / bandwidth if bandwidth else 0.0
+    moe_share = cfg.n_moe_layers / cfg.n_layer
+    seconds = 0.0
+    for share, moe in ((1 - moe_share, False), (moe_share, True)):
+        if share:
+            linears = float8_linears(cfg, layout.tp, moe)
+            flops = (2 + forwards) * 2 * tokens * sum(k * n for k, n in linears)
+            cast = float8_cast_bytes(layout.fp8, tokens, linears, e, weight8, forwards)
+            seconds += share * (flops * (faster - slower) + cast * per_byte)
+    return seconds
+
+
+def float8_cast_bytes(recipe: str, tokens: int, linears: tuple[tuple[int, int], ...],
+                      e: int = 2, weight8: bool = False, forwards: int = 1) -> float:
+    """Bytes the float8 casts of a block's ``linears`` ((in, out) features) move in one
+    micro-batch of ``tokens`` (``parallel/fp8.py``), as a compiled block runs them: a
+    cast with its amax reads the ``e``-byte operand twice and writes it in float8
+    (2e + 1 bytes an element), a cast with a known scale reads it once (e + 1), a
+    float8 transpose reads and writes a byte (2). Rowwise casts each GEMM's operands
+    from 16 bits: x and W for y, dy and W^T for dx, dy^T and x^T for dW. Tensorwise casts
+    x, W and dy once (under ``weight8`` W arrives in float8: ZeRO-3 gathers it so), W^T
+    with W's scale (a transpose under ``weight8``), and transposes the float8 x and dy
+    for dW. ``forwards``: how many times the forward's casts run (2: full recomputation)."""
+    cast, scaled, moved = 2 * e + 1, e + 1, 2
+    x = tokens * sum(k for k, _ in linears)
+    dy = tokens * sum(n for _, n in linears)
+    w = sum(k * n for k, n in linears)
+    if recipe == "rowwise":
+        return cast * (forwards * (x + w) + (dy + w) + (dy + x))
+    w_forward, w_t = (0, moved) if weight8 else (cast, scaled)
+    return forwards * (cast * x + w_forward * w) + cast * dy + w_t * w + moved * (dy + x)
 
 
 def stepped_params(n_params: int, shards: int, zero: int) -> int:
