@@ -551,7 +551,7 @@ def plan(cfg: GPTConfig | str, cluster: Cluster | str, global_batch: int | None 
                                              and zero == 3 and dp * cp > 1, fp8=fp8)
                                 lay = as_run(lay)
                                 if fp8 is not None:
-                                    lay = _float8_sp(cfg, lay)
+                                    lay = lay.with_(sp=False)  # float8 refuses sp
                                     if refused := fp8_refusal(cfg, lay):
                                         reject(refused, lay.label())
                                         continue
@@ -696,15 +696,6 @@ def _fp8_refusal(cfg: GPTConfig, recipe: str, dtype: str, sp: bool, tp: int, tok
     except ValueError as e:
         return str(e)
     return None
-
-
-def _float8_sp(cfg: GPTConfig, layout: Layout) -> Layout:
-    """``layout`` without sequence parallelism where float8 refuses sp (its verdict
-    changes without it): float8 takes tensor parallelism alone."""
-    without = layout.with_(sp=False)
-    if layout.sp and fp8_refusal(cfg, layout) != fp8_refusal(cfg, without):
-        return without
-    return layout
 
 
 @cache
