@@ -17,6 +17,7 @@ record of the steps done (no checkpoint is ever written from non-finite weights)
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import sys
@@ -44,7 +45,7 @@ from minipar.config import (
 from minipar.corpus import make_data, prepare_data
 from minipar.evaluate import evaluate, reference_eval
 from minipar.hf import HFCheckpoint
-from minipar.launch import LaunchError, heartbeat, launch, report_progress
+from minipar.launch import LaunchError, default_start_method, heartbeat, launch, report_progress
 from minipar.mesh import Mesh, RankMesh
 from minipar.meter import ActivationMeter, cpu_allocations, record_allocations
 from minipar.model import GPT, materialize, set_dropout_key
@@ -341,6 +342,10 @@ def _launch(cfg: TrainConfig, progress, report, t0: float) -> dict:
     # notebook cell) fails in the child ("Unable to handle autograd's threading in
     # combination with fork-based multiprocessing"): spawn there; rank_main is importable.
     method = "spawn" if torch.cuda.is_available() else None
+    if (method or default_start_method()) == "fork":
+        # every rank's optimizer imports torch._dynamo (seconds of CPU); imported here
+        # once, forked ranks inherit it instead of each importing it again
+        importlib.import_module("torch._dynamo")
     try:
         ranks = launch(rank_main, cfg.world_size, args=(cfg,), backend=cfg.backend,
                        timeout=cfg.timeout, startup=startup_allowance(cfg),
