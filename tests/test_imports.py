@@ -174,10 +174,12 @@ def test_functions_import_only_optional_packages() -> None:
 
 def test_the_command_line_imports_no_compiler() -> None:
     """``python -m minipar`` (and every rank it spawns) imports the engine without
-    ``torch._dynamo``, a second of import on this machine: the layers that stay eager
-    inside a compiled block are marked with ``torch._disable_dynamo``, which applies
+    ``torch._dynamo``, a second of import on this machine, so ``plan``, ``memory`` and
+    the lessons' theory never pay for it: the layers that stay eager inside a compiled
+    block are marked with ``torch._disable_dynamo``, which applies
     ``torch.compiler.disable`` at their first call, and ``compile_stats`` imports the
-    compiler's counters only in a run that compiles."""
+    compiler's counters only in a run that compiles. (A training run imports it once,
+    before its ranks fork: their optimizers need it.)"""
     import subprocess
     import sys
 
