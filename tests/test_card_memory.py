@@ -633,7 +633,7 @@ def test_float8_speed_by_width_on_one_h100() -> None:
     Held within 0.1, and never below the measurement. What it gets wrong
     (``fp8_gemm_rates.py`` in the same call): the blocks' GEMMs run at 655-690 TFLOP/s in
     bf16 and 1,090-1,221 in float8, not the 772 and 1,385 of 8192^3, and their casts
-    take about 1.65x their bytes at the data sheet's bandwidth (docs/benchmarks.md)."""
+    take 1.3-1.9x their bytes at the data sheet's bandwidth (docs/benchmarks.md)."""
     folder = "fp8-width-1xH100-2026-12-07z2"
     measured = {("gpt-1.3b", "rowwise"): 0.984, ("gpt-1.3b", "tensorwise"): 1.066,
                 ("gpt-6.7b x8", "rowwise"): 1.145, ("gpt-6.7b x8", "tensorwise"): 1.203}
