@@ -341,8 +341,8 @@ def _launch(cfg: TrainConfig, progress, report, t0: float) -> dict:
     # On a CUDA build, forking a process whose autograd already ran (a reference run, a
     # notebook cell) fails in the child ("Unable to handle autograd's threading in
     # combination with fork-based multiprocessing"): spawn there; rank_main is importable.
-    method = "spawn" if torch.cuda.is_available() else None
-    if (method or default_start_method()) == "fork":
+    method = "spawn" if torch.cuda.is_available() else default_start_method()
+    if method == "fork":
         # every rank's optimizer imports torch._dynamo (seconds of CPU); imported here
         # once, forked ranks inherit it instead of each importing it again
         importlib.import_module("torch._dynamo")
