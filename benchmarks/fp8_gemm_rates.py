@@ -7,10 +7,12 @@ of the real shapes are from those. For each preset (gpt2-350m, gpt-1.3b, gpt-6.7
 gpt-13b) and micro-batch of 4,096, 8,192 and 16,384 tokens, each block linear (qkv,
 proj, fc1, fc2: (in, out) features) and each of its three GEMMs (y = x W^T: tokens x in
 x out; dx = dy W: tokens x out x in; dW = dy^T x: out x tokens x in), ``a @ b.t()`` in
-bf16 against ``torch._scaled_mm`` with row-wise scales (e4m3 x e4m3, bf16 out): median
-of 20 after 5 warm-ups, CUDA events. The casts: ``cast_rowwise`` (amax per row, scale,
-clamp, e4m3) compiled alone on each operand shape; called on its own it includes the
-host's launch and guard time, which a compiled block does not pay per cast.
+bf16 against the engine's float8 GEMM (``Float8Matmul("rowwise").mm``: ``torch._scaled_mm``,
+e4m3 x e4m3, per-row scales, bf16 out): median of 20 after 3 warm-ups, CUDA events
+(``fp8_gpu._cuda_seconds``). The casts: the engine's ``Float8Matmul.quantize`` (amax per
+row, a power-of-two scale, e4m3) compiled alone on each operand shape; called on its own
+it includes the host's launch and guard time, which a compiled block does not pay per
+cast.
 
     python benchmarks/fp8_gemm_rates.py --out $OUT/gemms.json      # ~1 min on one H100
 """
@@ -19,50 +21,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from fp8_gpu import _cuda_seconds
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+from minipar.parallel.fp8 import E4M3, Float8Matmul
+
+ROWWISE = Float8Matmul("rowwise")
+cast_rowwise = torch.compile(ROWWISE.quantize)
 WIDTHS = {"gpt2-350m": 1024, "gpt-1.3b": 2048, "gpt-6.7b": 4096, "gpt-13b": 5120}
 TOKENS = (4096, 8192, 16384)
-
-
-def seconds(fn, iters: int = 20, warmup: int = 5) -> float:
-    """Median GPU seconds of ``fn()`` between two CUDA events."""
-    times = []
-    for i in range(warmup + iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-@torch.compile
-def cast_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x in e4m3 with one scale per row, and the scale's inverse (what ``_scaled_mm``
-    multiplies back)."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
-    scale = E4M3_MAX / amax
-    return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale.reciprocal()
 
 
 def gemm_row(model: str, tokens: int, linear: str, gemm: str, m: int, k: int,
              n: int) -> dict:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    a8, a_inv = cast_rowwise(a)
-    b8, b_inv = cast_rowwise(b)
-    b_inv = b_inv.reshape(1, -1)
+    a8 = ROWWISE.quantize(a, ("tokens", "in"), E4M3)
+    b8 = ROWWISE.quantize(b, ("out", "in"), E4M3)
     flops = 2 * m * k * n
-    bf16 = seconds(lambda: a @ b.t())
-    fp8 = seconds(lambda: torch._scaled_mm(a8, b8.t(), scale_a=a_inv, scale_b=b_inv,
-                                           out_dtype=torch.bfloat16))
+    bf16 = _cuda_seconds(lambda: a @ b.t(), iters=20)
+    fp8 = _cuda_seconds(lambda: ROWWISE.mm(a8, b8, torch.bfloat16), iters=20)
     return dict(model=model, tokens=tokens, linear=linear, gemm=gemm, M=m, K=k, N=n,
                 bf16_s=bf16, fp8_s=fp8, bf16_tflops=flops / bf16 / 1e12,
                 fp8_tflops=flops / fp8 / 1e12)
@@ -82,7 +61,8 @@ def main() -> None:
                     gemms.append(gemm_row(model, tokens, name, gemm, m, kk, nn))
             for features in sorted({f for pair in linears.values() for f in pair}):
                 x = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
-                t = seconds(lambda x=x: cast_rowwise(x))
+                t = _cuda_seconds(lambda x=x: cast_rowwise(x, ("tokens", "in"), E4M3),
+                                  iters=20)
                 casts.append(dict(tokens=tokens, features=features, seconds=t,
                                   gbps=tokens * features * 5 / t / 1e9))  # 2 + 2 + 1 B
     with open(out, "w") as f:
